@@ -1,0 +1,166 @@
+"""The pool of fixed-size KV blocks: ref counts, the LRU free list, and the prefix-cache hash table.
+
+Ordering rule (what gets evicted first): the free list is kept in eviction order, head first. A block whose
+ref count drops to zero is appended at the tail; allocation pops from the head, dropping the block's hash if it
+carried one. Requests free their blocks tail-first (reverse block-table order), so a freed chain's *tail* blocks
+sit nearer the head and are evicted before its prefix, which other requests are the likeliest to share.
+A cache hit on a free block unlinks it from the middle of the list in O(1) (intrusive doubly linked list).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+BlockHash = int
+
+
+def hash_block(parent_hash: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:
+    """Chained hash of a full block: it names the block's tokens *and* every token before them."""
+    return hash((parent_hash, tuple(token_ids)))
+
+
+class KVBlock:
+    """One block of ``block_size`` token slots. ``block_hash`` is set once, when the block is full."""
+
+    __slots__ = ("block_id", "ref_cnt", "_hash", "prev_free", "next_free")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_cnt = 0
+        self._hash: BlockHash | None = None
+        self.prev_free: KVBlock | None = None
+        self.next_free: KVBlock | None = None
+
+    @property
+    def block_hash(self) -> BlockHash | None:
+        return self._hash
+
+    @block_hash.setter
+    def block_hash(self, value: BlockHash) -> None:
+        assert self._hash is None, f"block {self.block_id} already has a hash"
+        self._hash = value
+
+    def reset_hash(self) -> None:
+        self._hash = None
+
+    def __repr__(self) -> str:
+        return f"KVBlock(id={self.block_id}, ref={self.ref_cnt}, hash={self._hash})"
+
+
+class FreeBlockList:
+    """Doubly linked list of free blocks in eviction order; O(1) pop-front, append and remove."""
+
+    def __init__(self, blocks: Iterable[KVBlock]) -> None:
+        self.head = KVBlock(-1)  # sentinels keep the pointer surgery branch-free
+        self.tail = KVBlock(-1)
+        self.head.next_free, self.tail.prev_free = self.tail, self.head
+        self.num_free = 0
+        for block in blocks:
+            self.append(block)
+
+    def append(self, block: KVBlock) -> None:
+        last = self.tail.prev_free
+        assert last is not None
+        last.next_free, block.prev_free = block, last
+        block.next_free, self.tail.prev_free = self.tail, block
+        self.num_free += 1
+
+    def remove(self, block: KVBlock) -> None:
+        assert block.prev_free is not None and block.next_free is not None, f"{block} is not free"
+        block.prev_free.next_free = block.next_free
+        block.next_free.prev_free = block.prev_free
+        block.prev_free = block.next_free = None
+        self.num_free -= 1
+
+    def popleft(self) -> KVBlock:
+        block = self.head.next_free
+        assert block is not None and block is not self.tail, "no free block"
+        self.remove(block)
+        return block
+
+    def __iter__(self):
+        block = self.head.next_free
+        while block is not self.tail:
+            assert block is not None
+            yield block
+            block = block.next_free
+
+
+class BlockPool:
+    """``num_blocks`` blocks, their ref counts, and the hash -> block table of cached full blocks."""
+
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        self.free_list = FreeBlockList(self.blocks)
+        self.cached: dict[BlockHash, KVBlock] = {}
+        self.num_evictions = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.free_list.num_free
+
+    def usage(self) -> float:
+        """Fraction of blocks referenced by some request (cached-but-free blocks count as free)."""
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def lookup(self, block_hash: BlockHash) -> KVBlock | None:
+        return self.cached.get(block_hash)
+
+    def allocate(self, n: int) -> list[KVBlock]:
+        """Take ``n`` blocks from the head of the free list (evicting their cached hashes). Caller checks room."""
+        assert n <= self.num_free_blocks, f"asked {n} blocks, {self.num_free_blocks} free"
+        out = []
+        for _ in range(n):
+            block = self.free_list.popleft()
+            if block.block_hash is not None:
+                del self.cached[block.block_hash]
+                block.reset_hash()
+                self.num_evictions += 1
+            block.ref_cnt = 1
+            out.append(block)
+        return out
+
+    def touch(self, blocks: Iterable[KVBlock]) -> None:
+        """Take a reference on cache-hit blocks, pulling free ones out of the free list."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                self.free_list.remove(block)
+            block.ref_cnt += 1
+
+    def free(self, blocks_in_eviction_order: Iterable[KVBlock]) -> None:
+        """Drop one reference each; blocks reaching zero join the free list tail in the given order."""
+        for block in blocks_in_eviction_order:
+            assert block.ref_cnt > 0, f"{block} freed twice"
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self.free_list.append(block)
+
+    def cache_full_block(self, block: KVBlock, block_hash: BlockHash) -> None:
+        """Make a full block findable by its hash (first writer wins; a duplicate stays unhashed)."""
+        if block.block_hash is None and block_hash not in self.cached:
+            block.block_hash = block_hash
+            self.cached[block_hash] = block
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached hash (e.g. after a weight reload)."""
+        for block in self.cached.values():
+            block.reset_hash()
+        self.cached.clear()
+
+    def check_invariants(self, owners: dict[int, int]) -> None:
+        """Raise AssertionError unless the pool is consistent. ``owners``: block id -> number of owning requests."""
+        free_ids = [b.block_id for b in self.free_list]
+        assert len(free_ids) == len(set(free_ids)) == self.num_free_blocks, "free list corrupt or has duplicates"
+        free_set = set(free_ids)
+        for block in self.blocks:
+            expected = owners.get(block.block_id, 0)
+            assert block.ref_cnt == expected, f"{block}: ref count {block.ref_cnt} != {expected} owners"
+            assert (block.ref_cnt == 0) == (block.block_id in free_set), f"{block}: free list membership wrong"
+            if block.block_hash is not None:
+                assert self.cached.get(block.block_hash) is block, f"{block}: hashed but not findable"
+        used = sum(1 for b in self.blocks if b.ref_cnt > 0)
+        assert used + self.num_free_blocks == self.num_blocks, "free + used != total"
+        assert all(b.block_hash == h for h, b in self.cached.items()), "hash table points at a re-hashed block"

@@ -1,0 +1,54 @@
+"""Scheduler and KV cache settings, named as vLLM names them where a name exists."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+POLICIES = ("static", "dynamic", "continuous", "chunked")
+KV_LAYOUTS = ("paged", "slab")
+
+
+@dataclass
+class SchedulerConfig:
+    """Knobs of the scheduler. ``max_model_len`` is filled in by the engine from the model when left None."""
+
+    policy: str = "chunked"
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    long_prefill_token_threshold: int = 0  # 0: a single prompt chunk may take the whole budget
+    max_wait_ms: float = 0.0  # dynamic batching: how long the oldest waiting request may wait for a full batch
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError(f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}")
+        if self.max_wait_ms < 0:
+            raise ValueError(f"max_wait_ms must be >= 0, got {self.max_wait_ms}")
+
+
+@dataclass
+class CacheConfig:
+    """KV cache shape: ``num_kv_blocks`` blocks of ``block_size`` tokens in the given layout."""
+
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # None: derived from kv_cache_memory by the engine
+    kv_cache_memory: float = 1.0  # GiB, used when num_kv_blocks is None
+    enable_prefix_caching: bool = True
+    kv_layout: str = "paged"
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory must be > 0 GiB, got {self.kv_cache_memory}")
+        if self.kv_layout not in KV_LAYOUTS:
+            raise ValueError(f"kv_layout must be one of {', '.join(KV_LAYOUTS)}, got {self.kv_layout!r}")

@@ -1,0 +1,128 @@
+"""Paged KV cache bookkeeping: per-request block tables over a shared ``BlockPool``, with prefix caching.
+
+Token layout of a request's block table at ``allocate_slots`` (block_size 4, a prefix hit of 2 blocks)::
+
+    tokens:  | c c c c | c c c c | n n n n | n n . . |
+             |<-- prefix hit: -->|<-- new tokens: -->|
+             | computed_blocks   | newly allocated   |   '.' = slots reserved for later tokens
+             | (touched, shared) | blocks            |
+
+Every block that is full once this step's tokens are computed gets its chained hash, so a later request with
+the same prefix finds it (even in the same step: the runner writes a layer's K/V before any attention reads).
+"""
+
+from __future__ import annotations
+
+from conveyor.core.block_pool import BlockHash, BlockPool, KVBlock, hash_block
+from conveyor.core.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    """Paged layout: a request holds just the blocks its tokens need, growing one block at a time."""
+
+    layout = "paged"
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pool = BlockPool(num_blocks)
+        self.req_blocks: dict[str, list[KVBlock]] = {}
+        self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
+        self.prefix_hits = 0  # of which found
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    def usage(self) -> float:
+        return self.pool.usage()
+
+    def num_reserved_slots(self) -> int:
+        """Token slots held by running requests (for the KV-waste metric)."""
+        return sum(len(b) for b in self.req_blocks.values()) * self.block_size
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_blocks.get(request_id, ())]
+
+    def _update_block_hashes(self, request: Request, num_tokens: int) -> list[BlockHash]:
+        """Extend ``request.block_hashes`` to cover every full block among its first ``num_tokens`` tokens."""
+        hashes = request.block_hashes
+        n_full = num_tokens // self.block_size
+        if len(hashes) < n_full:
+            tokens = request.all_token_ids
+            bs = self.block_size
+            parent = hashes[-1] if hashes else None
+            for i in range(len(hashes), n_full):
+                parent = hash_block(parent, tokens[i * bs : (i + 1) * bs])
+                hashes.append(parent)
+        return hashes
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
+        """The longest cached prefix of ``request`` as (blocks, tokens). Takes no reference yet.
+
+        The last token is never served from the cache: it must be computed to produce the next token's logits.
+        """
+        if not (self.enable_prefix_caching or request.share_prefix):
+            return [], 0
+        max_hit_tokens = request.num_tokens - 1
+        hashes = self._update_block_hashes(request, max_hit_tokens)
+        hits: list[KVBlock] = []
+        for h in hashes:
+            block = self.pool.lookup(h)
+            if block is None:
+                break
+            hits.append(block)
+        self.prefix_queries += request.num_tokens
+        self.prefix_hits += len(hits) * self.block_size
+        return hits, len(hits) * self.block_size
+
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, computed_blocks: list[KVBlock] | None = None
+    ) -> list[int] | None:
+        """Reserve slots for ``num_new_tokens`` more tokens; return the new block ids, or None if they don't fit.
+
+        Checks and commits in one call: on None nothing changed. ``computed_blocks`` (a prefix hit from
+        ``get_computed_blocks``, only for a request that holds no blocks yet) are referenced in the same commit.
+        """
+        computed_blocks = computed_blocks or []
+        held = self.req_blocks.get(request.request_id, [])
+        assert not (held and computed_blocks), "a prefix hit is only taken at admission"
+        num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
+        total_tokens = num_computed + num_new_tokens
+        num_needed = cdiv(total_tokens, self.block_size) - len(held) - len(computed_blocks)
+        # Hit blocks that sit in the free list stop being free when touched: they count against the room.
+        num_hits_free = sum(1 for b in computed_blocks if b.ref_cnt == 0)
+        if num_needed + num_hits_free > self.pool.num_free_blocks:
+            return None
+        self.pool.touch(computed_blocks)
+        new_blocks = self.pool.allocate(max(num_needed, 0))
+        blocks = self.req_blocks.setdefault(request.request_id, [])
+        blocks.extend(computed_blocks)
+        blocks.extend(new_blocks)
+        self._cache_full_blocks(request, blocks, total_tokens)
+        return [b.block_id for b in new_blocks]
+
+    def _cache_full_blocks(self, request: Request, blocks: list[KVBlock], num_tokens: int) -> None:
+        hashes = self._update_block_hashes(request, num_tokens)
+        for block, block_hash in zip(blocks, hashes):
+            if block.block_hash is None:
+                self.pool.cache_full_block(block, block_hash)
+
+    def free(self, request: Request) -> None:
+        """Release a request's blocks, tail first (see the ordering rule in block_pool)."""
+        blocks = self.req_blocks.pop(request.request_id, [])
+        self.pool.free(reversed(blocks))
+
+    def check_invariants(self) -> None:
+        owners: dict[int, int] = {}
+        for blocks in self.req_blocks.values():
+            assert len({b.block_id for b in blocks}) == len(blocks), "a block appears twice in one block table"
+            for block in blocks:
+                owners[block.block_id] = owners.get(block.block_id, 0) + 1
+        self.pool.check_invariants(owners)
