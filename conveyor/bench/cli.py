@@ -1,0 +1,11 @@
+"""``conveyor bench ...`` subcommands. Each benchmark module adds its own parser here."""
+
+from __future__ import annotations
+
+
+def add_bench_parser(sub) -> None:
+    bench = sub.add_parser("bench", help="benchmarks: offline throughput, policy comparison, workloads, HTTP")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    from conveyor.bench.offline import add_offline_parser
+
+    add_offline_parser(bench_sub)

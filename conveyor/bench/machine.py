@@ -1,0 +1,65 @@
+"""Measure this machine's roofline: float32 matmul rate and memory bandwidth, with torch, right now.
+
+The machine is shared and noisy, so benchmarks measure it in the same run they report ratios against.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+
+@dataclass
+class MachineRoofline:
+    matmul_gflops: float  # square fp32 GEMM
+    skinny_gflops: float  # decode-like [32 x 512] @ [512 x 1536]
+    mem_bandwidth_gbs: float  # read + write of a large copy
+
+    def describe(self) -> str:
+        return (f"fp32 matmul {self.matmul_gflops:.0f} GFLOP/s (square 2048), {self.skinny_gflops:.0f} GFLOP/s "
+                f"(decode-like 32x512x1536), memory {self.mem_bandwidth_gbs:.1f} GB/s (copy)")
+
+
+def _best_time(fn, repeats: int) -> float:
+    fn()  # warm-up
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def measure_roofline(device: str = "cpu", quick: bool = False) -> MachineRoofline:
+    """Best-of-N timings of a square GEMM, a skinny GEMM and a large copy on ``device``."""
+    import torch
+
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    n = 1024 if quick else 2048
+    a = torch.randn(n, n, device=device)
+    b = torch.randn(n, n, device=device)
+
+    def square():
+        torch.mm(a, b)
+        sync()
+
+    matmul = 2 * n**3 / _best_time(square, 3) / 1e9
+    x = torch.randn(32, 512, device=device)
+    w = torch.randn(512, 1536, device=device)
+
+    def skinny():
+        for _ in range(50):
+            torch.mm(x, w)
+        sync()
+
+    skinny_rate = 50 * 2 * 32 * 512 * 1536 / _best_time(skinny, 3) / 1e9
+    numel = (32 if quick else 128) * (1 << 20) // 4
+    src = torch.empty(numel, device=device).fill_(1.0)
+    dst = torch.empty_like(src)
+
+    def copy():
+        dst.copy_(src)
+        sync()
+
+    bandwidth = 2 * numel * 4 / _best_time(copy, 5) / 1e9
+    return MachineRoofline(matmul, skinny_rate, bandwidth)

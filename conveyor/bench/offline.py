@@ -1,0 +1,111 @@
+"""``conveyor bench offline``: every request of a workload submitted at once; wall time and throughput.
+
+Reports wall time, request / output / total token throughput, and what fraction of this machine's measured
+fp32 matmul rate the run achieved (model FLOPs / wall / measured GFLOP/s), like PEERS.md reports its peers.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+from conveyor.bench.workload import Workload, load_workload
+
+
+@dataclass
+class OfflineResult:
+    wall_s: float
+    num_requests: int
+    prompt_tokens: int
+    output_tokens: int
+    num_steps: int
+    num_preemptions: int
+
+    @property
+    def output_tok_s(self) -> float:
+        return self.output_tokens / self.wall_s
+
+    @property
+    def total_tok_s(self) -> float:
+        return (self.prompt_tokens + self.output_tokens) / self.wall_s
+
+
+def model_flops(model, info, prompt_tokens: int, output_tokens: int, num_requests: int) -> float:
+    """FLOPs the workload needs: 2 x params per computed token, lm_head only for sampled tokens, attention.
+
+    Every prompt token and every output token but the last of each request passes through the layers; every
+    output token is sampled once through the lm_head. Attention is approximated at half the final context.
+    """
+    linear = sum(p.numel() for name, p in model.named_parameters()
+                 if p.dim() == 2 and not any(k in name for k in ("embed", "lm_head", "wte", "wpe")))
+    lm_head = info.hidden_size * info.vocab_size
+    computed = prompt_tokens + output_tokens - num_requests
+    avg_ctx = (prompt_tokens + output_tokens) / max(num_requests, 1) / 2
+    attention = 4 * info.num_layers * info.num_heads * info.head_dim * avg_ctx * computed
+    return 2.0 * linear * computed + 2.0 * lm_head * output_tokens + attention
+
+
+def run_offline(llm, workload: Workload, use_tqdm: bool = False) -> OfflineResult:
+    """Submit every request at once and generate to completion; the result counts tokens actually produced."""
+    engine = llm.engine
+    preempt0, steps0 = engine.scheduler.num_preemptions, engine.scheduler.num_steps
+    prompts = [r.engine_prompt() for r in workload.requests]
+    params = [r.sampling_params() for r in workload.requests]
+    t0 = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=use_tqdm)
+    wall = time.perf_counter() - t0
+    return OfflineResult(
+        wall, len(outputs), sum(len(o.prompt_token_ids) for o in outputs), sum(o.num_generated_tokens for o in outputs),
+        engine.scheduler.num_steps - steps0, engine.scheduler.num_preemptions - preempt0,
+    )
+
+
+def add_offline_parser(sub) -> None:
+    from conveyor.engine.args import EngineArgs
+
+    p = sub.add_parser("offline", help="offline throughput: submit a whole workload at once")
+    p.add_argument("--workload", default="../shared/bench/workload_longtail_v1.json")
+    p.add_argument("--repeats", type=int, default=1, help="timed runs after one warm-up run")
+    p.add_argument("--num-requests", type=int, default=None, help="use only the first N requests")
+    p.add_argument("--no-warmup", action="store_true")
+    EngineArgs.add_cli_args(p)
+    p.set_defaults(func=_main)
+
+
+def _main(ns) -> int:
+    from conveyor.bench.machine import measure_roofline
+    from conveyor.engine.args import EngineArgs
+    from conveyor.engine.llm import LLM
+
+    workload = load_workload(ns.workload)
+    if ns.num_requests:
+        workload.requests = workload.requests[: ns.num_requests]
+    args = EngineArgs.from_cli_args(ns)
+    args.detokenize = False  # token ids in, token ids out: measure the engine, as vLLM's throughput bench can
+    t0 = time.perf_counter()
+    llm = LLM(**vars(args))
+    print(f"engine ready in {time.perf_counter() - t0:.1f} s: {llm.engine.model_info.name}, "
+          f"{llm.engine.num_kv_blocks} KV blocks x {args.block_size}, policy {args.policy}")
+    if not ns.no_warmup:
+        warm = Workload("warmup", workload.requests[:8])
+        run_offline(llm, warm)
+    results = [run_offline(llm, workload, use_tqdm=True) for _ in range(ns.repeats)]
+    roof = measure_roofline(llm.engine.device)
+    walls = [r.wall_s for r in results]
+    best = min(results, key=lambda r: r.wall_s)
+    flops = model_flops(llm.engine.model, llm.engine.model_info, best.prompt_tokens, best.output_tokens,
+                        best.num_requests)
+    achieved = flops / best.wall_s / 1e9
+    print(f"\nworkload {workload.name}: {best.num_requests} requests, {best.prompt_tokens} prompt + "
+          f"{best.output_tokens} output tokens, {flops / 1e12:.2f} TFLOP")
+    print(f"wall time        {best.wall_s:8.2f} s   (runs: {', '.join(f'{w:.2f}' for w in walls)}; "
+          f"median {statistics.median(walls):.2f})")
+    print(f"requests/s       {best.num_requests / best.wall_s:8.2f}")
+    print(f"output tok/s     {best.output_tok_s:8.1f}")
+    print(f"total tok/s      {best.total_tok_s:8.1f}")
+    print(f"steps            {best.num_steps:8d}   preemptions {best.num_preemptions}")
+    print(f"machine          {roof.describe()}")
+    print(f"achieved         {achieved:8.1f} GFLOP/s = {achieved / roof.matmul_gflops:.0%} of the square-GEMM rate, "
+          f"{achieved / roof.skinny_gflops:.0%} of the decode-GEMM rate")
+    return 0

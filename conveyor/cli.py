@@ -1,0 +1,81 @@
+"""The ``conveyor`` command line: ``generate``, ``serve``, ``bench ...``.
+
+Each subcommand lives with its layer (``bench/cli.py``, ``server/cli.py``); this file only wires them up, and
+imports a layer only when its subcommand runs, so ``conveyor --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _add_generate(sub) -> None:
+    p = sub.add_parser("generate", help="generate completions for prompts given on the command line or stdin")
+    p.add_argument("prompts", nargs="*", help="prompts (default: one per line from stdin)")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--n", type=int, default=1)
+    p.add_argument("--sampling-seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[])
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+    from conveyor.engine.args import EngineArgs
+
+    EngineArgs.add_cli_args(p)
+    p.set_defaults(func=_run_generate)
+
+
+def _run_generate(ns: argparse.Namespace) -> int:
+    import json
+
+    from conveyor.core.sampling_params import SamplingParams
+    from conveyor.engine.args import EngineArgs
+    from conveyor.engine.llm import LLM
+
+    prompts = ns.prompts or [line.rstrip("\n") for line in sys.stdin if line.strip()]
+    if not prompts:
+        prompts = ["The conveyor belt carries"]
+    params = SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p, top_k=ns.top_k,
+                            n=ns.n, seed=ns.sampling_seed, stop=ns.stop, ignore_eos=ns.ignore_eos)
+    args = EngineArgs.from_cli_args(ns)
+    llm = LLM(**vars(args))
+    if args.model is None:
+        print("[conveyor] no --model given: using the embedded Llama-40M with RANDOM weights (output is noise; "
+              "pass --model DIR with any Hugging Face Llama/Qwen2/Mistral/GPT-2 directory for real text)",
+              file=sys.stderr)
+    for out in llm.generate(prompts, params, use_tqdm=False):
+        if ns.json:
+            print(json.dumps({"prompt": out.prompt, "completions": [
+                {"text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason} for c in out.outputs]}))
+        else:
+            for c in out.outputs:
+                print(f"{out.prompt!r} -> {c.text!r} [{c.finish_reason}, {len(c.token_ids)} tokens]")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="conveyor", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_generate(sub)
+    from conveyor.bench.cli import add_bench_parser
+
+    add_bench_parser(sub)
+    try:
+        from conveyor.server.cli import add_serve_parser
+    except ImportError:  # the server layer is optional at import time (its deps may be missing)
+        add_serve_parser = None
+    if add_serve_parser is not None:
+        add_serve_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+    return ns.func(ns) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,57 @@
+"""``LLM``: the offline API, shaped like vLLM's: ``LLM(model=...).generate(prompts, sampling_params)``."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from tqdm.auto import tqdm
+
+from conveyor.core.sampling_params import SamplingParams
+from conveyor.engine.args import EngineArgs
+from conveyor.engine.llm_engine import LLMEngine, PromptType
+from conveyor.engine.outputs import RequestOutput
+
+
+class LLM:
+    """Offline batch generation. Keyword arguments are ``EngineArgs`` fields (``max_num_seqs``, ``policy``, ...)."""
+
+    def __init__(self, model: str | None = None, **kwargs) -> None:
+        self.engine = LLMEngine(EngineArgs(model=model, **kwargs))
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate completions for every prompt; returns ``RequestOutput``s in input order.
+
+        A prompt is a string, a list of token ids, or ``{"prompt_token_ids": [...]}``. ``sampling_params`` is
+        one for all prompts or one per prompt. A bad prompt raises ValueError before anything is queued.
+        """
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
+        engine = self.engine
+        tokenized = [engine.tokenize_prompt(prompt) for prompt in prompts]
+        for (_, token_ids), p in zip(tokenized, params):  # validate all first: a bad one must strand no others
+            engine.validate_prompt(token_ids, p)
+        ids = [
+            engine.add_request(None, {"prompt": text, "prompt_token_ids": token_ids}, p)
+            for (text, token_ids), p in zip(tokenized, params)
+        ]
+        results: dict[str, RequestOutput] = {}
+        with tqdm(total=len(ids), desc="generate", unit="req", disable=not use_tqdm) as bar:
+            while len(results) < len(ids):
+                for out in engine.step():
+                    if out.finished:
+                        results[out.request_id] = out
+                        bar.update(1)
+        return [results[i] for i in ids]

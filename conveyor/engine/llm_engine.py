@@ -1,0 +1,167 @@
+"""``LLMEngine``: builds the tokenizer, model runner, KV manager and scheduler, and runs one step at a time.
+
+``step()`` is three calls: ``scheduler.schedule(now)``, ``executor.execute(...)``, ``scheduler.update(...)``;
+then the output processor detokenizes and applies stop strings. The engine is the layer that reads the clock
+(``time.monotonic()``) and passes it down.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable
+
+from conveyor.core.kv_manager import KVCacheManager
+from conveyor.core.request import Request, RequestStatus
+from conveyor.core.sampling_params import SamplingParams
+from conveyor.core.scheduler import Scheduler
+from conveyor.engine.args import EngineArgs
+from conveyor.engine.output_processor import OutputProcessor
+from conveyor.engine.outputs import RequestOutput
+from conveyor.engine.step_record import StepRecord
+
+PromptType = str | list[int] | dict
+
+
+class QueueFullError(RuntimeError):
+    """The bounded waiting queue (``max_num_queued_reqs``) is full; retry later."""
+
+
+class LLMEngine:
+    """A synchronous engine. Not thread-safe: ``AsyncEngine`` serialises access to it."""
+
+    def __init__(self, args: EngineArgs | None = None, executor=None, **overrides) -> None:
+        import torch
+
+        from conveyor.models.loader import load_model
+        from conveyor.runner.model_runner import ModelRunner
+        from conveyor.tokenizer import load_tokenizer
+
+        args = args or EngineArgs(**overrides)
+        self.args = args
+        device = args.device
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        if device == "cpu":
+            torch.set_num_threads(args.num_threads or torch.get_num_threads())
+        self.device = device
+        self.tokenizer = load_tokenizer(args.model)
+        self.model, self.model_info = load_model(args.model, dtype=args.dtype, device=device, seed=args.seed)
+        limit = self.model_info.max_position_embeddings
+        if args.max_model_len is not None and args.max_model_len > limit:
+            raise ValueError(f"max_model_len ({args.max_model_len}) exceeds the model's context ({limit})")
+        self.max_model_len = args.max_model_len or limit
+
+        cache = args.cache_config()
+        num_blocks = cache.num_kv_blocks
+        if num_blocks is None:
+            per_block = ModelRunner.kv_cache_bytes_per_block(self.model_info, cache.block_size)
+            num_blocks = int(cache.kv_cache_memory * (1 << 30)) // per_block
+        if num_blocks * cache.block_size < self.max_model_len:
+            raise ValueError(
+                f"KV cache too small: {num_blocks} blocks x {cache.block_size} tokens cannot hold one sequence of "
+                f"max_model_len={self.max_model_len}; raise kv_cache_memory / num_kv_blocks or lower max_model_len"
+            )
+        self.num_kv_blocks = num_blocks
+        self.kv_manager = self._make_kv_manager(cache, num_blocks)
+        self.scheduler = Scheduler(args.scheduler_config(self.max_model_len), self.kv_manager)
+        self.executor = executor or ModelRunner(
+            self.model, self.model_info, num_blocks=num_blocks, block_size=cache.block_size, device=device,
+            attention_backend=args.attention_backend,
+        )
+        self.output_processor = OutputProcessor(self.tokenizer, self.scheduler, detokenize=args.detokenize)
+        self.step_listeners: list[Callable[[StepRecord], None]] = []
+        self._ids = itertools.count()
+
+    def _make_kv_manager(self, cache, num_blocks: int):
+        if cache.kv_layout == "slab":
+            from conveyor.core.slab_manager import SlabKVManager
+
+            return SlabKVManager(num_blocks, cache.block_size, self.max_model_len)
+        return KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
+
+    # ---- requests ---------------------------------------------------------------------------------------
+    def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """A prompt as (text or None, token ids): a string, a list of ids, or ``{"prompt_token_ids": [...]}``."""
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            prompt = prompt["prompt"]
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        return None, list(prompt)
+
+    def validate_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError when a prompt cannot be served (empty, too long, ids outside the vocabulary)."""
+        if not token_ids:
+            raise ValueError("prompt must not be empty")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt is {len(token_ids)} tokens, which leaves no room to generate within this model's "
+                f"maximum context length of {self.max_model_len} tokens"
+            )
+        vocab = self.model_info.vocab_size
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in token_ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        if params.max_tokens is not None and len(token_ids) + params.max_tokens > self.max_model_len:
+            pass  # vLLM caps max_tokens at the remaining context; Request.max_output_tokens does the same
+
+    def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams | None = None,
+                    arrival_time: float | None = None) -> str:
+        """Queue a request; return its id. Raises ValueError (bad input) or QueueFullError (queue bound)."""
+        params = params or SamplingParams()
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        if request_id in self.output_processor.parents:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        bound = self.args.max_num_queued_reqs
+        if bound is not None and self.scheduler.num_waiting + params.n > bound:
+            raise QueueFullError(f"the waiting queue is full ({bound} requests); retry later")
+        text, token_ids = self.tokenize_prompt(prompt)
+        self.validate_prompt(token_ids, params)
+        now = time.monotonic() if arrival_time is None else arrival_time
+        eos = tuple(self.model_info.eos_token_ids)
+        if params.n == 1:
+            children = [Request(request_id, token_ids, params, eos, self.max_model_len, now)]
+        else:
+            children = [
+                Request(f"{i}_{request_id}", token_ids, params.for_child(i), eos, self.max_model_len, now,
+                        share_prefix=True)
+                for i in range(params.n)
+            ]
+        self.output_processor.add(request_id, text, children, now)
+        for child in children:
+            self.scheduler.add_request(child)
+        return request_id
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Abort every completion of a request; its blocks are free when this returns."""
+        now = time.monotonic()
+        for child_id in self.output_processor.child_ids(request_id):
+            self.scheduler.finish_request(child_id, RequestStatus.FINISHED_ABORTED, now)
+        return self.output_processor.abort(request_id, now)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # ---- the step ---------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one iteration: schedule, execute, update. Returns the requests that progressed."""
+        start = time.monotonic()
+        sched_out = self.scheduler.schedule(start)
+        if sched_out.is_empty:
+            return []
+        record = StepRecord.before(start, sched_out, self.scheduler) if self.step_listeners else None
+        model_out = self.executor.execute(sched_out)
+        now = time.monotonic()
+        updates = self.scheduler.update(sched_out, model_out, now)
+        outputs = self.output_processor.process(updates, now)
+        if self.args.debug_invariants:
+            self.scheduler.check_invariants()
+        if record is not None:
+            record.finish(now, self.scheduler)
+            for listener in self.step_listeners:
+                listener(record)
+        return outputs
+
+    def kv_cache_usage(self) -> float:
+        return self.kv_manager.usage()

@@ -1,0 +1,128 @@
+"""Turns the scheduler's per-step ``RequestUpdate``s into user-facing ``RequestOutput``s.
+
+It owns what core does not: detokenization, stop strings (which finish a request from outside the step), the
+grouping of an ``n > 1`` request's completions, and the per-token timestamps latency metrics need.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from conveyor.core.request import Request, RequestStatus
+from conveyor.core.scheduler import RequestUpdate, Scheduler
+from conveyor.engine.detokenizer import IncrementalDetokenizer
+from conveyor.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+
+
+@dataclass
+class _Child:
+    parent: "_Parent"
+    request: Request
+    completion: CompletionOutput
+    detok: IncrementalDetokenizer | None
+
+
+@dataclass
+class _Parent:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    children: list[_Child]
+    metrics: RequestMetrics
+
+    def output(self) -> RequestOutput:
+        finished = all(c.completion.finished for c in self.children)
+        return RequestOutput(
+            self.request_id, self.prompt, self.prompt_token_ids, [c.completion for c in self.children],
+            self.metrics, finished,
+        )
+
+
+class OutputProcessor:
+    """Per-request output state, keyed by the scheduler's (child) request ids."""
+
+    def __init__(self, tokenizer, scheduler: Scheduler, detokenize: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.scheduler = scheduler
+        self.detokenize = detokenize
+        self.children: dict[str, _Child] = {}
+        self.parents: dict[str, _Parent] = {}
+
+    def add(self, request_id: str, prompt: str | None, requests: list[Request], arrival: float) -> None:
+        parent = _Parent(request_id, prompt, requests[0].prompt_token_ids, [], RequestMetrics(arrival))
+        for index, req in enumerate(requests):
+            params = req.sampling_params
+            detok = None
+            if self.detokenize:
+                detok = IncrementalDetokenizer(
+                    self.tokenizer, req.prompt_token_ids, params.stop, params.include_stop_str_in_output,
+                    params.skip_special_tokens,
+                )
+            completion = CompletionOutput(index, logprobs=[] if params.logprobs is not None else None)
+            child = _Child(parent, req, completion, detok)
+            parent.children.append(child)
+            self.children[req.request_id] = child
+        self.parents[request_id] = parent
+
+    def child_ids(self, request_id: str) -> list[str]:
+        parent = self.parents.get(request_id)
+        return [c.request.request_id for c in parent.children] if parent else []
+
+    def process(self, updates: list[RequestUpdate], now: float) -> list[RequestOutput]:
+        touched: dict[str, _Parent] = {}
+        for update in updates:
+            child = self.children.get(update.request_id)
+            if child is None:
+                continue
+            self._apply(child, update, now)
+            touched[child.parent.request_id] = child.parent
+        return self._collect(touched, now)
+
+    def _apply(self, child: _Child, update: RequestUpdate, now: float) -> None:
+        comp, req = child.completion, child.request
+        assert update.new_token_id is not None
+        comp.token_ids.append(update.new_token_id)
+        comp.token_times.append(now)
+        if update.logprobs is not None and comp.logprobs is not None:
+            comp.logprobs.append(update.logprobs)
+            comp.cumulative_logprob = (comp.cumulative_logprob or 0.0) + update.logprobs.logprob
+        if child.detok is not None:
+            stop_str = child.detok.add_token(update.new_token_id)
+            comp.text = child.detok.text
+            if stop_str is not None and not update.finished:
+                self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED, now)
+                req.stop_reason = stop_str
+        if req.is_finished:
+            comp.finish_reason = req.status.finish_reason
+            comp.stop_reason = req.stop_reason
+            comp.num_preemptions = req.num_preemptions
+
+    def abort(self, request_id: str, now: float) -> RequestOutput | None:
+        """Mark every unfinished completion of a request aborted (the scheduler side is the caller's job)."""
+        parent = self.parents.get(request_id)
+        if parent is None:
+            return None
+        for child in parent.children:
+            if not child.completion.finished:
+                child.completion.finish_reason = "abort"
+        return self._collect({request_id: parent}, now)[0]
+
+    def _collect(self, touched: dict[str, _Parent], now: float) -> list[RequestOutput]:
+        outputs = []
+        for parent in touched.values():
+            m, reqs = parent.metrics, [c.request for c in parent.children]
+            firsts = [r.times.first_scheduled for r in reqs if r.times.first_scheduled is not None]
+            m.first_scheduled_time = min(firsts) if firsts else None
+            tokens = [r.times.first_token for r in reqs if r.times.first_token is not None]
+            m.first_token_time = min(tokens) if tokens else None
+            m.last_token_time = max((r.times.last_token or 0.0) for r in reqs) or None
+            m.num_cached_tokens = max(r.num_cached_prompt_tokens for r in reqs)
+            m.num_preemptions = sum(r.num_preemptions for r in reqs)
+            out = parent.output()
+            if out.finished:
+                m.finished_time = now
+                del self.parents[parent.request_id]
+                for child in parent.children:
+                    self.children.pop(child.request.request_id, None)
+            outputs.append(out)
+        return outputs
