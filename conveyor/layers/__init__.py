@@ -1,0 +1,1 @@
+"""Model building blocks: rotary embedding, norms, activations, and the paged attention backends."""

@@ -1,0 +1,43 @@
+"""Helpers every attention backend shares: cache writes, context gathers, the pad segment."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from conveyor.layers.attention.metadata import AttentionMetadata
+
+
+def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
+    """Store the K/V of all real new tokens. Runs before any read, so a same-step prefix hit sees them."""
+    n = meta.num_tokens
+    if n == 0:
+        return
+    num_slots = kv_cache.shape[1] * kv_cache.shape[2]
+    kv_cache[0].view(num_slots, *k.shape[1:]).index_copy_(0, meta.slot_mapping, k[:n])
+    kv_cache[1].view(num_slots, *v.shape[1:]).index_copy_(0, meta.slot_mapping, v[:n])
+
+
+def gather_context(kv_cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K, V of positions 0 .. seq_len-1 of one request, each [seq_len, kv_heads, head_dim]."""
+    nblk = -(-seq_len // kv_cache.shape[2])
+    ids = block_ids[:nblk]
+    k = kv_cache[0].index_select(0, ids).flatten(0, 1)[:seq_len]
+    v = kv_cache[1].index_select(0, ids).flatten(0, 1)[:seq_len]
+    return k, v
+
+
+def causal_self_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Plain causal attention of a sequence over its own fresh K/V (no cache): [n, H, d] -> [n, H, d]."""
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
+        is_causal=True, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    return out.squeeze(0).transpose(0, 1)
+
+
+def attend_pad(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, meta: AttentionMetadata,
+               scale: float) -> None:
+    """Really compute the pad tokens (a baseline's wasted work): causal over themselves, result kept in out."""
+    if meta.num_pad_tokens:
+        s = meta.num_tokens
+        out[s:] = causal_self_attention(q[s:], k[s:], v[s:], scale)

@@ -1,0 +1,102 @@
+"""The fast CPU attention backend.
+
+Decodes (one query each) are batched: the runner sorts them by context length, we cut them into a few length
+buckets, gather each bucket's K/V blocks into one padded tensor and run one masked SDPA per bucket, so a step
+with 100 decodes costs a handful of calls per layer instead of 100. Everything that does not depend on the
+layer (bucket bounds, flat block ids, masks, gather buffers) is built once per step in ``__init__``.
+Prefill chunks run one request at a time: without prior context straight on the fresh K/V (no gather).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from conveyor.layers.attention.common import attend_pad, causal_self_attention, gather_context, write_kv
+from conveyor.layers.attention.metadata import AttentionMetadata
+
+# A bucket keeps taking shorter requests while the padding it adds stays under this fraction of its length.
+MAX_BUCKET_PAD_FRACTION = 0.35
+
+
+@dataclass
+class DecodeBucket:
+    start: int  # first request (== first query row: decodes have one token each)
+    end: int
+    flat_block_ids: torch.Tensor  # [(end - start) * num_blocks] int64
+    num_blocks: int
+    mask: torch.Tensor  # [b, 1, 1, num_blocks * block_size] additive: 0 inside the context, -inf beyond
+
+
+def plan_decode_buckets(seq_lens: list[int], num_decodes: int) -> list[tuple[int, int]]:
+    """Cut decodes [0, num_decodes), sorted by ascending seq_len, into (start, end) buckets of similar length."""
+    buckets = []
+    end = num_decodes
+    while end > 0:
+        longest = seq_lens[end - 1]
+        start = end - 1
+        while start > 0 and seq_lens[start - 1] >= longest * (1.0 - MAX_BUCKET_PAD_FRACTION):
+            start -= 1
+        buckets.append((start, end))
+        end = start
+    return buckets[::-1]
+
+
+class CpuAttention:
+    """Batched decode buckets + per-request prefill, plain torch ops."""
+
+    name = "cpu"
+
+    def __init__(self, meta: AttentionMetadata, dtype: torch.dtype = torch.float32) -> None:
+        self.meta = meta
+        self.buckets: list[DecodeBucket] = []
+        bs = meta.block_size
+        for start, end in plan_decode_buckets(meta.seq_lens, meta.num_decodes):
+            lens = torch.tensor(meta.seq_lens[start:end])
+            nblk = -(-int(lens.max()) // bs)
+            ids = meta.block_table[start:end, :nblk].reshape(-1)
+            outside = torch.arange(nblk * bs).unsqueeze(0) >= lens.unsqueeze(1)
+            mask = torch.zeros(outside.shape, dtype=dtype).masked_fill_(outside, float("-inf"))
+            self.buckets.append(DecodeBucket(start, end, ids, nblk, mask[:, None, None, :]))
+        # Prefill requests without prior context attend to their fresh K/V; the rest gather their context.
+        self.prefill_ids = range(meta.num_decodes, meta.num_reqs)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                scale: float) -> torch.Tensor:
+        """q [T, H, d], k/v [T, KVH, d] for the new tokens; returns [T, H, d]."""
+        meta = self.meta
+        write_kv(kv_cache, k, v, meta)
+        out = torch.empty_like(q)
+        num_heads, kv_heads, head_dim = q.shape[1], k.shape[1], q.shape[2]
+        group = num_heads // kv_heads
+        for b in self.buckets:
+            n = b.end - b.start
+            ctx = b.num_blocks * meta.block_size
+            kb = kv_cache[0].index_select(0, b.flat_block_ids).view(n, ctx, kv_heads, head_dim).transpose(1, 2)
+            vb = kv_cache[1].index_select(0, b.flat_block_ids).view(n, ctx, kv_heads, head_dim).transpose(1, 2)
+            # GQA without repeating K/V: the `group` query heads sharing a KV head act as `group` query rows.
+            qb = q[b.start:b.end].view(n, kv_heads, group, head_dim)
+            ob = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=b.mask, scale=scale)
+            out[b.start:b.end] = ob.reshape(n, num_heads, head_dim)
+        for i in self.prefill_ids:
+            start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
+            if meta.num_computed[i] == 0:
+                out[start:end] = causal_self_attention(q[start:end], k[start:end], v[start:end], scale)
+                continue
+            ctx_k, ctx_v = gather_context(kv_cache, meta.block_table[i], meta.seq_lens[i])
+            out[start:end] = _attend_with_context(q[start:end], ctx_k, ctx_v, meta.num_computed[i], scale)
+        attend_pad(q, k, v, out, meta, scale)
+        return out
+
+
+def _attend_with_context(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, computed: int,
+                         scale: float) -> torch.Tensor:
+    """A chunk of n queries at positions computed.. over keys 0..computed+n-1 (bottom-right aligned causal)."""
+    n, seq_len = q.shape[0], k.shape[0]
+    allowed = torch.ones(n, seq_len, dtype=torch.bool).tril_(diagonal=computed)
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
+        attn_mask=allowed, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    return out.squeeze(0).transpose(0, 1)

@@ -1,0 +1,59 @@
+"""Reading safetensors checkpoints (single file or sharded) and copying them into a model's parameters."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+
+import torch
+from safetensors import safe_open
+
+
+def checkpoint_files(model_dir: str) -> list[str]:
+    """The safetensors files of a HF directory: model.safetensors, or the shards its index names."""
+    index = os.path.join(model_dir, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+        return [os.path.join(model_dir, s) for s in shards]
+    single = os.path.join(model_dir, "model.safetensors")
+    if os.path.exists(single):
+        return [single]
+    raise FileNotFoundError(f"{model_dir}: no model.safetensors or model.safetensors.index.json")
+
+
+def iter_weights(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    for path in files:
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def load_into(model: torch.nn.Module, weights, where: str) -> None:
+    """Copy checkpoint weights in through ``model.map_weight``; ValueError for unknown, misshapen or missing ones.
+
+    ``map_weight(name)`` returns None (skip) or (param name, row offset, rows[, transpose]): a slice of a fused
+    parameter when offset is not None.
+    """
+    params = dict(model.named_parameters())
+    rows_loaded = {name: 0 for name in params}
+    for name, tensor in weights:
+        mapped = model.map_weight(name)
+        if mapped is None:
+            continue
+        target, offset, rows, *transpose = mapped
+        if target not in params:
+            raise ValueError(f"{where}: unexpected weight {name!r}")
+        if transpose and transpose[0]:
+            tensor = tensor.t()
+        dst = params[target].data
+        if offset is not None:
+            dst = dst.narrow(0, offset, rows)
+        if dst.shape != tensor.shape:
+            raise ValueError(f"{where}: weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
+        dst.copy_(tensor)
+        rows_loaded[target] += dst.shape[0]
+    missing = [n for n, p in params.items() if rows_loaded[n] != p.shape[0]]
+    if missing:
+        raise ValueError(f"{where}: checkpoint lacks weights for {missing[:4]}{' ...' if len(missing) > 4 else ''}")

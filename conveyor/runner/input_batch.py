@@ -1,0 +1,142 @@
+"""Per-request runner state across steps, and the one function that flattens a step into tensors.
+
+The runner mirrors vLLM v1: a request arrives whole once (NewRequestData), then as deltas (CachedRequestData).
+Its block ids live in a persistent numpy block table (one row per live request), so a step only appends the
+new block ids instead of rebuilding every table.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from conveyor.core.outputs import SchedulerOutput
+from conveyor.core.sampling_params import SamplingParams
+from conveyor.layers.attention.metadata import AttentionMetadata
+
+
+@dataclass
+class RequestState:
+    req_id: str
+    token_ids: list[int]  # prompt + every token sampled so far (the runner appends its own samples)
+    num_prompt_tokens: int
+    params: SamplingParams
+    num_computed_tokens: int
+    row: int  # row in the persistent block table
+    num_blocks: int
+    generator: torch.Generator | None  # only for seeded requests
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor  # [T + pad]
+    positions: torch.Tensor  # [T + pad]
+    attn_meta: AttentionMetadata
+    logits_indices: torch.Tensor | None  # rows of the hidden states that sample; None: every row samples
+    sampling: list[RequestState]  # in logits row order
+
+
+class InputBatch:
+    """Holds every live request's state; ``update`` applies a SchedulerOutput, ``prepare`` flattens it."""
+
+    def __init__(self, block_size: int, device: torch.device | str = "cpu", max_position: int | None = None) -> None:
+        self.block_size = block_size
+        self.device = torch.device(device)
+        self.max_position = max_position
+        self.requests: dict[str, RequestState] = {}
+        self.block_table = np.zeros((64, 64), dtype=np.int64)
+        self.free_rows = list(range(63, -1, -1))
+
+    def _ensure_capacity(self, rows: int, cols: int) -> None:
+        r, c = self.block_table.shape
+        if rows <= r and cols <= c:
+            return
+        new_r = r if rows <= r else max(rows, 2 * r)
+        new_c = c if cols <= c else max(cols, 2 * c)
+        grown = np.zeros((new_r, new_c), dtype=np.int64)
+        grown[:r, :c] = self.block_table
+        self.free_rows.extend(range(grown.shape[0] - 1, r - 1, -1))
+        self.block_table = grown
+
+    def _set_blocks(self, state: RequestState, new_block_ids: list[int]) -> None:
+        end = state.num_blocks + len(new_block_ids)
+        self._ensure_capacity(0, end)
+        self.block_table[state.row, state.num_blocks:end] = new_block_ids
+        state.num_blocks = end
+
+    def update(self, so: SchedulerOutput) -> None:
+        """Forget finished / preempted requests, admit new ones, apply the cached ones' deltas."""
+        for req_id in so.finished_req_ids | so.preempted_req_ids:
+            state = self.requests.pop(req_id, None)
+            if state is not None:
+                self.free_rows.append(state.row)
+        for new in so.scheduled_new_reqs:
+            if new.request_id in self.requests:  # re-sent without a preempted notice: replace
+                self.free_rows.append(self.requests.pop(new.request_id).row)
+            if not self.free_rows:
+                self._ensure_capacity(self.block_table.shape[0] + 1, 0)
+            gen = None
+            if new.sampling_params.seed is not None:
+                gen = torch.Generator(device=self.device).manual_seed(new.sampling_params.seed)
+            state = RequestState(new.request_id, list(new.token_ids), new.num_prompt_tokens, new.sampling_params,
+                                 new.num_computed_tokens, self.free_rows.pop(), 0, gen)
+            self._set_blocks(state, new.block_ids)
+            self.requests[new.request_id] = state
+        for cached in so.scheduled_cached_reqs:
+            state = self.requests[cached.request_id]
+            state.num_computed_tokens = cached.num_computed_tokens
+            if cached.new_block_ids:
+                self._set_blocks(state, cached.new_block_ids)
+
+    def prepare(self, so: SchedulerOutput) -> StepInputs:
+        """Flatten the step: decodes first (shortest context first, for the attention buckets), then the rest."""
+        scheduled = so.num_scheduled_tokens
+        states = [self.requests[r.request_id] for r in so.scheduled_new_reqs]
+        states += [self.requests[r.request_id] for r in so.scheduled_cached_reqs]
+        decodes = sorted((s for s in states if scheduled[s.req_id] == 1), key=lambda s: s.num_computed_tokens)
+        others = [s for s in states if scheduled[s.req_id] != 1]
+        ordered = decodes + others
+        num_new = np.fromiter((scheduled[s.req_id] for s in ordered), dtype=np.int64, count=len(ordered))
+        computed = np.fromiter((s.num_computed_tokens for s in ordered), dtype=np.int64, count=len(ordered))
+        seq_lens = computed + num_new
+        query_start = np.zeros(len(ordered) + 1, dtype=np.int64)
+        np.cumsum(num_new, out=query_start[1:])
+        num_tokens = int(query_start[-1])
+
+        # positions[t] = computed[req(t)] + (t - query_start[req(t)])
+        req_of_token = np.repeat(np.arange(len(ordered)), num_new)
+        positions = np.arange(num_tokens) + np.repeat(computed - query_start[:-1], num_new)
+        rows = np.fromiter((s.row for s in ordered), dtype=np.int64, count=len(ordered))
+        max_blocks = int(-(-seq_lens.max() // self.block_size)) if len(ordered) else 0
+        block_table = self.block_table[rows, :max_blocks]
+        slot_mapping = block_table[req_of_token, positions // self.block_size] * self.block_size \
+            + positions % self.block_size
+
+        input_ids: list[int] = []
+        for s, c, n in zip(ordered, computed.tolist(), num_new.tolist()):
+            input_ids += s.token_ids[c:c + n]
+        pad = so.num_padding_tokens
+        if pad:  # one fake sequence of token 0 at positions 0..pad-1 (capped at the position table)
+            input_ids += [0] * pad
+            pad_pos = np.arange(pad) if self.max_position is None else np.arange(pad) % self.max_position
+            positions = np.concatenate([positions, pad_pos])
+
+        sampling_idx = [i for i, s in enumerate(ordered) if int(seq_lens[i]) == len(s.token_ids)]
+        sampling = [ordered[i] for i in sampling_idx]
+        logits_indices = None
+        if len(sampling) != num_tokens + pad:
+            logits_indices = torch.from_numpy(query_start[1:][sampling_idx] - 1).to(self.device)
+        dev = self.device
+        meta = AttentionMetadata(
+            num_tokens=num_tokens, num_pad_tokens=pad, block_size=self.block_size,
+            slot_mapping=torch.from_numpy(slot_mapping).to(dev), query_start_loc=query_start.tolist(),
+            seq_lens=seq_lens.tolist(), num_computed=computed.tolist(),
+            block_table=torch.from_numpy(block_table).to(dev), num_decodes=len(decodes))
+        return StepInputs(torch.tensor(input_ids, dtype=torch.int64, device=dev),
+                          torch.from_numpy(positions).to(dev), meta, logits_indices, sampling)

@@ -1,0 +1,134 @@
+"""Turns the logits of the sampling rows into one token each (plus logprobs where asked), vLLM semantics.
+
+Order: raw logprobs (log_softmax of the model's logits, before anything below) -> penalties (repetition over
+prompt + output, presence / frequency over output) -> min_tokens (ban stop tokens) -> greedy argmax, or
+temperature -> min-p -> top-k / top-p -> an exponential race (Gumbel-max) drawn from the request's own
+generator when seeded, so a seeded request samples the same tokens whatever else is in the batch.
+All results go to the host in ONE .tolist() per step. Stop conditions are the scheduler's business.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from conveyor.core.outputs import TokenLogprobs
+from conveyor.runner.input_batch import RequestState
+
+
+class Sampler:
+    def __init__(self, eos_token_ids: list[int], device: torch.device | str = "cpu", seed: int = 0) -> None:
+        self.eos_token_ids = list(eos_token_ids)
+        self.device = torch.device(device)
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)  # for unseeded requests
+
+    def sample(self, logits: torch.Tensor, reqs: list[RequestState]) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """logits [R, V] (one row per request in ``reqs``) -> (token ids, logprobs or None per request)."""
+        params = [r.params for r in reqs]
+        logits = logits.float()
+        lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        raw_logprobs = torch.log_softmax(logits[lp_rows], dim=-1) if lp_rows else None
+
+        penalised = [i for i, p in enumerate(params) if p.has_penalties]
+        if penalised:
+            apply_penalties(logits, [reqs[i] for i in penalised], penalised)
+        banned = [(i, self._stop_ids(r)) for i, r in enumerate(reqs) if r.num_output_tokens < r.params.min_tokens]
+        for i, ids in banned:
+            if ids:
+                logits[i, ids] = float("-inf")
+
+        token_ids = logits.argmax(dim=-1)
+        random_rows = [i for i, p in enumerate(params) if not p.greedy]
+        if random_rows:
+            token_ids[random_rows] = self._sample_random(logits[random_rows], [reqs[i] for i in random_rows])
+
+        if raw_logprobs is None:
+            return token_ids.tolist(), [None] * len(reqs)
+        return self._with_logprobs(token_ids, raw_logprobs, lp_rows, params)
+
+    def _stop_ids(self, req: RequestState) -> list[int]:
+        eos = [] if req.params.ignore_eos else self.eos_token_ids
+        return sorted(set(eos) | set(req.params.stop_token_ids))
+
+    def _sample_random(self, logits: torch.Tensor, reqs: list[RequestState]) -> torch.Tensor:
+        params = [r.params for r in reqs]
+        temps = torch.tensor([p.temperature for p in params], device=logits.device)
+        logits = logits.div_(temps.unsqueeze(1))
+        min_ps = [p.min_p for p in params]
+        if any(min_ps):
+            probs = logits.softmax(dim=-1)
+            threshold = probs.amax(dim=-1, keepdim=True) * torch.tensor(min_ps, device=logits.device).unsqueeze(1)
+            logits.masked_fill_(probs < threshold, float("-inf"))
+        logits = apply_top_k_top_p(logits, [p.top_k for p in params], [p.top_p for p in params])
+        probs = logits.softmax(dim=-1)
+        # Exponential race: argmax(p / E) with E ~ Exp(1) samples from p. Seeded rows use their own generator.
+        noise = torch.empty_like(probs)
+        unseeded = [i for i, r in enumerate(reqs) if r.generator is None]
+        if unseeded:
+            noise[unseeded] = torch.empty(len(unseeded), probs.shape[1], device=probs.device).exponential_(
+                generator=self.generator)
+        for i, r in enumerate(reqs):
+            if r.generator is not None:
+                noise[i].exponential_(generator=r.generator)
+        return probs.div_(noise).argmax(dim=-1)
+
+    @staticmethod
+    def _with_logprobs(token_ids, raw_logprobs, lp_rows, params):
+        """Pack ids, sampled logprobs and top-N into one float64 tensor so one .tolist() fetches everything."""
+        n, top_n = len(params), max(params[i].logprobs for i in lp_rows)
+        sampled_lp = raw_logprobs.gather(1, token_ids[lp_rows].unsqueeze(1))
+        top_vals, top_ids = raw_logprobs.topk(top_n, dim=-1)  # top_n == 0 gives empty columns
+        per_row = torch.cat([sampled_lp.double(), top_ids.double(), top_vals.double()], dim=1)
+        flat = torch.cat([token_ids.double(), per_row.flatten()]).tolist()
+        ids = [int(x) for x in flat[:n]]
+        width = 1 + 2 * top_n
+        out: list[TokenLogprobs | None] = [None] * n
+        for j, i in enumerate(lp_rows):
+            row = flat[n + j * width: n + (j + 1) * width]
+            k = params[i].logprobs
+            top = [(int(t), v) for t, v in zip(row[1:1 + k], row[1 + top_n:1 + top_n + k])]
+            out[i] = TokenLogprobs(token_id=ids[i], logprob=row[0], top=top)
+        return ids, out
+
+
+def apply_penalties(logits: torch.Tensor, reqs: list[RequestState], rows: list[int]) -> None:
+    """In place on logits[rows]: repetition over prompt + output, then frequency and presence over output."""
+    vocab = logits.shape[1]
+    device = logits.device
+    for row, r in zip(rows, reqs):
+        p = r.params
+        prompt = torch.tensor(r.token_ids[:r.num_prompt_tokens], dtype=torch.int64, device=device)
+        output = torch.tensor(r.token_ids[r.num_prompt_tokens:], dtype=torch.int64, device=device)
+        counts = torch.bincount(output, minlength=vocab)[:vocab].to(logits.dtype)
+        x = logits[row]
+        if p.repetition_penalty != 1.0:
+            seen = counts > 0
+            seen[prompt[prompt < vocab]] = True
+            penalised = torch.where(x > 0, x / p.repetition_penalty, x * p.repetition_penalty)
+            x.copy_(torch.where(seen, penalised, x))
+        if p.frequency_penalty:
+            x.sub_(p.frequency_penalty * counts)
+        if p.presence_penalty:
+            x.sub_(p.presence_penalty * (counts > 0).to(x.dtype))
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_ks: list[int], top_ps: list[float]) -> torch.Tensor:
+    """Mask everything outside each row's top-k / top-p nucleus with -inf (0 / 1.0 mean off), vLLM style."""
+    use_k, use_p = any(top_ks), any(p < 1.0 for p in top_ps)
+    if not (use_k or use_p):
+        return logits
+    vocab = logits.shape[1]
+    if not use_p:  # top-k alone: a threshold at each row's k-th largest value, no full sort
+        ks = torch.tensor([k if 0 < k < vocab else vocab for k in top_ks], device=logits.device)
+        top = logits.topk(int(ks.max()), dim=-1).values
+        kth = top.gather(1, (ks - 1).unsqueeze(1))
+        return logits.masked_fill_(logits < kth, float("-inf"))
+    sorted_logits, order = logits.sort(dim=-1, descending=False)
+    if use_k:
+        ks = torch.tensor([k if 0 < k < vocab else vocab for k in top_ks], device=logits.device)
+        kth = sorted_logits.gather(1, (vocab - ks).unsqueeze(1))
+        sorted_logits.masked_fill_(sorted_logits < kth, float("-inf"))
+    cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+    outside = cum <= 1.0 - torch.tensor(top_ps, device=logits.device).unsqueeze(1)
+    outside[:, -1] = False  # always keep the most likely token
+    sorted_logits.masked_fill_(outside, float("-inf"))
+    return logits.scatter_(-1, order, sorted_logits)

@@ -1,0 +1,194 @@
+"""Tokenizers: a Hugging Face directory's (via ``tokenizers``, or transformers as a fallback), or the embedded
+model's file-free byte tokenizer.
+
+``load_tokenizer(model_dir | None) -> Tokenizer``. Every tokenizer offers encode / decode, the special ids,
+``vocab_size`` and ``apply_chat_template`` (the jinja2 template of tokenizer_config.json / chat_template.jinja
+when present, else a simple built-in one). The rendered chat text already holds its special tokens: encode it
+with ``add_special_tokens=False``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from functools import lru_cache
+
+import jinja2
+import jinja2.sandbox
+
+# Used when a checkpoint ships no template (and for the embedded model).
+DEFAULT_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}{{ eos_token }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+
+
+@lru_cache(maxsize=16)
+def _compile_template(source: str) -> jinja2.Template:
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    env.globals["raise_exception"] = raise_exception
+    return env.from_string(source)
+
+
+class Tokenizer:
+    """Common surface; subclasses provide encode / decode and the special ids."""
+
+    eos_token_id: int | None
+    bos_token_id: int | None
+    vocab_size: int
+    all_special_ids: list[int]
+    chat_template: str | None = None
+    bos_token: str = ""
+    eos_token: str = ""
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        raise NotImplementedError
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        raise NotImplementedError
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """Render chat messages ([{"role", "content"}]) to the prompt text the model expects."""
+        template = _compile_template(self.chat_template or DEFAULT_CHAT_TEMPLATE)
+        return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                               bos_token=self.bos_token, eos_token=self.eos_token)
+
+
+class ByteTokenizer(Tokenizer):
+    """The embedded model's tokenizer, needing no files: <unk>=0 <s>=1 </s>=2 <pad>=3, UTF-8 bytes at 4..259.
+
+    Ids from 260 up (which a random-weights model emits almost always) decode to a deterministic pseudo-word
+    with a leading space, so its output prints as text-ish instead of nothing. Any int decodes without error.
+    """
+
+    SPECIALS = ("<unk>", "<s>", "</s>", "<pad>")
+    BYTE_OFFSET = 4
+    CONSONANTS = "bcdfghjklmnprstvz"
+    VOWELS = "aeiou"
+
+    def __init__(self, vocab_size: int = 32000) -> None:
+        self.vocab_size = vocab_size
+        self.unk_token_id, self.bos_token_id, self.eos_token_id, self.pad_token_id = 0, 1, 2, 3
+        self.all_special_ids = [0, 1, 2, 3]
+        self.bos_token, self.eos_token = "<s>", "</s>"
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = [b + self.BYTE_OFFSET for b in text.encode("utf-8")]
+        return [self.bos_token_id] + ids if add_special_tokens else ids
+
+    def pseudo_word(self, token_id: int) -> str:
+        n = (token_id * 2654435761) % (1 << 32)  # scramble, so neighbouring ids look unrelated
+        syllables = []
+        for _ in range(1 + n % 3):  # 1-3 syllables
+            n, s = divmod(n, len(self.CONSONANTS) * len(self.VOWELS))
+            syllables.append(self.CONSONANTS[s % len(self.CONSONANTS)] + self.VOWELS[s // len(self.CONSONANTS)])
+        return " " + "".join(syllables)
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        pieces: list[str] = []
+        pending = bytearray()  # consecutive byte tokens decode together (multi-byte UTF-8)
+        for i in ids:
+            i = int(i)
+            if self.BYTE_OFFSET <= i < self.BYTE_OFFSET + 256:
+                pending.append(i - self.BYTE_OFFSET)
+                continue
+            if pending:
+                pieces.append(pending.decode("utf-8", errors="replace"))
+                pending.clear()
+            if 0 <= i < self.BYTE_OFFSET:
+                if not skip_special_tokens:
+                    pieces.append(self.SPECIALS[i])
+            elif i >= self.BYTE_OFFSET + 256:
+                pieces.append(self.pseudo_word(i))
+            elif not skip_special_tokens:
+                pieces.append(self.SPECIALS[0])  # negative ids: unknown
+        if pending:
+            pieces.append(pending.decode("utf-8", errors="replace"))
+        return "".join(pieces)
+
+
+class HFTokenizer(Tokenizer):
+    """A checkpoint's tokenizer.json through ``tokenizers``, with special tokens from tokenizer_config.json."""
+
+    def __init__(self, model_dir: str) -> None:
+        from tokenizers import Tokenizer as RustTokenizer
+
+        self._tok = RustTokenizer.from_file(os.path.join(model_dir, "tokenizer.json"))
+        config = _read_json(os.path.join(model_dir, "tokenizer_config.json"))
+        self.bos_token = _token_text(config.get("bos_token")) or ""
+        self.eos_token = _token_text(config.get("eos_token")) or ""
+        self.bos_token_id = self._tok.token_to_id(self.bos_token) if self.bos_token else None
+        self.eos_token_id = self._tok.token_to_id(self.eos_token) if self.eos_token else None
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        added = config.get("added_tokens_decoder", {})
+        self.all_special_ids = sorted({int(i) for i, t in added.items() if t.get("special")}
+                                      | {i for i in (self.bos_token_id, self.eos_token_id) if i is not None})
+        self.chat_template = _chat_template(model_dir, config)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        vocab = self.vocab_size
+        return self._tok.decode([i for i in ids if 0 <= i < vocab], skip_special_tokens=skip_special_tokens)
+
+
+class TransformersTokenizer(Tokenizer):
+    """Fallback for directories without tokenizer.json (sentencepiece, vocab.json + merges.txt)."""
+
+    def __init__(self, model_dir: str) -> None:
+        from transformers import AutoTokenizer
+
+        self._tok = AutoTokenizer.from_pretrained(model_dir)
+        self.bos_token_id, self.eos_token_id = self._tok.bos_token_id, self._tok.eos_token_id
+        self.bos_token, self.eos_token = self._tok.bos_token or "", self._tok.eos_token or ""
+        self.vocab_size = len(self._tok)
+        self.all_special_ids = list(self._tok.all_special_ids)
+        self.chat_template = _chat_template(model_dir, _read_json(os.path.join(model_dir, "tokenizer_config.json")))
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens)
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        ids = [i for i in ids if 0 <= i < self.vocab_size]
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def _read_json(path: str) -> dict:
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)
+
+
+def _token_text(token) -> str | None:
+    return token.get("content") if isinstance(token, dict) else token
+
+
+def _chat_template(model_dir: str, config: dict) -> str | None:
+    template = config.get("chat_template")
+    if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
+        named = {t.get("name"): t.get("template") for t in template}
+        template = named.get("default") or next(iter(named.values()), None)
+    jinja_file = os.path.join(model_dir, "chat_template.jinja")  # transformers 5 saves it on its own
+    if not template and os.path.exists(jinja_file):
+        with open(jinja_file) as f:
+            template = f.read()
+    return template or None
+
+
+def load_tokenizer(model_dir: str | None) -> Tokenizer:
+    """The tokenizer of a HF model directory, or the embedded byte tokenizer when ``model_dir`` is None."""
+    if model_dir is None:
+        return ByteTokenizer()
+    if not os.path.isdir(model_dir):
+        raise FileNotFoundError(f"tokenizer directory {model_dir!r} does not exist")
+    if os.path.exists(os.path.join(model_dir, "tokenizer.json")):
+        return HFTokenizer(model_dir)
+    try:
+        return TransformersTokenizer(model_dir)
+    except Exception as e:  # transformers raises many types for "no tokenizer here"
+        raise FileNotFoundError(f"{model_dir}: no usable tokenizer (tokenizer.json or transformers files): {e}")
