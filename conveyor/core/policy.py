@@ -6,6 +6,9 @@ A policy answers four questions the scheduler asks every step:
 - ``prefill_chunk``: how many of a prompt's remaining tokens to compute now (0: not this step);
 - ``may_admit``: may waiting requests join now (batch formation for the static/dynamic baselines);
 - ``choose_victim``: which running request to preempt when blocks run out.
+
+Slot-holding baselines (static, dynamic) also use ``begin_step`` / ``end_step`` (release a drained batch, pad
+its prompts) and ``park_finished`` (a finished request keeps its slot as an idle slot).
 """
 
 from __future__ import annotations
@@ -37,6 +40,12 @@ class ContinuousPolicy:
     def choose_victim(self, candidates: list[Request]) -> Request:
         """FCFS: the most recently admitted request loses its blocks first."""
         return candidates[-1]
+
+    def begin_step(self, scheduler, now: float) -> None:
+        """Called first in every ``schedule``; batch policies release a drained batch's slots here."""
+
+    def end_step(self, scheduler, out) -> None:
+        """Called last in every ``schedule``; batch policies set ``out.num_padding_tokens`` here."""
 
 
 class ChunkedPolicy(ContinuousPolicy):

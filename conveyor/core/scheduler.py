@@ -76,6 +76,12 @@ class Scheduler:
             self.waiting.remove(request)
         self._retire(request, status, now)
 
+    def release_slot(self, request: Request) -> None:
+        """Free a parked (finished, ``idle_slot``) request's slot and blocks; its finish time stays as it was."""
+        assert request.idle_slot and request.is_finished, f"{request.request_id} is not a parked slot"
+        self.running.remove(request)
+        self._retire(request, request.status, request.times.finished)
+
     def _retire(self, request: Request, status: RequestStatus, now: float) -> None:
         request.status = status
         request.times.finished = now
@@ -87,6 +93,7 @@ class Scheduler:
 
     # ---- one step ---------------------------------------------------------------------------------------
     def schedule(self, now: float) -> SchedulerOutput:
+        self.policy.begin_step(self, now)  # static/dynamic: release the parked slots of a drained batch
         out = SchedulerOutput(finished_req_ids=self._finished_ids)
         self._finished_ids = set()
         budget = self.policy.step_budget()
@@ -99,8 +106,8 @@ class Scheduler:
         for request in decodes + prefills:
             if budget <= 0:
                 break
-            if request.status is not RequestStatus.RUNNING:
-                continue  # preempted earlier in this loop
+            if not self._holds_slot(request):
+                continue  # preempted (or a parked slot released) earlier in this loop
             remaining = request.num_tokens - request.num_computed_tokens
             num_new = 1 if remaining == 1 else self.policy.prefill_chunk(remaining, budget)
             if num_new == 0:
@@ -121,6 +128,7 @@ class Scheduler:
         if not preempted_any:
             budget = self._admit(budget, now, out)
 
+        self.policy.end_step(self, out)  # static/dynamic: pad the batch's prompts to the longest
         self.num_steps += 1
         return out
 
@@ -173,6 +181,9 @@ class Scheduler:
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         """Recompute preemption: drop the request's KV; it resumes later with prompt + outputs so far."""
+        if request.idle_slot:  # a parked slot has nothing left to compute for anyone: release it instead
+            self.release_slot(request)
+            return
         self.running.remove(request)
         self.kv.free(request)
         request.status = RequestStatus.PREEMPTED
@@ -190,12 +201,15 @@ class Scheduler:
         sampled = model_out.sampled_token_ids
         for rid, num_new in sched_out.num_scheduled_tokens.items():
             request = self.requests.get(rid)
-            if request is None or request.status is not RequestStatus.RUNNING:
+            if request is None or not self._holds_slot(request):
                 continue  # aborted while the step ran
             request.num_computed_tokens += num_new
             token = sampled.get(rid)
-            if token is None or request.idle_slot:
-                continue  # mid-prefill, or a static batch's idle slot (output discarded)
+            if token is None:
+                continue  # mid-prefill
+            if request.idle_slot:
+                self._extend_idle_slot(request, token)
+                continue
             request.output_token_ids.append(token)
             if request.times.first_token is None:
                 request.times.first_token = now
@@ -207,6 +221,23 @@ class Scheduler:
                 RequestUpdate(rid, token, model_out.logprobs.get(rid), status is not None, request.status.finish_reason)
             )
         return updates
+
+    def _holds_slot(self, request: Request) -> bool:
+        """Running, or finished but parked in its slot by a static/dynamic batch (and not released yet)."""
+        if request.request_id not in self.requests:
+            return False
+        return request.status is RequestStatus.RUNNING or request.idle_slot
+
+    @staticmethod
+    def _extend_idle_slot(request: Request, token: int) -> None:
+        """A static batch's finished slot keeps decoding: the token was computed for real and is discarded.
+
+        It still extends the request's internal token list, so the KV bookkeeping (block count, block hashes)
+        matches what the executor wrote; the user's output was frozen when the request finished. At
+        max_model_len the slot stops computing (as a padded batch's row would) but stays held.
+        """
+        if request.max_model_len is None or request.num_tokens < request.max_model_len:
+            request.output_token_ids.append(token)
 
     def _on_finished(self, request: Request, status: RequestStatus, now: float) -> None:
         if self.policy.holds_finished_slots:
