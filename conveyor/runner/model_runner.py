@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from conveyor.core.outputs import ModelOutput, SchedulerOutput
@@ -28,8 +26,8 @@ class ModelRunner:
         self.device = torch.device(device)
         self.num_blocks, self.block_size = num_blocks, block_size
         self.backend = resolve_backend(attention_backend, self.device)
-        if self.device.type == "cpu":
-            torch.set_num_threads(num_threads or len(os.sched_getaffinity(0)))
+        if num_threads and self.device.type == "cpu":  # else keep the process's setting (the engine's choice)
+            torch.set_num_threads(num_threads)
         self.dtype = resolve_dtype(kv_dtype or info.dtype)
         # Zeros, not empty: padded decode gathers read unwritten slots, and 0 * NaN garbage would poison them.
         self.kv_caches = [torch.zeros(2, num_blocks, block_size, info.num_kv_heads, info.head_dim,

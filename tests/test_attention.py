@@ -1,0 +1,93 @@
+"""The fast attention backend equals the reference on mixed batches, across block sizes."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from conveyor.layers.attention import AttentionMetadata, make_attention
+
+HEADS, KV_HEADS, HEAD_DIM = 8, 2, 16
+
+
+def make_step(block_size, reqs, num_blocks=256, pad=0, seed=0):
+    """reqs: list of (num_computed, num_new). Decodes (num_new == 1) first, sorted by context, as the runner does.
+
+    Returns metadata, random q/k/v for the new tokens and a cache whose already-computed slots hold random K/V.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    reqs = sorted([r for r in reqs if r[1] == 1]) + [r for r in reqs if r[1] != 1]
+    num_blocks = max(num_blocks, sum(-(-(c + n) // block_size) for c, n in reqs) + 8)
+    free = list(range(num_blocks))
+    random.Random(seed).shuffle(free)
+    cache = torch.randn(2, num_blocks, block_size, KV_HEADS, HEAD_DIM, generator=gen)
+    tables, slots, qsl = [], [], [0]
+    for computed, new in reqs:
+        nblk = -(-(computed + new) // block_size)
+        table = [free.pop() for _ in range(nblk)]
+        tables.append(table)
+        slots += [table[p // block_size] * block_size + p % block_size for p in range(computed, computed + new)]
+        qsl.append(qsl[-1] + new)
+    width = max((len(t) for t in tables), default=0)
+    meta = AttentionMetadata(
+        num_tokens=qsl[-1], num_pad_tokens=pad, block_size=block_size, slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        query_start_loc=qsl, seq_lens=[c + n for c, n in reqs], num_computed=[c for c, _ in reqs],
+        block_table=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64).view(len(reqs), width),
+        num_decodes=sum(1 for _, n in reqs if n == 1))
+    total = qsl[-1] + pad
+    q = torch.randn(total, HEADS, HEAD_DIM, generator=gen)
+    k = torch.randn(total, KV_HEADS, HEAD_DIM, generator=gen)
+    v = torch.randn(total, KV_HEADS, HEAD_DIM, generator=gen)
+    return meta, q, k, v, cache
+
+
+MIXES = {
+    "decodes_of_many_lengths": [(c, 1) for c in (0, 1, 5, 15, 16, 17, 31, 32, 33, 64, 100, 300, 301)],
+    "prefills_fresh": [(0, 7), (0, 33), (0, 1)],
+    "chunks_with_context": [(16, 16), (5, 9), (31, 2)],
+    "mixed": [(40, 1), (3, 1), (0, 20), (17, 5), (100, 1), (64, 30), (0, 1)],
+}
+
+
+@pytest.mark.parametrize("block_size", [1, 16, 32])
+@pytest.mark.parametrize("mix", sorted(MIXES))
+@pytest.mark.parametrize("pad", [0, 5])
+def test_cpu_backend_matches_reference(block_size, mix, pad):
+    meta, q, k, v, cache = make_step(block_size, MIXES[mix], pad=pad)
+    ref_cache, fast_cache = cache.clone(), cache.clone()
+    ref = make_attention("reference", meta, torch.float32).forward(q, k, v, ref_cache, 0.25)
+    fast = make_attention("cpu", meta, torch.float32).forward(q, k, v, fast_cache, 0.25)
+    torch.testing.assert_close(fast, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(fast_cache, ref_cache)
+
+
+def test_writes_before_reads_and_pad_touches_nothing():
+    """Request B's context block is written by request A in the same step (a same-step prefix hit)."""
+    bs = 4
+    meta, q, k, v, cache = make_step(bs, [(0, 8)], pad=3)
+    before = cache.clone()
+    make_attention("cpu", meta, torch.float32).forward(q, k, v, cache, 0.25)
+    changed = (cache != before).any(dim=(2, 3, 4)).any(dim=0).nonzero().flatten().tolist()
+    assert sorted(changed) == sorted(meta.block_table[0].tolist())  # pad tokens wrote nothing
+    # B shares A's first block (positions 0..3, computed) and adds 1 token: it must see A's fresh K/V.
+    shared = meta.block_table[0, 0].item()
+    table = torch.tensor([[meta.block_table[0, 0].item(), meta.block_table[0, 1].item()],
+                          [shared, 200]], dtype=torch.int64)
+    meta2 = AttentionMetadata(num_tokens=9, num_pad_tokens=0, block_size=bs,
+                              slot_mapping=torch.cat([torch.tensor([200 * bs]), meta.slot_mapping]),
+                              query_start_loc=[0, 1, 9], seq_lens=[5, 8], num_computed=[4, 0],
+                              block_table=table[[1, 0]], num_decodes=1)
+    q2 = torch.cat([q[8:9], q[:8]])
+    k2, v2 = torch.cat([k[8:9], k[:8]]), torch.cat([v[8:9], v[:8]])
+    fresh = torch.zeros_like(cache)
+    ref = make_attention("reference", meta2, torch.float32).forward(q2, k2, v2, fresh.clone(), 0.25)
+    fast = make_attention("cpu", meta2, torch.float32).forward(q2, k2, v2, fresh.clone(), 0.25)
+    torch.testing.assert_close(fast, ref, atol=1e-5, rtol=1e-5)
+    # The decode's keys 0..3 are A's keys 0..3 of this very step.
+    expect = torch.nn.functional.scaled_dot_product_attention(
+        q2[0].view(KV_HEADS, HEADS // KV_HEADS, 1, HEAD_DIM),
+        torch.cat([k[:4], k[8:9]]).transpose(0, 1).unsqueeze(1), torch.cat([v[:4], v[8:9]]).transpose(0, 1).unsqueeze(1),
+        scale=0.25)
+    torch.testing.assert_close(fast[0], expect.reshape(HEADS, HEAD_DIM), atol=1e-5, rtol=1e-5)

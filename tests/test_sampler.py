@@ -1,0 +1,122 @@
+"""Each sampling option does what it says (vLLM semantics); pad tokens compute without touching the cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conveyor.core.sampling_params import SamplingParams
+from conveyor.runner.input_batch import RequestState
+from conveyor.runner.sampler import Sampler
+
+V = 50
+EOS = 2
+
+
+def req(i=0, prompt=(5, 6, 7), output=(), **params):
+    p = SamplingParams(**params)
+    gen = None if p.seed is None else torch.Generator().manual_seed(p.seed)
+    return RequestState(f"r{i}", list(prompt) + list(output), len(prompt), p, 0, i, 0, gen)
+
+
+def logits_for(n, seed=0):
+    return torch.randn(n, V, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def test_greedy_is_argmax_and_top_k_1_is_greedy():
+    logits = logits_for(4)
+    ids, lps = Sampler([EOS]).sample(logits.clone(), [req(i, temperature=0.0) for i in range(4)])
+    assert ids == logits.argmax(-1).tolist() and lps == [None] * 4
+    ids, _ = Sampler([EOS]).sample(logits.clone(), [req(i, temperature=0.8, top_k=1) for i in range(4)])
+    assert ids == logits.argmax(-1).tolist()
+
+
+def test_seed_reproducible_regardless_of_batch():
+    logits = logits_for(3)
+    alone = Sampler([EOS], seed=1).sample(logits[1:2].clone(), [req(1, temperature=1.0, seed=42)])[0]
+    mixed = Sampler([EOS], seed=2).sample(logits.clone(), [req(0, temperature=1.0), req(1, temperature=1.0, seed=42),
+                                                            req(2, temperature=0.0)])[0]
+    assert alone[0] == mixed[1]
+
+
+def test_random_sampling_follows_distribution():
+    logits = torch.log(torch.tensor([[0.7, 0.2, 0.1] + [1e-9] * (V - 3)]))
+    sampler = Sampler([EOS], seed=0)
+    draws = [sampler.sample(logits.clone(), [req(temperature=1.0)])[0][0] for _ in range(2000)]
+    freq = torch.bincount(torch.tensor(draws), minlength=V)[:3].float() / len(draws)
+    torch.testing.assert_close(freq, torch.tensor([0.7, 0.2, 0.1]), atol=0.04, rtol=0)
+
+
+def test_top_k_top_p_min_p_restrict_support():
+    probs = torch.tensor([[0.4, 0.3, 0.2, 0.1] + [0.0] * (V - 4)])
+    logits = torch.log(probs + 1e-12)
+    sampler = Sampler([EOS], seed=0)
+    for params, allowed in (({"top_k": 2}, {0, 1}), ({"top_p": 0.65}, {0, 1}), ({"min_p": 0.6}, {0, 1}),
+                            ({"top_k": 3, "top_p": 0.5}, {0, 1})):
+        got = {sampler.sample(logits.clone(), [req(temperature=1.0, **params)])[0][0] for _ in range(200)}
+        assert got == allowed, params
+
+
+def test_penalties_change_the_right_logits():
+    logits = torch.zeros(1, V)
+    logits[0, 5], logits[0, 9], logits[0, 20] = 2.0, -1.0, 1.9
+    from conveyor.runner.sampler import apply_penalties
+    r = req(prompt=(5,), output=(9, 9, 20), repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25)
+    out = logits.clone()
+    apply_penalties(out, [r], [0])
+    assert out[0, 5] == pytest.approx(1.0)  # prompt token, positive: divided by 2, no output penalties
+    assert out[0, 9] == pytest.approx(-2.0 - 2 * 0.5 - 0.25)  # negative: times 2, count 2, present
+    assert out[0, 20] == pytest.approx(0.95 - 0.5 - 0.25)
+    untouched = torch.ones(V, dtype=torch.bool)
+    untouched[[5, 9, 20]] = False
+    assert (out[0, untouched] == 0).all()
+    # and they steer greedy sampling: token 5 no longer wins
+    ids, _ = Sampler([EOS]).sample(logits.clone(), [req(prompt=(5,), temperature=0.0, repetition_penalty=3.0)])
+    assert ids == [20]
+
+
+def test_min_tokens_blocks_eos_and_stop_ids():
+    logits = torch.zeros(2, V)
+    logits[:, EOS], logits[:, 7], logits[:, 3] = 10.0, 9.0, 8.0
+    reqs = [req(0, output=(4,), temperature=0.0, min_tokens=2, stop_token_ids=[7]),
+            req(1, output=(4, 4), temperature=0.0, min_tokens=2, stop_token_ids=[7])]
+    assert Sampler([EOS]).sample(logits, reqs)[0] == [3, EOS]
+
+
+def test_logprobs_are_raw_log_softmax():
+    logits = logits_for(3)
+    reqs = [req(0, temperature=0.0, logprobs=3), req(1, temperature=0.0), req(2, temperature=2.0, logprobs=0,
+                                                                              repetition_penalty=1.5)]
+    ids, lps = Sampler([EOS]).sample(logits.clone(), reqs)
+    raw = torch.log_softmax(logits, -1)
+    assert lps[1] is None and lps[2].top == []
+    assert lps[0].token_id == ids[0] and lps[0].logprob == pytest.approx(raw[0, ids[0]].item(), abs=1e-5)
+    top_vals, top_ids = raw[0].topk(3)
+    assert [t for t, _ in lps[0].top] == top_ids.tolist()
+    assert [v for _, v in lps[0].top] == pytest.approx(top_vals.tolist(), abs=1e-5)
+    assert lps[2].logprob == pytest.approx(raw[2, ids[2]].item(), abs=1e-5)  # before temperature and penalties
+
+
+def test_padding_tokens_are_computed_but_change_nothing():
+    from conveyor.models import load_model
+    from conveyor.runner import ModelRunner
+    from runner_helpers import MiniScheduler
+
+    model, info = load_model(None)
+    rows_seen = []
+    hook = model.layers[-1].mlp.register_forward_hook(lambda mod, args, out: rows_seen.append(out.shape[0]))
+    runs = []
+    for pad in (0, 7):
+        runner = ModelRunner(model, info, num_blocks=32, block_size=16)
+        runner.return_logits = True
+        sched = MiniScheduler(16, 32)
+        sched.add("a", list(range(100, 120)))
+        sched.run(runner, {"a": None}, num_padding_tokens=pad)
+        sched.run(runner, {"a": 1}, num_padding_tokens=pad)
+        runs.append((sched.tokens["a"], runner.last_logits["a"], [c.clone() for c in runner.kv_caches]))
+    hook.remove()
+    assert rows_seen == [20, 1, 27, 8]  # the pad rows really went through the whole stack
+    assert runs[0][0] == runs[1][0]
+    torch.testing.assert_close(runs[0][1], runs[1][1])
+    for c0, c1 in zip(runs[0][2], runs[1][2]):
+        torch.testing.assert_close(c0, c1)  # pad tokens wrote nothing anywhere
