@@ -30,7 +30,7 @@ class QueueFullError(RuntimeError):
 class LLMEngine:
     """A synchronous engine. Not thread-safe: ``AsyncEngine`` serialises access to it."""
 
-    def __init__(self, args: EngineArgs | None = None, executor=None, **overrides) -> None:
+    def __init__(self, args: EngineArgs | None = None, executor=None, shared_model=None, **overrides) -> None:
         import torch
 
         from conveyor.models.loader import load_model
@@ -45,8 +45,11 @@ class LLMEngine:
         if device == "cpu":
             torch.set_num_threads(args.num_threads or torch.get_num_threads())
         self.device = device
-        self.tokenizer = load_tokenizer(args.model)
-        self.model, self.model_info = load_model(args.model, dtype=args.dtype, device=device, seed=args.seed)
+        if shared_model is not None:  # (model, model_info, tokenizer) already loaded: see sharing_model()
+            self.model, self.model_info, self.tokenizer = shared_model
+        else:
+            self.tokenizer = load_tokenizer(args.model)
+            self.model, self.model_info = load_model(args.model, dtype=args.dtype, device=device, seed=args.seed)
         limit = self.model_info.max_position_embeddings
         if args.max_model_len is not None and args.max_model_len > limit:
             raise ValueError(f"max_model_len ({args.max_model_len}) exceeds the model's context ({limit})")
@@ -72,6 +75,19 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler, detokenize=args.detokenize)
         self.step_listeners: list[Callable[[StepRecord], None]] = []
         self._ids = itertools.count()
+
+    @classmethod
+    def sharing_model(cls, other: LLMEngine, args: EngineArgs) -> LLMEngine:
+        """A fresh engine (scheduler, KV cache, runner) on ``other``'s loaded model and tokenizer.
+
+        For benchmarks that compare configurations in one process: the weights are loaded once. ``args`` must
+        name the same model, dtype and device; scheduling and cache knobs may differ.
+        """
+        for name in ("model", "dtype", "device", "seed"):
+            if getattr(args, name) != getattr(other.args, name):
+                raise ValueError(f"sharing_model: {name} differs: {getattr(args, name)!r} vs "
+                                 f"{getattr(other.args, name)!r}")
+        return cls(args, shared_model=(other.model, other.model_info, other.tokenizer))
 
     def _make_kv_manager(self, cache, num_blocks: int):
         if cache.kv_layout == "slab":
