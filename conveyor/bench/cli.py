@@ -9,3 +9,6 @@ def add_bench_parser(sub) -> None:
     from conveyor.bench.offline import add_offline_parser
 
     add_offline_parser(bench_sub)
+    from conveyor.bench.workload_gen import add_workload_parser
+
+    add_workload_parser(bench_sub)
