@@ -1,0 +1,138 @@
+"""The FastAPI app: routes, API-key check, and the lifespan that runs the ``AsyncEngine``.
+
+``build_app(engine)`` takes an already loaded ``LLMEngine`` (so model errors surface before the port opens, and
+tests can build one however they like). The routes stay thin; the work is in ``serving_*.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import time
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from conveyor.engine.async_engine import AsyncEngine
+from conveyor.engine.llm_engine import LLMEngine
+from conveyor.server.errors import APIError, bad_request, from_engine_error, install_error_handlers
+from conveyor.server.metrics import ServerMetrics, log_stats_forever
+from conveyor.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from conveyor.server.serving_chat import create_chat_completion, messages_as_dicts, render_chat
+from conveyor.server.serving_common import ServingContext
+from conveyor.server.serving_completion import create_completion
+
+OPEN_PATHS = ("/health", "/metrics")  # monitoring must work without the API key, as in vLLM
+
+
+class APIKeyMiddleware:
+    """Refuse requests without ``Authorization: Bearer <key>`` (pure ASGI: it must not buffer SSE streams)."""
+
+    def __init__(self, app, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS and scope["method"] != "OPTIONS":
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                error = APIError(401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
+                                 code="invalid_api_key")
+                await error.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def build_app(engine: LLMEngine, served_model_name: str | None = None, api_key: str | None = None,
+              log_stats_interval_s: float = 5.0, shutdown_timeout_s: float = 30.0) -> FastAPI:
+    """An OpenAI-compatible app serving ``engine``'s model. The engine thread runs for the app's lifespan."""
+    model_name = served_model_name or engine.model_info.name
+    async_engine = AsyncEngine(engine)
+    metrics = ServerMetrics(engine, model_name)
+    metrics.attach(async_engine)
+    ctx = ServingContext(async_engine, model_name, engine.max_model_len)
+    tokenizer = engine.tokenizer
+    created = int(time.time())
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        async_engine.start()
+        logger_task = None
+        if log_stats_interval_s > 0:
+            logger_task = asyncio.create_task(log_stats_forever(metrics, log_stats_interval_s))
+        try:
+            yield
+        finally:
+            if logger_task is not None:
+                logger_task.cancel()
+            await async_engine.drain(shutdown_timeout_s)
+            await async_engine.shutdown()
+
+    app = FastAPI(title="conveyor", lifespan=lifespan)
+    app.state.async_engine = async_engine
+    app.state.metrics = metrics
+    app.state.shutdown_timeout_s = shutdown_timeout_s
+    install_error_handlers(app)
+    if api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, raw: Request):
+        return await create_completion(body, raw, ctx, tokenizer)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, raw: Request):
+        return await create_chat_completion(body, raw, ctx, tokenizer)
+
+    @app.get("/v1/models")
+    async def models():
+        card = {"id": model_name, "object": "model", "created": created, "owned_by": "conveyor",
+                "root": engine.args.model or engine.model_info.name, "parent": None,
+                "max_model_len": engine.max_model_len}
+        return {"object": "list", "data": [card]}
+
+    @app.get("/health")
+    async def health():
+        if not async_engine.is_running:
+            return JSONResponse(APIError(503, "engine is not running", code="engine_dead").body(), 503)
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        ctx.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise bad_request("give exactly one of prompt or messages", "prompt")
+        messages = messages_as_dicts(body.messages) if body.messages is not None else None
+
+        def run(e: LLMEngine) -> list[int]:
+            if messages is not None:
+                return render_chat(e, messages, body.add_generation_prompt, bool(body.add_special_tokens))
+            add = True if body.add_special_tokens is None else body.add_special_tokens
+            return e.tokenizer.encode(body.prompt, add_special_tokens=add)
+
+        ids = await _engine_call(async_engine, run)
+        strs = [tokenizer.decode([t], skip_special_tokens=False) for t in ids] if body.return_token_strs else None
+        return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids, "token_strs": strs}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        ctx.check_model(body.model)
+        vocab = engine.model_info.vocab_size
+        if any(not 0 <= t < vocab for t in body.tokens):
+            raise bad_request(f"tokens must be integers in [0, {vocab})", "tokens")
+        text = await _engine_call(async_engine, lambda e: e.tokenizer.decode(body.tokens))
+        return {"prompt": text}
+
+    return app
+
+
+async def _engine_call(async_engine: AsyncEngine, fn):
+    try:
+        return await async_engine.call(fn)
+    except Exception as exc:
+        raise from_engine_error(exc) from exc

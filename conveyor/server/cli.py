@@ -1,0 +1,49 @@
+"""``conveyor serve``: an OpenAI-compatible server, flags named as in ``vllm serve``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+logger = logging.getLogger("conveyor.server")
+
+
+def add_serve_parser(sub) -> None:
+    from conveyor.engine.args import EngineArgs
+
+    p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
+    p.add_argument("model_tag", nargs="?", default=None, help="model directory (same as --model)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", default=None, help="the name clients pass as `model` (default: the "
+                   "model directory, or the embedded model's name)")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (not on /health, /metrics)")
+    p.add_argument("--log-stats-interval", type=float, default=5.0, help="seconds between status log lines")
+    p.add_argument("--disable-log-stats", action="store_true")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="on SIGINT/SIGTERM, seconds in-flight requests may take to finish before they are aborted")
+    p.add_argument("--uvicorn-log-level", default="info")
+    EngineArgs.add_cli_args(p)
+    p.set_defaults(func=run_serve)
+
+
+def run_serve(ns: argparse.Namespace) -> int:
+    from conveyor.engine.args import EngineArgs
+    from conveyor.engine.llm_engine import LLMEngine
+    from conveyor.server.app import build_app
+    from conveyor.server.launcher import make_server
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
+    if ns.model_tag and not ns.model:
+        ns.model = ns.model_tag
+    args = EngineArgs.from_cli_args(ns)
+    if args.model is None:
+        logger.warning("no --model given: serving the embedded Llama-40M with RANDOM weights (output is noise)")
+    engine = LLMEngine(args)
+    logger.info("loaded %s: %d KV blocks of %d tokens, max_model_len %d, policy %s", engine.model_info.name,
+                engine.num_kv_blocks, args.block_size, engine.max_model_len, args.policy)
+    app = build_app(engine, ns.served_model_name or args.model, ns.api_key,
+                    0.0 if ns.disable_log_stats else ns.log_stats_interval, ns.shutdown_timeout)
+    make_server(app, ns.host, ns.port, ns.uvicorn_log_level).run()
+    return 0
+

@@ -1,0 +1,111 @@
+"""Errors in OpenAI's JSON shape: ``{"error": {"message", "type", "param", "code"}}`` with the matching status.
+
+Handlers turn every failure (our own ``APIError``, pydantic validation, invalid JSON, unknown routes, engine
+exceptions) into that shape, so the official clients raise their typed exceptions (BadRequestError, ...).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import fields
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from conveyor.core.sampling_params import SamplingParams
+from conveyor.engine.async_engine import EngineDeadError, EngineShuttingDownError
+from conveyor.engine.llm_engine import QueueFullError
+
+logger = logging.getLogger("conveyor.server")
+
+RETRY_AFTER_S = 1  # what a full queue asks clients to wait; one second is many engine steps
+
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+          405: "invalid_request_error", 413: "invalid_request_error", 422: "invalid_request_error",
+          429: "rate_limit_error", 500: "internal_server_error", 503: "service_unavailable"}
+
+
+class APIError(Exception):
+    """An error to report to the client as-is."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.headers = headers
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": _TYPES.get(self.status, "invalid_request_error"),
+                          "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param, code)
+
+
+def from_value_error(exc: ValueError) -> APIError:
+    """SamplingParams / LLMEngine raise ValueError whose message starts with the offending field's name."""
+    message = str(exc)
+    first = message.split(" ", 1)[0]
+    return APIError(400, message, first if first in _PARAM_NAMES else None)
+
+
+_PARAM_NAMES = {f.name for f in fields(SamplingParams)} | {"prompt", "messages", "max_completion_tokens"}
+
+
+def from_engine_error(exc: BaseException) -> APIError:
+    """Map what ``AsyncEngine.add_request`` raises to a status."""
+    if isinstance(exc, ValueError):
+        return from_value_error(exc)
+    if isinstance(exc, QueueFullError):
+        return APIError(503, str(exc), code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)})
+    if isinstance(exc, EngineShuttingDownError):
+        return APIError(503, str(exc), code="shutting_down", headers={"Retry-After": str(RETRY_AFTER_S)})
+    if isinstance(exc, EngineDeadError):
+        return APIError(503, str(exc), code="engine_dead")
+    logger.exception("unexpected error", exc_info=exc)
+    return APIError(500, f"internal error: {exc!r}")
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    errors = exc.errors()
+    if not errors:
+        return "invalid request body", None
+    first = errors[0]
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    if first.get("type") == "json_invalid":
+        return f"invalid JSON body: {first.get('msg')}", None
+    where = ".".join(loc)
+    return (f"{where}: {first.get('msg')}" if where else str(first.get("msg"))), (loc[0] if loc else None)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Every error response of ``app`` in OpenAI's shape."""
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(exc)
+        return APIError(400, message, param).response()  # vLLM and OpenAI answer 400, not FastAPI's 422
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        message = "Not Found" if exc.status_code == 404 else str(exc.detail)
+        if exc.status_code == 404:
+            message = f"no route {request.method} {request.url.path}"
+        return APIError(exc.status_code, message, headers=getattr(exc, "headers", None)).response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        return from_engine_error(exc).response()

@@ -1,0 +1,169 @@
+"""Prometheus metrics named like vLLM's (``vllm:`` becomes ``conveyor:``), in a registry owned by one app.
+
+Where the numbers come from:
+- gauges (running / waiting / KV usage) and the engine's own counters (preemptions, prefix-cache queries and
+  hits) are read from the engine at scrape time, so they are exact even while the engine idles;
+- per-request histograms and token counters come from every ``RequestOutput`` (``AsyncEngine.output_listeners``);
+- tokens per step come from ``StepRecord`` (``LLMEngine.step_listeners``).
+Listeners run on the engine thread; prometheus-client metrics are thread-safe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
+
+from conveyor.engine.outputs import RequestOutput
+from conveyor.engine.step_record import StepRecord
+
+logger = logging.getLogger("conveyor.server")
+
+# vLLM's buckets, with a few finer ones at the bottom: a small model on a CPU answers in milliseconds.
+TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
+TOKEN_LATENCY_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+                         1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0]
+REQUEST_LATENCY_BUCKETS = [0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
+                           40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
+ITERATION_TOKEN_BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
+P = "conveyor:"
+
+
+class _EngineCounters:
+    """A collector that reports counters the engine already keeps, read at scrape time."""
+
+    def __init__(self, engine, labels: dict[str, str]) -> None:
+        self.engine = engine
+        self.labels = labels
+
+    def collect(self):
+        kv = self.engine.kv_manager
+        values = [
+            ("num_preemptions", "Cumulative number of preemptions.", self.engine.scheduler.num_preemptions),
+            ("prefix_cache_queries", "Prefix cache queries, in tokens.", getattr(kv, "prefix_queries", 0)),
+            ("prefix_cache_hits", "Prefix cache hits, in tokens.", getattr(kv, "prefix_hits", 0)),
+        ]
+        for name, doc, value in values:
+            family = CounterMetricFamily(P + name, doc, labels=list(self.labels))
+            family.add_metric(list(self.labels.values()), value)
+            yield family
+
+
+class ServerMetrics:
+    """All metrics of one served model. ``attach(async_engine)`` wires the listeners."""
+
+    def __init__(self, engine, model_name: str) -> None:
+        self.engine = engine
+        self.registry = CollectorRegistry()
+        labels = {"model_name": model_name}
+        names = list(labels)
+        r = self.registry
+
+        def gauge(name: str, doc: str, fn) -> None:
+            Gauge(P + name, doc, names, registry=r).labels(**labels).set_function(fn)
+
+        gauge("num_requests_running", "Requests in the running batch.", lambda: engine.scheduler.num_running)
+        gauge("num_requests_waiting", "Requests waiting to be scheduled.", lambda: engine.scheduler.num_waiting)
+        gauge("kv_cache_usage_perc", "KV-cache usage (1 = full).", engine.kv_cache_usage)
+        r.register(_EngineCounters(engine, labels))
+
+        def counter(name: str, doc: str):
+            return Counter(P + name, doc, names, registry=r).labels(**labels)
+
+        def histogram(name: str, doc: str, buckets):
+            return Histogram(P + name, doc, names, buckets=buckets, registry=r).labels(**labels)
+
+        self.prompt_tokens = counter("prompt_tokens", "Prefill tokens processed.")
+        self.generation_tokens = counter("generation_tokens", "Generation tokens processed.")
+        self.request_success = Counter(P + "request_success", "Finished requests, by finish reason.",
+                                       names + ["finished_reason"], registry=r)
+        self.ttft = histogram("time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds", "Time between output tokens.", TOKEN_LATENCY_BUCKETS)
+        self.tpot = histogram("time_per_output_token_seconds", "Mean time per output token of a request "
+                              "(after the first).", TOKEN_LATENCY_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "End-to-end request latency.", REQUEST_LATENCY_BUCKETS)
+        self.queue_time = histogram("request_queue_time_seconds", "Time from arrival to first scheduling.",
+                                    REQUEST_LATENCY_BUCKETS)
+        self.iteration_tokens = histogram("iteration_tokens_total", "Tokens computed per engine step.",
+                                          ITERATION_TOKEN_BUCKETS)
+        self._labels = labels
+        self._counted: dict[str, int] = {}  # request id -> generated tokens already counted
+        # Plain totals for the periodic log line (reading prometheus objects back is not their purpose).
+        self.total_prompt_tokens = 0
+        self.total_generation_tokens = 0
+
+    def attach(self, async_engine) -> None:
+        async_engine.output_listeners.append(self.on_output)
+        async_engine.engine.step_listeners.append(self.on_step)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    # ---- listeners (engine thread) ----------------------------------------------------------------------
+    def on_step(self, record: StepRecord) -> None:
+        self.iteration_tokens.observe(record.num_tokens)
+
+    def on_output(self, out: RequestOutput) -> None:
+        m = out.metrics
+        seen = self._counted.get(out.request_id)
+        if seen is None and m.first_token_time is not None:
+            seen = 0
+            self.prompt_tokens.inc(len(out.prompt_token_ids))
+            self.total_prompt_tokens += len(out.prompt_token_ids)
+        if seen is not None:
+            delta = out.num_generated_tokens - seen
+            self.generation_tokens.inc(delta)
+            self.total_generation_tokens += delta
+            self._counted[out.request_id] = out.num_generated_tokens
+        if out.finished:
+            self._counted.pop(out.request_id, None)
+            self._observe_finished(out)
+
+    def _observe_finished(self, out: RequestOutput) -> None:
+        m = out.metrics
+        reasons = {c.finish_reason for c in out.outputs}
+        reason = "abort" if "abort" in reasons else out.outputs[0].finish_reason
+        self.request_success.labels(**self._labels, finished_reason=reason).inc()
+        if m.finished_time is not None:
+            self.e2e.observe(m.finished_time - m.arrival_time)
+        if m.first_scheduled_time is not None:
+            self.queue_time.observe(max(0.0, m.first_scheduled_time - m.arrival_time))
+        if m.first_token_time is not None:
+            self.ttft.observe(m.first_token_time - m.arrival_time)
+        for c in out.outputs:
+            times = c.token_times
+            for a, b in zip(times, times[1:]):
+                self.itl.observe(b - a)
+            if len(times) > 1:
+                self.tpot.observe((times[-1] - times[0]) / (len(times) - 1))
+
+
+async def log_stats_forever(metrics: ServerMetrics, interval_s: float) -> None:
+    """Log a vLLM-style status line every ``interval_s`` seconds while there is activity."""
+    engine = metrics.engine
+    last = (time.monotonic(), metrics.total_prompt_tokens, metrics.total_generation_tokens)
+    last_kv = (0, 0)
+    while True:
+        await asyncio.sleep(interval_s)
+        now = time.monotonic()
+        prompt, gen = metrics.total_prompt_tokens, metrics.total_generation_tokens
+        running, waiting = engine.scheduler.num_running, engine.scheduler.num_waiting
+        kv = engine.kv_manager
+        queries, hits = getattr(kv, "prefix_queries", 0), getattr(kv, "prefix_hits", 0)
+        if prompt == last[1] and gen == last[2] and not running and not waiting:
+            last = (now, prompt, gen)
+            continue  # idle: stay quiet
+        dt = max(now - last[0], 1e-9)
+        dq = queries - last_kv[0]
+        hit_rate = 100.0 * (hits - last_kv[1]) / dq if dq else 0.0
+        logger.info(
+            "Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, Running: %d reqs, "
+            "Waiting: %d reqs, KV cache usage: %.1f%%, Prefix cache hit rate: %.1f%%",
+            (prompt - last[1]) / dt, (gen - last[2]) / dt, running, waiting, 100.0 * engine.kv_cache_usage(),
+            hit_rate,
+        )
+        last, last_kv = (now, prompt, gen), (queries, hits)

@@ -1,0 +1,170 @@
+"""What the completion and chat handlers share: submitting prompts, waiting with disconnect detection, SSE."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+
+from fastapi import Request
+
+from conveyor.core.sampling_params import SamplingParams
+from conveyor.engine.async_engine import AsyncEngine, RequestStream
+from conveyor.engine.llm_engine import LLMEngine
+from conveyor.engine.outputs import CompletionOutput, RequestOutput
+from conveyor.server.errors import APIError, from_engine_error
+
+Prepare = Callable[[LLMEngine], dict]  # runs on the engine thread: tokenizes, checks, returns the engine prompt
+
+
+def sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def check_context(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> None:
+    """vLLM's rule: a request whose prompt plus explicit max_tokens exceeds the context is refused (400)."""
+    if max_tokens is not None and num_prompt_tokens + max_tokens > max_model_len:
+        raise ValueError(
+            f"prompt has {num_prompt_tokens} tokens and max_tokens is {max_tokens}: together they exceed this "
+            f"model's maximum context length of {max_model_len} tokens; shorten the prompt or lower max_tokens"
+        )
+
+
+def usage(outputs: list[RequestOutput]) -> dict:
+    prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    completion = sum(o.num_generated_tokens for o in outputs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+class ServingContext:
+    """The served model and its engine, as the handlers see them."""
+
+    def __init__(self, async_engine: AsyncEngine, model_name: str, max_model_len: int) -> None:
+        self.engine = async_engine
+        self.model_name = model_name
+        self.max_model_len = max_model_len
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model_name:
+            raise APIError(404, f"The model `{name}` does not exist; this server serves `{self.model_name}`.",
+                           "model", "model_not_found")
+
+    async def submit(self, request_id: str, prompts: list[Prepare], params: SamplingParams) -> list[RequestStream]:
+        """Queue one engine request per prompt (ids ``{request_id}-{i}``); all or nothing."""
+        arrival = time.monotonic()
+        streams: list[RequestStream] = []
+        try:
+            for i, prepare in enumerate(prompts):
+                streams.append(await self.engine.add_request(f"{request_id}-{i}", prepare, params, arrival))
+        except BaseException as exc:
+            self.abort(streams)
+            if isinstance(exc, Exception) and not isinstance(exc, APIError):
+                raise from_engine_error(exc) from exc
+            raise
+        return streams
+
+    def abort(self, streams: list[RequestStream]) -> None:
+        for stream in streams:
+            if not stream.finished:
+                self.engine.abort(stream.request_id)
+
+    async def wait_final(self, streams: list[RequestStream], raw: Request) -> list[RequestOutput]:
+        """The final output of every stream; a client that disconnects first aborts them all."""
+
+        async def last(stream: RequestStream) -> RequestOutput:
+            out = None
+            async for out in stream:
+                pass
+            return out
+
+        results = asyncio.ensure_future(asyncio.gather(*(last(s) for s in streams)))
+        gone = asyncio.ensure_future(_wait_disconnect(raw))
+        try:
+            await asyncio.wait({results, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not results.done():
+                results.cancel()
+                self.abort(streams)
+        if not results.done():  # nobody will read this answer; it only ends the handler cleanly
+            raise APIError(499, "client disconnected", code="client_closed_request")
+        try:
+            return results.result()
+        except Exception as exc:
+            raise from_engine_error(exc) from exc
+
+
+async def _wait_disconnect(raw: Request) -> None:
+    # The body has been read, so the next ASGI message can only be the disconnect.
+    while (await raw.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(prompt index, output) from several streams as they come; one stream is iterated directly."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    inbox: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, stream: RequestStream) -> None:
+        try:
+            async for out in stream:
+                inbox.put_nowait((i, out))
+        except Exception as exc:  # noqa: BLE001 - re-raised by the consumer
+            inbox.put_nowait((i, exc))
+        inbox.put_nowait((i, None))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        live = len(tasks)
+        while live:
+            i, item = await inbox.get()
+            if item is None:
+                live -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+class DeltaTracker:
+    """What of each completion has already been streamed. While a completion runs, the last
+    ``max_stop_len - 1`` characters are held back: a stop string may be completed by a later token, and the
+    engine then cuts the text at its start."""
+
+    def __init__(self, params: SamplingParams) -> None:
+        self.hold = max((len(s) for s in params.stop), default=1) - 1
+        if params.include_stop_str_in_output:
+            self.hold = 0
+        self.chars: dict[int, int] = {}
+        self.tokens: dict[int, int] = {}
+        self.done: set[int] = set()
+
+    def delta(self, index: int, c: CompletionOutput) -> tuple[str, int, int, bool] | None:
+        """(new text, first new token, end token, finished now), or None when there is nothing to send."""
+        if index in self.done:
+            return None
+        sent_chars, sent_tokens = self.chars.get(index, 0), self.tokens.get(index, 0)
+        end = len(c.text) if c.finished else max(sent_chars, len(c.text) - self.hold)
+        text = c.text[sent_chars:end]
+        n_tokens = len(c.token_ids)
+        if not text and n_tokens == sent_tokens and not c.finished:
+            return None
+        self.chars[index], self.tokens[index] = end, n_tokens
+        if c.finished:
+            self.done.add(index)
+        return text, sent_tokens, n_tokens, c.finished

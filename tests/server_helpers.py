@@ -1,0 +1,58 @@
+"""A real uvicorn server on 127.0.0.1 in a background thread, for the server tests."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from contextlib import contextmanager
+
+from conveyor.engine.args import EngineArgs
+from conveyor.engine.llm_engine import LLMEngine
+from conveyor.models.loader import DTYPES
+from conveyor.server.app import build_app
+from conveyor.server.launcher import make_server
+
+# float64 where the loader offers it: random tiny weights have near-ties that float32 batching noise can flip.
+TEST_DTYPE = "float64" if "float64" in DTYPES else "float32"
+
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}"
+                 "{% if add_generation_prompt %}w5{% endif %}")
+
+
+def make_engine(model_dir, **overrides) -> LLMEngine:
+    args = dict(model=str(model_dir), dtype=TEST_DTYPE, num_kv_blocks=256, block_size=16, debug_invariants=True)
+    args.update(overrides)
+    return LLMEngine(EngineArgs(**args))
+
+
+@contextmanager
+def running_server(app):
+    """Serve ``app`` on a free port; yields the base URL (``http://127.0.0.1:PORT``)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = make_server(app, "127.0.0.1", port, log_level="warning")
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("the test server did not start")
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        sock.close()
+
+
+@contextmanager
+def serve_model(model_dir, served_model_name: str = "tiny", api_key: str | None = None, **engine_overrides):
+    """Build an engine for ``model_dir`` and serve it; yields (base URL, app)."""
+    engine = make_engine(model_dir, **engine_overrides)
+    app = build_app(engine, served_model_name, api_key, log_stats_interval_s=0.0, shutdown_timeout_s=2.0)
+    with running_server(app) as url:
+        yield url, app
