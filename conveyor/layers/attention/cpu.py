@@ -1,9 +1,11 @@
 """The fast CPU attention backend.
 
-Decodes (one query each) are batched: the runner sorts them by context length, we cut them into a few length
-buckets, gather each bucket's K/V blocks into one padded tensor and run one masked SDPA per bucket, so a step
-with 100 decodes costs a handful of calls per layer instead of 100. Everything that does not depend on the
-layer (bucket bounds, flat block ids, masks, gather buffers) is built once per step in ``__init__``.
+Decodes (one query each) are batched. With the small C kernel (paged_decode_kernel.py, built on first use) all
+decodes of a layer are one call that reads K/V straight from the paged cache. Without it (no compiler, or not
+float32): the runner sorts decodes by context length, we cut them into a few length buckets, gather each
+bucket's K/V blocks into one padded tensor and run one masked SDPA per bucket. Either way a step with 100
+decodes costs a handful of calls per layer instead of 100, and everything that does not depend on the layer
+(bucket bounds, flat block ids, masks, gather buffers) is built once per step in ``__init__``.
 Prefill chunks run one request at a time: without prior context straight on the fresh K/V (no gather).
 """
 
@@ -16,6 +18,7 @@ import torch.nn.functional as F
 
 from conveyor.layers.attention.common import attend_pad, causal_self_attention, gather_context, write_kv
 from conveyor.layers.attention.metadata import AttentionMetadata
+from conveyor.layers.attention.paged_decode_kernel import load_kernel, paged_decode
 
 # A bucket keeps taking shorter requests while the padding it adds stays under this fraction of its length.
 MAX_BUCKET_PAD_FRACTION = 0.35
@@ -28,6 +31,8 @@ class DecodeBucket:
     flat_block_ids: torch.Tensor  # [(end - start) * num_blocks] int64
     num_blocks: int
     mask: torch.Tensor  # [b, 1, 1, num_blocks * block_size] additive: 0 inside the context, -inf beyond
+    k_buf: torch.Tensor | None = None  # gather targets, allocated once per step and reused by every layer
+    v_buf: torch.Tensor | None = None
 
 
 def plan_decode_buckets(seq_lens: list[int], num_decodes: int) -> list[tuple[int, int]]:
@@ -49,10 +54,17 @@ class CpuAttention:
 
     name = "cpu"
 
-    def __init__(self, meta: AttentionMetadata, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, meta: AttentionMetadata, dtype: torch.dtype = torch.float32, use_c_kernel: bool = True) -> None:
         self.meta = meta
         self.buckets: list[DecodeBucket] = []
         bs = meta.block_size
+        on_cpu = meta.block_table.device.type == "cpu"
+        self.kernel = load_kernel() if use_c_kernel and dtype == torch.float32 and on_cpu and meta.num_decodes else None
+        if self.kernel is not None:
+            self.decode_table = meta.block_table[:meta.num_decodes].contiguous()
+            self.decode_lens = torch.tensor(meta.seq_lens[:meta.num_decodes], dtype=torch.int64)
+            self.prefill_ids = range(meta.num_decodes, meta.num_reqs)
+            return
         for start, end in plan_decode_buckets(meta.seq_lens, meta.num_decodes):
             lens = torch.tensor(meta.seq_lens[start:end])
             nblk = -(-int(lens.max()) // bs)
@@ -71,11 +83,19 @@ class CpuAttention:
         out = torch.empty_like(q)
         num_heads, kv_heads, head_dim = q.shape[1], k.shape[1], q.shape[2]
         group = num_heads // kv_heads
+        if self.kernel is not None:
+            nd = meta.num_decodes
+            paged_decode(self.kernel, q[:nd].contiguous(), kv_cache, self.decode_table, self.decode_lens, scale, out[:nd])
         for b in self.buckets:
             n = b.end - b.start
             ctx = b.num_blocks * meta.block_size
-            kb = kv_cache[0].index_select(0, b.flat_block_ids).view(n, ctx, kv_heads, head_dim).transpose(1, 2)
-            vb = kv_cache[1].index_select(0, b.flat_block_ids).view(n, ctx, kv_heads, head_dim).transpose(1, 2)
+            if b.k_buf is None:  # fresh large buffers page-fault on first touch: pay that once per step
+                b.k_buf = kv_cache.new_empty(b.flat_block_ids.shape[0], *kv_cache.shape[2:])
+                b.v_buf = torch.empty_like(b.k_buf)
+            torch.index_select(kv_cache[0], 0, b.flat_block_ids, out=b.k_buf)
+            torch.index_select(kv_cache[1], 0, b.flat_block_ids, out=b.v_buf)
+            kb = b.k_buf.view(n, ctx, kv_heads, head_dim).transpose(1, 2)
+            vb = b.v_buf.view(n, ctx, kv_heads, head_dim).transpose(1, 2)
             # GQA without repeating K/V: the `group` query heads sharing a KV head act as `group` query rows.
             qb = q[b.start:b.end].view(n, kv_heads, group, head_dim)
             ob = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=b.mask, scale=scale)
