@@ -27,10 +27,11 @@ class LlamaAttention(nn.Module):
         self.scale = self.head_dim ** -0.5
 
     def forward(self, x, cos, sin, kv_cache, attn):
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rotary(q.view(-1, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rotary(k.view(-1, self.num_kv_heads, self.head_dim), cos, sin)
-        out = attn.forward(q, k, v.view(-1, self.num_kv_heads, self.head_dim), kv_cache, self.scale)
+        qkv = self.qkv_proj(x).view(x.shape[0], -1, self.head_dim)  # [T, H + 2 * KVH, d]
+        rotated = self.num_heads + self.num_kv_heads
+        qk = apply_rotary(qkv[:, :rotated], cos, sin)  # q and k heads rotated in one go
+        q, k, v = qk[:, :self.num_heads], qk[:, self.num_heads:], qkv[:, rotated:]
+        out = attn.forward(q, k, v, kv_cache, self.scale)
         return self.o_proj(out.view(-1, self.q_size))
 
 

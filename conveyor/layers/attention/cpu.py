@@ -97,7 +97,7 @@ class CpuAttention:
             kb = b.k_buf.view(n, ctx, kv_heads, head_dim).transpose(1, 2)
             vb = b.v_buf.view(n, ctx, kv_heads, head_dim).transpose(1, 2)
             # GQA without repeating K/V: the `group` query heads sharing a KV head act as `group` query rows.
-            qb = q[b.start:b.end].view(n, kv_heads, group, head_dim)
+            qb = q[b.start:b.end].reshape(n, kv_heads, group, head_dim)
             ob = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=b.mask, scale=scale)
             out[b.start:b.end] = ob.reshape(n, num_heads, head_dim)
         for i in self.prefill_ids:

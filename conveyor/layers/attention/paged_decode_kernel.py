@@ -6,7 +6,7 @@ into a padded tensor (write + read again) and then run SDPA: at 100 decodes x ~3
 It is plain C (no torch headers: builds in about a second with the system compiler), cached by source hash
 under ~/.cache/conveyor, and optional: ``load_kernel()`` returns None when there is no compiler (or
 CONVEYOR_NO_C_KERNEL=1), and the backend falls back to the torch path.
-Threads: the work items (request, kv head) are split by context length over plain pthreads.
+Threads: requests are split into ranges of about equal total context over plain pthreads.
 """
 
 from __future__ import annotations
@@ -34,42 +34,44 @@ typedef struct {
     int64_t bt_stride; int H, KVH, D, bs; float scale; int item_begin, item_end; int max_len;
 } Job;
 
-/* One (request, kv head) item: the group of query heads sharing that kv head attends over its context. */
-static void attend_item(const Job *j, int item, float *scores) {
-    const int b = item / j->KVH, kvh = item % j->KVH, D = j->D, G = j->H / j->KVH, L = (int)j->seq_lens[b];
+/* One request: all its query heads over its context. Token l's K (and V) for all kv heads is one contiguous
+   KVH*D row of the cache, so K and V are each streamed once, row by row. */
+static void attend_item(const Job *j, int b, float *scores) {
+    const int H = j->H, D = j->D, G = j->H / j->KVH, L = (int)j->seq_lens[b];
     const int64_t *table = j->block_table + (int64_t)b * j->bt_stride;
-    const float *q = j->q + ((int64_t)b * j->H + (int64_t)kvh * G) * D;
-    const int64_t token_stride = (int64_t)j->KVH * D;
-    for (int g = 0; g < G; g++) {
-        float *s = scores + (int64_t)g * L;
-        const float *qg = q + (int64_t)g * D;
-        for (int l = 0; l < L; l++) {
-            const float *k = j->k_cache + (table[l / j->bs] * j->bs + l % j->bs) * token_stride + (int64_t)kvh * D;
+    const float *q = j->q + (int64_t)b * H * D;
+    const int64_t row = (int64_t)j->KVH * D;
+    for (int l = 0; l < L; l++) {
+        const float *k = j->k_cache + (table[l / j->bs] * j->bs + l % j->bs) * row;
+        for (int h = 0; h < H; h++) {
+            const float *qh = q + (int64_t)h * D, *kh = k + (int64_t)(h / G) * D;
             float acc = 0.f;
-            for (int d = 0; d < D; d++) acc += qg[d] * k[d];
-            s[l] = acc * j->scale;
+            for (int d = 0; d < D; d++) acc += qh[d] * kh[d];
+            scores[(int64_t)h * L + l] = acc * j->scale;
         }
-        float m = -FLT_MAX, sum = 0.f;
+    }
+    for (int h = 0; h < H; h++) {
+        float *s = scores + (int64_t)h * L, m = -FLT_MAX, sum = 0.f;
         for (int l = 0; l < L; l++) m = s[l] > m ? s[l] : m;
         for (int l = 0; l < L; l++) { s[l] = expf(s[l] - m); sum += s[l]; }
         const float inv = 1.f / sum;
         for (int l = 0; l < L; l++) s[l] *= inv;
     }
-    float *o = j->out + ((int64_t)b * j->H + (int64_t)kvh * G) * D;
-    for (int i = 0; i < G * D; i++) o[i] = 0.f;
+    float *o = j->out + (int64_t)b * H * D;
+    for (int i = 0; i < H * D; i++) o[i] = 0.f;
     for (int l = 0; l < L; l++) {
-        const float *v = j->v_cache + (table[l / j->bs] * j->bs + l % j->bs) * token_stride + (int64_t)kvh * D;
-        for (int g = 0; g < G; g++) {
-            const float p = scores[(int64_t)g * L + l];
-            float *og = o + (int64_t)g * D;
-            for (int d = 0; d < D; d++) og[d] += p * v[d];
+        const float *v = j->v_cache + (table[l / j->bs] * j->bs + l % j->bs) * row;
+        for (int h = 0; h < H; h++) {
+            const float p = scores[(int64_t)h * L + l], *vh = v + (int64_t)(h / G) * D;
+            float *oh = o + (int64_t)h * D;
+            for (int d = 0; d < D; d++) oh[d] += p * vh[d];
         }
     }
 }
 
 static void *run_job(void *arg) {
     const Job *j = (const Job *)arg;
-    float *scores = (float *)malloc(sizeof(float) * (size_t)(j->H / j->KVH) * (size_t)(j->max_len > 0 ? j->max_len : 1));
+    float *scores = (float *)malloc(sizeof(float) * (size_t)j->H * (size_t)(j->max_len > 0 ? j->max_len : 1));
     for (int item = j->item_begin; item < j->item_end; item++) attend_item(j, item, scores);
     free(scores);
     return 0;
@@ -84,12 +86,11 @@ int paged_decode_attention(const float *q, const float *k_cache, const float *v_
     int64_t total = 0; int max_len = 0;
     for (int b = 0; b < B; b++) { total += seq_lens[b]; if (seq_lens[b] > max_len) max_len = (int)seq_lens[b]; }
     Job jobs[64]; pthread_t threads[64];
-    const int items = B * KVH;
     int begin = 0; int64_t acc = 0;
-    for (int t = 0; t < num_threads; t++) {  /* contiguous item ranges of about equal total context */
+    for (int t = 0; t < num_threads; t++) {  /* contiguous request ranges of about equal total context */
         int end = begin;
-        const int64_t target = total * KVH * (t + 1) / num_threads;
-        while (end < items && (t == num_threads - 1 || acc + seq_lens[end / KVH] <= target)) { acc += seq_lens[end / KVH]; end++; }
+        const int64_t target = total * (t + 1) / num_threads;
+        while (end < B && (t == num_threads - 1 || acc + seq_lens[end] <= target)) { acc += seq_lens[end]; end++; }
         Job j = {q, k_cache, v_cache, block_table, seq_lens, out, bt_stride, H, KVH, D, bs, scale, begin, end, max_len};
         jobs[t] = j; begin = end;
     }
