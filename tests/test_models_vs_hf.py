@@ -33,9 +33,9 @@ def save_checkpoint(tmp_path, config, cls, seed=0):
     return model
 
 
-def drive_and_compare(hf_model, model_dir, block_size, backend="cpu"):
+def drive_and_compare(hf_model, model_dir, block_size, backend="cpu", dtype="float32", atol=1e-4):
     """Three requests: chunked prefill, whole prefill and decodes in mixed batches; compare every step."""
-    model, info = load_model(str(model_dir))
+    model, info = load_model(str(model_dir), dtype=dtype)
     runner = ModelRunner(model, info, num_blocks=64, block_size=block_size, attention_backend=backend)
     runner.return_logits = True
     gen = torch.Generator().manual_seed(1)
@@ -60,7 +60,7 @@ def drive_and_compare(hf_model, model_dir, block_size, backend="cpu"):
         for rid, steps in seen.items():
             ref = hf_model(torch.tensor([sched.tokens[rid]])).logits[0]
             for pos, logits in steps:
-                torch.testing.assert_close(logits, ref[pos], atol=1e-4, rtol=1e-4)
+                torch.testing.assert_close(logits, ref[pos], atol=atol, rtol=atol)
             assert len(steps) >= 4
 
 
@@ -81,6 +81,11 @@ def test_llama3_rope_scaling_untied(tmp_path):
 def test_llama_reference_backend(tmp_path):
     hf = save_checkpoint(tmp_path, llama_config(), transformers.LlamaForCausalLM)
     drive_and_compare(hf, tmp_path, block_size=4, backend="reference")
+
+
+def test_llama_bfloat16_close(tmp_path):
+    hf = save_checkpoint(tmp_path, llama_config(), transformers.LlamaForCausalLM)
+    drive_and_compare(hf, tmp_path, block_size=4, dtype="bfloat16", atol=0.1)
 
 
 def test_qwen2_qkv_bias(tmp_path):

@@ -14,7 +14,8 @@ from conveyor.models.gpt2 import GPT2LMHeadModel
 from conveyor.models.llama import LlamaForCausalLM
 from conveyor.models.weights import checkpoint_files, iter_weights, load_into
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# float64 is for tests: the numerical oracle in which random weights' near-ties cannot flip.
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
 
 @dataclass
@@ -36,11 +37,17 @@ class ModelInfo:
     num_params: int
 
 
-def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device = "cpu", checkpoint_dtype=None) -> torch.dtype:
+    """A dtype name -> torch dtype. "auto": float32 on CPU (no fast bf16/fp16 matmul on most CPUs), else the
+    checkpoint's 16-bit dtype when it has one."""
     if isinstance(dtype, torch.dtype):
         return dtype
+    if dtype == "auto":
+        if torch.device(device).type == "cpu" or checkpoint_dtype not in ("bfloat16", "float16"):
+            return torch.float32
+        return DTYPES[checkpoint_dtype]
     if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+        raise ValueError(f"dtype must be one of {sorted(DTYPES) + ['auto']}, got {dtype!r}")
     return DTYPES[dtype]
 
 
@@ -93,17 +100,18 @@ def load_model(model: str | None, dtype: str | torch.dtype = "float32", device: 
     Raises FileNotFoundError for a missing directory / config / weights, ValueError for an unsupported
     architecture, dtype or a checkpoint that does not fit the config.
     """
-    torch_dtype = resolve_dtype(dtype)
     if model is None or model == EMBEDDED_NAME:
         from conveyor.models.embedded import load_embedded
-        return load_embedded(torch_dtype, device, seed)
+        return load_embedded(resolve_dtype(dtype, device), device, seed)
     config_path = os.path.join(model, "config.json")
     if not os.path.isdir(model):
         raise FileNotFoundError(f"model directory {model!r} does not exist")
     if not os.path.exists(config_path):
         raise FileNotFoundError(f"{config_path} not found: not a Hugging Face model directory")
     with open(config_path) as f:
-        cfg = parse_config(json.load(f), where=config_path)
+        raw = json.load(f)
+    cfg = parse_config(raw, where=config_path)
+    torch_dtype = resolve_dtype(dtype, device, raw.get("torch_dtype") or raw.get("dtype"))
     cfg.eos_token_ids = sorted(set(cfg.eos_token_ids) | set(_generation_eos(model)))
     files = checkpoint_files(model)
     net = build_model(cfg, torch_dtype, device)
