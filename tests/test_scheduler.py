@@ -187,3 +187,17 @@ def test_random_drive_to_completion(policy, seed):
     for r in reqs:
         if r.status is RequestStatus.FINISHED_LENGTH:
             assert r.num_output_tokens == r.sampling_params.max_tokens
+
+
+def test_partly_computed_block_never_becomes_findable():
+    # Regression: the admission lookup hashes the whole prompt; a chunk that ends mid-block must not publish
+    # the hash of that half-computed block (a later request would read KV that was never written).
+    s = make_scheduler(block_size=4, max_num_batched_tokens=6)
+    s.add_request(make_request("a", prompt_len=20, max_tokens=2))
+    out, _ = step(s, FakeExecutor())
+    assert out.num_scheduled_tokens == {"a": 6}
+    blocks = s.kv.req_blocks["a"]
+    assert blocks[0].block_hash is not None and blocks[1].block_hash is None
+    s.add_request(make_request("b", prompt_len=20, max_tokens=2))
+    hits, n = s.kv.get_computed_blocks(s.requests["b"])
+    assert n == 4

@@ -109,7 +109,10 @@ class KVCacheManager:
         return [b.block_id for b in new_blocks]
 
     def _cache_full_blocks(self, request: Request, blocks: list[KVBlock], num_tokens: int) -> None:
-        hashes = self._update_block_hashes(request, num_tokens)
+        # request.block_hashes may run ahead (a prefix lookup hashes the whole prompt): only blocks that are
+        # full once this step's tokens are computed may become findable.
+        n_full = num_tokens // self.block_size
+        hashes = self._update_block_hashes(request, num_tokens)[:n_full]
         for block, block_hash in zip(blocks, hashes):
             if block.block_hash is None:
                 self.pool.cache_full_block(block, block_hash)
