@@ -97,3 +97,14 @@ def test_a_crashed_engine_fails_every_stream(tiny_llama_dir):
             await ae.add_request("y", PROMPT, SHORT)
 
     run(go, engine)
+
+
+def test_a_batching_policy_that_waits_still_finishes(tiny_llama_dir):
+    """The dynamic policy holds a lone request for max_wait_ms: steps schedule nothing until then."""
+    engine = make_engine(tiny_llama_dir, policy="dynamic", max_num_seqs=4, max_wait_ms=50.0)
+
+    async def go(ae: AsyncEngine):
+        outs = [o async for o in await ae.add_request("d", PROMPT, SHORT)]
+        assert outs[-1].outputs[0].finish_reason == "length"
+
+    run(go, engine)

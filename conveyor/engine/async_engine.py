@@ -194,24 +194,31 @@ class AsyncEngine:
 
     def _run(self) -> None:
         engine = self.engine
+        idle_wait = 0.0
         try:
             while True:
-                # Block only when idle; while requests run, just take what has arrived since the last step.
-                if not self._run_commands(block=not engine.has_unfinished_requests()):
+                # Block while idle; while requests run, just take what has arrived since the last step.
+                timeout = idle_wait if engine.has_unfinished_requests() else None
+                if not self._run_commands(timeout):
                     return
+                idle_wait = 0.0
                 if engine.has_unfinished_requests():
                     outputs = engine.step()
                     if outputs:
                         self._publish(outputs)
+                    elif not engine.scheduler.num_running:
+                        # Requests wait but none could start (a batching policy's max_wait_ms): only time or
+                        # a new command changes that, so wait a little for commands instead of spinning.
+                        idle_wait = 0.002
         except BaseException as exc:  # noqa: BLE001 - a crashed engine must fail every waiting client
             logger.exception("engine thread crashed")
             self.dead_error = exc
             self._fail_all(exc)
 
-    def _run_commands(self, block: bool) -> bool:
-        """Run queued commands; False when asked to stop."""
+    def _run_commands(self, timeout: float | None) -> bool:
+        """Run queued commands, waiting up to ``timeout`` s for the first (None: forever). False: stop."""
         try:
-            command = self._commands.get() if block else self._commands.get_nowait()
+            command = self._commands.get(timeout=timeout) if timeout != 0.0 else self._commands.get_nowait()
         except queue.Empty:
             return True
         while True:

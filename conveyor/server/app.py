@@ -98,6 +98,12 @@ def build_app(engine: LLMEngine, served_model_name: str | None = None, api_key: 
             return JSONResponse(APIError(503, "engine is not running", code="engine_dead").body(), 503)
         return Response(status_code=200)
 
+    @app.get("/version")
+    async def version():
+        from conveyor import __version__
+
+        return {"version": __version__}
+
     @app.get("/metrics")
     async def prometheus():
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")

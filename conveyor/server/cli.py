@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 
 logger = logging.getLogger("conveyor.server")
 
@@ -17,7 +18,9 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", default=None, help="the name clients pass as `model` (default: the "
                    "model directory, or the embedded model's name)")
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (not on /health, /metrics)")
+    p.add_argument("--api-key", default=os.environ.get("CONVEYOR_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on every route but /health and /metrics "
+                   "(default: $CONVEYOR_API_KEY)")
     p.add_argument("--log-stats-interval", type=float, default=5.0, help="seconds between status log lines")
     p.add_argument("--disable-log-stats", action="store_true")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
