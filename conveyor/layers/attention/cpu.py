@@ -66,11 +66,12 @@ class CpuAttention:
             self.prefill_ids = range(meta.num_decodes, meta.num_reqs)
             return
         for start, end in plan_decode_buckets(meta.seq_lens, meta.num_decodes):
-            lens = torch.tensor(meta.seq_lens[start:end])
-            nblk = -(-int(lens.max()) // bs)
+            device = meta.block_table.device
+            lens = torch.tensor(meta.seq_lens[start:end], device=device)
+            nblk = -(-max(meta.seq_lens[start:end]) // bs)
             ids = meta.block_table[start:end, :nblk].reshape(-1)
-            outside = torch.arange(nblk * bs).unsqueeze(0) >= lens.unsqueeze(1)
-            mask = torch.zeros(outside.shape, dtype=dtype).masked_fill_(outside, float("-inf"))
+            outside = torch.arange(nblk * bs, device=device).unsqueeze(0) >= lens.unsqueeze(1)
+            mask = torch.zeros(outside.shape, dtype=dtype, device=device).masked_fill_(outside, float("-inf"))
             self.buckets.append(DecodeBucket(start, end, ids, nblk, mask[:, None, None, :]))
         # Prefill requests without prior context attend to their fresh K/V; the rest gather their context.
         self.prefill_ids = range(meta.num_decodes, meta.num_reqs)
@@ -115,7 +116,7 @@ def _attend_with_context(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comp
                          scale: float) -> torch.Tensor:
     """A chunk of n queries at positions computed.. over keys 0..computed+n-1 (bottom-right aligned causal)."""
     n, seq_len = q.shape[0], k.shape[0]
-    allowed = torch.ones(n, seq_len, dtype=torch.bool).tril_(diagonal=computed)
+    allowed = torch.ones(n, seq_len, dtype=torch.bool, device=q.device).tril_(diagonal=computed)
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
         attn_mask=allowed, scale=scale, enable_gqa=q.shape[1] != k.shape[1])

@@ -29,8 +29,8 @@ class ReferenceAttention:
             computed = meta.num_computed[i]
             ctx_k, ctx_v = gather_context(kv_cache, meta.block_table[i], seq_len)
             # Query j sits at position computed + j and sees keys 0 .. computed + j.
-            q_pos = torch.arange(computed, seq_len).unsqueeze(1)
-            allowed = torch.arange(seq_len).unsqueeze(0) <= q_pos  # [n, seq_len]
+            q_pos = torch.arange(computed, seq_len, device=q.device).unsqueeze(1)
+            allowed = torch.arange(seq_len, device=q.device).unsqueeze(0) <= q_pos  # [n, seq_len]
             qh = q[start:end].transpose(0, 1).float()  # [H, n, d]
             kh = ctx_k.transpose(0, 1).repeat_interleave(group, dim=0).float()  # [H, seq_len, d]
             vh = ctx_v.transpose(0, 1).repeat_interleave(group, dim=0).float()
