@@ -34,21 +34,46 @@ typedef struct {
     int64_t bt_stride; int H, KVH, D, bs; float scale; int item_begin, item_end; int max_len;
 } Job;
 
-/* One request: all its query heads over its context. Token l's K (and V) for all kv heads is one contiguous
-   KVH*D row of the cache, so K and V are each streamed once, row by row. */
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+static inline float hsum8(__m256 v) {
+    __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+    x = _mm_add_ss(x, _mm_movehdup_ps(x));
+    return _mm_cvtss_f32(x);
+}
+#endif
+
+/* dot(a, b) over n floats: AVX2 with 4 independent accumulators when available. */
+static inline float dot(const float *a, const float *b, int n) {
+    int d = 0; float tail = 0.f;
+#if defined(__AVX2__) && defined(__FMA__)
+    __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps(), s2 = _mm256_setzero_ps(), s3 = _mm256_setzero_ps();
+    for (; d + 32 <= n; d += 32) {
+        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), s0);
+        s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d + 8), _mm256_loadu_ps(b + d + 8), s1);
+        s2 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d + 16), _mm256_loadu_ps(b + d + 16), s2);
+        s3 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d + 24), _mm256_loadu_ps(b + d + 24), s3);
+    }
+    for (; d + 8 <= n; d += 8) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), s0);
+    tail = hsum8(_mm256_add_ps(_mm256_add_ps(s0, s1), _mm256_add_ps(s2, s3)));
+#endif
+    for (; d < n; d++) tail += a[d] * b[d];
+    return tail;
+}
+
+/* One request: all its query heads over its context, walked block by block (no per-token division).
+   Token l's K (and V) for all kv heads is one contiguous KVH*D row, so K and V are each streamed once. */
 static void attend_item(const Job *j, int b, float *scores) {
-    const int H = j->H, D = j->D, G = j->H / j->KVH, L = (int)j->seq_lens[b];
+    const int H = j->H, D = j->D, G = j->H / j->KVH, L = (int)j->seq_lens[b], bs = j->bs;
     const int64_t *table = j->block_table + (int64_t)b * j->bt_stride;
     const float *q = j->q + (int64_t)b * H * D;
     const int64_t row = (int64_t)j->KVH * D;
-    for (int l = 0; l < L; l++) {
-        const float *k = j->k_cache + (table[l / j->bs] * j->bs + l % j->bs) * row;
-        for (int h = 0; h < H; h++) {
-            const float *qh = q + (int64_t)h * D, *kh = k + (int64_t)(h / G) * D;
-            float acc = 0.f;
-            for (int d = 0; d < D; d++) acc += qh[d] * kh[d];
-            scores[(int64_t)h * L + l] = acc * j->scale;
-        }
+    for (int start = 0, blk = 0; start < L; start += bs, blk++) {
+        const float *k = j->k_cache + table[blk] * bs * row;
+        const int n = L - start < bs ? L - start : bs;
+        for (int t = 0; t < n; t++, k += row)
+            for (int h = 0; h < H; h++) scores[(int64_t)h * L + start + t] = dot(q + (int64_t)h * D, k + (int64_t)(h / G) * D, D) * j->scale;
     }
     for (int h = 0; h < H; h++) {
         float *s = scores + (int64_t)h * L, m = -FLT_MAX, sum = 0.f;
@@ -59,13 +84,15 @@ static void attend_item(const Job *j, int b, float *scores) {
     }
     float *o = j->out + (int64_t)b * H * D;
     for (int i = 0; i < H * D; i++) o[i] = 0.f;
-    for (int l = 0; l < L; l++) {
-        const float *v = j->v_cache + (table[l / j->bs] * j->bs + l % j->bs) * row;
-        for (int h = 0; h < H; h++) {
-            const float p = scores[(int64_t)h * L + l], *vh = v + (int64_t)(h / G) * D;
-            float *oh = o + (int64_t)h * D;
-            for (int d = 0; d < D; d++) oh[d] += p * vh[d];
-        }
+    for (int start = 0, blk = 0; start < L; start += bs, blk++) {
+        const float *v = j->v_cache + table[blk] * bs * row;
+        const int n = L - start < bs ? L - start : bs;
+        for (int t = 0; t < n; t++, v += row)
+            for (int h = 0; h < H; h++) {
+                const float p = scores[(int64_t)h * L + start + t], *vh = v + (int64_t)(h / G) * D;
+                float *oh = o + (int64_t)h * D;
+                for (int d = 0; d < D; d++) oh[d] += p * vh[d];
+            }
     }
 }
 
@@ -104,6 +131,7 @@ int paged_decode_attention(const float *q, const float *k_cache, const float *v_
 }
 """
 
+_COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fPIC", "-pthread")
 _lock = threading.Lock()
 _loaded: dict[str, object] = {}
 
@@ -122,8 +150,13 @@ def _build(path: str) -> None:
         with open(src, "w") as f:
             f.write(SOURCE)
         lib = os.path.join(tmp, "lib.so")
-        cmd = [compiler, "-O3", "-march=native", "-ffast-math", "-fPIC", "-shared", "-pthread", src, "-o", lib, "-lm"]
-        subprocess.run(cmd, check=True, capture_output=True, timeout=120)
+        obj = os.path.join(tmp, "paged_decode.o")
+        # Compile with -ffast-math but link without it: linking a shared library with -ffast-math pulls in
+        # crtfastmath.o, which flips the whole process into flush-to-zero mode when the library is loaded.
+        compile_cmd = [compiler, *_COMPILE_FLAGS, "-c", src, "-o", obj]
+        link_cmd = [compiler, "-shared", "-pthread", obj, "-o", lib, "-lm"]
+        for cmd in (compile_cmd, link_cmd):
+            subprocess.run(cmd, check=True, capture_output=True, timeout=120)
         os.replace(lib, path)  # atomic: concurrent builders never load a half-written file
 
 
@@ -131,7 +164,7 @@ def load_kernel():
     """The compiled ``paged_decode_attention`` function, or None when it cannot be built here."""
     if os.environ.get("CONVEYOR_NO_C_KERNEL") == "1":
         return None
-    key = hashlib.sha256(SOURCE.encode()).hexdigest()[:16]
+    key = hashlib.sha256((SOURCE + " ".join(_COMPILE_FLAGS)).encode()).hexdigest()[:16]
     with _lock:
         if key in _loaded:
             return _loaded[key]
