@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# One-step set-up on a fresh machine: a virtual environment in .venv with conveyor and its test tools.
+# torch is pinned to the 2.13.0 wheel first: on the CPU machines this project runs on, pip takes that CPU build
+# from the machine's local wheel store instead of pulling a multi-GB CUDA build.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if [ ! -x .venv/bin/python ]; then
+  python3 -m venv .venv
+fi
+. .venv/bin/activate
+python -m pip install --quiet --upgrade pip
+python -m pip install --quiet "torch==2.13.0"
+python -m pip install --quiet -e ".[test]"
+python -c "import torch, conveyor; print('conveyor', conveyor.__version__, '| torch', torch.__version__)"
