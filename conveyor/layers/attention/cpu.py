@@ -50,31 +50,29 @@ def plan_decode_buckets(seq_lens: list[int], num_decodes: int) -> list[tuple[int
 
 
 class CpuAttention:
-    """Batched decode buckets + per-request prefill, plain torch ops."""
+    """All decodes in one C-kernel call (or a few torch length buckets), then prefill chunks one by one."""
 
     name = "cpu"
 
     def __init__(self, meta: AttentionMetadata, dtype: torch.dtype = torch.float32, use_c_kernel: bool = True) -> None:
         self.meta = meta
+        # Prefill requests without prior context attend to their fresh K/V; the rest gather their context.
+        self.prefill_ids = range(meta.num_decodes, meta.num_reqs)
         self.buckets: list[DecodeBucket] = []
-        bs = meta.block_size
         on_cpu = meta.block_table.device.type == "cpu"
         self.kernel = load_kernel() if use_c_kernel and dtype == torch.float32 and on_cpu and meta.num_decodes else None
         if self.kernel is not None:
             self.decode_table = meta.block_table[:meta.num_decodes].contiguous()
             self.decode_lens = torch.tensor(meta.seq_lens[:meta.num_decodes], dtype=torch.int64)
-            self.prefill_ids = range(meta.num_decodes, meta.num_reqs)
             return
+        bs, device = meta.block_size, meta.block_table.device
         for start, end in plan_decode_buckets(meta.seq_lens, meta.num_decodes):
-            device = meta.block_table.device
             lens = torch.tensor(meta.seq_lens[start:end], device=device)
             nblk = -(-max(meta.seq_lens[start:end]) // bs)
             ids = meta.block_table[start:end, :nblk].reshape(-1)
             outside = torch.arange(nblk * bs, device=device).unsqueeze(0) >= lens.unsqueeze(1)
             mask = torch.zeros(outside.shape, dtype=dtype, device=device).masked_fill_(outside, float("-inf"))
             self.buckets.append(DecodeBucket(start, end, ids, nblk, mask[:, None, None, :]))
-        # Prefill requests without prior context attend to their fresh K/V; the rest gather their context.
-        self.prefill_ids = range(meta.num_decodes, meta.num_reqs)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 scale: float) -> torch.Tensor:
