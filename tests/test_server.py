@@ -249,7 +249,7 @@ def test_disconnect_while_waiting_for_non_streaming_answer(server):
     before = metrics(server.url)
     body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 500, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(server.url + "/v1/completions", json=body, timeout=0.05)
+        httpx.post(server.url + "/v1/completions", json=body, timeout=httpx.Timeout(5.0, read=0.1))
     key = "conveyor:request_success_total{finished_reason=abort}"
     assert wait_for(lambda: metrics(server.url).get(key, 0.0) == before.get(key, 0.0) + 1)
     assert metrics(server.url)["conveyor:kv_cache_usage_perc"] == 0.0
