@@ -12,6 +12,9 @@ def add_bench_parser(sub) -> None:
     from conveyor.bench.workload_gen import add_workload_parser
 
     add_workload_parser(bench_sub)
+    from conveyor.bench.compare import add_compare_parser
+
+    add_compare_parser(bench_sub)
     from conveyor.bench.serve_client import add_serve_client_parser
 
     add_serve_client_parser(bench_sub)
