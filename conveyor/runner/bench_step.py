@@ -1,6 +1,6 @@
 """Micro-benchmark of one ModelRunner step on the embedded bench model.
 
-    python -m conveyor.runner.bench_step [--steps 20] [--backend cpu] [--block-size 16]
+    python -m conveyor.runner.bench_step [--steps 20] [--backend cpu] [--block-size 16] [--only decode]
 
 Times decode steps at batch 1 / 32 / 100 (context lengths like workload_longtail_v1's) and 2048-token prefill
 steps, and prints ms/step and achieved GFLOP/s next to this machine's matmul rate measured in the same run.
@@ -107,6 +107,8 @@ def run(args) -> None:
     cases = [("decode", 1, [300]), ("decode", 32, contexts(32)), ("decode", 100, contexts(100)),
              ("prefill", 1, [2048]), ("prefill", 16, [128] * 16)]
     for kind, batch, lens in cases:
+        if args.only and kind != args.only:
+            continue
         driver = StepDriver(runner, args.block_size)
         driver.next_block = 0
         so, ids = driver.prefill(lens)
@@ -146,6 +148,7 @@ def main() -> None:
     ap.add_argument("--backend", default="cpu")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--num-blocks", type=int, default=16384)
+    ap.add_argument("--only", choices=["decode", "prefill"], help="run only these cases")
     with torch.inference_mode():
         run(ap.parse_args())
 
