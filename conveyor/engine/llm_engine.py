@@ -108,7 +108,10 @@ class LLMEngine:
         return None, list(prompt)
 
     def validate_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
-        """Raise ValueError when a prompt cannot be served (empty, too long, ids outside the vocabulary)."""
+        """Raise ValueError when a prompt cannot be served (empty, too long, ids outside the vocabulary).
+
+        ``max_tokens`` beyond the remaining context is not an error here: ``Request.max_output_tokens`` caps it
+        (the OpenAI server is stricter and refuses it, as vLLM's does)."""
         if not token_ids:
             raise ValueError("prompt must not be empty")
         if len(token_ids) >= self.max_model_len:
@@ -119,8 +122,6 @@ class LLMEngine:
         vocab = self.model_info.vocab_size
         if any(not isinstance(t, int) or not 0 <= t < vocab for t in token_ids):
             raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
-        if params.max_tokens is not None and len(token_ids) + params.max_tokens > self.max_model_len:
-            pass  # vLLM caps max_tokens at the remaining context; Request.max_output_tokens does the same
 
     def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams | None = None,
                     arrival_time: float | None = None) -> str:
