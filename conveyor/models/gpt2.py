@@ -69,6 +69,9 @@ class GPT2LMHeadModel(nn.Module):
             x = block(x, kv_cache, attn)
         return self.ln_f(x)
 
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.wte
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.wte.weight if self.lm_head is None else self.lm_head.weight
         return torch.nn.functional.linear(hidden, weight)

@@ -77,6 +77,9 @@ class LlamaForCausalLM(nn.Module):
             x = layer(x, cos, sin, kv_cache, attn)
         return self.norm(x)
 
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.embed_tokens
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return torch.nn.functional.linear(hidden, weight)

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from conveyor.models.config import GPT2_LIKE, ModelConfig, parse_config
+from conveyor.models.cpu_layout import relayout_for_cpu
 from conveyor.models.gpt2 import GPT2LMHeadModel
 from conveyor.models.llama import LlamaForCausalLM
 from conveyor.models.weights import checkpoint_files, iter_weights, load_into
@@ -102,7 +103,15 @@ def load_model(model: str | None, dtype: str | torch.dtype = "float32", device: 
     """
     if model is None or model == EMBEDDED_NAME:
         from conveyor.models.embedded import load_embedded
-        return load_embedded(resolve_dtype(dtype, device), device, seed)
+        net, info = load_embedded(resolve_dtype(dtype, device), device, seed)
+    else:
+        net, info = _load_hf_dir(model, dtype, device)
+    if torch.device(device).type == "cpu":
+        relayout_for_cpu(net)
+    return net, info
+
+
+def _load_hf_dir(model: str, dtype: str | torch.dtype, device: str | torch.device) -> tuple[torch.nn.Module, ModelInfo]:
     config_path = os.path.join(model, "config.json")
     if not os.path.isdir(model):
         raise FileNotFoundError(f"model directory {model!r} does not exist")
