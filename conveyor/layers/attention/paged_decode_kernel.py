@@ -6,7 +6,7 @@ into a padded tensor (write + read again) and then run SDPA: at 100 decodes x ~3
 It is plain C (no torch headers: builds in about a second with the system compiler), cached by source hash
 under ~/.cache/conveyor, and optional: ``load_kernel()`` returns None when there is no compiler (or
 CONVEYOR_NO_C_KERNEL=1), and the backend falls back to the torch path.
-Threads: requests are split into ranges of about equal total context over plain pthreads.
+Threads: requests are shared out dynamically over torch's own OpenMP pool (see the C source).
 """
 
 from __future__ import annotations
@@ -25,55 +25,77 @@ import torch
 SOURCE = r"""
 #include <math.h>
 #include <float.h>
-#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <omp.h>
 
 typedef struct {
     const float *q, *k_cache, *v_cache; const int64_t *block_table, *seq_lens; float *out;
-    int64_t bt_stride; int H, KVH, D, bs; float scale; int item_begin, item_end; int max_len;
-} Job;
+    int64_t bt_stride; int H, KVH, D, bs; float scale;
+} Args;
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
-static inline float hsum8(__m256 v) {
-    __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
-    x = _mm_add_ss(x, _mm_movehdup_ps(x));
-    return _mm_cvtss_f32(x);
+#define FAST 1
+/* Eight dot-product accumulators -> one vector of their eight sums (a transpose-add tree). */
+static inline __m256 hsum8x8(const __m256 *a) {
+    __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
+    __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+    __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
-#endif
-
-/* dot(a, b) over n floats: AVX2 with 4 independent accumulators when available. */
-static inline float dot(const float *a, const float *b, int n) {
-    int d = 0; float tail = 0.f;
-#if defined(__AVX2__) && defined(__FMA__)
-    __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps(), s2 = _mm256_setzero_ps(), s3 = _mm256_setzero_ps();
-    for (; d + 32 <= n; d += 32) {
-        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), s0);
-        s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d + 8), _mm256_loadu_ps(b + d + 8), s1);
-        s2 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d + 16), _mm256_loadu_ps(b + d + 16), s2);
-        s3 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d + 24), _mm256_loadu_ps(b + d + 24), s3);
+/* scores[t] = scale * q . k_t for 8 consecutive K rows (row stride `row`), nd = D / 8 vectors each. */
+static inline void qk8(const float *q, const float *k, int64_t row, int nd, float scale, float *scores) {
+    __m256 acc[8];
+    for (int u = 0; u < 8; u++) acc[u] = _mm256_setzero_ps();
+    for (int j = 0; j < nd; j++) {
+        const __m256 qv = _mm256_loadu_ps(q + 8 * j);
+        for (int u = 0; u < 8; u++) acc[u] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + u * row + 8 * j), acc[u]);
     }
-    for (; d + 8 <= n; d += 8) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), s0);
-    tail = hsum8(_mm256_add_ps(_mm256_add_ps(s0, s1), _mm256_add_ps(s2, s3)));
+    _mm256_storeu_ps(scores, _mm256_mul_ps(hsum8x8(acc), _mm256_set1_ps(scale)));
+}
+/* o += sum_t p[t] * v_t over n V rows, accumulating in registers (ND = D / 8, a compile-time constant). */
+static inline void pv(const float *p, const float *v, int64_t row, int n, float *o, const int ND) {
+    __m256 acc[16];
+    for (int j = 0; j < ND; j++) acc[j] = _mm256_loadu_ps(o + 8 * j);
+    for (int t = 0; t < n; t++, v += row) {
+        const __m256 pt = _mm256_set1_ps(p[t]);
+        for (int j = 0; j < ND; j++) acc[j] = _mm256_fmadd_ps(pt, _mm256_loadu_ps(v + 8 * j), acc[j]);
+    }
+    for (int j = 0; j < ND; j++) _mm256_storeu_ps(o + 8 * j, acc[j]);
+}
+#else
+#define FAST 0
 #endif
-    for (; d < n; d++) tail += a[d] * b[d];
-    return tail;
+
+static inline float dot(const float *a, const float *b, int n) {
+    float s = 0.f;
+    for (int d = 0; d < n; d++) s += a[d] * b[d];
+    return s;
 }
 
-/* One request: all its query heads over its context, walked block by block (no per-token division).
-   Token l's K (and V) for all kv heads is one contiguous KVH*D row, so K and V are each streamed once. */
-static void attend_item(const Job *j, int b, float *scores) {
-    const int H = j->H, D = j->D, G = j->H / j->KVH, L = (int)j->seq_lens[b], bs = j->bs;
-    const int64_t *table = j->block_table + (int64_t)b * j->bt_stride;
-    const float *q = j->q + (int64_t)b * H * D;
-    const int64_t row = (int64_t)j->KVH * D;
+/* One request: all its query heads over its context, walked block by block. K, then V, are each streamed from
+   memory once: within a block, the rows stay in L1 while every query head of their kv head uses them. */
+static void attend_item(const Args *a, int b, float *scores) {
+    const int H = a->H, D = a->D, G = a->H / a->KVH, L = (int)a->seq_lens[b], bs = a->bs;
+    const int64_t *table = a->block_table + (int64_t)b * a->bt_stride;
+    const float *q = a->q + (int64_t)b * H * D;
+    const int64_t row = (int64_t)a->KVH * D;
+    const int vec = FAST && D % 8 == 0 && D <= 128;
     for (int start = 0, blk = 0; start < L; start += bs, blk++) {
-        const float *k = j->k_cache + table[blk] * bs * row;
+        const float *k = a->k_cache + table[blk] * bs * row;
         const int n = L - start < bs ? L - start : bs;
-        for (int t = 0; t < n; t++, k += row)
-            for (int h = 0; h < H; h++) scores[(int64_t)h * L + start + t] = dot(q + (int64_t)h * D, k + (int64_t)(h / G) * D, D) * j->scale;
+        int t = 0;
+#if FAST
+        if (vec)
+            for (; t + 8 <= n; t += 8)
+                for (int h = 0; h < H; h++)
+                    qk8(q + (int64_t)h * D, k + t * row + (int64_t)(h / G) * D, row, D / 8, a->scale,
+                        scores + (int64_t)h * L + start + t);
+#endif
+        for (; t < n; t++)
+            for (int h = 0; h < H; h++)
+                scores[(int64_t)h * L + start + t] = dot(q + (int64_t)h * D, k + t * row + (int64_t)(h / G) * D, D) * a->scale;
     }
     for (int h = 0; h < H; h++) {
         float *s = scores + (int64_t)h * L, m = -FLT_MAX, sum = 0.f;
@@ -82,56 +104,50 @@ static void attend_item(const Job *j, int b, float *scores) {
         const float inv = 1.f / sum;
         for (int l = 0; l < L; l++) s[l] *= inv;
     }
-    float *o = j->out + (int64_t)b * H * D;
+    float *o = a->out + (int64_t)b * H * D;
     for (int i = 0; i < H * D; i++) o[i] = 0.f;
     for (int start = 0, blk = 0; start < L; start += bs, blk++) {
-        const float *v = j->v_cache + table[blk] * bs * row;
+        const float *v = a->v_cache + table[blk] * bs * row;
         const int n = L - start < bs ? L - start : bs;
-        for (int t = 0; t < n; t++, v += row)
-            for (int h = 0; h < H; h++) {
-                const float p = scores[(int64_t)h * L + start + t], *vh = v + (int64_t)(h / G) * D;
-                float *oh = o + (int64_t)h * D;
-                for (int d = 0; d < D; d++) oh[d] += p * vh[d];
-            }
+        for (int h = 0; h < H; h++) {
+            const float *p = scores + (int64_t)h * L + start, *vh = v + (int64_t)(h / G) * D;
+            float *oh = o + (int64_t)h * D;
+#if FAST
+            if (vec && D == 64) { pv(p, vh, row, n, oh, 8); continue; }
+            if (vec && D == 128) { pv(p, vh, row, n, oh, 16); continue; }
+#endif
+            for (int t = 0; t < n; t++)
+                for (int d = 0; d < D; d++) oh[d] += p[t] * vh[t * row + d];
+        }
     }
 }
 
-static void *run_job(void *arg) {
-    const Job *j = (const Job *)arg;
-    float *scores = (float *)malloc(sizeof(float) * (size_t)j->H * (size_t)(j->max_len > 0 ? j->max_len : 1));
-    for (int item = j->item_begin; item < j->item_end; item++) attend_item(j, item, scores);
-    free(scores);
-    return 0;
-}
-
-/* q, out: [B, H, D]; k_cache, v_cache: [num_blocks, bs, KVH, D]; block_table: [B, bt_stride]; seq_lens: [B]. */
+/* q, out: [B, H, D]; k_cache, v_cache: [num_blocks, bs, KVH, D]; block_table: [B, bt_stride]; seq_lens: [B].
+   Runs on the OpenMP pool: linked by soname against the libgomp torch already loaded, so these are torch's
+   own intra-op threads (a separate thread pool would fight torch's spinning workers for the same cores). */
 int paged_decode_attention(const float *q, const float *k_cache, const float *v_cache, const int64_t *block_table,
                            int64_t bt_stride, const int64_t *seq_lens, float *out, int B, int H, int KVH, int D,
                            int bs, float scale, int num_threads) {
-    if (num_threads < 1) num_threads = 1;
-    if (num_threads > 64) num_threads = 64;
-    int64_t total = 0; int max_len = 0;
-    for (int b = 0; b < B; b++) { total += seq_lens[b]; if (seq_lens[b] > max_len) max_len = (int)seq_lens[b]; }
-    Job jobs[64]; pthread_t threads[64];
-    int begin = 0; int64_t acc = 0;
-    for (int t = 0; t < num_threads; t++) {  /* contiguous request ranges of about equal total context */
-        int end = begin;
-        const int64_t target = total * (t + 1) / num_threads;
-        while (end < B && (t == num_threads - 1 || acc + seq_lens[end] <= target)) { acc += seq_lens[end]; end++; }
-        Job j = {q, k_cache, v_cache, block_table, seq_lens, out, bt_stride, H, KVH, D, bs, scale, begin, end, max_len};
-        jobs[t] = j; begin = end;
+    int max_len = 1;
+    for (int b = 0; b < B; b++) if (seq_lens[b] > max_len) max_len = (int)seq_lens[b];
+    const Args args = {q, k_cache, v_cache, block_table, seq_lens, out, bt_stride, H, KVH, D, bs, scale};
+    int failed = 0;
+    #pragma omp parallel num_threads(num_threads < 1 ? 1 : num_threads)
+    {
+        float *scores = (float *)malloc(sizeof(float) * (size_t)H * (size_t)max_len);
+        if (!scores) {
+            #pragma omp atomic write
+            failed = 1;
+        }
+        #pragma omp for schedule(dynamic, 1)
+        for (int b = 0; b < B; b++) if (scores) attend_item(&args, b, scores);
+        free(scores);
     }
-    int started = 0;
-    for (int t = 1; t < num_threads; t++)
-        if (jobs[t].item_begin < jobs[t].item_end && pthread_create(&threads[t], 0, run_job, &jobs[t]) == 0) started |= 1 << t;
-        else if (jobs[t].item_begin < jobs[t].item_end) run_job(&jobs[t]);
-    run_job(&jobs[0]);
-    for (int t = 1; t < num_threads; t++) if (started & (1 << t)) pthread_join(threads[t], 0);
-    return 0;
+    return failed ? -1 : 0;
 }
 """
 
-_COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fPIC", "-pthread")
+_COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fPIC", "-fopenmp")
 _lock = threading.Lock()
 _loaded: dict[str, object] = {}
 
@@ -154,7 +170,7 @@ def _build(path: str) -> None:
         # Compile with -ffast-math but link without it: linking a shared library with -ffast-math pulls in
         # crtfastmath.o, which flips the whole process into flush-to-zero mode when the library is loaded.
         compile_cmd = [compiler, *_COMPILE_FLAGS, "-c", src, "-o", obj]
-        link_cmd = [compiler, "-shared", "-pthread", obj, "-o", lib, "-lm"]
+        link_cmd = [compiler, "-shared", "-fopenmp", obj, "-o", lib, "-lm"]
         for cmd in (compile_cmd, link_cmd):
             subprocess.run(cmd, check=True, capture_output=True, timeout=120)
         os.replace(lib, path)  # atomic: concurrent builders never load a half-written file
@@ -189,6 +205,8 @@ def paged_decode(fn, q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
     """out[B, H, D] = attention of q[B, H, D] (one query per request) over its paged context."""
     assert q.is_contiguous() and out.is_contiguous() and kv_cache.is_contiguous() and block_table.is_contiguous()
     num_blocks, bs, kv_heads, head_dim = kv_cache.shape[1:]
-    fn(q.data_ptr(), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), block_table.data_ptr(), block_table.shape[1],
-       seq_lens.data_ptr(), out.data_ptr(), q.shape[0], q.shape[1], kv_heads, head_dim, bs, scale,
-       torch.get_num_threads())
+    rc = fn(q.data_ptr(), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), block_table.data_ptr(),
+            block_table.shape[1], seq_lens.data_ptr(), out.data_ptr(), q.shape[0], q.shape[1], kv_heads, head_dim, bs,
+            scale, torch.get_num_threads())
+    if rc != 0:
+        raise MemoryError("paged decode kernel could not allocate its score buffer")
