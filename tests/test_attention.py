@@ -101,3 +101,22 @@ def test_c_kernel_builds_where_there_is_a_compiler():
     if shutil.which("cc") is None and shutil.which("gcc") is None:
         pytest.skip("no C compiler: the torch path runs instead")
     assert load_kernel() is not None
+
+
+def test_pad_tokens_attend_within_segments_of_the_longest_chunk():
+    # Static batching pads each prompt to the batch's longest: pads cost like padded rows, so they must
+    # attend within segments of at most that length, never as one sequence of all the padding.
+    import torch
+
+    from conveyor.layers.attention.common import attend_pad, causal_self_attention
+    from conveyor.layers.attention.metadata import AttentionMetadata
+
+    torch.manual_seed(0)
+    q, k, v = torch.randn(10, 4, 8), torch.randn(10, 2, 8), torch.randn(10, 2, 8)
+    meta = AttentionMetadata(num_tokens=0, num_pad_tokens=10, block_size=4, slot_mapping=torch.empty(0),
+                             query_start_loc=[0], seq_lens=[], num_computed=[], block_table=torch.empty(0, 0),
+                             num_decodes=0, pad_segment=4)
+    out = torch.empty_like(q)
+    attend_pad(q, k, v, out, meta, 0.3)
+    for s, e in ((0, 4), (4, 8), (8, 10)):
+        torch.testing.assert_close(out[s:e], causal_self_attention(q[s:e], k[s:e], v[s:e], 0.3))

@@ -122,10 +122,14 @@ class InputBatch:
         for s, c, n in zip(ordered, computed.tolist(), num_new.tolist()):
             input_ids += s.token_ids[c:c + n]
         pad = so.num_padding_tokens
-        if pad:  # one fake sequence of token 0 at positions 0..pad-1 (capped at the position table)
+        # Pad tokens (token 0) form fake sequences no longer than the step's longest chunk: the rows a padded
+        # [batch, longest] tensor would hold. Positions restart at 0 in each.
+        pad_segment = int(num_new.max()) if len(ordered) else pad
+        if self.max_position is not None:
+            pad_segment = min(pad_segment, self.max_position)
+        if pad:
             input_ids += [0] * pad
-            pad_pos = np.arange(pad) if self.max_position is None else np.arange(pad) % self.max_position
-            positions = np.concatenate([positions, pad_pos])
+            positions = np.concatenate([positions, np.arange(pad) % max(pad_segment, 1)])
 
         sampling_idx = [i for i, s in enumerate(ordered) if int(seq_lens[i]) == len(s.token_ids)]
         sampling = [ordered[i] for i in sampling_idx]
@@ -137,6 +141,6 @@ class InputBatch:
             num_tokens=num_tokens, num_pad_tokens=pad, block_size=self.block_size,
             slot_mapping=torch.from_numpy(slot_mapping).to(dev), query_start_loc=query_start.tolist(),
             seq_lens=seq_lens.tolist(), num_computed=computed.tolist(),
-            block_table=torch.from_numpy(block_table).to(dev), num_decodes=len(decodes))
+            block_table=torch.from_numpy(block_table).to(dev), num_decodes=len(decodes), pad_segment=pad_segment)
         return StepInputs(torch.tensor(input_ids, dtype=torch.int64, device=dev),
                           torch.from_numpy(positions).to(dev), meta, logits_indices, sampling)

@@ -37,7 +37,10 @@ def causal_self_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sca
 
 def attend_pad(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, meta: AttentionMetadata,
                scale: float) -> None:
-    """Really compute the pad tokens (a baseline's wasted work): causal over themselves, result kept in out."""
-    if meta.num_pad_tokens:
-        s = meta.num_tokens
-        out[s:] = causal_self_attention(q[s:], k[s:], v[s:], scale)
+    """Really compute the pad tokens (a baseline's wasted work), causal within segments of at most
+    ``meta.pad_segment`` tokens (the step's longest prompt chunk): as padded rows of a [batch, longest] tensor
+    would cost, never one long sequence whose attention would grow with the square of *all* the padding."""
+    seg = meta.pad_segment or meta.num_pad_tokens
+    for s in range(meta.num_tokens, meta.num_tokens + meta.num_pad_tokens, max(seg, 1)):
+        e = min(s + seg, meta.num_tokens + meta.num_pad_tokens)
+        out[s:e] = causal_self_attention(q[s:e], k[s:e], v[s:e], scale)

@@ -28,6 +28,7 @@ class AttentionMetadata:
     num_computed: list[int]  # [num_reqs]: tokens already in the cache before this step
     block_table: torch.Tensor  # [num_reqs, max_blocks] int64, rows padded with 0
     num_decodes: int  # the first num_decodes requests have exactly one new token
+    pad_segment: int = 0  # pad tokens form fake sequences of at most this many tokens (0: one sequence)
 
     @property
     def num_reqs(self) -> int:
