@@ -11,12 +11,13 @@ from dataclasses import dataclass
 
 @dataclass
 class MachineRoofline:
-    matmul_gflops: float  # square fp32 GEMM
+    matmul_gflops: float  # square fp32 GEMM of side ``square_n``
     skinny_gflops: float  # decode-like [32 x 512] @ [512 x 1536]
     mem_bandwidth_gbs: float  # read + write of a large copy
+    square_n: int = 2048
 
     def describe(self) -> str:
-        return (f"fp32 matmul {self.matmul_gflops:.0f} GFLOP/s (square 2048), {self.skinny_gflops:.0f} GFLOP/s "
+        return (f"fp32 matmul {self.matmul_gflops:.0f} GFLOP/s (square {self.square_n}), {self.skinny_gflops:.0f} GFLOP/s "
                 f"(decode-like 32x512x1536), memory {self.mem_bandwidth_gbs:.1f} GB/s (copy)")
 
 
@@ -62,4 +63,4 @@ def measure_roofline(device: str = "cpu", quick: bool = False) -> MachineRooflin
         sync()
 
     bandwidth = 2 * numel * 4 / _best_time(copy, 5) / 1e9
-    return MachineRoofline(matmul, skinny_rate, bandwidth)
+    return MachineRoofline(matmul, skinny_rate, bandwidth, n)

@@ -46,9 +46,15 @@ def model_flops(model, info, prompt_tokens: int, output_tokens: int, num_request
     return 2.0 * linear * computed + 2.0 * lm_head * output_tokens + attention
 
 
-def run_offline(llm, workload: Workload, use_tqdm: bool = False) -> OfflineResult:
-    """Submit every request at once and generate to completion; the result counts tokens actually produced."""
+def run_offline(llm, workload: Workload, use_tqdm: bool = False, keep_prefix_cache: bool = False) -> OfflineResult:
+    """Submit every request at once and generate to completion; the result counts tokens actually produced.
+
+    The prefix cache is emptied first unless ``keep_prefix_cache``: a repeat of the same workload would
+    otherwise find every prompt cached and skip most of the prefill.
+    """
     engine = llm.engine
+    if not keep_prefix_cache and hasattr(engine.kv_manager, "pool"):
+        engine.reset_prefix_cache()
     preempt0, steps0 = engine.scheduler.num_preemptions, engine.scheduler.num_steps
     prompts = [r.engine_prompt() for r in workload.requests]
     params = [r.sampling_params() for r in workload.requests]
@@ -69,6 +75,8 @@ def add_offline_parser(sub) -> None:
     p.add_argument("--repeats", type=int, default=1, help="timed runs after one warm-up run")
     p.add_argument("--num-requests", type=int, default=None, help="use only the first N requests")
     p.add_argument("--no-warmup", action="store_true")
+    p.add_argument("--keep-prefix-cache", action="store_true",
+                   help="let a repeat reuse the previous run's cached prompts (as vllm_offline.py's repeats do)")
     EngineArgs.add_cli_args(p)
     p.set_defaults(func=_main)
 
@@ -90,7 +98,8 @@ def _main(ns) -> int:
     if not ns.no_warmup:
         warm = Workload("warmup", workload.requests[:8])
         run_offline(llm, warm)
-    results = [run_offline(llm, workload, use_tqdm=True) for _ in range(ns.repeats)]
+    results = [run_offline(llm, workload, use_tqdm=True, keep_prefix_cache=ns.keep_prefix_cache)
+               for _ in range(ns.repeats)]
     roof = measure_roofline(llm.engine.device)
     walls = [r.wall_s for r in results]
     best = min(results, key=lambda r: r.wall_s)
