@@ -76,13 +76,14 @@ class LatencyStats:
     p90: float = 0.0
     p99: float = 0.0
     max: float = 0.0
+    count: int = 0  # samples; 0 means "not observed" (e.g. queue time seen from an HTTP client)
 
     @classmethod
     def of(cls, values: list[float]) -> LatencyStats:
         if not values:
             return cls()
         return cls(sum(values) / len(values), percentile(values, 50), percentile(values, 90),
-                   percentile(values, 99), max(values))
+                   percentile(values, 99), max(values), len(values))
 
 
 @dataclass
@@ -190,6 +191,8 @@ def format_summary(summary: BenchSummary, title: str = "") -> str:
     for name, label in (("ttft", "Time to First Token"), ("tpot", "Time per Output Token (excl. 1st)"),
                         ("itl", "Inter-token Latency"), ("e2e", "End-to-end Latency"), ("queue", "Queue Time")):
         st: LatencyStats = getattr(s, name)
+        if st.count == 0:
+            continue  # not observed: print nothing rather than zeros that read like a measurement
         lines.append(f"{label:-^{width}}")
         for stat in ("mean", "p50", "p90", "p99", "max"):
             row(f"{stat.capitalize() if stat == 'mean' else stat.upper()} {name.upper()} (ms):",
