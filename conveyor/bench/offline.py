@@ -32,18 +32,16 @@ class OfflineResult:
 
 
 def model_flops(model, info, prompt_tokens: int, output_tokens: int, num_requests: int) -> float:
-    """FLOPs the workload needs: 2 x params per computed token, lm_head only for sampled tokens, attention.
+    """FLOPs the workload needs (``models.flops.forward_flops``).
 
     Every prompt token and every output token but the last of each request passes through the layers; every
     output token is sampled once through the lm_head. Attention is approximated at half the final context.
     """
-    linear = sum(p.numel() for name, p in model.named_parameters()
-                 if p.dim() == 2 and not any(k in name for k in ("embed", "lm_head", "wte", "wpe")))
-    lm_head = info.hidden_size * info.vocab_size
+    from conveyor.models.flops import forward_flops  # the models package imports torch: not at CLI start-up
+
     computed = prompt_tokens + output_tokens - num_requests
     avg_ctx = (prompt_tokens + output_tokens) / max(num_requests, 1) / 2
-    attention = 4 * info.num_layers * info.num_heads * info.head_dim * avg_ctx * computed
-    return 2.0 * linear * computed + 2.0 * lm_head * output_tokens + attention
+    return forward_flops(model, info, computed, output_tokens, avg_ctx * computed)
 
 
 def run_offline(llm, workload: Workload, use_tqdm: bool = False, keep_prefix_cache: bool = False) -> OfflineResult:

@@ -17,6 +17,7 @@ import torch
 from conveyor.core.outputs import CachedRequestData, NewRequestData, SchedulerOutput
 from conveyor.core.sampling_params import SamplingParams
 from conveyor.models import load_model
+from conveyor.models.flops import forward_flops
 from conveyor.runner.model_runner import ModelRunner
 
 
@@ -28,17 +29,6 @@ def matmul_gflops(m: int, k: int, n: int, reps: int = 20) -> float:
     for _ in range(reps):
         a @ b
     return 2 * m * k * n * reps / (time.perf_counter() - t) / 1e9
-
-
-def step_flops(info, num_tokens: int, num_sampled: int, ctx_per_token: list[int]) -> float:
-    """Matmul FLOPs of a step: projections + MLP per token, lm_head per sampled row, attention per (query, key)."""
-    h, layers = info.hidden_size, info.num_layers
-    qkv = h * (info.num_heads + 2 * info.num_kv_heads) * info.head_dim
-    o = info.num_heads * info.head_dim * h
-    mlp = 3 * h * 1408 if info.hidden_size == 512 else 3 * h * 4 * h
-    per_token = 2 * layers * (qkv + o + mlp)
-    attn = 4 * layers * info.num_heads * info.head_dim * sum(ctx_per_token)
-    return per_token * num_tokens + 2 * h * info.vocab_size * num_sampled + attn
 
 
 class StepDriver:
@@ -110,7 +100,6 @@ def run(args) -> None:
         if args.only and kind != args.only:
             continue
         driver = StepDriver(runner, args.block_size)
-        driver.next_block = 0
         so, ids = driver.prefill(lens)
         if kind == "prefill":
             times = []
@@ -123,7 +112,7 @@ def run(args) -> None:
                 runner.execute(so)
                 times.append(time.perf_counter() - t)
             ctx = [p + 1 for n in lens for p in range(n)]
-            flops = step_flops(info, sum(lens), batch, ctx)
+            flops = forward_flops(runner.model, info, sum(lens), batch, sum(ctx))
         else:
             driver.commit(so, runner.execute(so))
             times = []
@@ -134,7 +123,7 @@ def run(args) -> None:
                 times.append(time.perf_counter() - t)
                 driver.commit(so, out)
             times = times[2:]
-            flops = step_flops(info, batch, batch, [driver.state[r][0] for r in ids])
+            flops = forward_flops(runner.model, info, batch, batch, sum(driver.state[r][0] for r in ids))
         driver.finish(ids)
         best, med = min(times), sorted(times)[len(times) // 2]
         print(f"{kind:8s} batch {batch:4d} tokens {sum(lens) if kind == 'prefill' else batch:5d} "
