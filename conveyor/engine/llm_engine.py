@@ -42,8 +42,8 @@ class LLMEngine:
         device = args.device
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
-        if device == "cpu":
-            torch.set_num_threads(args.num_threads or torch.get_num_threads())
+        if device == "cpu" and args.num_threads:
+            torch.set_num_threads(args.num_threads)
         self.device = device
         if shared_model is not None:  # (model, model_info, tokenizer) already loaded: see sharing_model()
             self.model, self.model_info, self.tokenizer = shared_model
