@@ -135,3 +135,15 @@ def test_text_prompts_stop_strings_and_eos(tiny_llama_dir):
                             use_tqdm=False)
     assert ended.outputs[0].token_ids == free.outputs[0].token_ids[: free.outputs[0].token_ids.index(eos_tok) + 1]
     assert ended.outputs[0].stop_reason == eos_tok
+
+
+def test_reset_prefix_cache_forgets_prompts(tiny_llama_dir):
+    llm = make_llm(tiny_llama_dir, block_size=8, dtype="float32")
+    prompt = make_prompts(1, lo=40, hi=40)
+    llm.generate(prompt, GREEDY, use_tqdm=False)
+    llm.engine.reset_prefix_cache()
+    (out,) = llm.generate(prompt, GREEDY, use_tqdm=False)
+    assert out.metrics.num_cached_tokens == 0
+    (again,) = llm.generate(prompt, GREEDY, use_tqdm=False)
+    assert again.metrics.num_cached_tokens == 32  # without a reset the same prompt hits 4 full blocks
+    make_llm(tiny_llama_dir, kv_layout="slab", max_model_len=64, dtype="float32").engine.reset_prefix_cache()

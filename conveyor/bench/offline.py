@@ -51,7 +51,7 @@ def run_offline(llm, workload: Workload, use_tqdm: bool = False, keep_prefix_cac
     otherwise find every prompt cached and skip most of the prefill.
     """
     engine = llm.engine
-    if not keep_prefix_cache and hasattr(engine.kv_manager, "pool"):
+    if not keep_prefix_cache:
         engine.reset_prefix_cache()
     preempt0, steps0 = engine.scheduler.num_preemptions, engine.scheduler.num_steps
     prompts = [r.engine_prompt() for r in workload.requests]

@@ -122,6 +122,10 @@ class KVCacheManager:
         blocks = self.req_blocks.pop(request.request_id, [])
         self.pool.free(reversed(blocks))
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block hash (blocks stay where they are)."""
+        self.pool.reset_prefix_cache()
+
     def check_invariants(self) -> None:
         owners: dict[int, int] = {}
         for blocks in self.req_blocks.values():

@@ -184,7 +184,7 @@ class LLMEngine:
         """Forget every cached block hash (benchmarks: a repeat must not reuse the previous run's prompts)."""
         if self.has_unfinished_requests():
             raise RuntimeError("reset_prefix_cache needs an idle engine")
-        self.kv_manager.pool.reset_prefix_cache()
+        self.kv_manager.reset_prefix_cache()
 
     def kv_cache_usage(self) -> float:
         return self.kv_manager.usage()
