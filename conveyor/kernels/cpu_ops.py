@@ -1,0 +1,117 @@
+"""The native CPU kernels (csrc/cpu_kernels.cpp) behind typed Python calls on torch tensors.
+
+``load_cpu_kernels()`` builds the library for this CPU's instruction-set level (cached: seconds the first time
+on a machine, milliseconds after) and returns a ``CpuKernels``, or None when they cannot run here: no x86
+AVX2, no C++ compiler, a failed build (a warning then carries the compiler's message), or
+``CONVEYOR_CPU_ISA=none``. Callers keep a torch path for None. The engine loads them while it starts, so the
+first request never pays the build.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+import warnings
+
+import torch
+
+from conveyor.kernels.build import BuildError, build_library
+from conveyor.kernels.cpu_features import LEVEL_FLAGS, kernel_level
+
+SOURCE_PATH = os.path.join(os.path.dirname(__file__), "csrc", "cpu_kernels.cpp")
+ABI_VERSION = 1
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+SUPPORTED_HEAD_DIMS = (64, 128)
+
+
+class KernelError(RuntimeError):
+    pass
+
+
+class CpuKernels:
+    """Loaded kernels of one instruction-set level. Every call checks shapes and dtypes it cannot handle."""
+
+    def __init__(self, lib: ctypes.CDLL, level: str, path: str) -> None:
+        self.level, self.path = level, path
+        p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+        self._attention = lib.cvk_attention
+        self._attention.restype = i32
+        self._attention.argtypes = [i32, p, i64, p, p, p, i64, p, p, i32, p, p, i64, i32, i32, i32, i32, f32, i32]
+        self._add_rmsnorm = lib.cvk_add_rmsnorm
+        self._add_rmsnorm.restype = i32
+        self._add_rmsnorm.argtypes = [i32, p, i64, p, p, p, i64, i64, f32, i32, i32]
+        self._silu_mul = lib.cvk_silu_mul
+        self._silu_mul.restype = i32
+        self._silu_mul.argtypes = [i32, p, p, i64, i64, i32]
+        self.vector_width = lib.cvk_vector_width()
+
+    @staticmethod
+    def supports(dtype: torch.dtype, head_dim: int | None = None) -> bool:
+        return dtype in _DTYPE_CODES and (head_dim is None or head_dim in SUPPORTED_HEAD_DIMS)
+
+    def attention(self, qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+                  query_start: torch.Tensor, seq_lens: torch.Tensor, cos_sin: torch.Tensor | None, out: torch.Tensor,
+                  num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        """Rope (when ``cos_sin`` is given) + KV write + causal attention of every request of a step.
+
+        qkv [T, >= (H + 2 KVH) * D] rows (q heads, k heads, v heads; q and k rotated in place); k_cache and
+        v_cache [num_blocks, block_size, KVH, D] contiguous; block_table [R, max_blocks] int64; query_start
+        [R + 1] and seq_lens [R] int64 (request r's tokens sit at positions seq_lens[r] - n_r ...); cos_sin
+        [positions, D] float32 (cos halves then sin halves); out [T, >= H * D], written.
+        """
+        code = _DTYPE_CODES[qkv.dtype]
+        bs = k_cache.shape[1]
+        rc = self._attention(
+            code, qkv.data_ptr(), qkv.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_table.data_ptr(),
+            block_table.stride(0), query_start.data_ptr(), seq_lens.data_ptr(), seq_lens.shape[0],
+            None if cos_sin is None else cos_sin.data_ptr(), out.data_ptr(), out.stride(0), num_heads,
+            num_kv_heads, head_dim, bs, scale, torch.get_num_threads())
+        if rc != 0:
+            raise KernelError(f"cvk_attention failed ({rc}) for H={num_heads} KVH={num_kv_heads} D={head_dim}")
+
+    def add_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                    out: torch.Tensor) -> None:
+        """``residual += x; out = rmsnorm(residual) * weight`` (without residual: ``out = rmsnorm(x) * weight``)."""
+        rows, n = out.shape
+        rc = self._add_rmsnorm(_DTYPE_CODES[x.dtype], x.data_ptr(), x.stride(0),
+                               None if residual is None else residual.data_ptr(), weight.data_ptr(), out.data_ptr(),
+                               rows, n, eps, residual is not None, torch.get_num_threads())
+        if rc != 0:
+            raise KernelError(f"cvk_add_rmsnorm failed ({rc})")
+
+    def silu_mul(self, gate_up: torch.Tensor, out: torch.Tensor) -> None:
+        """out [rows, n] = silu(gate_up[:, :n]) * gate_up[:, n:] (gate_up contiguous [rows, 2n])."""
+        rows, n = out.shape
+        rc = self._silu_mul(_DTYPE_CODES[gate_up.dtype], gate_up.data_ptr(), out.data_ptr(), rows, n,
+                            torch.get_num_threads())
+        if rc != 0:
+            raise KernelError(f"cvk_silu_mul failed ({rc})")
+
+
+_lock = threading.Lock()
+_loaded: dict[str, CpuKernels | None] = {}
+
+
+def load_cpu_kernels(level: str | None = None) -> CpuKernels | None:
+    """The kernels for ``level`` (default: this CPU's, see cpu_features.kernel_level), or None with a warning
+    saying why and that the torch path runs instead. Thread-safe; built at most once per process and level."""
+    level = level or kernel_level()
+    with _lock:
+        if level in _loaded:
+            return _loaded[level]
+        kernels = None
+        if level != "none":
+            try:
+                with open(SOURCE_PATH) as f:
+                    source = f.read()
+                path = build_library("cpu_kernels", source, level, LEVEL_FLAGS[level])
+                lib = ctypes.CDLL(path)
+                if lib.cvk_abi_version() != ABI_VERSION:
+                    raise BuildError(f"{path}: ABI version {lib.cvk_abi_version()}, expected {ABI_VERSION}")
+                kernels = CpuKernels(lib, level, path)
+            except (BuildError, OSError) as e:
+                warnings.warn(f"conveyor: native CPU kernels ({level}) unavailable, using the torch path: {e}",
+                              RuntimeWarning, stacklevel=2)
+        _loaded[level] = kernels
+        return kernels

@@ -1,0 +1,194 @@
+"""The native CPU kernels against plain torch, at every instruction-set level this CPU can run.
+
+Each level's library is built (or taken from the cache) by the test itself; a level above this CPU's is
+skipped, so an AVX2-only machine tests the AVX2 build and this Xeon tests all three. Where no kernel can be
+built at all (no compiler), the torch paths these kernels replace are what the engine runs, and the engine
+tests cover them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conveyor.kernels.cpu_features import LEVELS, cpu_features
+from conveyor.kernels.cpu_ops import load_cpu_kernels
+from conveyor.layers.rotary import RotaryEmbedding, apply_rotary
+
+RUNNABLE = [lvl for lvl in LEVELS[1:] if LEVELS.index(lvl) <= LEVELS.index(cpu_features().native_level)]
+DTYPES = [torch.float32, torch.bfloat16]
+TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+
+
+@pytest.fixture(scope="module", params=RUNNABLE or [pytest.param("none", marks=pytest.mark.skip("no AVX2"))])
+def kernels(request):
+    k = load_cpu_kernels(request.param)
+    if k is None:
+        pytest.skip(f"kernels for {request.param} could not be built here (see the warning)")
+    return k
+
+
+def make_step(reqs, heads, kv_heads, head_dim, block_size, dtype, seed=0):
+    """reqs: (num_computed, num_new) per request. Returns tensors as the runner builds them, with a cache
+    whose computed slots hold random K/V and blocks scattered over the pool."""
+    gen = torch.Generator().manual_seed(seed)
+    num_blocks = sum(-(-(c + n) // block_size) for c, n in reqs) + 4
+    free = list(range(num_blocks))
+    random.Random(seed).shuffle(free)
+    tables, qsl = [], [0]
+    for computed, new in reqs:
+        tables.append([free.pop() for _ in range(-(-(computed + new) // block_size))])
+        qsl.append(qsl[-1] + new)
+    width = max(len(t) for t in tables)
+    block_table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64)
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+    qkv = torch.randn(qsl[-1], (heads + 2 * kv_heads) * head_dim, generator=gen).to(dtype)
+    return qkv, k_cache, v_cache, block_table, torch.tensor(qsl), torch.tensor([c + n for c, n in reqs])
+
+
+@contextlib.contextmanager
+def one_thread():
+    """The reference's many small ops run on one thread: on a shared, oversubscribed machine each OpenMP
+    barrier of a 2-thread op can wait a whole scheduler slice (measured: 1 s instead of 0.02 s per case)."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(saved)
+
+
+def reference_attention(qkv, k_cache, v_cache, block_table, qsl, seq_lens, rotary, heads, kv_heads, head_dim, scale):
+    """Rope, cache write and causal attention in float32, one request at a time. Returns (out, k, v caches)."""
+    with one_thread():
+        return _reference_attention(qkv, k_cache, v_cache, block_table, qsl, seq_lens, rotary, heads, kv_heads,
+                                    head_dim, scale)
+
+
+def _reference_attention(qkv, k_cache, v_cache, block_table, qsl, seq_lens, rotary, heads, kv_heads, head_dim, scale):
+    k_cache, v_cache = k_cache.clone(), v_cache.clone()
+    bs = k_cache.shape[1]
+    x = qkv.float().view(qkv.shape[0], heads + 2 * kv_heads, head_dim)
+    out = torch.empty(qkv.shape[0], heads * head_dim)
+    for r in range(len(seq_lens)):
+        s, e, L = int(qsl[r]), int(qsl[r + 1]), int(seq_lens[r])
+        pos = torch.arange(L - (e - s), L)
+        q, k, v = x[s:e, :heads], x[s:e, heads:heads + kv_heads], x[s:e, heads + kv_heads:]
+        if rotary is not None:
+            cos, sin = rotary.lookup(pos)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        flat_k, flat_v = k_cache.view(-1, kv_heads, head_dim), v_cache.view(-1, kv_heads, head_dim)
+        new_slots = block_table[r, pos // bs] * bs + pos % bs
+        flat_k[new_slots], flat_v[new_slots] = k.to(k_cache.dtype), v.to(v_cache.dtype)
+        ctx = torch.arange(L)
+        slots = block_table[r, ctx // bs] * bs + ctx % bs
+        ks, vs = flat_k[slots].float(), flat_v[slots].float()  # [L, KVH, D]
+        qf = q.to(qkv.dtype).float()  # the kernel sees q rounded to the model dtype, as the torch path does
+        mask = torch.arange(L).unsqueeze(0) <= pos.unsqueeze(1)
+        o = F.scaled_dot_product_attention(qf.transpose(0, 1), ks.transpose(0, 1), vs.transpose(0, 1),
+                                           attn_mask=mask, scale=scale, enable_gqa=True)
+        out[s:e] = o.transpose(0, 1).reshape(e - s, heads * head_dim)
+    return out, k_cache, v_cache
+
+
+MIXES = {
+    "decodes": [(c, 1) for c in (0, 1, 15, 16, 17, 31, 32, 33, 64, 100, 300)],
+    "prefills": [(0, 1), (0, 7), (0, 33), (0, 70)],
+    "chunks_with_context": [(16, 16), (5, 9), (31, 2), (40, 45)],
+    "mixed": [(40, 1), (3, 1), (100, 1), (0, 20), (17, 5), (64, 30)],
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("block_size", [1, 16, 32])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2), (8, 2)], ids=["g1", "g3", "g4"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("mix", sorted(MIXES))
+def test_attention_matches_torch(kernels, dtype, block_size, heads, kv_heads, head_dim, mix):
+    qkv, k_cache, v_cache, table, qsl, seq_lens = make_step(MIXES[mix], heads, kv_heads, head_dim, block_size, dtype)
+    rotary = RotaryEmbedding(head_dim, 512, 10000.0)
+    scale = head_dim ** -0.5
+    want, want_k, want_v = reference_attention(qkv, k_cache, v_cache, table, qsl, seq_lens, rotary, heads, kv_heads,
+                                               head_dim, scale)
+    out = torch.full((qkv.shape[0], heads * head_dim), float("nan"), dtype=dtype)
+    cos_sin = rotary.cos_sin.flatten(1).contiguous()
+    kernels.attention(qkv, k_cache, v_cache, table, qsl, seq_lens, cos_sin, out, heads, kv_heads, head_dim, scale)
+    torch.testing.assert_close(k_cache.float(), want_k.float(), **TOL[dtype])
+    torch.testing.assert_close(v_cache, want_v)
+    torch.testing.assert_close(out.float(), want, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+def test_attention_without_rope_and_with_strided_rows(kernels, dtype):
+    """GPT-2 style (no rope), q/k/v rows inside a wider buffer, out rows inside a wider buffer."""
+    heads, kv_heads, d = 4, 4, 64
+    qkv, k_cache, v_cache, table, qsl, seq_lens = make_step([(10, 1), (0, 12), (20, 3)], heads, kv_heads, d, 16, dtype)
+    wide = torch.zeros(qkv.shape[0], qkv.shape[1] + 40, dtype=dtype)
+    wide[:, :qkv.shape[1]] = qkv
+    want, want_k, _ = reference_attention(qkv, k_cache, v_cache, table, qsl, seq_lens, None, heads, kv_heads, d, 0.1)
+    out = torch.zeros(qkv.shape[0], heads * d + 8, dtype=dtype)
+    kernels.attention(wide[:, :qkv.shape[1]], k_cache, v_cache, table, qsl, seq_lens, None, out, heads, kv_heads, d,
+                      0.1)
+    torch.testing.assert_close(out[:, :heads * d].float(), want, **TOL[dtype])
+    assert (out[:, heads * d:] == 0).all()  # nothing written past a row's H * D values
+    torch.testing.assert_close(k_cache, want_k.to(dtype))
+
+
+def test_attention_long_context_is_stable(kernels):
+    """Large scores over many chunks: the online softmax must neither overflow nor lose the early keys."""
+    heads, kv_heads, d = 8, 2, 64
+    qkv, k_cache, v_cache, table, qsl, seq_lens = make_step([(1500, 1), (900, 40)], heads, kv_heads, d, 16,
+                                                            torch.float32)
+    k_cache *= 6  # scores of order 100: exp() overflows without the running max
+    want, *_ = reference_attention(qkv, k_cache, v_cache, table, qsl, seq_lens, None, heads, kv_heads, d, 1.0)
+    out = torch.empty(qkv.shape[0], heads * d)
+    kernels.attention(qkv, k_cache, v_cache, table, qsl, seq_lens, None, out, heads, kv_heads, d, 1.0)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("hidden", [64, 576, 517])
+def test_add_rmsnorm_matches_torch(kernels, dtype, hidden):
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(70, hidden, generator=gen).to(dtype)
+    res = torch.randn(70, hidden, generator=gen).to(dtype)
+    w = (1 + 0.1 * torch.randn(hidden, generator=gen)).to(dtype)
+    want_res = (x.float() + res.float()).to(dtype)
+    h = want_res.float()
+    want = w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype)  # HF's order
+    out = torch.empty_like(x)
+    got_res = res.clone()
+    kernels.add_rmsnorm(x, got_res, w, 1e-5, out)
+    torch.testing.assert_close(got_res, want_res)
+    torch.testing.assert_close(out.float(), want.float(), **TOL[dtype])
+    out2 = torch.empty_like(x)
+    kernels.add_rmsnorm(want_res, None, w, 1e-5, out2)  # no residual: plain RMSNorm
+    torch.testing.assert_close(out2, out)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("n", [1408, 37])
+def test_silu_mul_matches_torch(kernels, dtype, n):
+    gu = (3 * torch.randn(9, 2 * n, generator=torch.Generator().manual_seed(2))).to(dtype)
+    gu[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])  # saturating sigmoid: no NaN, no inf
+    want = (F.silu(gu[:, :n].float()) * gu[:, n:].float())
+    out = torch.empty(9, n, dtype=dtype)
+    kernels.silu_mul(gu, out)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.float(), want, **TOL[dtype])
+
+
+def test_bf16_rounding_matches_torch(kernels):
+    """The kernels round float32 to bfloat16 to nearest even, as torch does; inf and NaN survive."""
+    up = torch.randn(1000, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    up[:4] = torch.tensor([float("inf"), float("-inf"), float("nan"), 3.0e38])
+    gate = torch.full_like(up, 80.0)  # silu(80) == 80 in float32, and 80 * x needs rounding back to bf16
+    out = torch.empty(1, up.numel(), dtype=torch.bfloat16)
+    kernels.silu_mul(torch.cat([gate, up]).view(1, -1), out)
+    torch.testing.assert_close(out.view(-1), (80.0 * up.float()).to(torch.bfloat16), atol=0, rtol=0, equal_nan=True)
