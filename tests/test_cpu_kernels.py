@@ -80,7 +80,8 @@ def _reference_attention(qkv, k_cache, v_cache, block_table, qsl, seq_lens, rota
         pos = torch.arange(L - (e - s), L)
         q, k, v = x[s:e, :heads], x[s:e, heads:heads + kv_heads], x[s:e, heads + kv_heads:]
         if rotary is not None:
-            cos, sin = rotary.lookup(pos)
+            rope = rotary.lookup(pos)
+            cos, sin = rope.cos, rope.sin
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         flat_k, flat_v = k_cache.view(-1, kv_heads, head_dim), v_cache.view(-1, kv_heads, head_dim)
         new_slots = block_table[r, pos // bs] * bs + pos % bs
@@ -94,6 +95,14 @@ def _reference_attention(qkv, k_cache, v_cache, block_table, qsl, seq_lens, rota
                                            attn_mask=mask, scale=scale, enable_gqa=True)
         out[s:e] = o.transpose(0, 1).reshape(e - s, heads * head_dim)
     return out, k_cache, v_cache
+
+
+def split_heads(qkv, heads, kv_heads, head_dim):
+    """q, k, v as [T, heads, head_dim] views into the fused rows, as the model hands them over."""
+    q = qkv[:, :heads * head_dim].unflatten(1, (heads, head_dim))
+    k = qkv[:, heads * head_dim:(heads + kv_heads) * head_dim].unflatten(1, (kv_heads, head_dim))
+    v = qkv[:, (heads + kv_heads) * head_dim:(heads + 2 * kv_heads) * head_dim].unflatten(1, (kv_heads, head_dim))
+    return q, k, v
 
 
 MIXES = {
@@ -117,7 +126,8 @@ def test_attention_matches_torch(kernels, dtype, block_size, heads, kv_heads, he
                                                head_dim, scale)
     out = torch.full((qkv.shape[0], heads * head_dim), float("nan"), dtype=dtype)
     cos_sin = rotary.cos_sin.flatten(1).contiguous()
-    kernels.attention(qkv, k_cache, v_cache, table, qsl, seq_lens, cos_sin, out, heads, kv_heads, head_dim, scale)
+    q, k, v = split_heads(qkv, heads, kv_heads, head_dim)
+    kernels.attention(q, k, v, k_cache, v_cache, table, qsl, seq_lens, cos_sin, out.view(-1, heads, head_dim), scale)
     torch.testing.assert_close(k_cache.float(), want_k.float(), **TOL[dtype])
     torch.testing.assert_close(v_cache, want_v)
     torch.testing.assert_close(out.float(), want, **TOL[dtype])
@@ -132,8 +142,8 @@ def test_attention_without_rope_and_with_strided_rows(kernels, dtype):
     wide[:, :qkv.shape[1]] = qkv
     want, want_k, _ = reference_attention(qkv, k_cache, v_cache, table, qsl, seq_lens, None, heads, kv_heads, d, 0.1)
     out = torch.zeros(qkv.shape[0], heads * d + 8, dtype=dtype)
-    kernels.attention(wide[:, :qkv.shape[1]], k_cache, v_cache, table, qsl, seq_lens, None, out, heads, kv_heads, d,
-                      0.1)
+    q, k, v = split_heads(wide, heads, kv_heads, d)
+    kernels.attention(q, k, v, k_cache, v_cache, table, qsl, seq_lens, None, out[:, :heads * d].view(-1, heads, d), 0.1)
     torch.testing.assert_close(out[:, :heads * d].float(), want, **TOL[dtype])
     assert (out[:, heads * d:] == 0).all()  # nothing written past a row's H * D values
     torch.testing.assert_close(k_cache, want_k.to(dtype))
@@ -147,7 +157,8 @@ def test_attention_long_context_is_stable(kernels):
     k_cache *= 6  # scores of order 100: exp() overflows without the running max
     want, *_ = reference_attention(qkv, k_cache, v_cache, table, qsl, seq_lens, None, heads, kv_heads, d, 1.0)
     out = torch.empty(qkv.shape[0], heads * d)
-    kernels.attention(qkv, k_cache, v_cache, table, qsl, seq_lens, None, out, heads, kv_heads, d, 1.0)
+    q, k, v = split_heads(qkv, heads, kv_heads, d)
+    kernels.attention(q, k, v, k_cache, v_cache, table, qsl, seq_lens, None, out.view(-1, heads, d), 1.0)
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out, want, atol=1e-4, rtol=1e-4)
 

@@ -33,8 +33,11 @@ def save_checkpoint(tmp_path, config, cls, seed=0):
     return model
 
 
-def drive_and_compare(hf_model, model_dir, block_size, backend="cpu", dtype="float32", atol=1e-4):
-    """Three requests: chunked prefill, whole prefill and decodes in mixed batches; compare every step."""
+def drive_and_compare(hf_model, model_dir, block_size, backend="cpu", dtype="float32", atol=1e-4, rtol=None,
+                      reference=None):
+    """Three requests: chunked prefill, whole prefill and decodes in mixed batches; compare every step against
+    ``hf_model``. Returns the largest absolute difference seen. With ``reference`` (another HF model), compare
+    ``hf_model``'s own logits against it at the same positions instead of ours (to measure an HF baseline)."""
     model, info = load_model(str(model_dir), dtype=dtype)
     runner = ModelRunner(model, info, num_blocks=64, block_size=block_size, attention_backend=backend)
     runner.return_logits = True
@@ -56,12 +59,18 @@ def drive_and_compare(hf_model, model_dir, block_size, backend="cpu", dtype="flo
     run({"a": None, "b": 1, "c": None})  # a: last chunk with context, b: decode, c: one-token prompt
     for _ in range(4):
         run({"a": 1, "b": 1, "c": 1})
+    worst = 0.0
     with torch.no_grad():
         for rid, steps in seen.items():
-            ref = hf_model(torch.tensor([sched.tokens[rid]])).logits[0]
+            tokens = torch.tensor([sched.tokens[rid]])
+            ref = hf_model(tokens).logits[0].float()
+            mine = None if reference is None else reference(tokens).logits[0].float()
             for pos, logits in steps:
-                torch.testing.assert_close(logits, ref[pos], atol=atol, rtol=atol)
+                got = logits if mine is None else mine[pos]
+                torch.testing.assert_close(got, ref[pos], atol=atol, rtol=atol if rtol is None else rtol)
+                worst = max(worst, (got - ref[pos]).abs().max().item())
             assert len(steps) >= 4
+    return worst
 
 
 @pytest.mark.parametrize("block_size", [4, 16])
@@ -86,6 +95,29 @@ def test_llama_reference_backend(tmp_path):
 def test_llama_bfloat16_close(tmp_path):
     hf = save_checkpoint(tmp_path, llama_config(), transformers.LlamaForCausalLM)
     drive_and_compare(hf, tmp_path, block_size=4, dtype="bfloat16", atol=0.1)
+
+
+# head_dim 64: the native CPU attention kernel's path where it builds (head_dim 16 above takes the torch path)
+HEAD_DIM_64 = dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=1, intermediate_size=192)
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_llama_head_dim_64_float32(tmp_path, block_size):
+    hf = save_checkpoint(tmp_path, llama_config(**HEAD_DIM_64), transformers.LlamaForCausalLM)
+    drive_and_compare(hf, tmp_path, block_size)
+
+
+@pytest.mark.parametrize("config", [HEAD_DIM_64, {}], ids=["head_dim64", "head_dim16"])
+def test_llama_bfloat16_matches_transformers_bfloat16(tmp_path, config):
+    """In bfloat16 our logits sit within bf16 resolution of transformers' own bfloat16 logits, and no further
+    from the float32 truth than transformers' bfloat16 is (up to a factor of 2)."""
+    hf = save_checkpoint(tmp_path, llama_config(**config), transformers.LlamaForCausalLM)
+    hf16 = transformers.LlamaForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16).eval()
+    ours_vs_16 = drive_and_compare(hf16, tmp_path, block_size=4, dtype="bfloat16", atol=1e-2, rtol=1.6e-2)
+    hf16_vs_32 = drive_and_compare(hf16, tmp_path, block_size=4, dtype="bfloat16", reference=hf, atol=0.1)
+    ours_vs_32 = drive_and_compare(hf, tmp_path, block_size=4, dtype="bfloat16", atol=0.1)
+    assert ours_vs_16 <= 1e-2
+    assert ours_vs_32 <= 2 * hf16_vs_32, (ours_vs_32, hf16_vs_32)
 
 
 def test_qwen2_qkv_bias(tmp_path):

@@ -37,7 +37,8 @@ class CpuKernels:
         p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
         self._attention = lib.cvk_attention
         self._attention.restype = i32
-        self._attention.argtypes = [i32, p, i64, p, p, p, i64, p, p, i32, p, p, i64, i32, i32, i32, i32, f32, i32]
+        self._attention.argtypes = [i32, p, i64, p, i64, p, i64, p, p, p, i64, p, p, i32, p, p, i64, i32, i32, i32, i32,
+                                    f32, i32]
         self._add_rmsnorm = lib.cvk_add_rmsnorm
         self._add_rmsnorm.restype = i32
         self._add_rmsnorm.argtypes = [i32, p, i64, p, p, p, i64, i64, f32, i32, i32]
@@ -50,23 +51,28 @@ class CpuKernels:
     def supports(dtype: torch.dtype, head_dim: int | None = None) -> bool:
         return dtype in _DTYPE_CODES and (head_dim is None or head_dim in SUPPORTED_HEAD_DIMS)
 
-    def attention(self, qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
-                  query_start: torch.Tensor, seq_lens: torch.Tensor, cos_sin: torch.Tensor | None, out: torch.Tensor,
-                  num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                  v_cache: torch.Tensor, block_table: torch.Tensor, query_start: torch.Tensor, seq_lens: torch.Tensor,
+                  cos_sin: torch.Tensor | None, out: torch.Tensor, scale: float) -> None:
         """Rope (when ``cos_sin`` is given) + KV write + causal attention of every request of a step.
 
-        qkv [T, >= (H + 2 KVH) * D] rows (q heads, k heads, v heads; q and k rotated in place); k_cache and
-        v_cache [num_blocks, block_size, KVH, D] contiguous; block_table [R, max_blocks] int64; query_start
-        [R + 1] and seq_lens [R] int64 (request r's tokens sit at positions seq_lens[r] - n_r ...); cos_sin
-        [positions, D] float32 (cos halves then sin halves); out [T, >= H * D], written.
+        q [T, H, D], k and v [T, KVH, D], each with unit strides inside a token's row (views of one fused qkv
+        buffer are fine); q and k are rotated in place. k_cache and v_cache [num_blocks, block_size, KVH, D]
+        contiguous; block_table [R, max_blocks] int64 (row-major); query_start [R + 1] and seq_lens [R] int64
+        (request r's tokens sit at positions seq_lens[r] - n_r ...); cos_sin [positions, D] float32 (cos halves
+        then sin halves); out [T, H, D], written (unit strides inside a row).
         """
-        code = _DTYPE_CODES[qkv.dtype]
-        bs = k_cache.shape[1]
+        num_heads, head_dim = q.shape[1], q.shape[2]
+        num_kv_heads = k.shape[1]
+        for t in (q, k, v, out):
+            if t.stride(2) != 1 or t.stride(1) != head_dim:
+                raise KernelError(f"attention: rows must be dense [heads, head_dim], got strides {t.stride()}")
         rc = self._attention(
-            code, qkv.data_ptr(), qkv.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_table.data_ptr(),
-            block_table.stride(0), query_start.data_ptr(), seq_lens.data_ptr(), seq_lens.shape[0],
-            None if cos_sin is None else cos_sin.data_ptr(), out.data_ptr(), out.stride(0), num_heads,
-            num_kv_heads, head_dim, bs, scale, torch.get_num_threads())
+            _DTYPE_CODES[q.dtype], q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
+            k_cache.data_ptr(), v_cache.data_ptr(), block_table.data_ptr(), block_table.stride(0),
+            query_start.data_ptr(), seq_lens.data_ptr(), seq_lens.shape[0],
+            None if cos_sin is None else cos_sin.data_ptr(), out.data_ptr(), out.stride(0), num_heads, num_kv_heads,
+            head_dim, k_cache.shape[1], scale, torch.get_num_threads())
         if rc != 0:
             raise KernelError(f"cvk_attention failed ({rc}) for H={num_heads} KVH={num_kv_heads} D={head_dim}")
 

@@ -7,6 +7,7 @@ positions and every layer reuses that lookup.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -36,6 +37,17 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
     raise ValueError(f"rope scaling type {rope_type!r} is not supported (default, linear, llama3 are)")
 
 
+@dataclass
+class RopeInputs:
+    """One step's rotary inputs: cos, sin [T, 1, head_dim // 2] for ``apply_rotary``, or, for a backend that
+    rotates inside its kernel (``fuses_rope``), the float32 table of every position ([positions, head_dim]:
+    cos halves then sin halves)."""
+
+    cos: torch.Tensor | None = None
+    sin: torch.Tensor | None = None
+    table: torch.Tensor | None = None
+
+
 class RotaryEmbedding(torch.nn.Module):
     """Holds cos/sin for every position; ``lookup(positions)`` once per step, ``apply`` in every layer."""
 
@@ -44,6 +56,7 @@ class RotaryEmbedding(torch.nn.Module):
         super().__init__()
         self.head_dim, self.max_positions, self.theta, self.scaling = head_dim, max_positions, theta, scaling
         self.register_buffer("cos_sin", self._table(dtype, device), persistent=False)
+        self._float32_table: torch.Tensor | None = None  # not a buffer: model.to(bfloat16) must not round it
 
     def _table(self, dtype: torch.dtype, device: torch.device | str | None) -> torch.Tensor:
         inv_freq = rope_inv_freq(self.head_dim, self.theta, self.scaling)
@@ -51,10 +64,14 @@ class RotaryEmbedding(torch.nn.Module):
         # [max_positions, 2, head_dim // 2]: cos and sin side by side, so one index_select fetches both.
         return torch.stack([angles.cos(), angles.sin()], dim=1).to(dtype=dtype, device=device)
 
-    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin of shape [T, 1, head_dim // 2], broadcastable over heads."""
+    def lookup(self, positions: torch.Tensor, fused: bool = False) -> RopeInputs:
+        """This step's rope inputs: cos and sin of ``positions``, or (``fused``) the float32 table."""
+        if fused:
+            if self._float32_table is None or self._float32_table.device != positions.device:
+                self._float32_table = self._table(torch.float32, positions.device).flatten(1).contiguous()
+            return RopeInputs(table=self._float32_table)
         cs = self.cos_sin.index_select(0, positions)
-        return cs[:, 0].unsqueeze(1), cs[:, 1].unsqueeze(1)
+        return RopeInputs(cos=cs[:, 0].unsqueeze(1), sin=cs[:, 1].unsqueeze(1))
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

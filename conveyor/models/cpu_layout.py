@@ -1,10 +1,9 @@
-"""Lay linear weights out for fast skinny matmuls on CPU.
+"""Get a loaded model ready for the CPU: prepacked linear layers and the native kernels wired in.
 
-``F.linear(x, W)`` computes ``x @ W.T``. With W stored row-major ([out, in], as checkpoints hold it) the BLAS
-call gets a transposed B, and on this class of CPU its small-M kernels (decode: M = batch size) run 1.3-1.9x
-slower than with B already [in, out] contiguous (measured: M=25, [2816 x 512]: 0.92 ms vs 0.52 ms; lm_head
-[32000 x 512]: 12.2 ms vs 7.6 ms). So after loading we keep each weight's logical shape but store it
-column-major (``W.t().contiguous().t()``): every ``nn.Linear`` and state-dict name stays as it was.
+Linear weights go into oneDNN's blocked layout once (``layers.linear.prepare_linears``: the GEMM rate at
+decode and prefill shapes, in float32 and bfloat16). RMSNorm and the gated MLP's activation get the native
+CPU kernels when they built (``conveyor.kernels``), so a decoder layer's residual add + norm and its
+SiLU-and-mul are one pass each; without kernels they stay torch ops.
 """
 
 from __future__ import annotations
@@ -12,24 +11,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-
-def _column_major(weight: torch.Tensor) -> torch.Tensor:
-    return weight.t().contiguous().t()
+from conveyor.layers.linear import prepare_linears
 
 
 @torch.no_grad()
-def relayout_for_cpu(model: nn.Module) -> None:
-    """Store every linear weight column-major; give a tied-embedding model its own column-major lm_head.
-
-    A tied model's embedding keeps its row-major copy (the token lookup reads rows); the logits matmul gets a
-    column-major copy, which costs ``vocab x hidden`` more memory (65 MB for the bench model).
-    """
+def prepare_for_cpu(model: nn.Module, kernels=None) -> None:
+    """Pack every linear layer; hand ``kernels`` (a ``conveyor.kernels.CpuKernels`` or None) to the modules
+    that use them (those with a ``kernels`` attribute: RMSNorm, the gated MLP)."""
+    prepare_linears(model)
     for module in model.modules():
-        if isinstance(module, nn.Linear):
-            module.weight.data = _column_major(module.weight.data)
-    if getattr(model, "lm_head", "absent") is None:
-        embedding = model.get_input_embeddings()
-        head = nn.Linear(embedding.embedding_dim, embedding.num_embeddings, bias=False,
-                         device=embedding.weight.device, dtype=embedding.weight.dtype)
-        head.weight.data = _column_major(embedding.weight.data)
-        model.lm_head = head.requires_grad_(False)
+        if hasattr(module, "kernels") and module is not model:
+            module.kernels = kernels

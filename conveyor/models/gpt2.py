@@ -73,8 +73,9 @@ class GPT2LMHeadModel(nn.Module):
         return self.wte
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.wte.weight if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(hidden, weight)
+        if self.lm_head is not None:  # on CPU always: prepare_for_cpu gives a tied model its own packed head
+            return self.lm_head(hidden)
+        return torch.nn.functional.linear(hidden, self.wte.weight)
 
     def map_weight(self, name: str):
         """Where HF checkpoint weight ``name`` goes: (param name, None, None, transpose?) or None to skip it."""

@@ -26,13 +26,17 @@ class LlamaAttention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
         self.scale = self.head_dim ** -0.5
 
-    def forward(self, x, cos, sin, kv_cache, attn):
+    def forward(self, x, rope, kv_cache, attn):
         qkv = self.qkv_proj(x).view(x.shape[0], -1, self.head_dim)  # [T, H + 2 * KVH, d]
         rotated = self.num_heads + self.num_kv_heads
-        qk = apply_rotary(qkv[:, :rotated], cos, sin)  # q and k heads rotated in one go
-        q, k, v = qk[:, :self.num_heads], qk[:, self.num_heads:], qkv[:, rotated:]
-        out = attn.forward(q, k, v, kv_cache, self.scale)
-        return self.o_proj(out.view(-1, self.q_size))
+        q, k, v = qkv[:, :self.num_heads], qkv[:, self.num_heads:rotated], qkv[:, rotated:]
+        if getattr(attn, "fuses_rope", False):  # the backend rotates q and k in place as it stores k
+            out = attn.forward(q, k, v, kv_cache, self.scale, rope=rope.table)
+        else:
+            cos, sin = rope.cos, rope.sin
+            qk = apply_rotary(qkv[:, :rotated], cos, sin)  # q and k heads rotated in one go
+            out = attn.forward(qk[:, :self.num_heads], qk[:, self.num_heads:], v, kv_cache, self.scale)
+        return self.o_proj(out.reshape(-1, self.q_size))
 
 
 class LlamaMLP(nn.Module):
@@ -40,9 +44,10 @@ class LlamaMLP(nn.Module):
         super().__init__()
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.kernels = None  # native CPU kernels for the activation (models.cpu_layout.prepare_for_cpu)
 
     def forward(self, x):
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x), self.kernels))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -53,9 +58,16 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.mlp = LlamaMLP(cfg)
 
-    def forward(self, x, cos, sin, kv_cache, attn):
-        h = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, attn)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, x, residual, rope, kv_cache, attn):
+        """x: the previous layer's output, still to be added to the residual stream (None at layer 0, where x is
+        the embeddings). Returns (this layer's output, residual): the adds are fused into the next norm."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, rope, kv_cache, attn)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -72,17 +84,19 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids, positions, kv_caches, attn):
         x = self.embed_tokens(input_ids)
-        cos, sin = self.rotary.lookup(positions)  # once per step, shared by all layers
+        rope = self.rotary.lookup(positions, fused=getattr(attn, "fuses_rope", False))  # once per step
+        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, cos, sin, kv_cache, attn)
-        return self.norm(x)
+            x, residual = layer(x, residual, rope, kv_cache, attn)
+        return self.norm(x, residual)[0]
 
     def get_input_embeddings(self) -> nn.Embedding:
         return self.embed_tokens
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(hidden, weight)
+        if self.lm_head is not None:  # on CPU always: prepare_for_cpu gives a tied model its own packed head
+            return self.lm_head(hidden)
+        return torch.nn.functional.linear(hidden, self.embed_tokens.weight)
 
     def map_weight(self, name: str):
         """Where HF checkpoint weight ``name`` goes: (param name, row offset, rows) or None to skip it."""

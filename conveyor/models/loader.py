@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from conveyor.models.config import GPT2_LIKE, ModelConfig, parse_config
-from conveyor.models.cpu_layout import relayout_for_cpu
+from conveyor.models.cpu_layout import prepare_for_cpu
 from conveyor.models.gpt2 import GPT2LMHeadModel
 from conveyor.models.llama import LlamaForCausalLM
 from conveyor.models.weights import checkpoint_files, iter_weights, load_into
@@ -107,7 +107,9 @@ def load_model(model: str | None, dtype: str | torch.dtype = "float32", device: 
     else:
         net, info = _load_hf_dir(model, dtype, device)
     if torch.device(device).type == "cpu":
-        relayout_for_cpu(net)
+        from conveyor.kernels import load_cpu_kernels
+
+        prepare_for_cpu(net, load_cpu_kernels())
     return net, info
 
 

@@ -25,10 +25,11 @@ class ModelRunner:
         self.model, self.info = model, info
         self.device = torch.device(device)
         self.num_blocks, self.block_size = num_blocks, block_size
-        self.backend = resolve_backend(attention_backend, self.device)
         if num_threads and self.device.type == "cpu":  # else keep the process's setting (the engine's choice)
             torch.set_num_threads(num_threads)
         self.dtype = resolve_dtype(kv_dtype or info.dtype)
+        # Resolved (and the native kernels built or loaded) here, while the engine starts: not in a request.
+        self.backend = resolve_backend(attention_backend, self.device, self.dtype, info.head_dim)
         # Zeros, not empty: padded decode gathers read unwritten slots, and 0 * NaN garbage would poison them.
         self.kv_caches = [torch.zeros(2, num_blocks, block_size, info.num_kv_heads, info.head_dim,
                                       dtype=self.dtype, device=self.device) for _ in range(info.num_layers)]

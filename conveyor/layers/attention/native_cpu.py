@@ -1,0 +1,36 @@
+"""The native CPU attention backend: one kernel call per layer for the whole step.
+
+Decodes and prefill chunks (with or without cached context) alike: the kernel (conveyor/kernels) rotates q
+and k (rope), stores the new K/V in the paged cache, then runs every request's causal attention reading K/V
+straight from the cache through the block table, in float32 or bfloat16. No gathers, no per-request Python.
+Everything that does not depend on the layer (the int64 metadata tensors) is built once per step here.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from conveyor.layers.attention.metadata import AttentionMetadata
+
+
+class NativeCpuAttention:
+    """``forward(q, k, v, kv_cache, scale, rope=table)`` for every layer of one step (see module doc)."""
+
+    name = "cpu"
+    fuses_rope = True  # the model passes q, k unrotated plus the float32 rope table
+
+    def __init__(self, meta: AttentionMetadata, kernels) -> None:
+        self.meta, self.kernels = meta, kernels
+        self.query_start = torch.tensor(meta.query_start_loc, dtype=torch.int64)
+        self.seq_lens = torch.tensor(meta.seq_lens, dtype=torch.int64)
+        self.block_table = meta.block_table.contiguous()
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, scale: float,
+                rope: torch.Tensor | None = None) -> torch.Tensor:
+        """q [T, H, d], k/v [T, KVH, d] (views into the fused qkv rows are fine; q and k are rotated in place
+        when ``rope`` is given); writes the new K/V into ``kv_cache`` and returns [T, H, d]."""
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        if self.meta.num_reqs:
+            self.kernels.attention(q, k, v, kv_cache[0], kv_cache[1], self.block_table, self.query_start,
+                                   self.seq_lens, rope, out, scale)
+        return out
