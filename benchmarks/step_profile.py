@@ -49,7 +49,8 @@ class StepProfile:
         model = eng.model
         head = getattr(model, "lm_head", None)
         self._wrap(PackedLinear, "forward", lambda a: "lm_head" if a[0] is head else "linear")
-        self._wrap(native_cpu.NativeCpuAttention, "forward", "attention")
+        self._wrap(native_cpu.NativeCpuAttention, "forward",
+                   lambda a: "attention" if a[0].meta.num_decodes == a[0].meta.num_reqs else "attention (prefill steps)")
         self._wrap(cpu.CpuAttention, "forward", "attention")
         self._wrap(norms.RMSNorm, "forward", "norm+act")
         self._wrap(llama, "silu_and_mul", "norm+act")  # the name the model module calls
@@ -70,7 +71,7 @@ class StepProfile:
 
     def summary(self) -> dict[str, float]:
         t = dict(self.totals)
-        parts = ("linear", "lm_head", "attention", "norm+act", "sampling")
+        parts = ("linear", "lm_head", "attention", "attention (prefill steps)", "norm+act", "sampling")
         inside = sum(t.get(k, 0.0) for k in parts)
         out = {k: t.get(k, 0.0) for k in parts}
         out["runner other"] = t.get("runner", 0.0) - inside

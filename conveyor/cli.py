@@ -46,6 +46,8 @@ def _run_generate(ns: argparse.Namespace) -> int:
         print("[conveyor] no --model given: using the embedded Llama-40M with RANDOM weights (output is noise; "
               "pass --model DIR with any Hugging Face Llama/Qwen2/Mistral/GPT-2 directory for real text)",
               file=sys.stderr)
+    info = llm.engine.model_info
+    print(f"[conveyor] dtype {info.dtype} ({info.dtype_reason})", file=sys.stderr)
     for out in llm.generate(prompts, params, use_tqdm=False):
         if ns.json:
             print(json.dumps({"prompt": out.prompt, "completions": [

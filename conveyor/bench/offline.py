@@ -91,7 +91,8 @@ def _main(ns) -> int:
     args.detokenize = False  # token ids in, token ids out: measure the engine, as vLLM's throughput bench can
     t0 = time.perf_counter()
     llm = LLM(**vars(args))
-    print(f"engine ready in {time.perf_counter() - t0:.1f} s: {llm.engine.model_info.name}, "
+    info = llm.engine.model_info
+    print(f"engine ready in {time.perf_counter() - t0:.1f} s: {info.name}, {info.dtype} ({info.dtype_reason}), "
           f"{llm.engine.num_kv_blocks} KV blocks x {args.block_size}, policy {args.policy}")
     if not ns.no_warmup:
         warm = Workload("warmup", workload.requests[:8])

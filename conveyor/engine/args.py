@@ -13,7 +13,7 @@ class EngineArgs:
     """Engine settings, named as vLLM names them. ``model=None`` loads the embedded random-weights model."""
 
     model: str | None = None
-    dtype: str = "float32"
+    dtype: str = "auto"  # bfloat16 on CPUs with native bf16 (AVX512_BF16 / AMX), float32 elsewhere
     device: str = "auto"  # "auto": CUDA when available, else CPU
     seed: int = 0
     policy: str = "chunked"
@@ -58,7 +58,8 @@ class EngineArgs:
         g = parser.add_argument_group("engine")
         g.add_argument("--model", default=None, help="Hugging Face model directory (default: the embedded "
                        "40M-parameter Llama with RANDOM weights)")
-        g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "auto"])
+        g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                       help="auto: bfloat16 on CPUs that multiply it in hardware (AVX512_BF16 / AMX), else float32")
         g.add_argument("--device", default="auto")
         g.add_argument("--seed", type=int, default=0)
         g.add_argument("--policy", default="chunked", choices=POLICIES)

@@ -8,6 +8,7 @@ then the output processor detokenizes and applies stop strings. The engine is th
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections.abc import Callable
 
@@ -21,6 +22,7 @@ from conveyor.engine.outputs import RequestOutput
 from conveyor.engine.step_record import StepRecord
 
 PromptType = str | list[int] | dict
+logger = logging.getLogger("conveyor.engine")
 
 
 class QueueFullError(RuntimeError):
@@ -50,6 +52,8 @@ class LLMEngine:
         else:
             self.tokenizer = load_tokenizer(args.model)
             self.model, self.model_info = load_model(args.model, dtype=args.dtype, device=device, seed=args.seed)
+            logger.info("model %s, dtype %s (%s)", self.model_info.name, self.model_info.dtype,
+                        self.model_info.dtype_reason)
         limit = self.model_info.max_position_embeddings
         if args.max_model_len is not None and args.max_model_len > limit:
             raise ValueError(f"max_model_len ({args.max_model_len}) exceeds the model's context ({limit})")

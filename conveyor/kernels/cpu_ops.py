@@ -104,20 +104,24 @@ def load_cpu_kernels(level: str | None = None) -> CpuKernels | None:
     saying why and that the torch path runs instead. Thread-safe; built at most once per process and level."""
     level = level or kernel_level()
     with _lock:
-        if level in _loaded:
-            return _loaded[level]
-        kernels = None
-        if level != "none":
-            try:
-                with open(SOURCE_PATH) as f:
-                    source = f.read()
-                path = build_library("cpu_kernels", source, level, LEVEL_FLAGS[level])
-                lib = ctypes.CDLL(path)
-                if lib.cvk_abi_version() != ABI_VERSION:
-                    raise BuildError(f"{path}: ABI version {lib.cvk_abi_version()}, expected {ABI_VERSION}")
-                kernels = CpuKernels(lib, level, path)
-            except (BuildError, OSError) as e:
-                warnings.warn(f"conveyor: native CPU kernels ({level}) unavailable, using the torch path: {e}",
-                              RuntimeWarning, stacklevel=2)
-        _loaded[level] = kernels
-        return kernels
+        if level not in _loaded:
+            _loaded[level] = build_and_load(level)
+        return _loaded[level]
+
+
+def build_and_load(level: str) -> CpuKernels | None:
+    """Build (or take from the cache) and load the kernels of ``level``, uncached in this process."""
+    if level == "none":
+        return None
+    try:
+        with open(SOURCE_PATH) as f:
+            source = f.read()
+        path = build_library("cpu_kernels", source, level, LEVEL_FLAGS[level])
+        lib = ctypes.CDLL(path)
+        if lib.cvk_abi_version() != ABI_VERSION:
+            raise BuildError(f"{path}: ABI version {lib.cvk_abi_version()}, expected {ABI_VERSION}")
+        return CpuKernels(lib, level, path)
+    except (BuildError, OSError) as e:
+        warnings.warn(f"conveyor: native CPU kernels ({level}) unavailable, using the torch path instead: {e}",
+                      RuntimeWarning, stacklevel=3)
+        return None

@@ -7,8 +7,8 @@ this project's CPUs in ``benchmarks/gemm.py`` (README: "Linear layers").
 
 oneDNN compiles (JITs) a kernel for every new input shape, a few milliseconds each, and caches a bounded
 number of them. A server sees every row count from 1 to the token budget, so the rows are padded up to one of
-a fixed set of sizes (``padded_rows``: at most 1/8 extra rows, ~80 sizes up to 4096), which bounds the kernels
-per layer shape and costs at most a few percent of compute.
+a fixed set of sizes (``padded_rows``: at most 1/16 extra rows, 144 sizes up to 4096), which bounds the
+kernels per layer shape and costs a few percent of compute at most.
 
 ``prepare_linears(model)`` swaps every ``nn.Linear`` for a ``PackedLinear``; float64 (tests) and a torch build
 without the oneDNN ops keep ``F.linear`` on a column-major copy of the weight (faster for skinny MKL GEMMs).
@@ -26,10 +26,11 @@ ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def padded_rows(m: int) -> int:
-    """The row count oneDNN runs for ``m`` rows: exact up to 16, then the next multiple of m's power of two / 8."""
-    if m <= 16:
+    """The row count oneDNN runs for ``m`` rows: exact up to 32, then the next of 16 sizes per octave (at most
+    1/16 extra rows; 144 sizes up to 4096, so every layer shape's kernels fit oneDNN's cache of 1024)."""
+    if m <= 32:
         return m
-    step = 1 << (m.bit_length() - 4)  # 8 sizes per octave
+    step = 1 << (m.bit_length() - 5)
     return -(-m // step) * step
 
 

@@ -36,20 +36,40 @@ class ModelInfo:
     bos_token_id: int | None
     dtype: str
     num_params: int
+    dtype_reason: str = ""  # why this dtype (choose_dtype), for the start-up log
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device = "cpu", checkpoint_dtype=None) -> torch.dtype:
-    """A dtype name -> torch dtype. "auto": float32 on CPU (no fast bf16/fp16 matmul on most CPUs), else the
-    checkpoint's 16-bit dtype when it has one."""
+    """A dtype name -> torch dtype (see ``choose_dtype`` for "auto")."""
+    return choose_dtype(dtype, device, checkpoint_dtype)[0]
+
+
+def choose_dtype(dtype: str | torch.dtype, device: str | torch.device = "cpu",
+                 checkpoint_dtype=None) -> tuple[torch.dtype, str]:
+    """The torch dtype for a dtype name, and why (for the start-up log).
+
+    "auto", as vLLM picks it but only where it pays: on a CPU, bfloat16 when the CPU multiplies bfloat16 in
+    hardware (AVX512_BF16 or AMX-BF16: about 2-5x float32's matmul rate), float32 elsewhere (AVX2-only CPUs emulate
+    bfloat16 at a fraction of float32's speed); on a GPU, the checkpoint's 16-bit dtype when it has one.
+    """
     if isinstance(dtype, torch.dtype):
-        return dtype
+        return dtype, "as given"
     if dtype == "auto":
-        if torch.device(device).type == "cpu" or checkpoint_dtype not in ("bfloat16", "float16"):
-            return torch.float32
-        return DTYPES[checkpoint_dtype]
+        if torch.device(device).type == "cpu":
+            from conveyor.kernels.cpu_features import cpu_features
+
+            feats = cpu_features()
+            if feats.native_bf16:
+                have = " and ".join(n for n, f in (("AMX-BF16", "amx_bf16"), ("AVX512_BF16", "avx512_bf16"))
+                                    if f in feats.flags)
+                return torch.bfloat16, f"auto: bfloat16, this CPU multiplies bfloat16 in hardware ({have})"
+            return torch.float32, "auto: float32, this CPU has no native bfloat16 (no AVX512_BF16 or AMX)"
+        if checkpoint_dtype in ("bfloat16", "float16"):
+            return DTYPES[checkpoint_dtype], f"auto: {checkpoint_dtype}, the checkpoint's dtype"
+        return torch.float32, "auto: float32, the checkpoint's dtype"
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES) + ['auto']}, got {dtype!r}")
-    return DTYPES[dtype]
+    return DTYPES[dtype], "as asked"
 
 
 @contextlib.contextmanager
@@ -103,7 +123,9 @@ def load_model(model: str | None, dtype: str | torch.dtype = "float32", device: 
     """
     if model is None or model == EMBEDDED_NAME:
         from conveyor.models.embedded import load_embedded
-        net, info = load_embedded(resolve_dtype(dtype, device), device, seed)
+        torch_dtype, why = choose_dtype(dtype, device)
+        net, info = load_embedded(torch_dtype, device, seed)
+        info.dtype_reason = why
     else:
         net, info = _load_hf_dir(model, dtype, device)
     if torch.device(device).type == "cpu":
@@ -122,13 +144,15 @@ def _load_hf_dir(model: str, dtype: str | torch.dtype, device: str | torch.devic
     with open(config_path) as f:
         raw = json.load(f)
     cfg = parse_config(raw, where=config_path)
-    torch_dtype = resolve_dtype(dtype, device, raw.get("torch_dtype") or raw.get("dtype"))
+    torch_dtype, why = choose_dtype(dtype, device, raw.get("torch_dtype") or raw.get("dtype"))
     cfg.eos_token_ids = sorted(set(cfg.eos_token_ids) | set(_generation_eos(model)))
     files = checkpoint_files(model)
     net = build_model(cfg, torch_dtype, device)
     with torch.no_grad():
         load_into(net, iter_weights(files), where=model)
-    return net, make_info(os.path.basename(os.path.normpath(model)), cfg, net, torch_dtype)
+    info = make_info(os.path.basename(os.path.normpath(model)), cfg, net, torch_dtype)
+    info.dtype_reason = why
+    return net, info
 
 
 EMBEDDED_NAME = "conveyor-embedded-llama-40m-random"

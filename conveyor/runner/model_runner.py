@@ -30,9 +30,12 @@ class ModelRunner:
         self.dtype = resolve_dtype(kv_dtype or info.dtype)
         # Resolved (and the native kernels built or loaded) here, while the engine starts: not in a request.
         self.backend = resolve_backend(attention_backend, self.device, self.dtype, info.head_dim)
-        # Zeros, not empty: padded decode gathers read unwritten slots, and 0 * NaN garbage would poison them.
-        self.kv_caches = [torch.zeros(2, num_blocks, block_size, info.num_kv_heads, info.head_dim,
-                                      dtype=self.dtype, device=self.device) for _ in range(info.num_layers)]
+        # The torch paths' padded decode gathers read unwritten slots (0 * NaN garbage would poison them), so
+        # their cache starts zeroed. The native kernel reads only written slots: its cache is left unwritten, so
+        # start-up skips touching every page and memory is committed only as blocks are first used.
+        alloc = torch.empty if self.backend == "cpu-native" else torch.zeros
+        self.kv_caches = [alloc(2, num_blocks, block_size, info.num_kv_heads, info.head_dim,
+                                dtype=self.dtype, device=self.device) for _ in range(info.num_layers)]
         self.batch = InputBatch(block_size, self.device, max_position=info.max_position_embeddings)
         self.sampler = Sampler(info.eos_token_ids, self.device, seed)
         self.return_logits = False

@@ -51,6 +51,10 @@ struct V {
   friend V operator/(V a, V b) { return {_mm512_div_ps(a.v, b.v)}; }
   static V fma(V a, V b, V c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }  // a * b + c
   static V max(V a, V b) { return {_mm512_max_ps(a.v, b.v)}; }
+  static V rcp(V a) {  // 1 / a to ~23 bits: a 14-bit estimate and one Newton step (no slow division)
+    __m512 r = _mm512_rcp14_ps(a.v);
+    return {_mm512_mul_ps(r, _mm512_fnmadd_ps(a.v, r, _mm512_set1_ps(2.0f)))};
+  }
   static V blend_gt(V a, V b, V if_gt, V otherwise) {  // a > b ? if_gt : otherwise, per lane
     return {_mm512_mask_mov_ps(otherwise.v, _mm512_cmp_ps_mask(a.v, b.v, _CMP_GT_OQ), if_gt.v)};
   }
@@ -117,6 +121,10 @@ struct V {
   friend V operator/(V a, V b) { return {_mm256_div_ps(a.v, b.v)}; }
   static V fma(V a, V b, V c) { return {_mm256_fmadd_ps(a.v, b.v, c.v)}; }
   static V max(V a, V b) { return {_mm256_max_ps(a.v, b.v)}; }
+  static V rcp(V a) {  // 1 / a to ~22 bits: a 12-bit estimate and one Newton step
+    __m256 r = _mm256_rcp_ps(a.v);
+    return {_mm256_mul_ps(r, _mm256_fnmadd_ps(a.v, r, _mm256_set1_ps(2.0f)))};
+  }
   static V blend_gt(V a, V b, V if_gt, V otherwise) {
     return {_mm256_blendv_ps(otherwise.v, if_gt.v, _mm256_cmp_ps(a.v, b.v, _CMP_GT_OQ))};
   }
@@ -257,14 +265,22 @@ inline void pv_block(const float* P, int p_stride, int p_step, const float* cons
     for (int d = 0; d < DV; d++) acc[i][d].store(O + i * D + d * W);
 }
 
-// All rows: O[r] += sum_j P(j, r) v_j, in register blocks of RB rows (the rest one by one).
+// All rows: O[r] += sum_j P(j, r) v_j, in register blocks of up to RB rows: each V row is loaded once per block,
+// so a group of G heads (G <= RB) reads it once.
 template <int DV>
 inline void pv_all(const float* P, int p_stride, int p_step, int nrows, const float* const* vrow, int nk, float* O) {
   constexpr int D = DV * W;
   constexpr int RB = DV <= 4 ? 4 : (DV <= 8 ? 2 : 1);
-  int r = 0;
-  for (; r + RB <= nrows; r += RB) pv_block<DV, RB>(P + r * p_step, p_stride, p_step, vrow, nk, O + r * D);
-  for (; r < nrows; r++) pv_block<DV, 1>(P + r * p_step, p_stride, p_step, vrow, nk, O + r * D);
+  for (int r = 0; r < nrows; r += RB) {
+    const float* p = P + r * p_step;
+    float* o = O + r * D;
+    switch (std::min(RB, nrows - r)) {
+      case 4: pv_block<DV, (RB >= 4 ? 4 : 1)>(p, p_stride, p_step, vrow, nk, o); break;
+      case 3: pv_block<DV, (RB >= 3 ? 3 : 1)>(p, p_stride, p_step, vrow, nk, o); break;
+      case 2: pv_block<DV, (RB >= 2 ? 2 : 1)>(p, p_stride, p_step, vrow, nk, o); break;
+      default: pv_block<DV, 1>(p, p_stride, p_step, vrow, nk, o); break;
+    }
+  }
 }
 
 // Write rows' outputs O[r] / l[r] to their (query, head) place.
@@ -279,23 +295,6 @@ inline void store_rows(const AttnArgs& a, const Item& it, int64_t qs, int nrows,
     T* dst = static_cast<T*>(a.out) + (qs + i) * a.out_stride + int64_t(h) * D;
     const V inv = V::set1(1.f / l[r]);
     for (int d = 0; d < DV; d++) (V::load(O + r * D + d * W) * inv).store(dst + d * W);
-  }
-}
-
-// Prefetch the K and V rows (all kv heads) of keys [j0, j0 + n) towards L2, so the next chunk's loads do not
-// each wait for memory: the one-query loop is bound by how fast K/V stream in.
-template <typename T>
-inline void prefetch_keys(const AttnArgs& a, const int64_t* table, int64_t j0, int n) {
-  const int64_t row_bytes = int64_t(a.KVH) * a.D * int64_t(sizeof(T));
-  const char* kc = static_cast<const char*>(a.k_cache);
-  const char* vc = static_cast<const char*>(a.v_cache);
-  for (int j = 0; j < n; j++) {
-    const int64_t pos = j0 + j;
-    const int64_t off = (table[pos / a.bs] * a.bs + pos % a.bs) * row_bytes;
-    for (int64_t b = 0; b < row_bytes; b += 64) {
-      _mm_prefetch(kc + off + b, _MM_HINT_T1);
-      _mm_prefetch(vc + off + b, _MM_HINT_T1);
-    }
   }
 }
 
@@ -407,7 +406,6 @@ void attend_one_query(const AttnArgs& a, const Item& it) {
   }
   for (int64_t j0 = 0; j0 < end; j0 += KC) {
     const int nk = int(std::min<int64_t>(KC, end - j0));
-    if (j0 + KC < end) prefetch_keys<T>(a, table, j0 + KC, int(std::min<int64_t>(KC, end - j0 - KC)));
     for (int j = 0; j < KP; j++) {
       if (j < nk) {
         const int64_t pos = j0 + j;
@@ -481,9 +479,16 @@ void attend_one_query(const AttnArgs& a, const Item& it) {
         for (int j = 0; j < KP; j++) vh[j] = reinterpret_cast<const uint16_t*>(vbase[j]) + (j < nk ? h * D : 0);
         const int kp2 = (nk + 1) & ~1;
         constexpr int RB = DV <= 4 ? 4 : 2;
-        int r = r0;
-        for (; r + RB <= r0 + G; r += RB) pv_bf16_block<DV, RB>(Pb + r * KP, KP, vh, kp2, O + r * D);
-        for (; r < r0 + G; r++) pv_bf16_block<DV, 1>(Pb + r * KP, KP, vh, kp2, O + r * D);
+        for (int r = r0; r < r0 + G; r += RB) {
+          const uint16_t* pb = Pb + r * KP;
+          float* o = O + r * D;
+          switch (std::min(RB, r0 + G - r)) {
+            case 4: pv_bf16_block<DV, (RB >= 4 ? 4 : 1)>(pb, KP, vh, kp2, o); break;
+            case 3: pv_bf16_block<DV, (RB >= 3 ? 3 : 1)>(pb, KP, vh, kp2, o); break;
+            case 2: pv_bf16_block<DV, 2>(pb, KP, vh, kp2, o); break;
+            default: pv_bf16_block<DV, 1>(pb, KP, vh, kp2, o); break;
+          }
+        }
 #endif
       } else {
         for (int j = 0; j < nk; j++) {
@@ -797,7 +802,7 @@ void silu_mul_impl(const void* gu, void* out, int64_t rows, int64_t n, int num_t
     const V one = V::set1(1.f);
     for (int64_t i = 0; i < nv; i += W) {
       V x = V::load(g + i);
-      V s = x / (one + V::exp(V::zero() - x));
+      V s = x * V::rcp(one + V::exp(V::zero() - x));
       (s * V::load(u + i)).store(o + i);
     }
     for (int64_t i = nv; i < n; i++) {

@@ -1,0 +1,154 @@
+"""Run-time dispatch on CPU features: dtype "auto", the kernels' instruction-set level, the build cache and its
+fallback, and the prepacked linear layers against F.linear."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import conveyor.kernels.cpu_features as cf
+from conveyor.kernels.build import library_path
+from conveyor.kernels.cpu_ops import build_and_load
+from conveyor.layers.linear import PackedLinear, onednn_available, pack_linear, padded_rows
+from conveyor.models.loader import choose_dtype
+
+ZEN3 = frozenset("sse4_2 avx avx2 fma f16c bmi2".split())
+ZEN5 = ZEN3 | frozenset("avx512f avx512bw avx512vl avx512dq avx512_vnni avx512_bf16".split())
+SAPPHIRE = ZEN5 | frozenset("amx_tile amx_bf16 amx_int8".split())
+
+
+@pytest.mark.parametrize("flags,level,bf16", [(ZEN3, "avx2", False), (ZEN5, "avx512bf16", True),
+                                              (SAPPHIRE, "avx512bf16", True), (frozenset({"sse2"}), "none", False),
+                                              (ZEN5 - {"avx512_bf16"}, "avx512", False)])
+def test_levels_and_native_bf16_from_flags(flags, level, bf16):
+    feats = cf.CpuFeatures(flags, "x86_64")
+    assert feats.native_level == level and feats.native_bf16 is bf16
+    assert cf.CpuFeatures(flags, "aarch64").native_level == "none"
+
+
+@pytest.mark.parametrize("flags,want", [(ZEN3, torch.float32), (ZEN5, torch.bfloat16), (SAPPHIRE, torch.bfloat16)])
+def test_auto_dtype_follows_native_bf16(monkeypatch, flags, want):
+    monkeypatch.setattr(cf, "cpu_features", lambda: cf.CpuFeatures(flags, "x86_64"))
+    dtype, why = choose_dtype("auto", "cpu")
+    assert dtype == want and why.startswith(f"auto: {str(want).removeprefix('torch.')}")
+    assert choose_dtype("float32", "cpu")[0] == torch.float32  # an explicit dtype is never overridden
+
+
+def test_auto_dtype_on_this_machine():
+    with open("/proc/cpuinfo") as f:
+        flags = set(next(line for line in f if line.startswith("flags")).split(":", 1)[1].split())
+    native = bool({"avx512_bf16", "amx_bf16"} & flags)
+    assert choose_dtype("auto", "cpu")[0] == (torch.bfloat16 if native else torch.float32)
+
+
+def test_forced_level_never_exceeds_the_cpu(monkeypatch):
+    monkeypatch.setattr(cf, "cpu_features", lambda: cf.CpuFeatures(ZEN3, "x86_64"))
+    monkeypatch.setenv("CONVEYOR_CPU_ISA", "avx512bf16")
+    assert cf.kernel_level() == "avx2"  # a binary this CPU cannot run is never chosen
+    monkeypatch.setenv("CONVEYOR_CPU_ISA", "none")
+    assert cf.kernel_level() == "none"
+    monkeypatch.setenv("CONVEYOR_CPU_ISA", "sse9")
+    with pytest.raises(ValueError, match="CONVEYOR_CPU_ISA"):
+        cf.kernel_level()
+
+
+def test_cache_key_names_level_and_compiler(tmp_path, monkeypatch):
+    monkeypatch.setenv("CONVEYOR_CACHE_DIR", str(tmp_path))
+    a = library_path("k", "src", "avx2", ("-mavx2",), "/usr/bin/c++")
+    assert a.startswith(str(tmp_path)) and "avx2" in os.path.basename(a)
+    assert a != library_path("k", "src", "avx512", ("-mavx2",), "/usr/bin/c++")
+    assert a != library_path("k", "src2", "avx2", ("-mavx2",), "/usr/bin/c++")
+    assert a != library_path("k", "src", "avx2", ("-mavx2", "-O2"), "/usr/bin/c++")
+
+
+def test_failed_build_warns_with_the_compilers_message(tmp_path, monkeypatch):
+    """A compiler that fails: a warning carrying its own message, None, and the engine takes the torch path."""
+    fake = tmp_path / "fake-cxx"
+    fake.write_text("#!/bin/sh\nif [ \"$1\" = --version ]; then echo fake 1.0; exit 0; fi\n"
+                    "echo 'fatal error: immintrin.h: No such file' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("CXX", str(fake))
+    monkeypatch.setenv("CONVEYOR_CACHE_DIR", str(tmp_path / "cache"))
+    with pytest.warns(RuntimeWarning, match="(?s)torch path instead.*immintrin.h: No such file"):
+        assert build_and_load("avx2") is None
+    monkeypatch.setenv("CXX", str(tmp_path / "missing-compiler"))
+    monkeypatch.setenv("PATH", str(tmp_path))  # no c++ / g++ / clang++ either
+    with pytest.warns(RuntimeWarning, match="no C\\+\\+ compiler"):
+        assert build_and_load("avx2") is None
+
+
+SCRIPT = r"""
+import json, sys, torch
+from conveyor import LLM, SamplingParams
+llm = LLM(sys.argv[1], dtype="float32", num_kv_blocks=64, block_size=16, detokenize=False)
+runner = llm.engine.executor
+runner.return_logits = True
+prompts = [{"prompt_token_ids": [5 + i % 50 for i in range(n)]} for n in (3, 40, 17)]
+outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+logits = {k: v.tolist() for k, v in runner.last_logits.items()}
+print("RESULT " + json.dumps({"backend": runner.backend, "tokens": [o.outputs[0].token_ids for o in outs],
+                              "logits": logits}))
+"""
+
+
+def run_at_level(model_dir, level):
+    env = dict(os.environ, CONVEYOR_CPU_ISA=level)
+    out = subprocess.run([sys.executable, "-c", SCRIPT, str(model_dir)], capture_output=True, text=True, env=env,
+                         timeout=600)
+    line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
+    assert line, out.stderr[-2000:]
+    return json.loads(line[len("RESULT "):])
+
+
+@pytest.mark.skipif(cf.cpu_features().native_level == "none", reason="no native kernels on this CPU")
+def test_engine_same_tokens_at_every_level(tmp_path):
+    """The whole engine (head_dim 64: the native attention path) at the torch path, AVX2 and this CPU's own
+    level: the same greedy tokens, logits equal to float32 rounding."""
+    from conftest import save_tiny_llama
+
+    model_dir = save_tiny_llama(tmp_path / "m", hidden_size=128, num_attention_heads=2, num_key_value_heads=1)
+    runs = {lvl: run_at_level(model_dir, lvl) for lvl in ("none", "avx2", cf.cpu_features().native_level)}
+    assert runs["none"]["backend"] == "cpu" and runs["avx2"]["backend"] == "cpu-native"
+    for lvl, run in runs.items():
+        assert run["tokens"] == runs["none"]["tokens"], lvl
+        for rid, logits in run["logits"].items():
+            torch.testing.assert_close(torch.tensor(logits), torch.tensor(runs["none"]["logits"][rid]),
+                                       atol=1e-4, rtol=1e-4)
+
+
+def test_padded_rows_is_bounded_and_tight():
+    sizes = {padded_rows(m) for m in range(1, 4097)}
+    assert len(sizes) <= 160
+    for m in range(1, 4097):
+        assert m <= padded_rows(m) <= m + max(m // 16, 0) + 1
+    assert [padded_rows(m) for m in (1, 17, 32, 33, 101, 2047)] == [1, 17, 32, 34, 104, 2048]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("rows", [1, 7, 33, 100])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_matches_f_linear(dtype, rows, bias):
+    gen = torch.Generator().manual_seed(rows)
+    w = torch.randn(96, 80, generator=gen).to(dtype)
+    b = torch.randn(96, generator=gen).to(dtype) if bias else None
+    x = torch.randn(rows, 80, generator=gen).to(dtype)
+    layer = pack_linear(w, b)
+    assert layer.use_onednn == (dtype != torch.float64 and onednn_available())
+    assert layer.weight.shape == w.shape and layer.weight.device.type == "meta"  # counted, not stored twice
+    got = layer(x)
+    want = F.linear(x.double(), w.double(), None if b is None else b.double())
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype != torch.bfloat16 else dict(atol=0.1, rtol=2e-2)
+    assert got.shape == (rows, 96) and got.dtype == dtype
+    torch.testing.assert_close(got.double(), want, **tol)
+
+
+def test_packed_linear_torch_fallback_is_the_same_layer():
+    w, x = torch.randn(32, 16), torch.randn(5, 16)
+    fallback = PackedLinear(w, None, use_onednn=False)
+    torch.testing.assert_close(fallback(x), F.linear(x, w))
