@@ -97,6 +97,11 @@ def _reference_attention(qkv, k_cache, v_cache, block_table, qsl, seq_lens, rota
     return out, k_cache, v_cache
 
 
+def head_major(cache):
+    """[num_blocks, bs, KVH, D] (the reference's layout) -> the kernel's [num_blocks, KVH, bs, D], and back."""
+    return cache.transpose(1, 2).contiguous()
+
+
 def split_heads(qkv, heads, kv_heads, head_dim):
     """q, k, v as [T, heads, head_dim] views into the fused rows, as the model hands them over."""
     q = qkv[:, :heads * head_dim].unflatten(1, (heads, head_dim))
@@ -127,9 +132,10 @@ def test_attention_matches_torch(kernels, dtype, block_size, heads, kv_heads, he
     out = torch.full((qkv.shape[0], heads * head_dim), float("nan"), dtype=dtype)
     cos_sin = rotary.cos_sin.flatten(1).contiguous()
     q, k, v = split_heads(qkv, heads, kv_heads, head_dim)
-    kernels.attention(q, k, v, k_cache, v_cache, table, qsl, seq_lens, cos_sin, out.view(-1, heads, head_dim), scale)
-    torch.testing.assert_close(k_cache.float(), want_k.float(), **TOL[dtype])
-    torch.testing.assert_close(v_cache, want_v)
+    kc, vc = head_major(k_cache), head_major(v_cache)
+    kernels.attention(q, k, v, kc, vc, table, qsl, seq_lens, cos_sin, out.view(-1, heads, head_dim), scale)
+    torch.testing.assert_close(head_major(kc).float(), want_k.float(), **TOL[dtype])
+    torch.testing.assert_close(head_major(vc), want_v)
     torch.testing.assert_close(out.float(), want, **TOL[dtype])
 
 
@@ -143,10 +149,11 @@ def test_attention_without_rope_and_with_strided_rows(kernels, dtype):
     want, want_k, _ = reference_attention(qkv, k_cache, v_cache, table, qsl, seq_lens, None, heads, kv_heads, d, 0.1)
     out = torch.zeros(qkv.shape[0], heads * d + 8, dtype=dtype)
     q, k, v = split_heads(wide, heads, kv_heads, d)
-    kernels.attention(q, k, v, k_cache, v_cache, table, qsl, seq_lens, None, out[:, :heads * d].view(-1, heads, d), 0.1)
+    kc, vc = head_major(k_cache), head_major(v_cache)
+    kernels.attention(q, k, v, kc, vc, table, qsl, seq_lens, None, out[:, :heads * d].view(-1, heads, d), 0.1)
     torch.testing.assert_close(out[:, :heads * d].float(), want, **TOL[dtype])
     assert (out[:, heads * d:] == 0).all()  # nothing written past a row's H * D values
-    torch.testing.assert_close(k_cache, want_k.to(dtype))
+    torch.testing.assert_close(head_major(kc), want_k.to(dtype))
 
 
 def test_attention_long_context_is_stable(kernels):
@@ -158,7 +165,8 @@ def test_attention_long_context_is_stable(kernels):
     want, *_ = reference_attention(qkv, k_cache, v_cache, table, qsl, seq_lens, None, heads, kv_heads, d, 1.0)
     out = torch.empty(qkv.shape[0], heads * d)
     q, k, v = split_heads(qkv, heads, kv_heads, d)
-    kernels.attention(q, k, v, k_cache, v_cache, table, qsl, seq_lens, None, out.view(-1, heads, d), 1.0)
+    kernels.attention(q, k, v, head_major(k_cache), head_major(v_cache), table, qsl, seq_lens, None,
+                      out.view(-1, heads, d), 1.0)
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out, want, atol=1e-4, rtol=1e-4)
 

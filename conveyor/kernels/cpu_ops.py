@@ -23,6 +23,10 @@ SOURCE_PATH = os.path.join(os.path.dirname(__file__), "csrc", "cpu_kernels.cpp")
 ABI_VERSION = 1
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 SUPPORTED_HEAD_DIMS = (64, 128)
+# The attention kernel's cache layout per layer: [2 (K, V), num_blocks, num_kv_heads, block_size, head_dim]. One
+# head's rows of a block are contiguous, so a request's context streams in order (the torch paths keep
+# [2, num_blocks, block_size, num_kv_heads, head_dim]).
+HEAD_MAJOR_KV = True
 
 
 class KernelError(RuntimeError):
@@ -57,8 +61,8 @@ class CpuKernels:
         """Rope (when ``cos_sin`` is given) + KV write + causal attention of every request of a step.
 
         q [T, H, D], k and v [T, KVH, D], each with unit strides inside a token's row (views of one fused qkv
-        buffer are fine); q and k are rotated in place. k_cache and v_cache [num_blocks, block_size, KVH, D]
-        contiguous; block_table [R, max_blocks] int64 (row-major); query_start [R + 1] and seq_lens [R] int64
+        buffer are fine); q and k are rotated in place. k_cache and v_cache [num_blocks, KVH, block_size, D]
+        contiguous (head-major blocks: ``HEAD_MAJOR_KV``); block_table [R, max_blocks] int64 (row-major); query_start [R + 1] and seq_lens [R] int64
         (request r's tokens sit at positions seq_lens[r] - n_r ...); cos_sin [positions, D] float32 (cos halves
         then sin halves); out [T, H, D], written (unit strides inside a row).
         """
@@ -72,7 +76,7 @@ class CpuKernels:
             k_cache.data_ptr(), v_cache.data_ptr(), block_table.data_ptr(), block_table.stride(0),
             query_start.data_ptr(), seq_lens.data_ptr(), seq_lens.shape[0],
             None if cos_sin is None else cos_sin.data_ptr(), out.data_ptr(), out.stride(0), num_heads, num_kv_heads,
-            head_dim, k_cache.shape[1], scale, torch.get_num_threads())
+            head_dim, k_cache.shape[2], scale, torch.get_num_threads())
         if rc != 0:
             raise KernelError(f"cvk_attention failed ({rc}) for H={num_heads} KVH={num_kv_heads} D={head_dim}")
 

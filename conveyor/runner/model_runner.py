@@ -14,8 +14,9 @@ from conveyor.runner.sampler import Sampler
 class ModelRunner:
     """Owns the paged KV cache and the per-request state; runs the model and samples.
 
-    The KV cache is one tensor per layer, [2 (K, V), num_blocks, block_size, num_kv_heads, head_dim]; block b
-    covers cache slots [b * block_size, (b + 1) * block_size). Set ``return_logits = True`` to keep the logits
+    The KV cache is one tensor per layer, [2 (K, V), num_blocks, block_size, num_kv_heads, head_dim] (the native
+    CPU attention's: [2, num_blocks, num_kv_heads, block_size, head_dim]); block b covers positions
+    [b * block_size, (b + 1) * block_size) of the requests that own it. Set ``return_logits = True`` to keep the logits
     of the last step in ``last_logits`` ({req_id: [vocab] float tensor}) for tests and debugging.
     """
 
@@ -33,9 +34,12 @@ class ModelRunner:
         # The torch paths' padded decode gathers read unwritten slots (0 * NaN garbage would poison them), so
         # their cache starts zeroed. The native kernel reads only written slots: its cache is left unwritten, so
         # start-up skips touching every page and memory is committed only as blocks are first used.
-        alloc = torch.empty if self.backend == "cpu-native" else torch.zeros
-        self.kv_caches = [alloc(2, num_blocks, block_size, info.num_kv_heads, info.head_dim,
-                                dtype=self.dtype, device=self.device) for _ in range(info.num_layers)]
+        # Its blocks are head-major too ([.., num_kv_heads, block_size, head_dim]: see kernels.cpu_ops).
+        native = self.backend == "cpu-native"
+        alloc = torch.empty if native else torch.zeros
+        shape = (2, num_blocks, info.num_kv_heads, block_size, info.head_dim) if native else \
+            (2, num_blocks, block_size, info.num_kv_heads, info.head_dim)
+        self.kv_caches = [alloc(*shape, dtype=self.dtype, device=self.device) for _ in range(info.num_layers)]
         self.batch = InputBatch(block_size, self.device, max_position=info.max_position_embeddings)
         self.sampler = Sampler(info.eos_token_ids, self.device, seed)
         self.return_logits = False

@@ -28,7 +28,8 @@ class NativeCpuAttention:
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, scale: float,
                 rope: torch.Tensor | None = None) -> torch.Tensor:
         """q [T, H, d], k/v [T, KVH, d] (views into the fused qkv rows are fine; q and k are rotated in place
-        when ``rope`` is given); writes the new K/V into ``kv_cache`` and returns [T, H, d]."""
+        when ``rope`` is given); writes the new K/V into ``kv_cache`` ([2, num_blocks, KVH, block_size, d]:
+        head-major blocks) and returns [T, H, d]."""
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if self.meta.num_reqs:
             self.kernels.attention(q, k, v, kv_cache[0], kv_cache[1], self.block_table, self.query_start,
