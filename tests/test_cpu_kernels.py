@@ -215,3 +215,39 @@ def test_bf16_rounding_matches_torch(kernels):
     got = res.clone()
     kernels.add_rmsnorm(x, got, torch.ones(4096, dtype=torch.bfloat16), 1e-5, torch.empty_like(x))
     torch.testing.assert_close(got, want, atol=0, rtol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("rows", [1, 2, 5, 8, 9, 32])
+@pytest.mark.parametrize("out_features,in_features", [(96, 80), (1000, 512), (17, 6)])
+def test_skinny_gemm_matches_torch(kernels, dtype, rows, out_features, in_features):
+    gen = torch.Generator().manual_seed(rows * 1000 + out_features)
+    w = torch.randn(out_features, in_features, generator=gen).to(dtype)
+    bias = torch.randn(out_features, generator=gen).to(dtype)
+    x_wide = torch.randn(rows, in_features + 3, generator=gen).to(dtype)
+    x = x_wide[:, :in_features]  # rows of x need not be contiguous with each other
+    packed = kernels.pack_skinny_weight(w)
+    for b in (None, bias):
+        out = torch.full((rows, out_features), float("nan"), dtype=dtype)
+        kernels.skinny_linear(x, packed, b, out_features, out)
+        want = F.linear(x.double(), w.double(), None if b is None else b.double())
+        tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=0.1, rtol=2e-2)
+        torch.testing.assert_close(out.double(), want, **tol)
+
+
+@pytest.mark.parametrize("rows", [1, 7, 16, 17, 32, 33, 96])
+@pytest.mark.parametrize("out_features,in_features", [(96, 64), (1000, 512), (17, 32)])
+def test_amx_gemm_matches_torch(kernels, rows, out_features, in_features):
+    """bfloat16 on AMX tiles, where the CPU has them (rows crossing the 16-row tile and 32-row pair edges)."""
+    if not kernels.amx:
+        pytest.skip("no AMX at this level / on this CPU")
+    gen = torch.Generator().manual_seed(rows * 7 + out_features)
+    w = torch.randn(out_features, in_features, generator=gen).to(torch.bfloat16)
+    bias = torch.randn(out_features, generator=gen).to(torch.bfloat16)
+    x = torch.randn(rows, in_features + 32, generator=gen).to(torch.bfloat16)[:, :in_features]
+    packed = kernels.pack_skinny_weight(w)
+    for b in (None, bias):
+        out = torch.full((rows, out_features), float("nan"), dtype=torch.bfloat16)
+        kernels.amx_linear(x, packed, b, out_features, out)
+        want = F.linear(x.double(), w.double(), None if b is None else b.double())
+        torch.testing.assert_close(out.double(), want, atol=0.1, rtol=2e-2)

@@ -17,7 +17,7 @@ import warnings
 import torch
 
 from conveyor.kernels.build import BuildError, build_library
-from conveyor.kernels.cpu_features import LEVEL_FLAGS, kernel_level
+from conveyor.kernels.cpu_features import LEVEL_FLAGS, cpu_features, kernel_level
 
 SOURCE_PATH = os.path.join(os.path.dirname(__file__), "csrc", "cpu_kernels.cpp")
 ABI_VERSION = 1
@@ -46,6 +46,14 @@ class CpuKernels:
         self._add_rmsnorm = lib.cvk_add_rmsnorm
         self._add_rmsnorm.restype = i32
         self._add_rmsnorm.argtypes = [i32, p, i64, p, p, p, i64, i64, f32, i32, i32]
+        self._skinny = lib.cvk_skinny_gemm
+        self._skinny.restype = i32
+        self._skinny.argtypes = [i32, p, i64, i64, p, p, p, i64, i64, i64, i32]
+        self._amx = lib.cvk_amx_gemm
+        self._amx.restype = i32
+        self._amx.argtypes = [p, i64, i64, p, p, p, i64, i64, i64, i32]
+        # AMX tiles: only where the CPU has them and Linux grants the tile state to this process.
+        self.amx = level == "avx512bf16" and cpu_features().has_amx and lib.cvk_amx_init() == 1
         self._silu_mul = lib.cvk_silu_mul
         self._silu_mul.restype = i32
         self._silu_mul.argtypes = [i32, p, p, i64, i64, i32]
@@ -89,6 +97,34 @@ class CpuKernels:
                                rows, n, eps, residual is not None, torch.get_num_threads())
         if rc != 0:
             raise KernelError(f"cvk_add_rmsnorm failed ({rc})")
+
+    @staticmethod
+    def pack_skinny_weight(weight: torch.Tensor) -> torch.Tensor:
+        """W [N, K] -> the skinny GEMM's layout: 16-column blocks, k-major inside (float32 [N/16, K, 16],
+        bfloat16 [N/16, K/2, 16, 2]), N padded with zero columns to a multiple of 16."""
+        n, k = weight.shape
+        w = torch.nn.functional.pad(weight, (0, 0, 0, (-n) % 16))
+        if weight.dtype == torch.bfloat16:
+            return w.view(-1, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+        return w.view(-1, 16, k).transpose(1, 2).contiguous()
+
+    def skinny_linear(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int,
+                      out: torch.Tensor) -> None:
+        """out [M, N] = x [M, K] @ W.T + bias, W packed by ``pack_skinny_weight`` (rows of x unit-strided)."""
+        rc = self._skinny(_DTYPE_CODES[x.dtype], x.data_ptr(), x.stride(0), x.shape[0], packed.data_ptr(),
+                          None if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0), out_features,
+                          x.shape[1], torch.get_num_threads())
+        if rc != 0:
+            raise KernelError(f"cvk_skinny_gemm failed ({rc})")
+
+    def amx_linear(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int,
+                   out: torch.Tensor) -> None:
+        """bfloat16 ``skinny_linear`` on AMX tiles (``self.amx`` must be True; in_features a multiple of 32)."""
+        rc = self._amx(x.data_ptr(), x.stride(0), x.shape[0], packed.data_ptr(),
+                       None if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0), out_features,
+                       x.shape[1], torch.get_num_threads())
+        if rc != 0:
+            raise KernelError(f"cvk_amx_gemm failed ({rc})")
 
     def silu_mul(self, gate_up: torch.Tensor, out: torch.Tensor) -> None:
         """out [rows, n] = silu(gate_up[:, :n]) * gate_up[:, n:] (gate_up contiguous [rows, 2n])."""

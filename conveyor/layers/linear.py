@@ -10,8 +10,16 @@ number of them. A server sees every row count from 1 to the token budget, so the
 a fixed set of sizes (``padded_rows``: at most 1/16 extra rows, 144 sizes up to 4096), which bounds the
 kernels per layer shape and costs a few percent of compute at most.
 
-``prepare_linears(model)`` swaps every ``nn.Linear`` for a ``PackedLinear``; float64 (tests) and a torch build
-without the oneDNN ops keep ``F.linear`` on a column-major copy of the weight (faster for skinny MKL GEMMs).
+At decode sizes a GEMM is bound by how fast its weight streams from memory, and oneDNN's kernels reach only
+part of that: in float32 half, in bfloat16 on AMX about two thirds at 1-32 rows (measured: README). There the
+native kernels (conveyor/kernels) stream a second copy of the weight, packed in 16-column blocks, instead: up to
+``SKINNY_MAX_ROWS`` rows in float32 (1.3-1.5x oneDNN), up to ``AMX_MAX_ROWS`` rows in bfloat16 on CPUs with
+AMX (1.3-1.5x to 32 rows, 1.1x to 100). Without AMX, bfloat16 stays on oneDNN (avx512_bf16 dot products alone
+do not keep up with the stream).
+
+``prepare_linears(model, kernels)`` swaps every ``nn.Linear`` for a ``PackedLinear``; float64 (tests) and a
+torch build without the oneDNN ops keep ``F.linear`` on a column-major copy of the weight (faster for skinny
+MKL GEMMs).
 """
 
 from __future__ import annotations
@@ -23,6 +31,8 @@ import torch.nn.functional as F
 from torch import nn
 
 ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
+SKINNY_MAX_ROWS = 32  # float32 batches up to this many rows take the native skinny GEMM when it built
+AMX_MAX_ROWS = 96  # bfloat16 batches up to this many rows take the native AMX GEMM where the CPU has AMX
 
 
 def padded_rows(m: int) -> int:
@@ -52,7 +62,7 @@ class PackedLinear(nn.Module):
     parameter counts still see it; the data lives in ``packed`` (oneDNN) or ``dense`` (torch fallback).
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, use_onednn: bool) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, use_onednn: bool, kernels=None) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
@@ -64,11 +74,27 @@ class PackedLinear(nn.Module):
         else:
             self.packed = None
             self.dense = weight.detach().t().contiguous().t()  # column-major: MKL's skinny GEMMs like it
+        # decode batches: a native kernel on its own copy of the weight (float32 anywhere, bfloat16 with AMX)
+        self.kernels, self.skinny, self.max_rows = None, None, 0
+        if kernels is not None and weight.device.type == "cpu":
+            if weight.dtype == torch.float32:
+                self.max_rows = SKINNY_MAX_ROWS
+            elif weight.dtype == torch.bfloat16 and kernels.amx and self.in_features % 32 == 0:
+                self.max_rows = AMX_MAX_ROWS
+            if self.max_rows:
+                self.kernels, self.skinny = kernels, kernels.pack_skinny_weight(weight.detach())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        m = x.shape[0]
+        if m <= self.max_rows and x.dim() == 2 and x.stride(1) == 1:
+            out = torch.empty(m, self.out_features, dtype=x.dtype, device=x.device)
+            if x.dtype == torch.float32:
+                self.kernels.skinny_linear(x, self.skinny, self.bias, self.out_features, out)
+            else:
+                self.kernels.amx_linear(x, self.skinny, self.bias, self.out_features, out)
+            return out
         if not self.use_onednn:
             return F.linear(x, self.dense, self.bias)
-        m = x.shape[0]
         rows = padded_rows(m)
         if rows != m:
             x = torch.cat([x, x.new_zeros(rows - m, x.shape[1])])
@@ -76,22 +102,23 @@ class PackedLinear(nn.Module):
         return y if rows == m else y[:m]
 
     def extra_repr(self) -> str:
-        kind = "onednn" if self.use_onednn else "torch"
+        kind = ("onednn" if self.use_onednn else "torch") + ("+skinny" if self.skinny is not None else "")
         return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}, {kind}"
 
 
-def pack_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> PackedLinear:
+def pack_linear(weight: torch.Tensor, bias: torch.Tensor | None = None, kernels=None) -> PackedLinear:
     use = weight.device.type == "cpu" and weight.dtype in ONEDNN_DTYPES and onednn_available()
-    return PackedLinear(weight, bias, use)
+    return PackedLinear(weight, bias, use, kernels)
 
 
 @torch.no_grad()
-def prepare_linears(model: nn.Module) -> None:
-    """Replace every ``nn.Linear`` of a CPU model with a ``PackedLinear``; give a tied-embedding model its own
-    packed lm_head (the embedding keeps its row-major copy for the token lookup)."""
+def prepare_linears(model: nn.Module, kernels=None) -> None:
+    """Replace every ``nn.Linear`` of a CPU model with a ``PackedLinear`` (using the native ``kernels`` where they
+    win, when given); give a tied-embedding model its own packed lm_head (the embedding keeps its row-major
+    copy for the token lookup)."""
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):
-                setattr(parent, name, pack_linear(child.weight, child.bias))
+                setattr(parent, name, pack_linear(child.weight, child.bias, kernels))
     if getattr(model, "lm_head", "absent") is None:
-        model.lm_head = pack_linear(model.get_input_embeddings().weight)
+        model.lm_head = pack_linear(model.get_input_embeddings().weight, None, kernels)

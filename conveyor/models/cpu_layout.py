@@ -11,14 +11,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from conveyor.layers.linear import prepare_linears
+from conveyor.layers.linear import PackedLinear, prepare_linears
 
 
 @torch.no_grad()
 def prepare_for_cpu(model: nn.Module, kernels=None) -> None:
     """Pack every linear layer; hand ``kernels`` (a ``conveyor.kernels.CpuKernels`` or None) to the modules
     that use them (those with a ``kernels`` attribute: RMSNorm, the gated MLP)."""
-    prepare_linears(model)
+    prepare_linears(model, kernels)
     for module in model.modules():
-        if hasattr(module, "kernels") and module is not model:
+        if hasattr(module, "kernels") and module is not model and not isinstance(module, PackedLinear):
             module.kernels = kernels

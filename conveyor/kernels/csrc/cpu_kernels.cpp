@@ -14,6 +14,10 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #include <algorithm>
 
@@ -832,6 +836,267 @@ void silu_mul_impl(const void* gu, void* out, int64_t rows, int64_t n, int num_t
   }
 }
 
+
+// ---------------------------------------------------------------------------------------------------------
+// Skinny GEMM for decode-sized batches: y[M, N] = x[M, K] W^T (+ bias), M small, W streamed once from a packed
+// layout: blocks of 16 output columns, k-major inside a block, so each block is one sequential read:
+//   float32:  Wp[N / 16][K][16]
+//   bfloat16: Wp[N / 16][K / 2][16][2]  (pairs of k per output: VDPBF16PS's operand layout)
+// At these shapes the GEMM is bound by how fast W streams from memory; oneDNN's small-M kernels reach a
+// fraction of that in float32 (measured in benchmarks/gemm.py), so this loop keeps every load useful.
+constexpr int NBLK = 16;  // output columns per packed block
+constexpr int SK_ROWS = W == 16 ? 8 : 2;  // rows of x per register tile (AVX2 has 16 registers)
+
+// One row tile (R rows) x two column blocks.
+template <int R>
+inline void skinny_tile_f32(const float* x, int64_t x_stride, const float* wp0, const float* wp1, int64_t K,
+                            float* acc_out /* [R][32] */) {
+#if defined(CVK_AVX512) || defined(CVK_AVX512BF16)
+  __m512 a0[R], a1[R];
+  for (int r = 0; r < R; r++) a0[r] = a1[r] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k++) {
+    const __m512 w0 = _mm512_loadu_ps(wp0 + k * NBLK), w1 = _mm512_loadu_ps(wp1 + k * NBLK);
+    for (int r = 0; r < R; r++) {
+      const __m512 xv = _mm512_set1_ps(x[r * x_stride + k]);
+      a0[r] = _mm512_fmadd_ps(xv, w0, a0[r]);
+      a1[r] = _mm512_fmadd_ps(xv, w1, a1[r]);
+    }
+  }
+  for (int r = 0; r < R; r++) {
+    _mm512_storeu_ps(acc_out + r * 32, a0[r]);
+    _mm512_storeu_ps(acc_out + r * 32 + 16, a1[r]);
+  }
+#else
+  // AVX2: the same, each 16-column block as two halves
+  __m256 a[R][4];
+  for (int r = 0; r < R; r++)
+    for (int c = 0; c < 4; c++) a[r][c] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; k++) {
+    const __m256 w[4] = {_mm256_loadu_ps(wp0 + k * NBLK), _mm256_loadu_ps(wp0 + k * NBLK + 8),
+                         _mm256_loadu_ps(wp1 + k * NBLK), _mm256_loadu_ps(wp1 + k * NBLK + 8)};
+    for (int r = 0; r < R; r++) {
+      const __m256 xv = _mm256_set1_ps(x[r * x_stride + k]);
+      for (int c = 0; c < 4; c++) a[r][c] = _mm256_fmadd_ps(xv, w[c], a[r][c]);
+    }
+  }
+  for (int r = 0; r < R; r++)
+    for (int c = 0; c < 4; c++) _mm256_storeu_ps(acc_out + r * 32 + 8 * c, a[r][c]);
+#endif
+}
+
+// bfloat16: x pairs (x[2k], x[2k+1]) against packed W pairs.
+template <int R>
+inline void skinny_tile_bf16(const uint16_t* x, int64_t x_stride, const uint16_t* wp0, const uint16_t* wp1,
+                             int64_t K, float* acc_out) {
+  const int64_t K2 = K / 2;
+#if defined(CVK_AVX512BF16)
+  __m512 a0[R], a1[R];
+  for (int r = 0; r < R; r++) a0[r] = a1[r] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K2; k++) {
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wp0 + k * 2 * NBLK);
+    const __m512bh w1 = (__m512bh)_mm512_loadu_si512(wp1 + k * 2 * NBLK);
+    for (int r = 0; r < R; r++) {
+      uint32_t pair;
+      memcpy(&pair, x + r * x_stride + 2 * k, 4);
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(int(pair));
+      a0[r] = _mm512_dpbf16_ps(a0[r], xv, w0);
+      a1[r] = _mm512_dpbf16_ps(a1[r], xv, w1);
+    }
+  }
+  for (int r = 0; r < R; r++) {
+    _mm512_storeu_ps(acc_out + r * 32, a0[r]);
+    _mm512_storeu_ps(acc_out + r * 32 + 16, a1[r]);
+  }
+#else
+  // No bf16 arithmetic: split each pair into its even-k and odd-k float32 halves (a shift and a mask).
+  float acc[R][32];
+  for (int r = 0; r < R; r++)
+    for (int c = 0; c < 32; c++) acc[r][c] = 0.f;
+  for (int half = 0; half < 2; half++) {
+    const uint16_t* wp = half ? wp1 : wp0;
+    for (int c0 = 0; c0 < NBLK; c0 += W) {
+      V a[R];
+      for (int r = 0; r < R; r++) a[r] = V::zero();
+      for (int64_t k = 0; k < K2; k++) {
+        // 16 outputs x 2 k as 32 bf16; this vector's W outputs: lanes c0 .. c0 + W
+        const uint16_t* src = wp + k * 2 * NBLK + 2 * c0;
+#if defined(CVK_AVX512)
+        const __m512i pairs = _mm512_loadu_si512(src);
+        const V we = {_mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16))};
+        const V wo = {_mm512_castsi512_ps(_mm512_and_si512(pairs, _mm512_set1_epi32(int(0xffff0000u))))};
+#else
+        const __m256i pairs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
+        const V we = {_mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16))};
+        const V wo = {_mm256_castsi256_ps(_mm256_and_si256(pairs, _mm256_set1_epi32(int(0xffff0000u))))};
+#endif
+        for (int r = 0; r < R; r++) {
+          a[r] = V::fma(V::set1(to_f32(x[r * x_stride + 2 * k])), we, a[r]);
+          a[r] = V::fma(V::set1(to_f32(x[r * x_stride + 2 * k + 1])), wo, a[r]);
+        }
+      }
+      for (int r = 0; r < R; r++) a[r].store(acc[r] + half * 16 + c0);
+    }
+  }
+  for (int r = 0; r < R; r++)
+    for (int c = 0; c < 32; c++) acc_out[r * 32 + c] = acc[r][c];
+#endif
+}
+
+template <typename T>
+void skinny_store(const float* acc, int R, const T* bias, int64_t n0, int64_t N, T* y, int64_t y_stride) {
+  const int nc = int(std::min<int64_t>(32, N - n0));
+  for (int r = 0; r < R; r++)
+    for (int c = 0; c < nc; c++) {
+      const float b = bias ? to_f32(bias[n0 + c]) : 0.f;
+      from_f32(acc[r * 32 + c] + b, y + r * y_stride + n0 + c);
+    }
+}
+
+template <typename T>
+void skinny_gemm_impl(const T* x, int64_t x_stride, int64_t M, const T* wp, const T* bias, T* y, int64_t y_stride,
+                      int64_t N, int64_t K, int num_threads) {
+  const int64_t nblocks = (N + NBLK - 1) / NBLK;
+  const int64_t npairs = (nblocks + 1) / 2;  // work unit: two column blocks (32 outputs)
+  const int64_t block_elems = K * NBLK;
+  const int threads = npairs < 4 ? 1 : std::max(1, num_threads);
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t p = 0; p < npairs; p++) {
+    alignas(64) float acc[SK_ROWS * 32];
+    const T* w0 = wp + 2 * p * block_elems;
+    const T* w1 = 2 * p + 1 < nblocks ? w0 + block_elems : w0;  // an odd last block pairs with itself
+    for (int64_t m0 = 0; m0 < M; m0 += SK_ROWS) {
+      const int R = int(std::min<int64_t>(SK_ROWS, M - m0));
+      const T* xr = x + m0 * x_stride;
+#define CVK_SKINNY_CASE(RR)                                                                            \
+  case RR:                                                                                             \
+    if constexpr (sizeof(T) == 4)                                                                      \
+      skinny_tile_f32<RR>(reinterpret_cast<const float*>(xr), x_stride, reinterpret_cast<const float*>(w0), \
+                          reinterpret_cast<const float*>(w1), K, acc);                                \
+    else                                                                                               \
+      skinny_tile_bf16<RR>(reinterpret_cast<const uint16_t*>(xr), x_stride,                           \
+                           reinterpret_cast<const uint16_t*>(w0), reinterpret_cast<const uint16_t*>(w1), K, acc); \
+    break;
+      switch (R) {
+        CVK_SKINNY_CASE(1)
+        CVK_SKINNY_CASE(2)
+        CVK_SKINNY_CASE(3)
+        CVK_SKINNY_CASE(4)
+#if defined(CVK_AVX512) || defined(CVK_AVX512BF16)
+        CVK_SKINNY_CASE(5)
+        CVK_SKINNY_CASE(6)
+        CVK_SKINNY_CASE(7)
+        CVK_SKINNY_CASE(8)
+#endif
+      }
+#undef CVK_SKINNY_CASE
+      skinny_store<T>(acc, R, bias, 2 * p * NBLK, N, y + m0 * y_stride, y_stride);
+    }
+  }
+}
+
+
+#if defined(CVK_AVX512BF16)
+// ---------------------------------------------------------------------------------------------------------
+// AMX (Sapphire Rapids and later): the same skinny GEMM in bfloat16 on tile registers. A tile of 16 x's rows x
+// 32 k against a tile of the packed weight (16 k-pairs x 16 columns: the layout above, so one 1 KB load) gives
+// a 16 x 16 float32 block per TDPBF16PS. Weights stream once per 32 rows of x; at decode sizes the loop is
+// bound by that stream (oneDNN's AMX kernels reach about half of it at 17-128 rows: README).
+// Tiles: 0, 1 = x rows [m0, m0+16), [m0+16, m0+32); 2, 3 = two weight column blocks; 4-7 = the four results.
+struct alignas(64) TileConfig {
+  uint8_t palette, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+__attribute__((target("amx-tile,amx-bf16"))) inline void amx_configure(int rows0, int rows1) {
+  TileConfig cfg;
+  memset(&cfg, 0, sizeof(cfg));
+  cfg.palette = 1;
+  const int r1 = rows1 > 0 ? rows1 : 1;
+  const int rows[8] = {rows0, r1, 16, 16, rows0, rows0, r1, r1};
+  for (int t = 0; t < 8; t++) {
+    cfg.rows[t] = uint8_t(rows[t]);
+    cfg.colsb[t] = 64;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+__attribute__((target("amx-tile,amx-bf16")))
+void amx_gemm_bf16(const uint16_t* x, int64_t x_stride, int64_t M, const uint16_t* wp, const uint16_t* bias,
+                   uint16_t* y, int64_t y_stride, int64_t N, int64_t K, int num_threads) {
+  const int64_t nblocks = (N + NBLK - 1) / NBLK, npairs = (nblocks + 1) / 2;
+  const int64_t block_elems = K * NBLK;
+  const int threads = npairs < 4 ? 1 : std::max(1, num_threads);
+#pragma omp parallel num_threads(threads)
+  {
+    alignas(64) float c[4][16 * 16];
+    int rows0 = -1, rows1 = -1;
+#pragma omp for schedule(static)
+    for (int64_t p = 0; p < npairs; p++) {
+      const uint16_t* w0 = wp + 2 * p * block_elems;
+      const uint16_t* w1 = 2 * p + 1 < nblocks ? w0 + block_elems : w0;
+      for (int64_t m0 = 0; m0 < M; m0 += 32) {
+        const int r0 = int(std::min<int64_t>(16, M - m0)), r1 = int(std::max<int64_t>(0, std::min<int64_t>(16, M - m0 - 16)));
+        if (r0 != rows0 || r1 != rows1) {
+          amx_configure(r0, r1);
+          rows0 = r0;
+          rows1 = r1;
+        }
+        const uint16_t* xa = x + m0 * x_stride;
+        const uint16_t* xb = xa + 16 * x_stride;
+        const int64_t xs = x_stride * 2;
+        _tile_zero(4);
+        _tile_zero(5);
+        if (r1) {
+          _tile_zero(6);
+          _tile_zero(7);
+        }
+        for (int64_t k = 0; k < K; k += 32) {
+          _tile_loadd(0, xa + k, xs);
+          _tile_loadd(2, w0 + k * NBLK, 64);
+          _tile_loadd(3, w1 + k * NBLK, 64);
+          _tile_dpbf16ps(4, 0, 2);
+          _tile_dpbf16ps(5, 0, 3);
+          if (r1) {
+            _tile_loadd(1, xb + k, xs);
+            _tile_dpbf16ps(6, 1, 2);
+            _tile_dpbf16ps(7, 1, 3);
+          }
+        }
+        _tile_stored(4, c[0], 64);
+        _tile_stored(5, c[1], 64);
+        if (r1) {
+          _tile_stored(6, c[2], 64);
+          _tile_stored(7, c[3], 64);
+        }
+        const int64_t n0 = 2 * p * NBLK;
+        const int nc = int(std::min<int64_t>(32, N - n0));
+        for (int half = 0; half < 2; half++) {
+          const int rows = half ? r1 : r0;
+          for (int r = 0; r < rows; r++) {
+            uint16_t* dst = y + (m0 + 16 * half + r) * y_stride + n0;
+            for (int b = 0; b < 2; b++) {
+              const int cols = std::min(16, nc - 16 * b);
+              if (cols <= 0) break;
+              const float* src = c[2 * half + b] + r * 16;
+              if (cols == 16) {
+                V v = V::load(src);
+                if (bias) v = v + V::load(bias + n0 + 16 * b);
+                v.store(dst + 16 * b);
+              } else {
+                for (int j = 0; j < cols; j++)
+                  from_f32(src[j] + (bias ? to_f32(bias[n0 + 16 * b + j]) : 0.f), dst + 16 * b + j);
+              }
+            }
+          }
+        }
+      }
+    }
+    if (rows0 >= 0) _tile_release();
+  }
+}
+#endif
+
 }  // namespace
 
 extern "C" {
@@ -869,6 +1134,50 @@ int cvk_add_rmsnorm(int dtype, const void* x, int64_t x_stride, void* residual, 
   else if (dtype == 1) add_rmsnorm_impl<uint16_t>(x, x_stride, residual, weight, out, rows, n, eps, add != 0, num_threads);
   else return -3;
   return 0;
+}
+
+
+// y[M, N] (+)= x[M, K] W^T + bias for small M, W packed by the caller into 16-column blocks (see
+// skinny_gemm_impl: float32 [N/16][K][16], bfloat16 [N/16][K/2][16][2], N padded to 16 with zero columns;
+// bfloat16 needs K even). bias: N values of the same dtype, or NULL. Returns 0, -3 for a bad dtype/shape.
+int cvk_skinny_gemm(int dtype, const void* x, int64_t x_stride, int64_t M, const void* packed, const void* bias,
+                    void* y, int64_t y_stride, int64_t N, int64_t K, int num_threads) {
+  if (M <= 0 || N <= 0) return 0;
+  if (dtype == 0)
+    skinny_gemm_impl<float>(static_cast<const float*>(x), x_stride, M, static_cast<const float*>(packed),
+                            static_cast<const float*>(bias), static_cast<float*>(y), y_stride, N, K, num_threads);
+  else if (dtype == 1 && K % 2 == 0)
+    skinny_gemm_impl<uint16_t>(static_cast<const uint16_t*>(x), x_stride, M, static_cast<const uint16_t*>(packed),
+                               static_cast<const uint16_t*>(bias), static_cast<uint16_t*>(y), y_stride, N, K,
+                               num_threads);
+  else
+    return -3;
+  return 0;
+}
+
+
+// Ask Linux for the AMX tile state (once per process; oneDNN asks the same). 1: AMX usable, 0: not.
+int cvk_amx_init() {
+#if defined(CVK_AVX512BF16) && defined(__linux__)
+  constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+  return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 1 : 0;
+#else
+  return 0;
+#endif
+}
+
+// The bfloat16 skinny GEMM on AMX (call cvk_amx_init first): as cvk_skinny_gemm, K a multiple of 32.
+int cvk_amx_gemm(const void* x, int64_t x_stride, int64_t M, const void* packed, const void* bias, void* y,
+                 int64_t y_stride, int64_t N, int64_t K, int num_threads) {
+#if defined(CVK_AVX512BF16)
+  if (M <= 0 || N <= 0) return 0;
+  if (K % 32 != 0) return -3;
+  amx_gemm_bf16(static_cast<const uint16_t*>(x), x_stride, M, static_cast<const uint16_t*>(packed),
+                static_cast<const uint16_t*>(bias), static_cast<uint16_t*>(y), y_stride, N, K, num_threads);
+  return 0;
+#else
+  return -2;
+#endif
 }
 
 // out [rows, n] <- silu(gate_up[:, :n]) * gate_up[:, n:].
