@@ -237,15 +237,32 @@ inline int64_t kv_offset(const AttnArgs& a, const int64_t* table, int64_t pos, i
   return ((table[pos / a.bs] * a.KVH + h) * a.bs + pos % a.bs) * int64_t(a.D);
 }
 
+// Offsets (head 0) of the rows of positions [j0, j0 + n): one division, then block by block (a division per key
+// cost as much as the rest of the decode loop).
+inline void kv_offsets(const AttnArgs& a, const int64_t* table, int64_t j0, int n, int64_t* offs) {
+  int64_t b = j0 / a.bs;
+  int off = int(j0 - b * a.bs);
+  const int64_t block_elems = int64_t(a.KVH) * a.bs * a.D;
+  for (int j = 0; j < n; j++) {
+    offs[j] = table[b] * block_elems + int64_t(off) * a.D;
+    if (++off == a.bs) {
+      off = 0;
+      b++;
+    }
+  }
+}
+
 // Float32 rows of keys [j0, j0 + n) of kv head h, padded to `pad` rows with zeros: pointers straight into the
 // cache (T = float) or into `buf` after conversion (T = bfloat16).
 template <typename T, int DV>
 inline void chunk_rows(const AttnArgs& a, const int64_t* table, const T* base, int h, int64_t j0, int n, int pad,
                        const float** rows, float* buf) {
   constexpr int D = DV * W;
+  int64_t offs[KC];
+  kv_offsets(a, table, j0, n, offs);
+  const int64_t head = int64_t(h) * a.bs * D;
   for (int j = 0; j < n; j++) {
-    const int64_t pos = j0 + j;
-    const T* src = base + kv_offset(a, table, pos, h);
+    const T* src = base + offs[j] + head;
     if constexpr (sizeof(T) == 4) {
       rows[j] = reinterpret_cast<const float*>(src);
     } else {
@@ -414,14 +431,16 @@ void attend_one_query(const AttnArgs& a, const Item& it) {
     m[r] = -INFINITY;
     l[r] = 0.f;
   }
+  int64_t offs[KC], next_offs[KC];
   for (int64_t j0 = 0; j0 < end; j0 += KC) {
     const int nk = int(std::min<int64_t>(KC, end - j0));
+    const int nk_next = int(std::max<int64_t>(0, std::min<int64_t>(KC, end - j0 - KC)));
+    kv_offsets(a, table, j0, nk, offs);
+    kv_offsets(a, table, j0 + KC, nk_next, next_offs);
     for (int j = 0; j < KP; j++) {
       if (j < nk) {
-        const int64_t pos = j0 + j;
-        const int64_t off = kv_offset(a, table, pos, 0);
-        kbase[j] = static_cast<const T*>(a.k_cache) + off;
-        vbase[j] = static_cast<const T*>(a.v_cache) + off;
+        kbase[j] = static_cast<const T*>(a.k_cache) + offs[j];
+        vbase[j] = static_cast<const T*>(a.v_cache) + offs[j];
       } else {
         kbase[j] = vbase[j] = reinterpret_cast<const T*>(kZeros);  // zero rows; their scores are masked
       }
@@ -436,8 +455,8 @@ void attend_one_query(const AttnArgs& a, const Item& it) {
         for (int b = 0; b < int(D * sizeof(T)); b += 64) _mm_prefetch(vp + b, _MM_HINT_T0);
       }
       // and this head's K rows of the next chunk (measured: +5-20% on DRAM-resident caches)
-      for (int64_t pos = j0 + KC; pos < std::min<int64_t>(end, j0 + 2 * KC); pos++) {
-        const char* kp = reinterpret_cast<const char*>(static_cast<const T*>(a.k_cache) + kv_offset(a, table, pos, h));
+      for (int j = 0; j < nk_next; j++) {
+        const char* kp = reinterpret_cast<const char*>(static_cast<const T*>(a.k_cache) + next_offs[j] + h * hstride);
         for (int b = 0; b < int(D * sizeof(T)); b += 64) _mm_prefetch(kp + b, _MM_HINT_T1);
       }
       if constexpr (kDpbf16) {
