@@ -152,3 +152,33 @@ def test_packed_linear_torch_fallback_is_the_same_layer():
     w, x = torch.randn(32, 16), torch.randn(5, 16)
     fallback = PackedLinear(w, None, use_onednn=False)
     torch.testing.assert_close(fallback(x), F.linear(x, w))
+
+
+_PIN_SCRIPT = """
+import json, os, sys
+import torch
+from conveyor.kernels.cpu_ops import bind_threads_to_cores, load_cpu_kernels
+cpus = sorted(os.sched_getaffinity(0))
+torch.set_num_threads(int(sys.argv[1]))
+said = bind_threads_to_cores(load_cpu_kernels())
+print(json.dumps({"cpus": cpus, "said": said, "main": sorted(os.sched_getaffinity(0))}))
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="Linux only")
+@pytest.mark.parametrize("threads", ["all", 1])
+def test_threads_pinned_one_per_cpu_only_when_they_use_every_cpu(threads):
+    """In a child process (pinning is per process): as many threads as allowed CPUs -> each pinned to one, the
+    main thread (thread 0 of the pool) to the first; fewer threads -> left alone."""
+    cpus = sorted(os.sched_getaffinity(0))
+    n = len(cpus) if threads == "all" else 1
+    if n < 2 and threads == "all":
+        pytest.skip("one CPU: nothing to pin")
+    out = subprocess.run([sys.executable, "-c", _PIN_SCRIPT, str(n)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    if threads == "all" and "no native kernels" not in got["said"]:
+        assert got["said"] == f"{n} threads pinned to CPUs {cpus}"
+        assert got["main"] == [cpus[0]]
+    else:
+        assert got["said"].startswith("threads not pinned") and got["main"] == cpus

@@ -32,6 +32,7 @@ class EngineArgs:
     debug_invariants: bool = False  # run check_invariants() after every step
     detokenize: bool = True
     num_threads: int | None = None  # torch intra-op threads on CPU; None: all cores
+    cpu_bind_threads: bool = True  # pin the threads one per core when they use every core (as vLLM does)
 
     def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
         return SchedulerConfig(
@@ -77,6 +78,8 @@ class EngineArgs:
         g.add_argument("--max-num-queued-reqs", type=int, default=None)
         g.add_argument("--debug-invariants", action="store_true")
         g.add_argument("--num-threads", type=int, default=None)
+        g.add_argument("--cpu-bind-threads", action=argparse.BooleanOptionalAction, default=True,
+                       help="pin torch's threads one per core when they use every core (default: on)")
 
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> EngineArgs:

@@ -76,6 +76,11 @@ class LLMEngine:
             self.model, self.model_info, num_blocks=num_blocks, block_size=cache.block_size, device=device,
             attention_backend=args.attention_backend,
         )
+        if device == "cpu" and args.cpu_bind_threads:
+            from conveyor.kernels import load_cpu_kernels
+            from conveyor.kernels.cpu_ops import bind_threads_to_cores
+
+            logger.info("CPU: %s", bind_threads_to_cores(load_cpu_kernels()))
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler, detokenize=args.detokenize)
         self.step_listeners: list[Callable[[StepRecord], None]] = []
         self._ids = itertools.count()

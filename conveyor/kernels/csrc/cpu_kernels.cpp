@@ -15,6 +15,7 @@
 #include <stdlib.h>
 #include <string.h>
 #if defined(__linux__)
+#include <sched.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 #endif
@@ -1174,6 +1175,27 @@ int cvk_skinny_gemm(int dtype, const void* x, int64_t x_stride, int64_t M, const
   return 0;
 }
 
+
+// Pin OpenMP thread i of the pool (torch's own: the same libgomp) to cpus[i], for i < n, and use n threads.
+// Returns how many threads were pinned. Like vLLM's thread binding: on a shared machine an unpinned pool
+// stacks its threads on one core while another process holds the other, and every barrier then waits.
+int cvk_bind_threads(const int* cpus, int n) {
+#if defined(__linux__)
+  int pinned = 0;
+#pragma omp parallel num_threads(n) reduction(+ : pinned)
+  {
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    CPU_SET(cpus[omp_get_thread_num()], &set);
+    pinned += sched_setaffinity(0, sizeof(set), &set) == 0;
+  }
+  return pinned;
+#else
+  (void)cpus;
+  (void)n;
+  return 0;
+#endif
+}
 
 // Ask Linux for the AMX tile state (once per process; oneDNN asks the same). 1: AMX usable, 0: not.
 int cvk_amx_init() {
