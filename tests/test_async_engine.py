@@ -5,10 +5,10 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from server_helpers import make_engine
 
 from conveyor import SamplingParams
 from conveyor.engine.async_engine import AsyncEngine, EngineDeadError, EngineShuttingDownError
+from tests.helpers.server import make_engine
 
 LONG = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
 SHORT = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)

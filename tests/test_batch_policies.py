@@ -7,7 +7,7 @@ import pytest
 from conveyor.core import Scheduler, SchedulerConfig
 from conveyor.core.kv_manager import KVCacheManager
 from conveyor.core.slab_manager import SlabKVManager
-from core_helpers import FakeExecutor, make_request, make_requests, make_scheduler, step
+from tests.helpers.core import FakeExecutor, make_request, make_requests, make_scheduler, step
 
 
 def run_until_idle(s, ex, now=0.0, max_steps=1000):

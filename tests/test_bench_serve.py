@@ -6,12 +6,12 @@ import json
 import random
 
 import pytest
-from conftest import TINY_VOCAB
-from server_helpers import serve_model
 
 from conveyor.bench.serve_client import schedule
 from conveyor.bench.workload import Workload, WorkloadRequest
 from conveyor.cli import main
+from tests.helpers.checkpoints import TINY_VOCAB
+from tests.helpers.server import serve_model
 
 
 def make_workload(n: int, vocab: int = TINY_VOCAB, text: bool = False) -> Workload:

@@ -7,7 +7,7 @@ import torch
 
 from conveyor.models import load_model
 from conveyor.runner import ModelRunner
-from runner_helpers import MiniScheduler
+from tests.helpers.runner import MiniScheduler
 
 transformers = pytest.importorskip("transformers")
 

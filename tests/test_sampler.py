@@ -100,7 +100,7 @@ def test_logprobs_are_raw_log_softmax():
 def test_padding_tokens_are_computed_but_change_nothing():
     from conveyor.models import load_model
     from conveyor.runner import ModelRunner
-    from runner_helpers import MiniScheduler
+    from tests.helpers.runner import MiniScheduler
 
     model, info = load_model(None)
     rows_seen = []

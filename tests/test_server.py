@@ -10,11 +10,11 @@ from types import SimpleNamespace
 import httpx
 import openai
 import pytest
-from conftest import TINY_VOCAB, save_tiny_llama, write_word_tokenizer
 from prometheus_client.parser import text_string_to_metric_families
-from server_helpers import CHAT_TEMPLATE, TEST_DTYPE, serve_model
 
 from conveyor import LLM, SamplingParams
+from tests.helpers.checkpoints import TINY_VOCAB, save_tiny_llama, write_word_tokenizer
+from tests.helpers.server import CHAT_TEMPLATE, TEST_DTYPE, serve_model
 
 PROMPT = "w10 w11 w12 w13 w14"
 GREEDY = dict(temperature=0.0, max_tokens=12, extra_body={"ignore_eos": True})
