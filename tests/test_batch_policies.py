@@ -4,8 +4,9 @@ import random
 
 import pytest
 
-from conveyor.core import Scheduler, SchedulerConfig
+from conveyor.core import POLICIES, RequestStatus, Scheduler, SchedulerConfig, SchedulerOutput
 from conveyor.core.kv_manager import KVCacheManager
+from conveyor.core.policies import OnFinish, make_policy
 from conveyor.core.slab_manager import SlabKVManager
 from tests.helpers.core import FakeExecutor, make_request, make_requests, make_scheduler, step
 
@@ -50,6 +51,60 @@ def test_static_pads_prefill_and_keeps_finished_slots_until_batch_drains():
     assert out.finished_req_ids >= {"short", "long"}
     assert out.num_scheduled_tokens == {"next": 4} and out.num_padding_tokens == 0
     assert s.kv.block_ids("short") == [] and s.kv.block_ids("long") == []
+
+
+def test_a_finished_member_is_parked_with_its_finish_reason_until_the_drain():
+    s = make_scheduler(policy="static", max_num_seqs=2)
+    a, b = make_request("a", max_tokens=1), make_request("b", max_tokens=3, first_token=300)
+    s.add_request(a)
+    s.add_request(b)
+    ex = FakeExecutor()
+    _, updates = step(s, ex)
+    assert [(u.request_id, u.finished, u.finish_reason) for u in updates] == [("a", True, "length"), ("b", False, None)]
+    assert a.status is RequestStatus.PARKED and a.finish_reason == "length" and a.is_finished and a in s.running
+    for _ in range(3):
+        step(s, ex)
+    assert a.status is RequestStatus.FINISHED_LENGTH and b.status is RequestStatus.FINISHED_LENGTH
+    assert not s.running and not s.requests
+
+
+def test_a_parked_victim_is_released_not_preempted():
+    # 3 blocks of 4 tokens: after both prefills one block is free; "b" (admitted first) takes it for its next
+    # token, so the parked "a" must give way. Releasing it loses nothing: it is not a preemption.
+    s = make_scheduler(policy="static", max_num_seqs=2, num_blocks=3, block_size=4, enable_prefix_caching=False)
+    b, a = make_request("b", prompt_len=4, max_tokens=6, first_token=300), make_request("a", prompt_len=4, max_tokens=1)
+    s.add_request(b)
+    s.add_request(a)
+    ex = FakeExecutor()
+    step(s, ex)
+    assert a.status is RequestStatus.PARKED
+    out, _ = step(s, ex)
+    assert out.num_scheduled_tokens == {"b": 1} and not out.preempted_req_ids
+    assert a.status is RequestStatus.FINISHED_LENGTH and a not in s.running and a not in s.waiting
+    assert s.num_preemptions == 0 and a.num_preemptions == 0
+    assert "a" in s.schedule(1.0).finished_req_ids  # the executor is told to forget it, as for any retirement
+    s.check_invariants()
+
+
+def test_policies_are_registered_once_by_name_and_return_decisions():
+    assert list(POLICIES) == ["static", "dynamic", "continuous", "chunked"]
+    with pytest.raises(ValueError, match="policy must be one of static, dynamic, continuous, chunked"):
+        make_policy(SchedulerConfig(policy="fifo"))
+    r = make_request("r")
+    assert make_policy(SchedulerConfig(policy="chunked")).on_finished(r) is OnFinish.RETIRE
+    assert make_policy(SchedulerConfig(policy="dynamic")).on_finished(r) is OnFinish.PARK
+
+
+def test_static_begin_step_hands_back_a_drained_batch_without_touching_the_queues():
+    policy = make_policy(SchedulerConfig(policy="static", max_num_seqs=2, max_model_len=64))
+    x, y = make_request("x"), make_request("y", first_token=300)
+    running, waiting = [x, y], []
+    policy.begin_step([], [x, y], 0.0)  # a batch forms from whoever waits
+    assert policy.admits(x) and policy.admits(y)
+    policy.end_step(SchedulerOutput(), running)
+    assert policy.begin_step(running, waiting, 1.0) == [] and not policy.admits(make_request("z"))
+    x.status = y.status = RequestStatus.PARKED
+    assert policy.begin_step(running, waiting, 2.0) == [x, y] and running == [x, y]  # the scheduler retires them
 
 
 def test_static_user_visible_finish_is_own_completion_not_batch_drain():

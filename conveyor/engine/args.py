@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, fields
 
-from conveyor.core.config import KV_LAYOUTS, POLICIES, CacheConfig, SchedulerConfig
+from conveyor.core.config import KV_LAYOUTS, CacheConfig, SchedulerConfig
+from conveyor.core.policies import POLICIES
 
 
 @dataclass
@@ -61,7 +62,7 @@ class EngineArgs:
         g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "auto"])
         g.add_argument("--device", default="auto")
         g.add_argument("--seed", type=int, default=0)
-        g.add_argument("--policy", default="chunked", choices=POLICIES)
+        g.add_argument("--policy", default="chunked", choices=list(POLICIES))
         g.add_argument("--max-num-seqs", type=int, default=256)
         g.add_argument("--max-num-batched-tokens", type=int, default=2048)
         g.add_argument("--max-model-len", type=int, default=None)

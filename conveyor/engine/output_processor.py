@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from conveyor.core.outputs import RequestUpdate
 from conveyor.core.request import Request, RequestStatus
-from conveyor.core.scheduler import RequestUpdate, Scheduler
+from conveyor.core.scheduler import Scheduler
 from conveyor.engine.detokenizer import IncrementalDetokenizer
 from conveyor.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 
@@ -86,15 +87,16 @@ class OutputProcessor:
         if update.logprobs is not None and comp.logprobs is not None:
             comp.logprobs.append(update.logprobs)
             comp.cumulative_logprob = (comp.cumulative_logprob or 0.0) + update.logprobs.logprob
+        stop_reason: int | str | None = update.stop_reason
         if child.detok is not None:
             stop_str = child.detok.add_token(update.new_token_id)
             comp.text = child.detok.text
             if stop_str is not None and not update.finished:
                 self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED, now)
-                req.stop_reason = stop_str
+                stop_reason = stop_str
         if req.is_finished:
-            comp.finish_reason = req.status.finish_reason
-            comp.stop_reason = req.stop_reason
+            comp.finish_reason = req.finish_reason
+            comp.stop_reason = stop_reason
             comp.num_preemptions = req.num_preemptions
 
     def abort(self, request_id: str, now: float) -> RequestOutput | None:
