@@ -49,7 +49,7 @@ class ModelRunner:
         if so.is_empty:
             return ModelOutput()
         step = self.batch.prepare(so)
-        attn = make_attention(self.backend, step.attn_meta, self.dtype)
+        attn = make_attention(self.backend, step.attn_meta, self.dtype, step.padding)
         hidden = self.model(step.input_ids, step.positions, self.kv_caches, attn)
         if not step.sampling:
             return ModelOutput()
