@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conveyor.bench.step_builder import StepBuilder
 from conveyor.models import load_model
-from conveyor.runner import ModelRunner
-from tests.helpers.runner import MiniScheduler
+from tests.helpers.runner import LogitsRecordingRunner
 
 transformers = pytest.importorskip("transformers")
 
@@ -36,13 +36,12 @@ def save_checkpoint(tmp_path, config, cls, seed=0):
 def drive_and_compare(hf_model, model_dir, block_size, backend="cpu", dtype="float32", atol=1e-4):
     """Three requests: chunked prefill, whole prefill and decodes in mixed batches; compare every step."""
     model, info = load_model(str(model_dir), dtype=dtype)
-    runner = ModelRunner(model, info, num_blocks=64, block_size=block_size, attention_backend=backend)
-    runner.return_logits = True
+    runner = LogitsRecordingRunner(model, info, num_blocks=64, block_size=block_size, attention_backend=backend)
     gen = torch.Generator().manual_seed(1)
     prompts = {"a": torch.randint(3, VOCAB, (11,), generator=gen).tolist(),
                "b": torch.randint(3, VOCAB, (5,), generator=gen).tolist(),
                "c": torch.randint(3, VOCAB, (1,), generator=gen).tolist()}
-    sched = MiniScheduler(block_size, 64)
+    sched = StepBuilder(block_size, 64, shuffle_seed=0)
     for rid, p in prompts.items():
         sched.add(rid, p)
     seen = {rid: [] for rid in prompts}  # (position, logits) of every sampling step
