@@ -125,3 +125,16 @@ def test_embedded_model_is_deterministic():
     assert info.name == "conveyor-embedded-llama-40m-random" and 39e6 < info.num_params < 41e6
     assert (info.hidden_size, info.num_layers, info.vocab_size) == (512, 8, 32000)
     torch.testing.assert_close(m1.layers[3].mlp.down_proj.weight, m2.layers[3].mlp.down_proj.weight)
+
+
+def test_building_a_model_draws_no_random_numbers():
+    from conveyor.models.build import build_model
+    from conveyor.models.config import ModelConfig
+    from conveyor.models.embedded import EMBEDDED_CONFIG
+
+    state = torch.random.get_rng_state()
+    model = build_model(ModelConfig(**EMBEDDED_CONFIG), torch.bfloat16, "cpu")
+    assert torch.equal(torch.random.get_rng_state(), state)  # no layer ran its random init
+    assert {(p.device.type, p.dtype, p.requires_grad) for p in model.parameters()} == {("cpu", torch.bfloat16, False)}
+    cos_sin = model.rotary.cos_sin  # a computed buffer is real data, not an empty parameter
+    assert cos_sin.dtype == torch.bfloat16 and cos_sin[0, 0].float().eq(1.0).all() and cos_sin[0, 1].eq(0).all()

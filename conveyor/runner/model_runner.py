@@ -6,7 +6,7 @@ import torch
 
 from conveyor.core.outputs import ModelOutput, SchedulerOutput
 from conveyor.layers.attention import make_attention, resolve_backend
-from conveyor.models.loader import ModelInfo, resolve_dtype
+from conveyor.models.build import ModelInfo, resolve_dtype
 from conveyor.runner.input_batch import InputBatch, StepInputs
 from conveyor.runner.sampler import Sampler
 
