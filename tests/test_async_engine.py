@@ -10,6 +10,8 @@ from conveyor import SamplingParams
 from conveyor.engine.async_engine import AsyncEngine, EngineDeadError, EngineShuttingDownError
 from tests.helpers.server import make_engine
 
+pytestmark = pytest.mark.slow  # a real model, engine or server: run by CI, skipped by -m "not slow"
+
 LONG = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
 SHORT = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
 PROMPT = {"prompt_token_ids": [5, 6, 7, 8, 9]}

@@ -13,6 +13,8 @@ from conveyor.cli import main
 from tests.helpers.checkpoints import TINY_VOCAB
 from tests.helpers.server import serve_model
 
+pytestmark = pytest.mark.slow  # a real model, engine or server: run by CI, skipped by -m "not slow"
+
 
 def make_workload(n: int, vocab: int = TINY_VOCAB, text: bool = False) -> Workload:
     rng = random.Random(3)

@@ -10,6 +10,8 @@ import pytest
 from conveyor import LLM, SamplingParams
 from tests.helpers.engine import make_prompts, token_ids
 
+pytestmark = pytest.mark.slow  # a real model, engine or server: run by CI, skipped by -m "not slow"
+
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 

@@ -9,6 +9,8 @@ from conveyor.bench.step_builder import StepBuilder
 from conveyor.models import load_model
 from tests.helpers.runner import LogitsRecordingRunner
 
+pytestmark = pytest.mark.slow  # a real model, engine or server: run by CI, skipped by -m "not slow"
+
 transformers = pytest.importorskip("transformers")
 
 VOCAB = 96

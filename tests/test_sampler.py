@@ -97,6 +97,7 @@ def test_logprobs_are_raw_log_softmax():
     assert lps[2].logprob == pytest.approx(raw[2, ids[2]].item(), abs=1e-5)  # before temperature and penalties
 
 
+@pytest.mark.slow  # the embedded 40M model
 def test_padding_tokens_are_computed_but_change_nothing():
     from conveyor.bench.step_builder import StepBuilder
     from conveyor.models import load_model

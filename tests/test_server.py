@@ -16,6 +16,8 @@ from conveyor import LLM, SamplingParams
 from tests.helpers.checkpoints import TINY_VOCAB, save_tiny_llama, write_word_tokenizer
 from tests.helpers.server import CHAT_TEMPLATE, TEST_DTYPE, serve_model
 
+pytestmark = pytest.mark.slow  # a real model, engine or server: run by CI, skipped by -m "not slow"
+
 PROMPT = "w10 w11 w12 w13 w14"
 GREEDY = dict(temperature=0.0, max_tokens=12, extra_body={"ignore_eos": True})
 
