@@ -190,6 +190,3 @@ class LLMEngine:
         if self.has_unfinished_requests():
             raise RuntimeError("reset_prefix_cache needs an idle engine")
         self.kv_manager.reset_prefix_cache()
-
-    def kv_cache_usage(self) -> float:
-        return self.kv_manager.usage()
