@@ -53,21 +53,6 @@ def test_static_pads_prefill_and_keeps_finished_slots_until_batch_drains():
     assert s.kv.block_ids("short") == [] and s.kv.block_ids("long") == []
 
 
-def test_a_finished_member_is_parked_with_its_finish_reason_until_the_drain():
-    s = make_scheduler(policy="static", max_num_seqs=2)
-    a, b = make_request("a", max_tokens=1), make_request("b", max_tokens=3, first_token=300)
-    s.add_request(a)
-    s.add_request(b)
-    ex = FakeExecutor()
-    _, updates = step(s, ex)
-    assert [(u.request_id, u.finished, u.finish_reason) for u in updates] == [("a", True, "length"), ("b", False, None)]
-    assert a.status is RequestStatus.PARKED and a.finish_reason == "length" and a.is_finished and a in s.running
-    for _ in range(3):
-        step(s, ex)
-    assert a.status is RequestStatus.FINISHED_LENGTH and b.status is RequestStatus.FINISHED_LENGTH
-    assert not s.running and not s.requests
-
-
 def test_a_parked_victim_is_released_not_preempted():
     # 3 blocks of 4 tokens: after both prefills one block is free; "b" (admitted first) takes it for its next
     # token, so the parked "a" must give way. Releasing it loses nothing: it is not a preemption.
@@ -113,10 +98,14 @@ def test_static_user_visible_finish_is_own_completion_not_batch_drain():
     s.add_request(a)
     s.add_request(b)
     ex = FakeExecutor()
-    for t in range(6):
+    _, updates = step(s, ex, now=0.0)
+    assert [(u.request_id, u.finished, u.finish_reason) for u in updates] == [("a", True, "length"), ("b", False, None)]
+    assert a.status is RequestStatus.PARKED and a.is_finished and a in s.running  # its slot is held
+    for t in range(1, 6):
         step(s, ex, now=float(t))
     assert a.times.finished == 0.0  # its only token came in the first step
     assert b.times.finished == 3.0
+    assert a.status is b.status is RequestStatus.FINISHED_LENGTH and not s.running and not s.requests
     assert len(a.output_token_ids) >= 1
 
 

@@ -2,15 +2,7 @@
 
 from conveyor.core.config import CacheConfig, SchedulerConfig
 from conveyor.core.interfaces import Executor, KVManager
-from conveyor.core.outputs import (
-    CachedRequestData,
-    ModelOutput,
-    NewRequestData,
-    RequestUpdate,
-    SchedulerOutput,
-    SchedulerStats,
-    TokenLogprobs,
-)
+from conveyor.core.outputs import ModelOutput, RequestUpdate, SchedulerOutput, SchedulerStats, TokenLogprobs
 from conveyor.core.policies import POLICIES, SchedulingPolicy
 from conveyor.core.request import Request, RequestStatus
 from conveyor.core.sampling_params import SamplingParams
@@ -18,11 +10,9 @@ from conveyor.core.scheduler import Scheduler
 
 __all__ = [
     "CacheConfig",
-    "CachedRequestData",
     "Executor",
     "KVManager",
     "ModelOutput",
-    "NewRequestData",
     "POLICIES",
     "Request",
     "RequestStatus",
