@@ -162,16 +162,9 @@ class Scheduler:
             out.scheduled_cached_reqs.append(CachedRequestData(rid, new_blocks, request.num_computed_tokens))
         else:
             self._seen_by_executor.add(rid)
-            out.scheduled_new_reqs.append(
-                NewRequestData(
-                    request_id=rid,
-                    token_ids=request.all_token_ids,
-                    num_prompt_tokens=request.num_prompt_tokens,
-                    sampling_params=request.sampling_params,
-                    block_ids=self.kv.block_ids(rid),
-                    num_computed_tokens=request.num_computed_tokens,
-                )
-            )
+            out.scheduled_new_reqs.append(NewRequestData(
+                rid, request.all_token_ids, request.num_prompt_tokens, request.sampling_params,
+                self.kv.block_ids(rid), request.num_computed_tokens))
         out.num_scheduled_tokens[rid] = num_new
         out.total_num_scheduled_tokens += num_new
 
@@ -210,17 +203,14 @@ class Scheduler:
             stop = request.stop_decision(token)
             if stop is not None:
                 request.mark_finished(stop.status, now)
-                self._apply(self.policy.on_finished(request), request)
+                if self.policy.on_finished(request) is OnFinish.PARK:
+                    request.status = RequestStatus.PARKED
+                else:
+                    self.running.remove(request)
+                    self._retire(request)
             updates.append(RequestUpdate(rid, token, model_out.logprobs.get(rid), stop is not None,
                                          request.finish_reason, stop.stop_reason if stop else None))
         return updates
-
-    def _apply(self, decision: OnFinish, request: Request) -> None:
-        if decision is OnFinish.PARK:
-            request.status = RequestStatus.PARKED
-        else:
-            self.running.remove(request)
-            self._retire(request)
 
     # ---- checks -----------------------------------------------------------------------------------------
     def check_invariants(self) -> None:
