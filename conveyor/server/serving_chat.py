@@ -51,14 +51,15 @@ def _logprobs(tokenizer, entries: list[TokenLogprobs]) -> dict:
 
 
 async def create_chat_completion(body: ChatCompletionRequest, raw: Request, ctx: ServingContext, tokenizer):
-    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    params = ctx.validate_common(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
+    ctx.check_model(body.model)
     if body.tools:
         raise bad_request("tools are not supported", "tools")
     if body.response_format and body.response_format.get("type") not in (None, "text"):
         raise bad_request("only response_format {\"type\": \"text\"} is supported", "response_format")
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    params = ctx.sampling_params(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
     messages = messages_as_dicts(body.messages)
 
     def prepare(engine) -> dict:  # engine thread

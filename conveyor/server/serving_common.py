@@ -60,9 +60,9 @@ class ServingContext:
             raise APIError(404, f"The model `{name}` does not exist; this server serves `{self.model_name}`.",
                            "model", "model_not_found")
 
-    def validate_common(self, body: SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        """The checks every generation endpoint makes, and its ``SamplingParams`` (APIError 400/404 when bad)."""
-        self.check_model(body.model)
+    def sampling_params(self, body: SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        """The checks every generation endpoint makes after its own, and the request's ``SamplingParams``
+        (APIError 400 when bad)."""
         if body.logit_bias:
             raise bad_request("logit_bias is not supported", "logit_bias")
         if body.stream_options is not None and not body.stream:

@@ -61,13 +61,14 @@ def _choice(index: int, text: str, c: CompletionOutput, logprobs: dict | None, f
 
 
 async def create_completion(body: CompletionRequest, raw: Request, ctx: ServingContext, tokenizer):
-    params = ctx.validate_common(body, body.max_tokens, body.logprobs)
+    ctx.check_model(body.model)
     if body.echo:
         raise bad_request("echo is not supported", "echo")
     if body.suffix:
         raise bad_request("suffix is not supported", "suffix")
     if body.best_of is not None and body.best_of != body.n:
         raise bad_request("best_of other than n is not supported", "best_of")
+    params = ctx.sampling_params(body, body.max_tokens, body.logprobs)
     prompts = [_prepare(p, body.max_tokens, body.add_special_tokens) for p in _prompts(body.prompt)]
     request_id = new_id("cmpl")
     created = int(time.time())
