@@ -62,3 +62,62 @@ def test_sigterm_ends_in_flight_stream_with_abort_and_exits(tmp_path):
         if proc.poll() is None:
             proc.kill()
         log.close()
+
+
+# The real `conveyor serve`, with one fault injected: a step with the prompt "crash now" in flight raises.
+CRASHING_SERVE = """
+import sys
+from conveyor.cli import main
+from conveyor.engine.llm_engine import LLMEngine
+
+step = LLMEngine.step
+
+def step_or_crash(self):
+    if any(p.prompt == "crash now" for p in self.output_processor.parents.values()):
+        raise RuntimeError("injected engine fault")
+    return step(self)
+
+LLMEngine.step = step_or_crash
+sys.exit(main(["serve", *sys.argv[1:]]))
+"""
+
+
+def test_a_dead_engine_ends_the_process_non_zero_within_seconds(tmp_path):
+    port = free_port()
+    log = open(tmp_path / "serve.log", "w")
+    cmd = [sys.executable, "-c", CRASHING_SERVE, "--port", str(port), "--num-kv-blocks", "300",
+           "--served-model-name", "emb"]
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            assert proc.poll() is None, (tmp_path / "serve.log").read_text()
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "server did not start"
+            time.sleep(0.2)
+
+        body = {"model": "emb", "prompt": "hello", "max_tokens": 3000, "ignore_eos": True, "stream": True}
+        events, crashed_at = [], None
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as resp:
+            for line in resp.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                events.append(line[6:])
+                if len(events) == 2:
+                    crashed_at = time.monotonic()
+                    killer = httpx.post(url + "/v1/completions", json={"prompt": "crash now", "max_tokens": 2})
+                    assert killer.status_code == 503 and killer.json()["error"]["code"] == "engine_dead"
+        assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == "engine_dead"
+        assert proc.wait(timeout=10 - (time.monotonic() - crashed_at)) == 1
+        output = (tmp_path / "serve.log").read_text()
+        assert output.count("the engine died") == 1, output
+        assert "injected engine fault" in output
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        log.close()
