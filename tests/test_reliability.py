@@ -18,8 +18,8 @@ from types import SimpleNamespace
 
 import httpx
 import pytest
-from conftest import TINY_VOCAB, save_tiny_llama, write_word_tokenizer
-from server_helpers import CHAT_TEMPLATE, make_engine, running_server, serve_model
+from conftest import TINY_VOCAB
+from server_helpers import make_engine, running_server, serve_model
 
 from conveyor.server.app import build_app
 
@@ -29,15 +29,8 @@ ONE_MB = " ".join(["w9"] * 350_000)  # ~1 MB of text, 350k tokens
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = save_tiny_llama(tmp_path_factory.mktemp("tiny-reliability"))
-    write_word_tokenizer(path, TINY_VOCAB, chat_template=CHAT_TEMPLATE)
-    return path
-
-
-@pytest.fixture(scope="module")
-def server(model_dir):
-    with serve_model(model_dir) as (url, app):
+def server(tiny_chat_dir):
+    with serve_model(tiny_chat_dir) as (url, app):
         yield SimpleNamespace(url=url, app=app)
 
 
@@ -261,8 +254,8 @@ def test_the_table_covers_every_sampling_field():
 
 # ---- slow and silent clients ------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def strict_server(model_dir):
-    with serve_model(model_dir, server_kwargs={"timeout_keep_alive": 1.0, "timeout_headers": 1.0}) as (url, app):
+def strict_server(tiny_chat_dir):
+    with serve_model(tiny_chat_dir, server_kwargs={"timeout_keep_alive": 1.0, "timeout_headers": 1.0}) as (url, app):
         yield url
 
 
@@ -307,9 +300,9 @@ def test_silent_and_trickling_connections_are_closed(strict_server):
 
 # ---- schemathesis: generated requests over the whole OpenAPI schema --------------------------------------
 @pytest.fixture(scope="module")
-def short_context_server(model_dir):
+def short_context_server(tiny_chat_dir):
     """A 64-token context: a generated chat request without max_tokens generates 64 tokens, not 512."""
-    with serve_model(model_dir, max_model_len=64) as (url, app):
+    with serve_model(tiny_chat_dir, max_model_len=64) as (url, app):
         yield url
 
 
@@ -359,8 +352,8 @@ def stream_lines(url: str, body: dict, on_first=None) -> list[str]:
     return lines
 
 
-def test_a_dead_engine_fails_in_flight_requests_and_health(model_dir):
-    engine = make_engine(model_dir)
+def test_a_dead_engine_fails_in_flight_requests_and_health(tiny_chat_dir):
+    engine = make_engine(tiny_chat_dir)
     crash = crash_on_demand(engine)
     app = build_app(engine, "tiny", log_stats_interval_s=0.0, shutdown_timeout_s=2.0)
     with running_server(app, exit_on_engine_death=False) as url:  # stays up, so its answers can be checked
@@ -372,8 +365,8 @@ def test_a_dead_engine_fails_in_flight_requests_and_health(model_dir):
         assert later.status_code == 503 and later.json()["error"]["code"] == "engine_dead"
 
 
-def test_a_dead_engine_shuts_the_server_down(model_dir, caplog):
-    engine = make_engine(model_dir)
+def test_a_dead_engine_shuts_the_server_down(tiny_chat_dir, caplog):
+    engine = make_engine(tiny_chat_dir)
     crash = crash_on_demand(engine)
     app = build_app(engine, "tiny", log_stats_interval_s=0.0, shutdown_timeout_s=30.0)
     with running_server(app) as url:

@@ -12,9 +12,8 @@ from types import SimpleNamespace
 import httpx
 import openai
 import pytest
-from conftest import TINY_VOCAB, save_tiny_llama, write_word_tokenizer
 from prometheus_client.parser import text_string_to_metric_families
-from server_helpers import CHAT_TEMPLATE, TEST_DTYPE, serve_model
+from server_helpers import TEST_DTYPE, serve_model
 
 from conveyor import LLM, SamplingParams
 
@@ -23,10 +22,8 @@ GREEDY = dict(temperature=0.0, max_tokens=12, extra_body={"ignore_eos": True})
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = save_tiny_llama(tmp_path_factory.mktemp("tiny-chat"))
-    write_word_tokenizer(path, TINY_VOCAB, chat_template=CHAT_TEMPLATE)
-    return path
+def model_dir(tiny_chat_dir):
+    return tiny_chat_dir
 
 
 @pytest.fixture(scope="module")

@@ -119,6 +119,7 @@ class ServingContext:
         try:
             return results.result()
         except Exception as exc:
+            self.abort(streams)  # one prompt of a batch failed: the answer is an error, so stop the others
             raise from_engine_error(exc) from exc
 
 
