@@ -189,12 +189,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--max-rss-growth-mb", type=float, default=50.0)
     parser.add_argument("--json", default=None, help="write the result here")
+    parser.add_argument("--log", default=None, help="the server's log file (default: a new file in the temp dir)")
     parser.add_argument("serve_args", nargs="*", help="flags for `conveyor serve` (after --)")
     args = parser.parse_args(argv)
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    log_path = Path(tempfile.mkstemp(prefix="conveyor-soak-", suffix=".log")[1])
+    log_path = Path(args.log or tempfile.mkstemp(prefix="conveyor-soak-", suffix=".log")[1])
     cmd = [sys.executable, "-m", "conveyor", "serve", "--port", str(port), "--served-model-name", "soak",
            *args.serve_args]
     with open(log_path, "w") as log:

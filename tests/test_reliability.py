@@ -316,7 +316,7 @@ def test_schemathesis_finds_no_server_error(short_context_server, tmp_path):
            "--checks", "not_a_server_error", "--phases", "examples,coverage,fuzzing", "--max-examples", "25",
            "--seed", "1", "--workers", "1", "--request-timeout", "60", "--suppress-health-check", "all",
            "--generation-database", "none", "--no-color", "--report", "json", "--report-json-path", str(report)]
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)  # its cache: there
     assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
     result = json.loads(report.read_text())
     assert result["operations"]["tested"] == result["operations"]["total"] >= 8, result["operations"]

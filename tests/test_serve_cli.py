@@ -127,8 +127,9 @@ def test_soak_script_passes_a_short_run(tiny_llama_dir, tmp_path):
 
     out = tmp_path / "soak.json"
     script = Path(__file__).resolve().parent.parent / "scripts" / "soak.py"
-    cmd = [sys.executable, str(script), "--streams", "40", "--concurrency", "8", "--abandon", "0.1", "--json",
-           str(out), "--", "--model", str(tiny_llama_dir), "--kv-cache-memory", "0.05"]
+    cmd = [sys.executable, str(script), "--streams", "40", "--concurrency", "8", "--abandon", "0.1", "--warmup", "8",
+           "--json", str(out), "--log", str(tmp_path / "serve.log"), "--", "--model", str(tiny_llama_dir),
+           "--kv-cache-memory", "0.05"]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     result = json.loads(out.read_text())
