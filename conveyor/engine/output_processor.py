@@ -1,9 +1,9 @@
 """Turns the scheduler's per-step ``RequestUpdate``s into user-facing ``RequestOutput``s.
 
 It owns what core does not: detokenization, stop strings, the grouping of an ``n > 1`` request's completions,
-and the per-token timestamps latency metrics need. It never changes the core's state: a stop string is a
-decision it hands back (``ProcessedOutputs.stopped``), and the engine applies it to the scheduler. (It reads the
-core ``Request``s it was given, for their timestamps and counts.)
+and the per-token timestamps latency metrics need. It never changes the core's state: what a stop string ended,
+and what it could not process, are decisions it hands back (``ProcessedOutputs``) for the engine to apply. (It
+reads the core ``Request``s it was given, for their timestamps and counts.)
 """
 
 from __future__ import annotations
@@ -42,10 +42,12 @@ class _Parent:
 
 @dataclass
 class ProcessedOutputs:
-    """One step's outputs, and the (child) requests a stop string ended: the engine finishes those."""
+    """One step's outputs, the (child) requests a stop string ended (the engine finishes them), and the
+    requests whose output could not be processed (parent id -> why; the engine fails them)."""
 
     request_outputs: list[RequestOutput] = field(default_factory=list)
     stopped: list[str] = field(default_factory=list)
+    failed: dict[str, str] = field(default_factory=dict)
 
 
 class OutputProcessor:
@@ -73,21 +75,32 @@ class OutputProcessor:
             self.children[req.request_id] = child
         self.parents[request_id] = parent
 
+    def parent_id(self, child_id: str) -> str | None:
+        child = self.children.get(child_id)
+        return None if child is None else child.parent.request_id
+
     def child_ids(self, request_id: str) -> list[str]:
         parent = self.parents.get(request_id)
         return [c.request.request_id for c in parent.children] if parent else []
 
     def process(self, updates: list[RequestUpdate], now: float) -> ProcessedOutputs:
         touched: dict[str, _Parent] = {}
-        stopped = []
+        stopped: list[str] = []
+        failed: dict[str, str] = {}
         for update in updates:
             child = self.children.get(update.request_id)
-            if child is None:
+            if child is None or child.parent.request_id in failed:
                 continue
-            if self._apply(child, update, now):
+            try:
+                stop_hit = self._apply(child, update, now)
+            except Exception as exc:  # noqa: BLE001 - one request's detokenizer must not stop the step
+                failed[child.parent.request_id] = f"could not detokenize its output: {exc!r}"
+                touched.pop(child.parent.request_id, None)
+                continue
+            if stop_hit:
                 stopped.append(update.request_id)
             touched[child.parent.request_id] = child.parent
-        return ProcessedOutputs(self._collect(touched, now), stopped)
+        return ProcessedOutputs(self._collect(touched, now), stopped, failed)
 
     def _apply(self, child: _Child, update: RequestUpdate, now: float) -> bool:
         """Add the update to its completion; True when a stop string ended a request the scheduler still runs."""

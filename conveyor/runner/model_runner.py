@@ -38,6 +38,11 @@ class ModelRunner:
         element = torch.empty(0, dtype=resolve_dtype(info.dtype)).element_size()
         return 2 * info.num_layers * block_size * info.num_kv_heads * info.head_dim * element
 
+    def _failed(self, so: SchedulerOutput) -> dict[str, str]:
+        """This step's new requests whose per-request setup failed (they are failed once, when first seen)."""
+        states = (self.batch.requests.get(r.request_id) for r in so.scheduled_new_reqs)
+        return {s.req_id: s.error for s in states if s is not None and s.error is not None}
+
     @torch.inference_mode()
     def execute(self, so: SchedulerOutput) -> ModelOutput:
         self.batch.update(so)
@@ -45,7 +50,9 @@ class ModelRunner:
             return ModelOutput()
         step = self.batch.prepare(so)
         logits = self.forward(step)
-        return ModelOutput() if logits is None else self.sample(logits, step)
+        out = ModelOutput() if logits is None else self.sample(logits, step)
+        out.failed = self._failed(so)
+        return out
 
     def forward(self, step: StepInputs) -> torch.Tensor | None:
         """Run the model over every row of the step (writing its K/V); the logits of the rows that sample, in
@@ -63,6 +70,8 @@ class ModelRunner:
         token_ids, logprobs = self.sampler.sample(logits, step.sampling)
         out = ModelOutput()
         for state, token, lp in zip(step.sampling, token_ids, logprobs):
+            if state.error is not None:
+                continue  # failed: the engine retires it after this step
             state.token_ids.append(token)
             out.sampled_token_ids[state.req_id] = token
             if lp is not None:
