@@ -30,7 +30,7 @@ class EngineArgs:
                                    "with RANDOM weights)")
     dtype: str = _arg("float32", "weights and KV cache dtype", choices=DTYPE_CHOICES)
     device: str = _arg("auto", '"auto" (CUDA when available, else CPU), "cpu", "cuda", ...')
-    seed: int = _arg(0, "seed of the embedded model's random weights")
+    seed: int = _arg(0, "seed of unseeded sampling and of the embedded model's random weights")
     policy: str = _arg(SchedulerConfig.policy, "batching policy", choices=tuple(POLICIES))
     max_num_seqs: int = _arg(SchedulerConfig.max_num_seqs, "most requests in the running batch")
     max_num_batched_tokens: int = _arg(SchedulerConfig.max_num_batched_tokens,
