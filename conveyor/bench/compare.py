@@ -139,7 +139,7 @@ def _run_configs(ns, base_args, configs: list[RunConfig], workload: Workload, pr
             result = replay(engine, workload, time_scale=scale, progress=bar.update)
         summary = summarize(result.timings, result.duration_s, ns.slo_ms)
         stats = engine_stats(result.steps, result.duration_s, flops, roof.matmul_gflops, weight_bytes,
-                             roof.mem_bandwidth_gbs)
+                             roof.mem_bandwidth_gbs, max_num_seqs=args.max_num_seqs)
         runs.append({
             "label": config.label, "overrides": dict(config.overrides), "request_rate": config.request_rate,
             "offered_rate": (len(workload.requests) / (max(r.arrival_s for r in workload.requests) * scale)
@@ -185,6 +185,10 @@ def add_compare_parser(sub) -> None:
     p.add_argument("--slo", default=None, help="goodput SLOs in ms, e.g. ttft=500,tpot=100")
     p.add_argument("--no-warmup", action="store_true")
     p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--simulate", default=None, metavar="PROFILE_OR_HARDWARE",
+                   help="run on the simulator instead: a hardware name (a100-80gb, h100-sxm, h200) or a profile "
+                        "JSON from `conveyor sim calibrate`; --model then names a model of the simulator's table")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, help="devices per model when simulating")
     p.add_argument("--flush-denormal", action=argparse.BooleanOptionalAction, default=True,
                    help="flush denormal floats to zero on CPU (default: on, for every configuration)")
     p.set_defaults(func=_main)
@@ -219,7 +223,12 @@ def _main(ns: argparse.Namespace) -> int:
     print(f"{len(configs)} configurations on {workload.name}: {len(workload.requests)} requests, "
           f"{workload.num_prompt_tokens} prompt + {workload.num_output_tokens} output tokens"
           f"{' (all at once)' if ns.offline else ''}")
-    results = run_all(ns, base_engine_args(ns, sweeps), configs, workload)
+    if ns.simulate:
+        from conveyor.bench.simulate import run_all_simulated
+
+        results = run_all_simulated(ns, base_engine_args(ns, sweeps), configs, workload)
+    else:
+        results = run_all(ns, base_engine_args(ns, sweeps), configs, workload)
     out = Path(ns.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(results))
