@@ -36,7 +36,7 @@ class SimTarget:
 
     hardware: Hardware
     label: str
-    model: str | None = None  # a profile's model: its overheads were measured with it
+    model: ModelSpec | None = None  # a profile's model: its overheads were measured with it
 
 
 def load_target(text: str) -> SimTarget:
@@ -48,17 +48,19 @@ def load_target(text: str) -> SimTarget:
         profile = json.loads(path.read_text())
         if profile.get("format") != PROFILE_FORMAT:
             raise ValueError(f"{path} is not a conveyor simulation profile (format {profile.get('format')!r})")
-        return SimTarget(Hardware.from_dict(profile["hardware"]), f"profile {path}", profile.get("model"))
+        return SimTarget(Hardware.from_dict(profile["hardware"]), f"profile {path}", ModelSpec(**profile["model"]))
     return SimTarget(get_hardware(text), text)
 
 
 def resolve_spec(model: str | None, target: SimTarget) -> ModelSpec:
-    """``--model``: a name from the simulator's table, or a Hugging Face directory (its config.json)."""
-    name = model or target.model or "bench-llama-40m"
-    config = Path(name) / "config.json"
+    """``--model``: a name from the simulator's table or a Hugging Face directory (its config.json); without it,
+    the profile's model, else the bench model."""
+    if model is None:
+        return target.model or get_model_spec("bench-llama-40m")
+    config = Path(model) / "config.json"
     if config.is_file():
-        return spec_from_hf_config(Path(name).name, json.loads(config.read_text()))
-    return get_model_spec(name)
+        return spec_from_hf_config(Path(model).name, json.loads(config.read_text()))
+    return get_model_spec(model)
 
 
 def num_kv_blocks(args, cost: RooflineCostModel, max_model_len: int) -> int:
