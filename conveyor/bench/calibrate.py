@@ -4,8 +4,9 @@ For each (decodes D, context C) of the grid, D requests with distinct random pro
 (that step is a data point too), then timed: a few decode-only steps, and steps where one new prompt of P
 tokens joins the D decodes (prefill tokens x decodes x context). A step's time is the whole ``engine.step()``
 (schedule, runner, update, output processing), which is what a request waits for between two tokens. Each
-shape is timed ``--repeats`` times and its fastest time kept (interference from other processes only ever
-slows a step). The profile JSON holds the fitted ``Hardware``, the fit's errors, the machine's measured
+shape is timed ``--repeats`` times and its median kept: the profile describes the machine as it was while
+calibrating (calibrate on a quiet machine for a quiet machine's profile). ``--workload TRACE`` adds every step of
+a real run of that trace (all requests at once, the configured policy) to the points. The profile JSON holds the fitted ``Hardware``, the fit's errors, the machine's measured
 roofline and every measured point, so anyone can refit or compare machines.
 """
 
@@ -15,8 +16,9 @@ import json
 import os
 import platform
 import random
+import statistics
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from conveyor.sim import SequenceTracker, StepShape
@@ -24,33 +26,42 @@ from conveyor.sim.fit import fit_hardware
 from conveyor.sim.hardware import Hardware
 from conveyor.sim.model_specs import ModelSpec, get_model_spec, spec_from_hf_config
 
-CONTEXTS = (16, 128, 512, 1536)
-DECODES = (1, 4, 16, 64)
-PREFILLS = (16, 128, 512, 2048)
-MAX_BATCH_CONTEXT = 32768  # D x C: bounds the set-up prefill and the KV cache the grid needs
-NUM_DECODE_STEPS = 3
+
+
+@dataclass(frozen=True)
+class Grid:
+    """The step shapes to time: contexts C x decodes D (with D x C bounded), and prompts P joining them."""
+
+    contexts: tuple[int, ...] = (16, 128, 512, 1536)
+    decodes: tuple[int, ...] = (1, 4, 16, 64)
+    prefills: tuple[int, ...] = (16, 128, 1024)
+    max_batch_context: int = 8192  # D x C: bounds the set-up prefill and the KV cache the grid needs
+    decode_steps: int = 3
+
+    def batches(self) -> list[tuple[int, int]]:
+        return [(d, c) for c in self.contexts for d in self.decodes if d * c <= self.max_batch_context]
+
+    def quick(self) -> Grid:
+        return Grid(self.contexts[::2], self.decodes[::2], self.prefills[::2], self.max_batch_context, 1)
+
+
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
 
 
 class ShapeRecordingExecutor:
-    """The real runner, plus the shape of the step it just ran (as the simulator's tracker sees it)."""
+    """The real runner, plus the shape of every step it ran (as the simulator's tracker sees it)."""
 
     def __init__(self, runner) -> None:
         self.runner = runner
         self.tracker = SequenceTracker()
-        self.last_shape: StepShape | None = None
+        self.shapes: list[StepShape] = []
 
     def execute(self, so):
-        self.last_shape = self.tracker.shape_of(so)[0]
+        self.shapes.append(self.tracker.shape_of(so)[0])
         return self.runner.execute(so)
 
 
-def grid(quick: bool = False) -> list[tuple[int, int]]:
-    contexts, decodes = (CONTEXTS[::2], DECODES[::2]) if quick else (CONTEXTS, DECODES)
-    return [(d, c) for c in contexts for d in decodes if d * c <= MAX_BATCH_CONTEXT]
-
-
-def measure_points(engine, quick: bool = False, seed: int = 0) -> list[tuple[StepShape, float]]:
+def measure_points(engine, grid: Grid, seed: int = 0) -> list[tuple[StepShape, float]]:
     """Drive ``engine`` (policy continuous, empty) through the grid; (shape, seconds) of every step."""
     from conveyor.core.sampling_params import SamplingParams
 
@@ -66,15 +77,15 @@ def measure_points(engine, quick: bool = False, seed: int = 0) -> list[tuple[Ste
     def timed_step() -> None:
         t0 = time.perf_counter()
         engine.step()
-        points.append((recorder.last_shape, time.perf_counter() - t0))
+        points.append((recorder.shapes[-1], time.perf_counter() - t0))
 
-    for decodes, context in grid(quick):
+    for decodes, context in grid.batches():
         ids = [engine.add_request(None, prompt(context), SamplingParams(max_tokens=1 << 20, ignore_eos=True))
                for _ in range(decodes)]
         timed_step()  # the whole batch's prefill
-        for _ in range(NUM_DECODE_STEPS):
+        for _ in range(grid.decode_steps):
             timed_step()
-        for p in PREFILLS[::2] if quick else PREFILLS:
+        for p in grid.prefills:
             engine.add_request(None, prompt(p), SamplingParams(max_tokens=1, ignore_eos=True))
             timed_step()  # P prefill tokens + D decodes; the newcomer samples once and finishes
         for rid in ids:
@@ -83,13 +94,26 @@ def measure_points(engine, quick: bool = False, seed: int = 0) -> list[tuple[Ste
     return points
 
 
-def fastest_per_shape(points: list[tuple[StepShape, float]]) -> list[tuple[StepShape, float]]:
-    best: dict[str, tuple[StepShape, float]] = {}
+def median_per_shape(points: list[tuple[StepShape, float]]) -> list[tuple[StepShape, float]]:
+    by_shape: dict[str, list[tuple[StepShape, float]]] = {}
     for shape, seconds in points:
-        key = json.dumps(shape.to_list())
-        if key not in best or seconds < best[key][1]:
-            best[key] = (shape, seconds)
-    return list(best.values())
+        by_shape.setdefault(json.dumps(shape.to_list()), []).append((shape, seconds))
+    return [(group[0][0], statistics.median(s for _, s in group)) for group in by_shape.values()]
+
+
+def measure_workload(engine, workload) -> list[tuple[StepShape, float]]:
+    """Every step of a real run of ``workload`` (all at once): its shape and the time to the next step's start."""
+    from conveyor.bench.online import replay
+
+    recorder = ShapeRecordingExecutor(engine.executor)
+    engine.executor = recorder
+    try:
+        steps = replay(engine, workload.all_at_once()).steps
+    finally:
+        engine.executor = recorder.runner
+    starts = [s.start for s in steps]
+    ends = starts[1:] + [steps[-1].end]  # back to back: a step's cycle ends where the next one starts
+    return [(shape, end - start) for shape, start, end in zip(recorder.shapes, starts, ends)]
 
 
 def model_spec_of(model_dir: str | None, loaded_name: str) -> ModelSpec:
@@ -109,7 +133,7 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def calibrate(args, repeats: int, quick: bool) -> dict:
+def calibrate(args, repeats: int, quick: bool, workload_path: str | None = None) -> dict:
     """Measure and fit; the profile document."""
     import torch
 
@@ -121,15 +145,21 @@ def calibrate(args, repeats: int, quick: bool) -> dict:
     try:
         engine = LLMEngine(args)
         spec = model_spec_of(args.model, engine.model_info.name)
-        measure_points(engine, quick=True, seed=99)  # warm-up: first-call costs are no step's cost
+        grid = Grid().quick() if quick else Grid()
+        measure_points(engine, Grid().quick(), seed=99)  # warm-up: first-call costs are no step's cost
         roof = measure_roofline(engine.device)
         points = []
         for r in range(repeats):
-            points += measure_points(engine, quick, seed=r)
+            points += measure_points(engine, grid, seed=r)
             print(f"repeat {r + 1}/{repeats}: {len(points)} steps timed")
+        points = median_per_shape(points)
+        if workload_path:
+            from conveyor.bench.workload import load_workload
+
+            points += measure_workload(engine, load_workload(workload_path))
+            print(f"{workload_path}: {len(points)} steps in all")
     finally:
         torch.set_flush_denormal(False)
-    points = fastest_per_shape(points)
     dtype_bytes = DTYPE_BYTES[engine.model_info.dtype]
     base = Hardware(f"cpu: {cpu_name()}, {torch.get_num_threads()} threads", roof.matmul_gflops * 1e9,
                     roof.mem_bandwidth_gbs * 1e9, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
@@ -141,7 +171,8 @@ def calibrate(args, repeats: int, quick: bool) -> dict:
             "fit": report.to_dict(),
             "measured": {"date": time.strftime("%Y-%m-%d %H:%M"), "cpu": cpu_name(), "dtype": args.dtype,
                          "torch_threads": torch.get_num_threads(), "roofline": roof.__dict__,
-                         "loadavg_before": load_before, "loadavg_after": os.getloadavg(), "repeats": repeats},
+                         "loadavg_before": load_before, "loadavg_after": os.getloadavg(), "repeats": repeats,
+                         "workload": workload_path, "policy": args.policy},
             "points": [[shape.to_list(), seconds] for shape, seconds in points]}
 
 
@@ -171,6 +202,7 @@ def add_calibrate_parser(sub) -> None:
     p.add_argument("--out", default="profile.json", help="the profile JSON to write")
     p.add_argument("--repeats", type=int, default=2, help="times each shape is timed (the fastest is kept)")
     p.add_argument("--quick", action="store_true", help="a quarter of the grid (a smoke test, not a profile)")
+    p.add_argument("--workload", default=None, help="also fit on every step of a real run of this trace")
     p.add_argument("--refit", default=None, metavar="PROFILE", help="refit a profile's stored points; no timing")
     p.set_defaults(func=_main, kv_cache_memory=2.0, policy="continuous", max_num_batched_tokens=1 << 16)
 
@@ -183,7 +215,7 @@ def _main(ns) -> int:
     else:
         args = EngineArgs.from_cli_args(ns)
         args.detokenize = False
-        profile = calibrate(args, ns.repeats, ns.quick)
+        profile = calibrate(args, ns.repeats, ns.quick, ns.workload)
     Path(ns.out).write_text(json.dumps(profile, indent=1))
     print(describe(profile))
     print(f"wrote {ns.out}")

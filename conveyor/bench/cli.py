@@ -26,3 +26,6 @@ def add_sim_parser(sub) -> None:
     from conveyor.bench.calibrate import add_calibrate_parser
 
     add_calibrate_parser(sim_sub)
+    from conveyor.bench.prediction import add_errors_parser
+
+    add_errors_parser(sim_sub)
