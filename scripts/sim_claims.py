@@ -68,10 +68,9 @@ def claims_for(setup: str, out: Path, traces: dict[str, Path]) -> list[str]:
     by = {r["label"]: r for r in res["runs"]}
     for label, r in by.items():
         say(f"offline {label}: {utilization(r)}, wasted {r['engine']['wasted_fraction']:.0%}")
-    say(f"offline throughput continuous B=256 / static B=32: "
-        f"{by['continuous B=256']['summary']['output_throughput'] / by['static B=32']['summary']['output_throughput']:.1f}x,"
-        f" continuous / static at B=32: "
-        f"{by['continuous B=32']['summary']['output_throughput'] / by['static B=32']['summary']['output_throughput']:.1f}x")
+    tok_s = {label: r["summary"]["output_throughput"] for label, r in by.items()}
+    say(f"offline throughput continuous B=256 / static B=32: {tok_s['continuous B=256'] / tok_s['static B=32']:.1f}x, "
+        f"continuous / static at B=32: {tok_s['continuous B=32'] / tok_s['static B=32']:.1f}x")
 
     # 1: tails online, at rates below static's capacity and above it
     res = run(out, "online", setup, traces["longtail"], "--no-plots", "--policies", "static,continuous,chunked",
@@ -96,11 +95,11 @@ def claims_for(setup: str, out: Path, traces: dict[str, Path]) -> list[str]:
         static, cont = res["runs"]
         pad_step, plain_step = static["steps"][0], cont["steps"][0]
         needed = pad_step["num_prefill_tokens"]
-        say(f"padded prefill, batch {n}: {needed + pad_step['num_padding_tokens']} tokens computed for {needed} "
-            f"needed ({(needed + pad_step['num_padding_tokens']) / needed:.1f}x); the short prompt's row "
-            f"{4000 / 50:.0f}x its own length; step time padded {1e3 * (pad_step['end'] - pad_step['start']):.1f} ms vs "
-            f"{1e3 * (plain_step['end'] - plain_step['start']):.1f} ms unpadded "
-            f"({(pad_step['end'] - pad_step['start']) / (plain_step['end'] - plain_step['start']):.1f}x)")
+        computed = needed + pad_step["num_padding_tokens"]
+        padded_s, plain_s = pad_step["end"] - pad_step["start"], plain_step["end"] - plain_step["start"]
+        say(f"padded prefill, batch {n}: {computed} tokens computed for {needed} needed ({computed / needed:.1f}x); "
+            f"the short prompt's row {4000 / 50:.0f}x its own length; step time padded {1e3 * padded_s:.1f} ms vs "
+            f"{1e3 * plain_s:.1f} ms unpadded ({padded_s / plain_s:.1f}x)")
 
     # 4b: paged vs one slab per request (max_model_len 8192) at equal KV memory, continuous batching
     res = run(out, "paged-vs-slab", setup, traces["longtail"], "--offline", "--no-plots", "--policies",
@@ -114,8 +113,9 @@ def claims_for(setup: str, out: Path, traces: dict[str, Path]) -> list[str]:
               "continuous", "--kv-layout", "paged,slab", "--max-model-len", "8192", "--kv-cache-memory",
               str(SETUPS[setup][2] // 5))
     paged, slab = res["runs"]
-    say(f"paged vs slab with 1/5 the KV memory: {paged['summary']['output_throughput'] / slab['summary']['output_throughput']:.2f}x"
-        f" (peak concurrency {paged['engine']['peak_concurrency']} vs {slab['engine']['peak_concurrency']})")
+    ratio = paged["summary"]["output_throughput"] / slab["summary"]["output_throughput"]
+    say(f"paged vs slab with 1/5 the KV memory: {ratio:.2f}x (peak concurrency {paged['engine']['peak_concurrency']} "
+        f"vs {slab['engine']['peak_concurrency']})")
 
     # 5: thirty decodes, then a 4,000-token prompt arrives: whole-prompt prefill vs 512-token chunks
     res = run(out, "long-prompt-stall", setup, traces["stall"], "--no-plots", "--policies", "continuous,chunked",
@@ -123,9 +123,9 @@ def claims_for(setup: str, out: Path, traces: dict[str, Path]) -> list[str]:
     for r in res["runs"]:
         gaps = [b - a for t in r["timings"] if t["prompt_tokens"] < 1000
                 for a, b in zip(t["token_times"], t["token_times"][1:])]
+        ttft = next(t["first_token"] - t["arrival"] for t in r["timings"] if t["prompt_tokens"] >= 1000)
         say(f"stall, {r['label']}: the 30 decodes' ITL p50 {r['summary']['itl']['p50'] * 1e3:.1f} ms, max "
-            f"{max(gaps) * 1e3:.1f} ms; the long prompt's TTFT "
-            f"{next(t['first_token'] - t['arrival'] for t in r['timings'] if t['prompt_tokens'] >= 1000) * 1e3:.0f} ms")
+            f"{max(gaps) * 1e3:.1f} ms; the long prompt's TTFT {ttft * 1e3:.0f} ms")
 
     # 6: max_num_seqs under load
     res = run(out, "max-num-seqs", setup, traces["longtail"], "--no-plots", "--policies", "chunked",
@@ -133,11 +133,11 @@ def claims_for(setup: str, out: Path, traces: dict[str, Path]) -> list[str]:
     for r in res["runs"]:
         say(f"max_num_seqs {r['label']} at {rates[-1]} req/s: {latency(r)}")
 
-    # 7: dynamic batching's max_wait_ms at light load
+    # 7: dynamic batching's max_wait_ms, at a load that leaves the engine idle between batches and at a busy one
     res = run(out, "max-wait-ms", setup, traces["longtail"], "--no-plots", "--policies", "dynamic",
-              "--max-num-seqs", "32", "--max-wait-ms", "0,50,200,1000", "--request-rate", str(rates[0]))
+              "--max-num-seqs", "32", "--max-wait-ms", "0,50,200,1000", "--request-rate", f"1,{rates[0]}")
     for r in res["runs"]:
-        say(f"max_wait_ms {r['label']} at {rates[0]} req/s: {latency(r)}")
+        say(f"max_wait_ms {r['label']}: {latency(r)}")
 
     # 8: block size, with KV memory tight enough that fragmentation could matter
     res = run(out, "block-size", setup, traces["longtail"], "--offline", "--no-plots", "--policies", "chunked",

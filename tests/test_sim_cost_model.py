@@ -10,8 +10,16 @@ import pytest
 
 from conveyor.core.outputs import CachedRequestData, NewRequestData, SchedulerOutput
 from conveyor.core.sampling_params import SamplingParams
-from conveyor.sim import (ConstantCostModel, Hardware, ModelSpec, RooflineCostModel, SequenceTracker, StepShape,
-                          get_hardware, get_model_spec)
+from conveyor.sim import (
+    ConstantCostModel,
+    Hardware,
+    ModelSpec,
+    RooflineCostModel,
+    SequenceTracker,
+    StepShape,
+    get_hardware,
+    get_model_spec,
+)
 from conveyor.sim.fit import fit_hardware, nonnegative_least_squares
 
 # hidden 8, 2 layers, 2 query heads and 1 KV head of 4, MLP 16, vocabulary 10

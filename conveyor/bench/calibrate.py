@@ -6,8 +6,9 @@ tokens joins the D decodes (prefill tokens x decodes x context). A step's time i
 (schedule, runner, update, output processing), which is what a request waits for between two tokens. Each
 shape is timed ``--repeats`` times and its median kept: the profile describes the machine as it was while
 calibrating (calibrate on a quiet machine for a quiet machine's profile). ``--workload TRACE`` adds every step of
-a real run of that trace (all requests at once, the configured policy) to the points. The profile JSON holds the fitted ``Hardware``, the fit's errors, the machine's measured
-roofline and every measured point, so anyone can refit or compare machines.
+a real run of that trace (all requests at once, the configured policy) to the points. The profile JSON holds the
+fitted ``Hardware``, the fit's errors, the machine's measured roofline and every measured point, so anyone can
+refit or compare machines.
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ from conveyor.sim import SequenceTracker, StepShape
 from conveyor.sim.fit import fit_hardware
 from conveyor.sim.hardware import Hardware
 from conveyor.sim.model_specs import ModelSpec, get_model_spec, spec_from_hf_config
-
 
 
 @dataclass(frozen=True)

@@ -79,6 +79,14 @@ def engine_stats(steps: list, duration_s: float, model_flops: float | None = Non
     return stats
 
 
+def step_dict(s) -> dict:
+    """A step record as the plain dict results.json stores."""
+    return {k: getattr(s, k) for k in ("start", "end", "num_reqs", "num_prefill_tokens", "num_decode_tokens",
+                                       "num_padding_tokens", "num_idle_slot_tokens", "num_running", "num_waiting",
+                                       "kv_usage", "kv_reserved_slots", "kv_stored_tokens", "num_preempted",
+                                       "num_scheduled_tokens")}
+
+
 def slot_intervals(scheduled: list[dict[str, int]]) -> dict[str, tuple[int, int]]:
     """Each request's first and last step index, from every step's ``num_scheduled_tokens``: its occupancy of a
     slot (a preempted request keeps its slot through the gap in this picture)."""

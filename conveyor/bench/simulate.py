@@ -13,11 +13,10 @@ import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from conveyor.bench.engine_metrics import engine_stats
+from conveyor.bench.engine_metrics import engine_stats, step_dict
 from conveyor.bench.metrics import RequestTiming, summarize
 from conveyor.bench.offline import workload_work
-from conveyor.bench.workload import Workload
-from conveyor.core.config import SchedulerConfig
+from conveyor.bench.workload import Workload, time_scale_for
 from conveyor.core.kv_manager import KVCacheManager
 from conveyor.core.request import Request
 from conveyor.core.sampling_params import SamplingParams
@@ -130,8 +129,6 @@ def timings_of(result) -> list[RequestTiming]:
 
 def run_all_simulated(ns, base_args, configs, workload: Workload, progress: bool = True) -> dict:
     """Simulate every configuration; return the results document (the schema of ``compare.run_all``)."""
-    from conveyor.bench.compare import _step_dict, time_scale_for
-
     target = load_target(ns.simulate)
     spec = resolve_spec(base_args.model, target)
     tp = ns.tensor_parallel_size
@@ -162,7 +159,7 @@ def run_all_simulated(ns, base_args, configs, workload: Workload, progress: bool
             "offered_rate": len(workload.requests) / (last_arrival * scale) if scale and last_arrival > 0 else None,
             "num_kv_blocks": blocks, "summary": summarize(timings_of(result), duration, ns.slo_ms).to_dict(),
             "engine": stats.to_dict(), "timings": [asdict(t) for t in timings_of(result)],
-            "steps": [_step_dict(s) for s in recorder.steps], "output_token_ids": {},
+            "steps": [step_dict(s) for s in recorder.steps], "output_token_ids": {},
             "sim": {"flops": recorder.flops, "bytes": recorder.bytes, "busy_s": result.busy_s,
                     "mfu": flops / duration / peak_flops if duration > 0 else 0.0,
                     "hfu": recorder.flops / duration / peak_flops if duration > 0 else 0.0,
