@@ -166,8 +166,9 @@ def add_compare_parser(sub) -> None:
     p.add_argument("--no-warmup", action="store_true")
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--simulate", default=None, metavar="PROFILE_OR_HARDWARE",
-                   help="run on the simulator instead: a hardware name (a100-80gb, h100-sxm, h200) or a profile "
-                        "JSON from `conveyor sim calibrate`; --model then names a model of the simulator's table")
+                   help="run on the simulator instead: a hardware name of conveyor.sim.HARDWARE (a100-80gb, "
+                        "h100-sxm, h200, ...) or a profile JSON from `conveyor sim calibrate`; --model then names a "
+                        "model of the simulator's table or a Hugging Face directory")
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="devices per model when simulating")
     p.add_argument("--flush-denormal", action=argparse.BooleanOptionalAction, default=True,
                    help="flush denormal floats to zero on CPU (default: on, for every configuration)")

@@ -60,6 +60,16 @@ HARDWARE: dict[str, Hardware] = {
     # NVIDIA H200 SXM datasheet: 989 TFLOPS bf16 dense, 4.8 TB/s HBM3e, 141 GB, NVLink 900 GB/s
     "h200": Hardware("h200", 989 * TFLOPS, 4800 * GBPS, 141 * GB, link_bandwidth=450 * GBPS,
                      source=_GPU_SOURCE.format(m=0.7, a=0.5, b=0.8, l=0.8)),
+    # This machine: 2 vCPUs of an Intel Xeon (AVX-512, AMX), the bench model in float32 on one thread, fitted by
+    # `conveyor sim calibrate --num-threads 1 --workload workload_longtail_v1.json` on 2026-11-30 09:14 with a
+    # load average of 9-10 from other processes (docs/sim/profile-xeon-2vcpu-loaded.json, fit rms 19.5%). Peaks
+    # are that run's measured GEMM and copy rates; a GEMM "efficiency" above 1 means the fit moved the GEMM cost
+    # into the per-token overhead (for a 40M model the two are nearly collinear). Recalibrate on your machine.
+    "xeon-2vcpu-loaded": Hardware("xeon-2vcpu-loaded", 64.28e9, 4.875e9, 25.3 * GB, dtype_bytes=4,
+                                  matmul_efficiency=7.06, attention_efficiency=0.799, memory_efficiency=1.41,
+                                  step_overhead_s=11.25e-3, per_request_overhead_s=1.851e-3,
+                                  per_token_overhead_s=0.944e-3,
+                                  source="fitted by conveyor sim calibrate on this machine, 2026-11-30, loaded"),
 }
 
 
