@@ -9,12 +9,11 @@ import pytest
 
 from conveyor.bench.calibrate import Grid, measure_points, measure_workload, median_per_shape, refit
 from conveyor.bench.prediction import prediction_errors
-from conveyor.bench.simulate import load_target, resolve_spec
+from conveyor.bench.simulate import load_target, resolve_spec, spec_from_model_dir
 from conveyor.engine.args import EngineArgs
 from conveyor.sim import StepShape
 from conveyor.sim.fit import fit_hardware
 from conveyor.sim.hardware import Hardware
-from conveyor.sim.model_specs import spec_from_hf_config
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +51,8 @@ def test_a_trace_run_yields_one_point_per_step(engine, tmp_path):
 
 
 def test_profile_round_trip(tiny_llama_dir, tmp_path):
-    spec = spec_from_hf_config("tiny", json.loads((tiny_llama_dir / "config.json").read_text()))
+    spec = spec_from_model_dir(str(tiny_llama_dir))
+    assert (spec.hidden_size, spec.num_layers, spec.num_kv_heads, spec.intermediate_size) == (64, 2, 2, 128)
     base = Hardware("cpu", 1e10, 1e9, 1e10, dtype_bytes=4, link_bandwidth=0.0)
     # points from a known machine: a fresh fit must find them again, and refit must not change them
     true = base.with_overrides(matmul_efficiency=0.5, step_overhead_s=0.01, per_request_overhead_s=0.001)

@@ -222,3 +222,15 @@ def test_simulation_refuses_what_does_not_fit(tmp_path):
     with pytest.raises(ValueError, match="KV cache too small"):
         main(["bench", "compare", "--workload", str(trace), "--simulate", "h100-sxm", "--model", "llama-3-70b",
               "--tensor-parallel-size", "8", "--kv-cache-memory", "1", "--out", str(tmp_path / "o"), "--no-plots"])
+
+
+def test_a_scheduler_that_can_never_schedule_is_reported_not_spun_forever():
+    from conveyor.core import Request, Scheduler, SchedulerConfig
+    from conveyor.core.kv_manager import KVCacheManager
+    from conveyor.sim import SimExecutor, simulate
+
+    # 2 blocks of 4 tokens cannot hold a 20-token prompt: the request waits at the head of the queue forever
+    scheduler = Scheduler(SchedulerConfig(policy="continuous", max_model_len=64), KVCacheManager(2, 4))
+    request = Request("r", list(range(3, 23)), SamplingParams(max_tokens=2, ignore_eos=True), (), 64, 0.0)
+    with pytest.raises(RuntimeError, match="livelock"):
+        simulate(scheduler, SimExecutor(ConstantCostModel(0.01)), [request], max_idle_polls=1000)

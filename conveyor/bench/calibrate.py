@@ -22,10 +22,11 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from conveyor.bench.simulate import spec_from_model_dir
 from conveyor.sim import SequenceTracker, StepShape
 from conveyor.sim.fit import fit_hardware
 from conveyor.sim.hardware import Hardware
-from conveyor.sim.model_specs import ModelSpec, get_model_spec, spec_from_hf_config
+from conveyor.sim.model_specs import ModelSpec, get_model_spec
 
 
 @dataclass(frozen=True)
@@ -119,7 +120,7 @@ def measure_workload(engine, workload) -> list[tuple[StepShape, float]]:
 def model_spec_of(model_dir: str | None, loaded_name: str) -> ModelSpec:
     """The simulator's view of the model being timed: its config.json, or the table's entry by name."""
     if model_dir is not None and (Path(model_dir) / "config.json").is_file():
-        return spec_from_hf_config(Path(model_dir).name, json.loads((Path(model_dir) / "config.json").read_text()))
+        return spec_from_model_dir(model_dir)
     return get_model_spec(loaded_name)
 
 

@@ -24,7 +24,6 @@ from conveyor.core.scheduler import Scheduler
 from conveyor.core.slab_manager import SlabKVManager
 from conveyor.engine.step_record import StepRecord
 from conveyor.sim import Hardware, ModelSpec, RooflineCostModel, SimExecutor, get_hardware, get_model_spec, simulate
-from conveyor.sim.model_specs import spec_from_hf_config
 
 PROFILE_FORMAT = "conveyor-sim-profile/1"
 
@@ -56,10 +55,23 @@ def resolve_spec(model: str | None, target: SimTarget) -> ModelSpec:
     the profile's model, else the bench model."""
     if model is None:
         return target.model or get_model_spec("bench-llama-40m")
-    config = Path(model) / "config.json"
-    if config.is_file():
-        return spec_from_hf_config(Path(model).name, json.loads(config.read_text()))
+    if (Path(model) / "config.json").is_file():
+        return spec_from_model_dir(model)
     return get_model_spec(model)
+
+
+def spec_from_model_dir(model_dir: str) -> ModelSpec:
+    """The simulator's view of a Hugging Face directory: its config.json, parsed as the real loader parses it."""
+    from conveyor.models.config import LLAMA_LIKE, parse_config
+
+    config = Path(model_dir) / "config.json"
+    cfg = parse_config(json.loads(config.read_text()), str(config))
+    if cfg.architecture not in LLAMA_LIKE:
+        raise ValueError(f"{config}: the simulator models Llama-family decoders ({', '.join(LLAMA_LIKE)}), "
+                         f"not {cfg.architecture}")
+    return ModelSpec(Path(model_dir).name, cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads,
+                     cfg.head_dim, cfg.intermediate_size, cfg.vocab_size, cfg.max_position_embeddings,
+                     cfg.tie_word_embeddings)
 
 
 def num_kv_blocks(args, cost: RooflineCostModel, max_model_len: int) -> int:

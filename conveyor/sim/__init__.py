@@ -12,10 +12,10 @@ from conveyor.sim.cost_model import ConstantCostModel, CostModel, RooflineCostMo
 from conveyor.sim.executor import SequenceTracker, SimExecutor
 from conveyor.sim.hardware import HARDWARE, Hardware, get_hardware
 from conveyor.sim.loop import SimResult, simulate
-from conveyor.sim.model_specs import MODELS, ModelSpec, get_model_spec, spec_from_hf_config
+from conveyor.sim.model_specs import MODELS, ModelSpec, get_model_spec
 
 __all__ = [
     "HARDWARE", "MODELS", "ConstantCostModel", "CostModel", "Hardware", "ModelSpec", "RooflineCostModel",
     "SequenceTracker", "SimExecutor", "SimResult", "StepCost", "StepShape", "get_hardware", "get_model_spec",
-    "simulate", "spec_from_hf_config",
+    "simulate",
 ]

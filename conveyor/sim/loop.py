@@ -19,6 +19,7 @@ from conveyor.sim.cost_model import StepCost
 from conveyor.sim.executor import SimExecutor
 
 IDLE_POLL_S = 0.001  # the real replay driver's poll period (bench/online.py)
+MAX_IDLE_POLLS = 1_000_000  # empty schedules in a row, with nothing left to arrive, before calling it a livelock
 
 
 class StepObserver(Protocol):
@@ -46,14 +47,15 @@ class SimResult:
 
 
 def simulate(scheduler: Scheduler, executor: SimExecutor, requests: list[Request],
-             observer: StepObserver | None = None, idle_poll_s: float = IDLE_POLL_S) -> SimResult:
+             observer: StepObserver | None = None, idle_poll_s: float = IDLE_POLL_S,
+             max_idle_polls: int = MAX_IDLE_POLLS) -> SimResult:
     """Run ``requests`` (their ``arrival_time`` in seconds from 0) through ``scheduler`` until every one ends."""
     pending = sorted(requests, key=lambda r: r.arrival_time)
     by_id = {r.request_id: r for r in pending}
     token_times: dict[str, list[float]] = {}
     done: list[SimulatedRequest] = []
     clock = busy = 0.0
-    num_steps = i = 0
+    num_steps = i = idle_polls = 0
     while i < len(pending) or scheduler.has_unfinished_requests():
         while i < len(pending) and pending[i].arrival_time <= clock:
             scheduler.add_request(pending[i])
@@ -64,8 +66,13 @@ def simulate(scheduler: Scheduler, executor: SimExecutor, requests: list[Request
             continue
         so = scheduler.schedule(clock)
         if so.is_empty:
+            idle_polls = idle_polls + 1 if i == len(pending) else 0
+            if idle_polls > max_idle_polls:
+                raise RuntimeError(f"the scheduler schedules nothing while {scheduler.num_waiting} requests wait and "
+                                   f"{scheduler.num_running} hold slots, and nothing else will arrive: a livelock")
             clock += idle_poll_s
             continue
+        idle_polls = 0
         if observer is not None:
             observer.before_step(clock, so, scheduler)
         model_out, cost = executor.step(so)

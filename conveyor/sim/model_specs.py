@@ -68,19 +68,6 @@ class ModelSpec:
         return 2 * self.num_layers * self.kv_dim
 
 
-def spec_from_hf_config(name: str, raw: dict) -> ModelSpec:
-    """A ``ModelSpec`` from a parsed Llama / Mistral / Qwen2 ``config.json`` dict (the caller reads the file)."""
-    heads = raw["num_attention_heads"]
-    return ModelSpec(
-        name=name, hidden_size=raw["hidden_size"], num_layers=raw["num_hidden_layers"], num_heads=heads,
-        num_kv_heads=raw.get("num_key_value_heads") or heads,
-        head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
-        intermediate_size=raw["intermediate_size"], vocab_size=raw["vocab_size"],
-        max_position_embeddings=raw.get("max_position_embeddings", 4096),
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-    )
-
-
 # The numbers are those of each model's published config.json (Hugging Face hub), copied here so the simulator
 # needs no files: name -> (hidden, layers, heads, kv heads, head_dim, intermediate, vocab, context, tied).
 _TABLE = {
