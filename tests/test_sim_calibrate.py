@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from conveyor.bench.calibrate import Grid, measure_points, measure_workload, median_per_shape, refit
+from conveyor.bench.calibrate import Grid, measure_points, measure_workload, median_per_shape, profile_json, refit
 from conveyor.bench.prediction import prediction_errors
 from conveyor.bench.simulate import load_target, resolve_spec, spec_from_model_dir
 from conveyor.engine.args import EngineArgs
@@ -66,7 +66,8 @@ def test_profile_round_trip(tiny_llama_dir, tmp_path):
     assert report.rms_rel_error < 0.02
     assert refit(profile)["fit"]["rms_rel_error"] == pytest.approx(report.rms_rel_error, abs=1e-9)
     path = tmp_path / "profile.json"
-    path.write_text(json.dumps(profile))
+    path.write_text(profile_json(profile))
+    assert json.loads(path.read_text()) == json.loads(json.dumps(profile))
     target = load_target(str(path))
     assert target.hardware == report.hardware and resolve_spec(None, target) == spec
     assert resolve_spec("llama-3-8b", target).name == "llama-3-8b"

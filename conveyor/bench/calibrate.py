@@ -185,6 +185,13 @@ def refit(profile: dict) -> dict:
     return {**profile, "hardware": report.hardware.to_dict(), "fit": report.to_dict()}
 
 
+def profile_json(profile: dict) -> str:
+    """The profile as JSON that diffs well: one key per line, one measured point per line."""
+    head = json.dumps({k: v for k, v in profile.items() if k != "points"}, indent=1)
+    points = ",\n".join(json.dumps(p) for p in profile["points"])
+    return head[:-2] + ',\n "points": [\n' + points + "\n ]\n}\n"
+
+
 def describe(profile: dict) -> str:
     hw, fit = profile["hardware"], profile["fit"]
     return (f"{hw['name']}, model {profile['model']['name']}: GEMM {hw['matmul_efficiency']:.2f} and attention "
@@ -217,7 +224,7 @@ def _main(ns) -> int:
         args = EngineArgs.from_cli_args(ns)
         args.detokenize = False
         profile = calibrate(args, ns.repeats, ns.quick, ns.workload)
-    Path(ns.out).write_text(json.dumps(profile, indent=1))
+    Path(ns.out).write_text(profile_json(profile))
     print(describe(profile))
     print(f"wrote {ns.out}")
     return 0
