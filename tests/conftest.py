@@ -48,3 +48,13 @@ def save_tiny_llama(path: Path, seed: int = 0, **overrides) -> Path:
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory) -> Path:
     return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_dir(tmp_path_factory) -> Path:
+    """The tiny Llama with a one-line chat template ("role content ... w5"), for the server tests."""
+    from server_helpers import CHAT_TEMPLATE
+
+    path = save_tiny_llama(tmp_path_factory.mktemp("tiny-chat"))
+    write_word_tokenizer(path, TINY_VOCAB, chat_template=CHAT_TEMPLATE)
+    return path

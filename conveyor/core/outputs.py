@@ -85,3 +85,6 @@ class ModelOutput:
 
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)  # only for requests that asked
+    # Requests whose per-request setup failed in the executor (id -> why). Their tokens were still computed
+    # (the KV cache stays consistent for blocks they share) but they sampled nothing; the engine fails them.
+    failed: dict[str, str] = field(default_factory=dict)

@@ -38,6 +38,10 @@ class EngineShuttingDownError(RuntimeError):
     """The engine is shutting down and admits no new requests."""
 
 
+class RequestFailedError(RuntimeError):
+    """The engine could not process this one request (it survived; see ``RequestOutput.error``)."""
+
+
 class RequestStream:
     """The outputs of one request, as the engine produces them. Outputs are cumulative (whole text so far), so
     a slow reader may skip intermediate ones: it always gets the latest, and always the final one."""
@@ -83,13 +87,20 @@ class AsyncEngine:
     """Runs ``engine.step()`` in a background thread while work exists; ``add_request`` returns a stream.
 
     Listeners in ``output_listeners`` are called on the engine thread with every ``RequestOutput`` (metrics use
-    this); they must be quick and must not touch the engine.
+    this); they must be quick and must not touch the engine. Callbacks in ``on_dead`` are called on the event
+    loop, once, with the exception that killed the engine thread, after every in-flight stream got its error
+    (the server exits then, so that a supervisor restarts it).
     """
 
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
         self.output_listeners: list[Callable[[RequestOutput], None]] = []
+        self.on_dead: list[Callable[[BaseException], None]] = []
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        # Guards "is the engine thread still taking commands?" against "put a command": once the thread stops,
+        # no command may be queued that nobody would ever answer.
+        self._closed_lock = threading.Lock()
+        self._closed: BaseException | None = None
         self._streams: dict[str, RequestStream] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -180,10 +191,11 @@ class AsyncEngine:
     async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
         """Run ``fn(engine)`` on the engine thread between steps and return its result (or raise its error).
         The one safe way to read or change engine state (tokenizer included) from the event loop."""
-        if not self.is_running:
-            raise EngineDeadError(f"the engine is not running: {self.dead_error!r}")
         future: concurrent.futures.Future = concurrent.futures.Future()
-        self._commands.put((fn, future))
+        with self._closed_lock:
+            if self._closed is not None or not self.is_running:
+                raise EngineDeadError(f"the engine is not running: {self.dead_error!r}")
+            self._commands.put((fn, future))
         return await asyncio.wrap_future(future)
 
     # ---- engine thread ----------------------------------------------------------------------------------
@@ -200,6 +212,7 @@ class AsyncEngine:
                 # Block while idle; while requests run, just take what has arrived since the last step.
                 timeout = idle_wait if engine.has_unfinished_requests() else None
                 if not self._run_commands(timeout):
+                    self._close(EngineShuttingDownError("the engine has stopped"))
                     return
                 idle_wait = 0.0
                 if engine.has_unfinished_requests():
@@ -213,7 +226,20 @@ class AsyncEngine:
         except BaseException as exc:  # noqa: BLE001 - a crashed engine must fail every waiting client
             logger.exception("engine thread crashed")
             self.dead_error = exc
+            self._close(EngineDeadError(f"the engine stopped: {exc!r}"))
             self._fail_all(exc)
+
+    def _close(self, error: BaseException) -> None:
+        """Take no more commands; answer those still queued with ``error`` (nobody else ever would)."""
+        with self._closed_lock:
+            self._closed = error
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(command, tuple) and command[1].set_running_or_notify_cancel():
+                command[1].set_exception(error)
 
     def _run_commands(self, timeout: float | None) -> bool:
         """Run queued commands, waiting up to ``timeout`` s for the first (None: forever). False: stop."""
@@ -247,21 +273,26 @@ class AsyncEngine:
 
     def _fail_all(self, exc: BaseException) -> None:
         error = EngineDeadError(f"the engine stopped: {exc!r}")
-        self._loop.call_soon_threadsafe(self._deliver_error, error)
+        try:
+            self._loop.call_soon_threadsafe(self._deliver_error, error, exc)
+        except RuntimeError:  # the event loop is already closed: nobody is left to tell
+            pass
 
     # ---- event loop side --------------------------------------------------------------------------------
     def _deliver(self, batch: list[RequestOutput]) -> None:
         for out in batch:
             stream = self._streams.get(out.request_id)
             if stream is not None:
-                stream.put(out)
+                stream.put(out if out.error is None else RequestFailedError(out.error))
                 if out.finished:
                     self._forget(out.request_id)
 
-    def _deliver_error(self, error: BaseException) -> None:
+    def _deliver_error(self, error: BaseException, cause: BaseException) -> None:
         for request_id, stream in list(self._streams.items()):
             stream.put(error)
             self._forget(request_id)
+        for callback in self.on_dead:
+            callback(cause)
 
     def _forget(self, request_id: str) -> None:
         self._streams.pop(request_id, None)

@@ -47,6 +47,7 @@ class OutputProcessor:
         self.detokenize = detokenize
         self.children: dict[str, _Child] = {}
         self.parents: dict[str, _Parent] = {}
+        self.failed: dict[str, str] = {}  # parent id -> why, for the engine to fail (see pop_failures)
 
     def add(self, request_id: str, prompt: str | None, requests: list[Request], arrival: float) -> None:
         parent = _Parent(request_id, prompt, requests[0].prompt_token_ids, [], RequestMetrics(arrival))
@@ -64,6 +65,10 @@ class OutputProcessor:
             self.children[req.request_id] = child
         self.parents[request_id] = parent
 
+    def parent_id(self, child_id: str) -> str | None:
+        child = self.children.get(child_id)
+        return None if child is None else child.parent.request_id
+
     def child_ids(self, request_id: str) -> list[str]:
         parent = self.parents.get(request_id)
         return [c.request.request_id for c in parent.children] if parent else []
@@ -72,11 +77,21 @@ class OutputProcessor:
         touched: dict[str, _Parent] = {}
         for update in updates:
             child = self.children.get(update.request_id)
-            if child is None:
+            if child is None or child.parent.request_id in self.failed:
                 continue
-            self._apply(child, update, now)
+            try:
+                self._apply(child, update, now)
+            except Exception as exc:  # noqa: BLE001 - one request's detokenizer must not stop the step
+                self.failed[child.parent.request_id] = f"could not detokenize its output: {exc!r}"
+                touched.pop(child.parent.request_id, None)
+                continue
             touched[child.parent.request_id] = child.parent
         return self._collect(touched, now)
+
+    def pop_failures(self) -> dict[str, str]:
+        """Requests whose output processing failed since the last call (parent id -> why)."""
+        failed, self.failed = self.failed, {}
+        return failed
 
     def _apply(self, child: _Child, update: RequestUpdate, now: float) -> None:
         comp, req = child.completion, child.request

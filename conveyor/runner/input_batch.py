@@ -27,6 +27,7 @@ class RequestState:
     row: int  # row in the persistent block table
     num_blocks: int
     generator: torch.Generator | None  # only for seeded requests
+    error: str | None = None  # per-request setup failed: computed as usual, sampled token discarded
 
     @property
     def num_output_tokens(self) -> int:
@@ -70,6 +71,11 @@ class InputBatch:
         self.block_table[state.row, state.num_blocks:end] = new_block_ids
         state.num_blocks = end
 
+    def _generator(self, params: SamplingParams) -> torch.Generator | None:
+        if params.seed is None:
+            return None
+        return torch.Generator(device=self.device).manual_seed(params.seed)
+
     def update(self, so: SchedulerOutput) -> None:
         """Forget finished / preempted requests, admit new ones, apply the cached ones' deltas."""
         for req_id in so.finished_req_ids | so.preempted_req_ids:
@@ -81,11 +87,13 @@ class InputBatch:
                 self.free_rows.append(self.requests.pop(new.request_id).row)
             if not self.free_rows:
                 self._ensure_capacity(self.block_table.shape[0] + 1, 0)
-            gen = None
-            if new.sampling_params.seed is not None:
-                gen = torch.Generator(device=self.device).manual_seed(new.sampling_params.seed)
+            gen, error = None, None
+            try:
+                gen = self._generator(new.sampling_params)
+            except Exception as exc:  # noqa: BLE001 - one request's bad seed must not stop the step
+                error = f"could not seed its sampling generator: {exc!r}"
             state = RequestState(new.request_id, list(new.token_ids), new.num_prompt_tokens, new.sampling_params,
-                                 new.num_computed_tokens, self.free_rows.pop(), 0, gen)
+                                 new.num_computed_tokens, self.free_rows.pop(), 0, gen, error)
             self._set_blocks(state, new.block_ids)
             self.requests[new.request_id] = state
         for cached in so.scheduled_cached_reqs:

@@ -43,6 +43,11 @@ class ModelRunner:
         element = torch.empty(0, dtype=resolve_dtype(dtype or info.dtype)).element_size()
         return 2 * info.num_layers * block_size * info.num_kv_heads * info.head_dim * element
 
+    def _failed(self, so: SchedulerOutput) -> dict[str, str]:
+        """This step's new requests whose per-request setup failed (they are failed once, when first seen)."""
+        states = (self.batch.requests.get(r.request_id) for r in so.scheduled_new_reqs)
+        return {s.req_id: s.error for s in states if s is not None and s.error is not None}
+
     @torch.inference_mode()
     def execute(self, so: SchedulerOutput) -> ModelOutput:
         self.batch.update(so)
@@ -52,15 +57,17 @@ class ModelRunner:
         attn = make_attention(self.backend, step.attn_meta, self.dtype)
         hidden = self.model(step.input_ids, step.positions, self.kv_caches, attn)
         if not step.sampling:
-            return ModelOutput()
+            return ModelOutput(failed=self._failed(so))
         if step.logits_indices is not None:
             hidden = hidden.index_select(0, step.logits_indices)
         logits = self.model.compute_logits(hidden)
         if self.return_logits:
             self.last_logits = {r.req_id: logits[i].float().clone() for i, r in enumerate(step.sampling)}
         token_ids, logprobs = self.sampler.sample(logits, step.sampling)
-        out = ModelOutput()
+        out = ModelOutput(failed=self._failed(so))
         for state, token, lp in zip(step.sampling, token_ids, logprobs):
+            if state.error is not None:
+                continue  # failed: the engine retires it after this step
             state.token_ids.append(token)
             out.sampled_token_ids[state.req_id] = token
             if lp is not None:

@@ -8,6 +8,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from conveyor.core.outputs import TokenLogprobs
+from conveyor.core.sampling_params import MAX_LOGPROBS
 from conveyor.server.errors import APIError, bad_request, from_engine_error, from_value_error
 from conveyor.server.protocol import ChatCompletionRequest, ChatMessage
 from conveyor.server.serving_common import (
@@ -38,7 +39,7 @@ def render_chat(engine, messages: list[dict], add_generation_prompt: bool, add_s
         text = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
     except Exception as exc:  # jinja errors (raise_exception in templates, bad roles) are the client's
         raise ValueError(f"messages could not be rendered with the chat template: {exc}") from exc
-    return engine.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    return engine.encode(text, add_special_tokens=add_special_tokens, field="messages")
 
 
 def _logprobs(tokenizer, entries: list[TokenLogprobs]) -> dict:
@@ -62,11 +63,15 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: Request, ctx:
         raise bad_request("stream_options can only be set when stream is true", "stream_options")
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
+    if body.top_logprobs is not None and not 0 <= body.top_logprobs <= MAX_LOGPROBS:
+        raise bad_request(f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {body.top_logprobs}",
+                          "top_logprobs")
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     try:
         params = body.sampling_params(max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
     except ValueError as exc:
         raise from_value_error(exc) from exc
+    ctx.check_size(params, 1)
     messages = messages_as_dicts(body.messages)
 
     def prepare(engine) -> dict:  # engine thread

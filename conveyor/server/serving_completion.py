@@ -28,7 +28,7 @@ def _prompts(prompt) -> list[str | list[int]]:
 def _prepare(prompt: str | list[int], max_tokens: int | None, add_special_tokens: bool):
     def prepare(engine) -> dict:  # runs on the engine thread
         if isinstance(prompt, str):
-            ids = engine.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+            ids = engine.encode(prompt, add_special_tokens=add_special_tokens)
             text = prompt
         else:
             ids, text = list(prompt), None
@@ -77,6 +77,7 @@ async def create_completion(body: CompletionRequest, raw: Request, ctx: ServingC
     except ValueError as exc:
         raise from_value_error(exc) from exc
     prompts = [_prepare(p, body.max_tokens, body.add_special_tokens) for p in _prompts(body.prompt)]
+    ctx.check_size(params, len(prompts))
     request_id = new_id("cmpl")
     created = int(time.time())
     streams = await ctx.submit(request_id, prompts, params)
