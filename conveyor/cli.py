@@ -63,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     from conveyor.bench.cli import add_bench_parser
 
     add_bench_parser(sub)
+    from conveyor.bench.cli import add_sim_parser
+
+    add_sim_parser(sub)
     from conveyor.server.cli import add_serve_parser
 
     add_serve_parser(sub)
