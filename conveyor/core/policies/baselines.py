@@ -16,6 +16,7 @@ throughput and the wasted work are the same either way.
 Life of a batch::
 
     begin_step:  batch drained?   --yes-->  release the parked members, forget the batch
+                 member preempted? --yes-->  release the parked members (they hold the blocks it waits for)
                  no batch, ready? --yes-->  start forming: every admission of this step joins
     end_step:    forming?         --yes-->  members := running; pad this step's prompts to the longest
     on_finished: a member finished  -->  PARK: it keeps its slot, decoding for nobody
@@ -54,6 +55,11 @@ class StaticBatchPolicy(ContinuousPolicy):
         released: list[Request] = []
         if self.members and self._drained(running, waiting):
             released, self.members = list(running), set()  # the batch is done: every slot is freed
+        elif self.members and any(r.request_id in self.members for r in waiting):
+            # A preempted member waits to resume, and only admission can bring it back, which never preempts:
+            # parked slots would keep its blocks (a slot parked at max_model_len holds them for good: a
+            # livelock). Releasing a parked slot loses nothing; its user already has the output.
+            released = [r for r in running if r.status is RequestStatus.PARKED]
         no_batch = not self.members and len(released) == len(running)
         self.forming = no_batch and bool(waiting) and self.batch_ready(waiting, now)
         return released
