@@ -6,10 +6,12 @@ import asyncio
 import threading
 
 import pytest
-from server_helpers import make_engine
 
 from conveyor import SamplingParams
 from conveyor.engine.async_engine import AsyncEngine, EngineDeadError, EngineShuttingDownError, RequestFailedError
+from tests.helpers.server import make_engine
+
+pytestmark = pytest.mark.slow  # a real model, engine or server: run by CI, skipped by -m "not slow"
 
 LONG = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
 SHORT = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
@@ -52,7 +54,24 @@ def test_abort_frees_blocks_before_the_next_step(engine):
         ae.abort("long")
         last = [out async for out in stream][-1]
         assert last.outputs[0].finish_reason == "abort" and len(last.outputs[0].token_ids) < 400
-        assert await ae.call(lambda e: e.kv_cache_usage()) == 0.0
+        assert await ae.call(lambda e: e.kv_manager.usage()) == 0.0
+
+    run(go, engine)
+
+
+def test_stats_snapshot_is_published_by_the_engine_thread(engine):
+    async def go(ae: AsyncEngine):
+        assert (ae.stats.num_running, ae.stats.num_waiting) == (0, 0)
+        stream = await ae.add_request("long", PROMPT, LONG)
+        await stream.__anext__()
+        await stream.__anext__()  # a second output: the snapshot after the first step is out by now
+        during = ae.stats
+        assert during.num_running == 1 and during.kv_cache_usage > 0
+        ae.abort("long")
+        [out async for out in stream]
+        await ae.call(lambda e: None)  # a command after the abort: the snapshot after the abort is out
+        assert ae.stats.num_running == 0 and ae.stats.kv_cache_usage == 0.0
+        assert during.num_running == 1  # a snapshot never changes
 
     run(go, engine)
 
@@ -115,7 +134,7 @@ def test_a_crashed_engine_fails_every_stream_and_every_queued_call(tiny_llama_di
         ae.on_dead.append(deaths.append)
         stream = await ae.add_request("x", PROMPT, SHORT)
         assert await asyncio.to_thread(in_step.wait, 30)
-        queued = asyncio.ensure_future(ae.call(lambda e: e.kv_cache_usage()))  # waits behind the dying step
+        queued = asyncio.ensure_future(ae.call(lambda e: e.kv_manager.usage()))  # waits behind the dying step
         await asyncio.sleep(0)  # the command is queued
         gate.set()
         with pytest.raises(EngineDeadError):

@@ -6,10 +6,12 @@ from __future__ import annotations
 import math
 
 import pytest
-from server_helpers import make_engine
 
 from conveyor import LLM, SamplingParams
 from conveyor.engine.llm_engine import LLMEngine, QueueFullError
+from tests.helpers.server import make_engine
+
+SLOW = pytest.mark.slow  # a real (tiny) model and engine: run by CI, skipped by -m "not slow"
 
 PROMPT = {"prompt_token_ids": [5, 6, 7, 8, 9]}
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
@@ -48,6 +50,7 @@ def llm(tiny_llama_dir):
     return LLM(str(tiny_llama_dir), dtype="float64", max_model_len=64, num_kv_blocks=64, debug_invariants=True)
 
 
+@SLOW
 def test_offline_llm_gets_the_request_checks_the_server_gets(llm):
     with pytest.raises(ValueError, match="^min_tokens"):  # a promise that cannot fit in the context
         llm.generate([PROMPT], SamplingParams(min_tokens=60, max_tokens=None), use_tqdm=False)
@@ -80,6 +83,7 @@ def reference(engine):
     return run_to_completion(engine)["ref"].outputs[0].token_ids
 
 
+@SLOW
 def test_a_seed_past_validation_fails_only_its_request(engine, reference):
     bad = SamplingParams(seed=1, max_tokens=6)
     bad.seed = 2**70  # what a missed check would let through: torch.Generator.manual_seed raises on it
@@ -89,11 +93,12 @@ def test_a_seed_past_validation_fails_only_its_request(engine, reference):
     assert "sampling generator" in finals["bad"].error and "Overflow" in finals["bad"].error
     assert finals["bad"].outputs[0].finish_reason == "abort" and finals["bad"].finished
     assert finals["good"].error is None and finals["good"].outputs[0].token_ids == reference
-    assert engine.kv_cache_usage() == 0.0 and not engine.output_processor.parents
+    assert engine.kv_manager.usage() == 0.0 and not engine.output_processor.parents
     engine.add_request("after", PROMPT, GREEDY)  # and the engine goes on serving
     assert run_to_completion(engine)["after"].outputs[0].token_ids == reference
 
 
+@SLOW
 def test_a_stop_string_past_validation_fails_every_completion_of_its_request_only(engine, reference):
     engine.add_request("bad", PROMPT, SamplingParams(n=2, max_tokens=6, ignore_eos=True, stop=["x"]))
     engine.add_request("good", PROMPT, GREEDY)
@@ -103,9 +108,10 @@ def test_a_stop_string_past_validation_fails_every_completion_of_its_request_onl
     assert "detokenize" in finals["bad"].error and "TypeError" in finals["bad"].error
     assert [c.finish_reason for c in finals["bad"].outputs] == ["abort", "abort"]
     assert finals["good"].error is None and finals["good"].outputs[0].token_ids == reference
-    assert engine.kv_cache_usage() == 0.0 and not engine.scheduler.requests
+    assert engine.kv_manager.usage() == 0.0 and not engine.scheduler.requests
 
 
+@SLOW
 def test_stop_token_ids_outside_the_vocabulary_cannot_break_the_sampler(engine):
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, min_tokens=3, stop_token_ids=[7])
     engine.add_request("odd", PROMPT, params)
@@ -115,6 +121,7 @@ def test_stop_token_ids_outside_the_vocabulary_cannot_break_the_sampler(engine):
 
 
 # ---- the queue bound counts what waits ------------------------------------------------------------------
+@SLOW
 def test_queue_bound_counts_only_requests_without_a_free_seat(tiny_llama_dir):
     engine = make_engine(tiny_llama_dir, max_num_seqs=4, max_num_queued_reqs=2)
     assert engine.max_seqs_per_request == 6
@@ -134,6 +141,7 @@ def test_queue_bound_counts_only_requests_without_a_free_seat(tiny_llama_dir):
 
 
 # ---- --seed seeds sampling --------------------------------------------------------------------------------
+@SLOW
 def test_engine_seed_seeds_sampling_and_a_request_seed_wins(tiny_llama_dir):
     sampled = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
     seeded = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True, seed=42)

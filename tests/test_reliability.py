@@ -18,10 +18,12 @@ from types import SimpleNamespace
 
 import httpx
 import pytest
-from conftest import TINY_VOCAB
-from server_helpers import make_engine, running_server, serve_model
 
 from conveyor.server.app import build_app
+from tests.helpers.checkpoints import TINY_VOCAB
+from tests.helpers.server import make_engine, running_server, serve_model
+
+pytestmark = pytest.mark.slow  # a real model, engine or server: run by CI, skipped by -m "not slow"
 
 C, CHAT, TOK, DETOK = "/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"
 MSG = [{"role": "user", "content": "w5 w6"}]

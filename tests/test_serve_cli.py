@@ -11,6 +11,9 @@ import sys
 import time
 
 import httpx
+import pytest
+
+pytestmark = pytest.mark.slow  # a real model, engine or server: run by CI, skipped by -m "not slow"
 
 
 def free_port() -> int:

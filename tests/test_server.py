@@ -13,9 +13,11 @@ import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from server_helpers import TEST_DTYPE, serve_model
 
 from conveyor import LLM, SamplingParams
+from tests.helpers.server import TEST_DTYPE, serve_model
+
+pytestmark = pytest.mark.slow  # a real model, engine or server: run by CI, skipped by -m "not slow"
 
 PROMPT = "w10 w11 w12 w13 w14"
 GREEDY = dict(temperature=0.0, max_tokens=12, extra_body={"ignore_eos": True})

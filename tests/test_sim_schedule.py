@@ -87,3 +87,18 @@ def test_prefix_cache_hits_are_reproduced(tiny_llama_dir):
     real, _ = real_schedule(base, workload)
     assert simulated_schedule(base, workload) == real
     assert simulated_schedule(replace(base, enable_prefix_caching=False), workload) != real
+
+
+@pytest.mark.parametrize("policy", ["static", "dynamic"])
+def test_a_preempted_batch_member_gets_the_blocks_of_parked_slots(policy):
+    """On this trace a batch member is preempted while another member, parked at max_model_len, holds 32 of the
+    33 blocks: the parked slot must be released for the member to resume (it once waited forever)."""
+    args = EngineArgs(model="unused", block_size=16, max_model_len=MAX_MODEL_LEN, policy=policy, max_num_seqs=16,
+                      num_kv_blocks=33)
+    scheduler = build_scheduler(args, args.num_kv_blocks, MAX_MODEL_LEN)
+    workload = tiny_longtail(16, seed=7)
+    result = simulate(scheduler, SimExecutor(ConstantCostModel(0.01)), sim_requests(workload, 1.0, MAX_MODEL_LEN),
+                      max_idle_polls=1000)
+    assert scheduler.num_preemptions >= 1
+    assert sorted(int(r.request.request_id) for r in result.requests) == list(range(16))
+    assert all(len(r.token_times) == r.request.sampling_params.max_tokens for r in result.requests)

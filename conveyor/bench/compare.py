@@ -32,6 +32,8 @@ SWEEPS = {
     "kv_cache_memory": ("kv_cache_memory", float, "kv=", None),
     "request_rate": ("request_rate", float, "rate=", None),
 }
+# The sweeps that are engine flags of the same name (--policies and --request-rate are flags of their own).
+ENGINE_SWEEPS = tuple(n for n in SWEEPS if n not in ("policies", "request_rate"))
 
 
 @dataclass(frozen=True)
@@ -154,8 +156,7 @@ def add_compare_parser(sub) -> None:
     p.add_argument("--out", default="compare-out", help="directory for results.json, plots and report.md")
     p.add_argument("--policies", "--policy", dest="policies", default="static,dynamic,continuous,chunked")
     defaults = EngineArgs()
-    for name in ("max_num_seqs", "max_wait_ms", "block_size", "max_num_batched_tokens", "kv_layout",
-                 "kv_cache_memory"):
+    for name in ENGINE_SWEEPS:
         p.add_argument(f"--{name.replace('_', '-')}", dest=name, default=str(getattr(defaults, name)),
                        help="one value, or a comma-separated list to sweep")
     p.add_argument("--request-rate", default=None, help="req/s to rescale arrivals to; comma list: load sweep")
@@ -178,8 +179,7 @@ def add_compare_parser(sub) -> None:
 def sweeps_from_args(ns) -> dict[str, list]:
     """The comma-separated lists of the sweepable flags, parsed."""
     sweeps = {"policies": parse_list(ns.policies, str), "request_rate": parse_list(ns.request_rate, float)}
-    for name in ("max_num_seqs", "max_wait_ms", "block_size", "max_num_batched_tokens", "kv_layout",
-                 "kv_cache_memory"):
+    for name in ENGINE_SWEEPS:
         sweeps[name] = parse_list(getattr(ns, name), SWEEPS[name][1])
     return sweeps
 

@@ -1,6 +1,6 @@
 """Engine-side metrics from per-step records: wasted work, KV waste, concurrency, achieved machine fraction.
 
-PURE PYTHON, like ``metrics.py``: the simulator produces the same step records. A step is anything with the
+PURE PYTHON, like ``metrics.py``, so that any producer of step records can use it. A step is anything with the
 ``StepRecord`` fields (``start``, ``end``, token counts, ``num_running``, ``kv_reserved_slots``, ...).
 
 - Wasted-token fraction: (padding + idle-slot tokens) / every token the forward passes computed.

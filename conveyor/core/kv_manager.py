@@ -13,12 +13,8 @@ the same prefix finds it (even in the same step: the runner writes a layer's K/V
 
 from __future__ import annotations
 
-from conveyor.core.block_pool import BlockHash, BlockPool, KVBlock, hash_block
+from conveyor.core.block_pool import BlockHash, BlockPool, KVBlock, cdiv, hash_block
 from conveyor.core.request import Request
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 class KVCacheManager:

@@ -4,7 +4,9 @@ Why a thread: on CPU torch a step is blocking compute that releases the GIL insi
 thread keeps the event loop (HTTP parsing, SSE writes) responsive while the model runs. ``LLMEngine`` is not
 thread-safe, so the asyncio side never touches it: every call (add, abort, any function) goes through a
 command queue that the engine thread drains between steps. Outputs travel back with one
-``loop.call_soon_threadsafe`` per step.
+``loop.call_soon_threadsafe`` per step, and the engine's numbers (running, waiting, KV usage, ...) as ``stats``,
+an immutable ``SchedulerStats`` the engine thread replaces after every step and every command.
+(Decoding token ids to text is read-only, so the server formats logprobs with the tokenizer on the loop.)
 
     asyncio thread                     engine thread
     add_request() --command-->  [drain commands] -> step() -> snapshot outputs
@@ -23,11 +25,18 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from typing import Any
 
+from conveyor.core.outputs import SchedulerStats
 from conveyor.core.sampling_params import SamplingParams
 from conveyor.engine.llm_engine import LLMEngine, PromptType
 from conveyor.engine.outputs import RequestOutput
 
 logger = logging.getLogger("conveyor.engine")
+
+# While requests wait but none can start (a dynamic batch still forming until max_wait_ms), the engine thread
+# waits this long for commands before it tries to schedule again, instead of spinning.
+IDLE_POLL_S = 0.002
+DRAIN_ABORT_GRACE_S = 10.0  # after the drain deadline aborts what is left: how long the aborts may take
+THREAD_JOIN_TIMEOUT_S = 30.0  # shutdown: how long to wait for the engine thread to finish its step and stop
 
 
 class EngineDeadError(RuntimeError):
@@ -107,6 +116,7 @@ class AsyncEngine:
         self._accepting = True
         self.dead_error: BaseException | None = None
         self._idle = asyncio.Event()
+        self.stats: SchedulerStats = engine.scheduler.make_stats()  # replaced whole by the engine thread
 
     # ---- lifecycle --------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -141,7 +151,7 @@ class AsyncEngine:
             for request_id in left:
                 self.abort(request_id)
             try:
-                await asyncio.wait_for(self._idle.wait(), 10.0)
+                await asyncio.wait_for(self._idle.wait(), DRAIN_ABORT_GRACE_S)
             except asyncio.TimeoutError:
                 pass
 
@@ -152,7 +162,7 @@ class AsyncEngine:
             self.abort(request_id)
         self._commands.put(_STOP)
         if self._thread is not None:
-            await asyncio.to_thread(self._thread.join, 30.0)
+            await asyncio.to_thread(self._thread.join, THREAD_JOIN_TIMEOUT_S)
 
     # ---- requests ---------------------------------------------------------------------------------------
     async def add_request(self, request_id: str, prompt: PromptType | Callable[[LLMEngine], PromptType],
@@ -190,7 +200,7 @@ class AsyncEngine:
 
     async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
         """Run ``fn(engine)`` on the engine thread between steps and return its result (or raise its error).
-        The one safe way to read or change engine state (tokenizer included) from the event loop."""
+        The one safe way to read or change engine state from the event loop (``stats`` aside)."""
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self._closed_lock:
             if self._closed is not None or not self.is_running:
@@ -220,9 +230,8 @@ class AsyncEngine:
                     if outputs:
                         self._publish(outputs)
                     elif not engine.scheduler.num_running:
-                        # Requests wait but none could start (a batching policy's max_wait_ms): only time or
-                        # a new command changes that, so wait a little for commands instead of spinning.
-                        idle_wait = 0.002
+                        idle_wait = IDLE_POLL_S  # only time or a new command can start a waiting request
+                    self.stats = engine.scheduler.make_stats()
         except BaseException as exc:  # noqa: BLE001 - a crashed engine must fail every waiting client
             logger.exception("engine thread crashed")
             self.dead_error = exc
@@ -259,6 +268,7 @@ class AsyncEngine:
                         future.set_exception(exc)
             else:
                 command(self.engine)
+            self.stats = self.engine.scheduler.make_stats()  # a command may have added, aborted, ...
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:

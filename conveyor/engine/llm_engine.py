@@ -1,8 +1,8 @@
 """``LLMEngine``: builds the tokenizer, model runner, KV manager and scheduler, and runs one step at a time.
 
 ``step()`` is three calls: ``scheduler.schedule(now)``, ``executor.execute(...)``, ``scheduler.update(...)``;
-then the output processor detokenizes and applies stop strings. The engine is the layer that reads the clock
-(``time.monotonic()``) and passes it down.
+then the output processor detokenizes and checks stop strings, and the engine finishes in the scheduler what
+a stop string ended. The engine is the layer that reads the clock (``time.monotonic()``) and passes it down.
 """
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ import logging
 import time
 from collections.abc import Callable
 
+from conveyor.core.config import CacheConfig
+from conveyor.core.interfaces import Executor, KVManager
 from conveyor.core.kv_manager import KVCacheManager
 from conveyor.core.request import Request, RequestStatus
 from conveyor.core.sampling_params import SamplingParams
@@ -33,7 +35,8 @@ class QueueFullError(RuntimeError):
 class LLMEngine:
     """A synchronous engine. Not thread-safe: ``AsyncEngine`` serialises access to it."""
 
-    def __init__(self, args: EngineArgs | None = None, executor=None, shared_model=None, **overrides) -> None:
+    def __init__(self, args: EngineArgs | None = None, executor: Executor | None = None, shared_model=None,
+                 **overrides) -> None:
         import torch
 
         from conveyor.models.loader import load_model
@@ -75,7 +78,7 @@ class LLMEngine:
             self.model, self.model_info, num_blocks=num_blocks, block_size=cache.block_size, device=device,
             attention_backend=args.attention_backend, seed=args.seed,  # --seed seeds sampling too, as in vLLM
         )
-        self.output_processor = OutputProcessor(self.tokenizer, self.scheduler, detokenize=args.detokenize)
+        self.output_processor = OutputProcessor(self.tokenizer, detokenize=args.detokenize)
         self.step_listeners: list[Callable[[StepRecord], None]] = []
         self._ids = itertools.count()
 
@@ -92,7 +95,7 @@ class LLMEngine:
                                  f"{getattr(other.args, name)!r}")
         return cls(args, shared_model=(other.model, other.model_info, other.tokenizer))
 
-    def _make_kv_manager(self, cache, num_blocks: int):
+    def _make_kv_manager(self, cache: CacheConfig, num_blocks: int) -> KVManager:
         if cache.kv_layout == "slab":
             from conveyor.core.slab_manager import SlabKVManager
 
@@ -219,8 +222,11 @@ class LLMEngine:
         model_out = self.executor.execute(sched_out)
         now = time.monotonic()
         updates = self.scheduler.update(sched_out, model_out, now)
-        outputs = self.output_processor.process(updates, now)
-        failures = self.output_processor.pop_failures()
+        processed = self.output_processor.process(updates, now)
+        for request_id in processed.stopped:  # a stop string ended it: the output layer decides, the core applies
+            self.scheduler.finish_request(request_id, RequestStatus.FINISHED_STOPPED, now)
+        outputs = processed.request_outputs
+        failures = dict(processed.failed)
         for child_id, why in model_out.failed.items():
             parent = self.output_processor.parent_id(child_id)
             if parent is not None:
@@ -241,6 +247,3 @@ class LLMEngine:
         if self.has_unfinished_requests():
             raise RuntimeError("reset_prefix_cache needs an idle engine")
         self.kv_manager.reset_prefix_cache()
-
-    def kv_cache_usage(self) -> float:
-        return self.kv_manager.usage()

@@ -16,6 +16,9 @@ logger = logging.getLogger("conveyor.server")
 # After the engine died, how long open responses may take to go out before uvicorn cancels them: every stream
 # already has its error, so this only covers clients that read slowly.
 ENGINE_DEAD_GRACE_S = 3.0
+# uvicorn's own graceful-shutdown timeout is the drain's deadline plus this: time for the aborted requests'
+# final events and data: [DONE] to go out before uvicorn closes the connections.
+SHUTDOWN_FLUSH_S = 5.0
 
 
 class GracefulServer(uvicorn.Server):
@@ -109,5 +112,5 @@ def make_server(app: FastAPI, host: str, port: int, log_level: str = "info", tim
     """
     timeout = app.state.shutdown_timeout_s
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_keep_alive=timeout_keep_alive,
-                            timeout_graceful_shutdown=timeout + 5.0, http=header_timeout_protocol(timeout_headers))
+                            timeout_graceful_shutdown=timeout + SHUTDOWN_FLUSH_S, http=header_timeout_protocol(timeout_headers))
     return GracefulServer(config, exit_on_engine_death)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -15,7 +16,8 @@ from conveyor.core.sampling_params import SamplingParams
 from conveyor.engine.async_engine import AsyncEngine, RequestStream
 from conveyor.engine.llm_engine import LLMEngine
 from conveyor.engine.outputs import CompletionOutput, RequestOutput
-from conveyor.server.errors import APIError, bad_request, from_engine_error
+from conveyor.server.errors import APIError, bad_request, from_engine_error, from_value_error
+from conveyor.server.protocol import SamplingFields
 
 logger = logging.getLogger("conveyor.server")
 Prepare = Callable[[LLMEngine], dict]  # runs on the engine thread: tokenizes, checks, returns the engine prompt
@@ -73,6 +75,18 @@ class ServingContext:
             raise APIError(404, f"The model `{name}` does not exist; this server serves `{self.model_name}`.",
                            "model", "model_not_found")
 
+    def sampling_params(self, body: SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        """The checks every generation endpoint makes after its own, and the request's ``SamplingParams``
+        (APIError 400 when bad)."""
+        if body.logit_bias:
+            raise bad_request("logit_bias is not supported", "logit_bias")
+        if body.stream_options is not None and not body.stream:
+            raise bad_request("stream_options can only be set when stream is true", "stream_options")
+        try:
+            return body.sampling_params(max_tokens, logprobs)
+        except ValueError as exc:
+            raise from_value_error(exc) from exc
+
     async def submit(self, request_id: str, prompts: list[Prepare], params: SamplingParams) -> list[RequestStream]:
         """Queue one engine request per prompt (ids ``{request_id}-{i}``); all or nothing."""
         arrival = time.monotonic()
@@ -121,6 +135,23 @@ class ServingContext:
         except Exception as exc:
             self.abort(streams)  # one prompt of a batch failed: the answer is an error, so stop the others
             raise from_engine_error(exc) from exc
+
+
+async def sse_events(events: AsyncIterator[dict], ctx: ServingContext,
+                     streams: list[RequestStream]) -> AsyncIterator[str]:
+    """``events`` as server-sent events, ended by ``data: [DONE]``. The headers are sent by then, so an error is
+    reported in-band (as vLLM does). Whatever happens, the request's unfinished streams are aborted: a no-op for
+    finished ones, and it frees the blocks of a client that went away."""
+    try:
+        async with contextlib.aclosing(events):
+            async for event in events:
+                yield sse(event)
+    except Exception as exc:
+        error = exc if isinstance(exc, APIError) else from_engine_error(exc)
+        yield sse(error.body())
+    finally:
+        ctx.abort(streams)
+    yield SSE_DONE
 
 
 async def _wait_disconnect(raw: Request) -> None:

@@ -9,7 +9,7 @@ from contextlib import contextmanager
 
 from conveyor.engine.args import EngineArgs
 from conveyor.engine.llm_engine import LLMEngine
-from conveyor.models.loader import DTYPES
+from conveyor.models.build import DTYPES
 from conveyor.server.app import build_app
 from conveyor.server.launcher import make_server
 
