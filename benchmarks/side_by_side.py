@@ -5,10 +5,12 @@
         --model bench=PATH/llama-40m-fp32 --model smollm2=PATH/smollm2-135m-fp32 --dtypes float32,bfloat16 \
         [--vllm-python PATH/vllm-env/bin/python] [--repeats 2] [--threads 2]
 
-Every cell runs in a fresh process per engine (start-up and resident memory are measured too): all requests
-submitted at t=0, greedy, ``ignore_eos``, prefix caching off (repeats measure real work), ``max_num_seqs`` 256,
-``max_model_len`` 2048, one warm-up pass, best of ``--repeats`` timed passes. Without ``--vllm-python`` only
-conveyor runs. The table gives each cell's wall time, the ratio (vLLM time / conveyor time: conveyor's speed
+Every cell loads each engine in a fresh process of its own (start-up and resident memory are measured too):
+all requests submitted at t=0, greedy, ``ignore_eos``, prefix caching off (repeats measure real work),
+``max_num_seqs`` 256, ``max_model_len`` 2048, one warm-up pass each, then ``--repeats`` timed passes taken in
+turn, conveyor, vLLM, conveyor, vLLM, ... (both processes stay loaded and wait while the other runs), so noise
+from other work on a shared machine hits both engines alike; best of the repeats. Without ``--vllm-python``
+only conveyor runs. The table gives each cell's wall time, the ratio (vLLM time / conveyor time: conveyor's speed
 relative to vLLM's), and the matmul floor: the workload's linear-layer FLOPs at the prepacked GEMM rate this
 machine measures in the same run (prompt tokens at a prefill-shaped rate, output tokens at a decode-shaped one).
 ``--profile`` adds, for conveyor, where each cell's time goes (linear layers, attention, norms, the rest).
@@ -36,6 +38,15 @@ def rss_mib() -> float:
     return float("nan")
 
 
+def serve_rounds():
+    """Yield once per "go" line on stdin, until "stop" (the parent's turn-taking: see ``Cell``)."""
+    print("READY", flush=True)
+    for line in sys.stdin:
+        if line.strip() != "go":
+            return
+        yield
+
+
 # ---- the conveyor side (runs in its own process) ---------------------------------------------------------
 def run_conveyor(ns) -> dict:
     t0 = time.perf_counter()
@@ -61,15 +72,18 @@ def run_conveyor(ns) -> dict:
         with StepProfile(llm.engine) as prof:
             run_offline(llm, workload)
         profile = prof.summary()
-    walls = []
-    for _ in range(ns.repeats):
+    walls, cpus = [], []
+    for _ in serve_rounds():
+        c = time.process_time()
         res = run_offline(llm, workload)
         walls.append(res.wall_s)
+        cpus.append(time.process_time() - c)
+        print(f"ROUND {res.wall_s:.3f} {cpus[-1]:.3f}", flush=True)
     eng = llm.engine
     flops = model_flops(eng.model, eng.model_info, res.prompt_tokens, res.output_tokens, res.num_requests)
     floor = matmul_floor(eng.model, eng.model_info, res.prompt_tokens, res.output_tokens, res.num_requests,
                          ns.dtype if ns.dtype != "auto" else eng.model_info.dtype)
-    return dict(engine="conveyor", wall_s=min(walls), walls=walls, startup_s=startup, rss_mib=rss_mib(),
+    return dict(engine="conveyor", wall_s=min(walls), walls=walls, cpu_s=cpus, startup_s=startup, rss_mib=rss_mib(),
                 tflop=flops / 1e12, steps=res.num_steps, dtype=eng.model_info.dtype, profile=profile, **floor)
 
 
@@ -118,7 +132,7 @@ import json, os, sys, time
 os.environ.setdefault("HF_HUB_OFFLINE", "1"); os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
-workload, model, dtype, repeats, threads = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
+workload, model, dtype, threads = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{threads - 1}")
 t0 = time.perf_counter()
 from vllm import LLM, SamplingParams
@@ -129,22 +143,53 @@ prompts = [{"prompt_token_ids": r["prompt_token_ids"]} for r in reqs]
 sps = [SamplingParams(max_tokens=r["max_tokens"], ignore_eos=True, temperature=0.0) for r in reqs]
 llm.generate(prompts[:8], [SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.0)] * 8, use_tqdm=False)
 llm.generate(prompts, sps, use_tqdm=False)
-walls = []
-for _ in range(repeats):
-    t = time.perf_counter(); outs = llm.generate(prompts, sps, use_tqdm=False); walls.append(time.perf_counter() - t)
+walls, cpus = [], []
+print("READY", flush=True)
+for line in sys.stdin:
+    if line.strip() != "go":
+        break
+    c = time.process_time(); t = time.perf_counter(); outs = llm.generate(prompts, sps, use_tqdm=False)
+    walls.append(time.perf_counter() - t); cpus.append(time.process_time() - c)
     assert all(len(o.outputs[0].token_ids) == r["max_tokens"] for o, r in zip(outs, reqs))
+    print(f"ROUND {walls[-1]:.3f} {cpus[-1]:.3f}", flush=True)
 hwm = next(int(l.split()[1]) / 1024 for l in open("/proc/self/status") if l.startswith("VmHWM:"))
-print("RESULT " + json.dumps(dict(engine="vllm", wall_s=min(walls), walls=walls, startup_s=startup, rss_mib=hwm)),
+print("RESULT " + json.dumps(dict(engine="vllm", wall_s=min(walls), walls=walls, cpu_s=cpus, startup_s=startup,
+                                 rss_mib=hwm)),
       flush=True)
 """
 
 
-def run_engine(cmd: list[str], env: dict | None = None) -> dict:
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO)
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT "):])
-    raise RuntimeError(f"{cmd[0]} ... failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+class Cell:
+    """One engine's process for one cell: loads and warms up, then runs one timed pass per ``round()``."""
+
+    def __init__(self, cmd: list[str], env: dict | None = None) -> None:
+        self.cmd = cmd
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     text=True, env=env, cwd=REPO)
+
+    def _expect(self, word: str) -> str:
+        for line in self.proc.stdout:
+            if line.startswith(word):
+                return line[len(word):].strip()
+        self.proc.wait()
+        raise RuntimeError(f"{self.cmd[0]} ... failed ({self.proc.returncode}):\n{self.proc.stderr.read()[-3000:]}")
+
+    def ready(self) -> None:
+        self._expect("READY")
+
+    def round(self) -> tuple[float, float]:
+        """One timed pass: (wall s, CPU s of the process)."""
+        self.proc.stdin.write("go\n")
+        self.proc.stdin.flush()
+        wall, cpu = self._expect("ROUND ").split()
+        return float(wall), float(cpu)
+
+    def result(self) -> dict:
+        self.proc.stdin.write("stop\n")
+        self.proc.stdin.flush()
+        res = json.loads(self._expect("RESULT "))
+        self.proc.wait()
+        return res
 
 
 def main() -> int:
@@ -178,13 +223,19 @@ def main() -> int:
                    "--_dtype", dtype, "--workload", os.path.abspath(ns.workload), "--repeats", str(ns.repeats),
                    "--threads", str(threads)] + (["--profile"] if ns.profile else [])
             env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-            conv = run_engine(cmd, env)
-            print(f"[{name} {dtype}] conveyor {conv['wall_s']:.2f} s (runs {conv['walls']})", flush=True)
-            vllm = None
+            cells = {"conveyor": Cell(cmd, env)}
             if ns.vllm_python:
-                vllm = run_engine([ns.vllm_python, "-c", VLLM_DRIVER, os.path.abspath(ns.workload), model_dir, dtype,
-                                   str(ns.repeats), str(threads)])
-                print(f"[{name} {dtype}] vLLM {vllm['wall_s']:.2f} s (runs {vllm['walls']})", flush=True)
+                cells["vLLM"] = Cell([ns.vllm_python, "-c", VLLM_DRIVER, os.path.abspath(ns.workload), model_dir,
+                                      dtype, str(threads)])
+            for cell in cells.values():  # both load and warm up (at the same time), then take turns
+                cell.ready()
+            for i in range(ns.repeats):
+                for engine, cell in cells.items():
+                    wall, cpu = cell.round()
+                    print(f"[{name} {dtype}] round {i}: {engine} {wall:.2f} s (CPU {cpu:.2f} s, load "
+                          f"{os.getloadavg()[0]:.1f})", flush=True)
+            conv = cells["conveyor"].result()
+            vllm = cells["vLLM"].result() if ns.vllm_python else None
             rows.append(dict(model=name, dtype=dtype, conveyor=conv, vllm=vllm))
     print_table(rows)
     if ns.json:

@@ -65,12 +65,12 @@ def build_parser() -> argparse.ArgumentParser:
     from conveyor.bench.cli import add_bench_parser
 
     add_bench_parser(sub)
-    try:
-        from conveyor.server.cli import add_serve_parser
-    except ImportError:  # the server layer is optional at import time (its deps may be missing)
-        add_serve_parser = None
-    if add_serve_parser is not None:
-        add_serve_parser(sub)
+    from conveyor.bench.cli import add_sim_parser
+
+    add_sim_parser(sub)
+    from conveyor.server.cli import add_serve_parser
+
+    add_serve_parser(sub)
     return parser
 
 

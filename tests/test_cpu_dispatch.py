@@ -16,7 +16,8 @@ import conveyor.kernels.cpu_features as cf
 from conveyor.kernels.build import library_path
 from conveyor.kernels.cpu_ops import build_and_load
 from conveyor.layers.linear import PackedLinear, onednn_available, pack_linear, padded_rows
-from conveyor.models.loader import choose_dtype
+from conveyor.models.build import choose_dtype
+from tests.helpers.checkpoints import save_tiny_llama
 
 ZEN3 = frozenset("sse4_2 avx avx2 fma f16c bmi2".split())
 ZEN5 = ZEN3 | frozenset("avx512f avx512bw avx512vl avx512dq avx512_vnni avx512_bf16".split())
@@ -88,12 +89,15 @@ import json, sys, torch
 from conveyor import LLM, SamplingParams
 llm = LLM(sys.argv[1], dtype="float32", num_kv_blocks=64, block_size=16, detokenize=False)
 runner = llm.engine.executor
-runner.return_logits = True
+last_logits, sample = {}, runner.sample
+def keep_logits(logits, step):  # the logits each sampled token came from
+    last_logits.update({r.req_id: logits[i].float().tolist() for i, r in enumerate(step.sampling)})
+    return sample(logits, step)
+runner.sample = keep_logits
 prompts = [{"prompt_token_ids": [5 + i % 50 for i in range(n)]} for n in (3, 40, 17)]
 outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True), use_tqdm=False)
-logits = {k: v.tolist() for k, v in runner.last_logits.items()}
 print("RESULT " + json.dumps({"backend": runner.backend, "tokens": [o.outputs[0].token_ids for o in outs],
-                              "logits": logits}))
+                              "logits": last_logits}))
 """
 
 
@@ -110,8 +114,6 @@ def run_at_level(model_dir, level):
 def test_engine_same_tokens_at_every_level(tmp_path):
     """The whole engine (head_dim 64: the native attention path) at the torch path, AVX2 and this CPU's own
     level: the same greedy tokens, logits equal to float32 rounding."""
-    from conftest import save_tiny_llama
-
     model_dir = save_tiny_llama(tmp_path / "m", hidden_size=128, num_attention_heads=2, num_key_value_heads=1)
     runs = {lvl: run_at_level(model_dir, lvl) for lvl in ("none", "avx2", cf.cpu_features().native_level)}
     assert runs["none"]["backend"] == "cpu" and runs["avx2"]["backend"] == "cpu-native"

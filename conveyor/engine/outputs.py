@@ -61,6 +61,9 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     metrics: RequestMetrics
     finished: bool = False
+    # Set when the engine could not process this request (a per-request failure it survived); the request is
+    # then finished, its completions with finish_reason "abort".
+    error: str | None = None
 
     @property
     def num_generated_tokens(self) -> int:

@@ -6,35 +6,32 @@ import torch
 
 from conveyor.core.outputs import ModelOutput, SchedulerOutput
 from conveyor.layers.attention import make_attention, resolve_backend
-from conveyor.models.loader import ModelInfo, resolve_dtype
-from conveyor.runner.input_batch import InputBatch
+from conveyor.models.build import ModelInfo, resolve_dtype
+from conveyor.runner.input_batch import InputBatch, StepInputs
 from conveyor.runner.sampler import Sampler
 
 
 class ModelRunner:
-    """Owns the paged KV cache and the per-request state; runs the model and samples.
+    """Owns the paged KV cache and the per-request state; runs the model and samples (``core.Executor``).
 
     The KV cache is one tensor per layer, [2 (K, V), num_blocks, block_size, num_kv_heads, head_dim] (the native
-    CPU attention's: [2, num_blocks, num_kv_heads, block_size, head_dim]); block b covers positions
-    [b * block_size, (b + 1) * block_size) of the requests that own it. Set ``return_logits = True`` to keep the logits
-    of the last step in ``last_logits`` ({req_id: [vocab] float tensor}) for tests and debugging.
+    CPU attention's: [2, num_blocks, num_kv_heads, block_size, head_dim]); block b covers cache slots
+    [b * block_size, (b + 1) * block_size). A step is ``forward`` (the logits of the rows that sample) then
+    ``sample``.
     """
 
     def __init__(self, model: torch.nn.Module, info: ModelInfo, num_blocks: int, block_size: int,
-                 device: str | torch.device = "cpu", attention_backend: str = "auto",
-                 num_threads: int | None = None, seed: int = 0, kv_dtype: str | torch.dtype | None = None) -> None:
+                 device: str | torch.device = "cpu", attention_backend: str = "auto", seed: int = 0) -> None:
         self.model, self.info = model, info
         self.device = torch.device(device)
         self.num_blocks, self.block_size = num_blocks, block_size
-        if num_threads and self.device.type == "cpu":  # else keep the process's setting (the engine's choice)
-            torch.set_num_threads(num_threads)
-        self.dtype = resolve_dtype(kv_dtype or info.dtype)
+        self.dtype = resolve_dtype(info.dtype)
         # Resolved (and the native kernels built or loaded) here, while the engine starts: not in a request.
         self.backend = resolve_backend(attention_backend, self.device, self.dtype, info.head_dim)
         # The torch paths' padded decode gathers read unwritten slots (0 * NaN garbage would poison them), so
         # their cache starts zeroed. The native kernel reads only written slots: its cache is left unwritten, so
         # start-up skips touching every page and memory is committed only as blocks are first used.
-        # Its blocks are head-major too ([.., num_kv_heads, block_size, head_dim]: see kernels.cpu_ops).
+        # Its blocks are head-major ([.., num_kv_heads, block_size, head_dim]: see kernels.cpu_ops).
         native = self.backend == "cpu-native"
         alloc = torch.empty if native else torch.zeros
         shape = (2, num_blocks, info.num_kv_heads, block_size, info.head_dim) if native else \
@@ -42,14 +39,17 @@ class ModelRunner:
         self.kv_caches = [alloc(*shape, dtype=self.dtype, device=self.device) for _ in range(info.num_layers)]
         self.batch = InputBatch(block_size, self.device, max_position=info.max_position_embeddings)
         self.sampler = Sampler(info.eos_token_ids, self.device, seed)
-        self.return_logits = False
-        self.last_logits: dict[str, torch.Tensor] = {}
 
     @staticmethod
-    def kv_cache_bytes_per_block(info: ModelInfo, block_size: int, dtype: str | torch.dtype | None = None) -> int:
+    def kv_cache_bytes_per_block(info: ModelInfo, block_size: int) -> int:
         """Bytes one KV block takes over all layers (K and V), to size num_blocks from a memory budget."""
-        element = torch.empty(0, dtype=resolve_dtype(dtype or info.dtype)).element_size()
+        element = torch.empty(0, dtype=resolve_dtype(info.dtype)).element_size()
         return 2 * info.num_layers * block_size * info.num_kv_heads * info.head_dim * element
+
+    def _failed(self, so: SchedulerOutput) -> dict[str, str]:
+        """This step's new requests whose per-request setup failed (they are failed once, when first seen)."""
+        states = (self.batch.requests.get(r.request_id) for r in so.scheduled_new_reqs)
+        return {s.req_id: s.error for s in states if s is not None and s.error is not None}
 
     @torch.inference_mode()
     def execute(self, so: SchedulerOutput) -> ModelOutput:
@@ -57,18 +57,29 @@ class ModelRunner:
         if so.is_empty:
             return ModelOutput()
         step = self.batch.prepare(so)
-        attn = make_attention(self.backend, step.attn_meta, self.dtype)
+        logits = self.forward(step)
+        out = ModelOutput() if logits is None else self.sample(logits, step)
+        out.failed = self._failed(so)
+        return out
+
+    def forward(self, step: StepInputs) -> torch.Tensor | None:
+        """Run the model over every row of the step (writing its K/V); the logits of the rows that sample, in
+        ``step.sampling`` order, or None when none does."""
+        attn = make_attention(self.backend, step.attn_meta, self.dtype, step.padding)
         hidden = self.model(step.input_ids, step.positions, self.kv_caches, attn)
         if not step.sampling:
-            return ModelOutput()
+            return None
         if step.logits_indices is not None:
             hidden = hidden.index_select(0, step.logits_indices)
-        logits = self.model.compute_logits(hidden)
-        if self.return_logits:
-            self.last_logits = {r.req_id: logits[i].float().clone() for i, r in enumerate(step.sampling)}
+        return self.model.compute_logits(hidden)
+
+    def sample(self, logits: torch.Tensor, step: StepInputs) -> ModelOutput:
+        """One token per sampling row; each is appended to its request's own token list."""
         token_ids, logprobs = self.sampler.sample(logits, step.sampling)
         out = ModelOutput()
         for state, token, lp in zip(step.sampling, token_ids, logprobs):
+            if state.error is not None:
+                continue  # failed: the engine retires it after this step
             state.token_ids.append(token)
             out.sampled_token_ids[state.req_id] = token
             if lp is not None:
