@@ -24,6 +24,18 @@
 
 namespace {
 
+// exp(r) for |r| <= ln(2)/2: the Cephes polynomial, shared by every vector width (V::exp reduces x to r).
+template <class Vec>
+inline Vec exp_poly(Vec r) {
+  Vec p = Vec::set1(1.9875691500E-4f);
+  p = Vec::fma(p, r, Vec::set1(1.3981999507E-3f));
+  p = Vec::fma(p, r, Vec::set1(8.3334519073E-3f));
+  p = Vec::fma(p, r, Vec::set1(4.1665795894E-2f));
+  p = Vec::fma(p, r, Vec::set1(1.6666665459E-1f));
+  p = Vec::fma(p, r, Vec::set1(5.0000001201E-1f));
+  return Vec::fma(p, r * r, r + Vec::set1(1.0f));
+}
+
 // ---------------------------------------------------------------------------------------------------------
 // A float vector of the compiled width, with the few operations the kernels need.
 #if defined(CVK_AVX512) || defined(CVK_AVX512BF16)
@@ -89,13 +101,7 @@ struct V {
                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), xc);
     r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500E-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507E-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073E-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894E-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459E-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201E-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    const __m512 p = exp_poly(V{r}).v;
     return {_mm512_maskz_mov_ps(~tiny, _mm512_scalef_ps(p, n))};
   }
 };
@@ -159,13 +165,7 @@ struct V {
                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), xc);
     r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500E-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507E-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073E-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894E-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459E-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201E-1f));
-    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256 p = exp_poly(V{r}).v;
     // 2^n: n + 127 in the exponent bits (n is in [-126, 127] after the clamps above).
     __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     __m256 y = _mm256_mul_ps(p, _mm256_castsi256_ps(e));
