@@ -11,7 +11,8 @@ import sys
 
 
 def _add_generate(sub) -> None:
-    p = sub.add_parser("generate", help="generate completions for prompts given on the command line or stdin")
+    p = sub.add_parser("generate", help="generate completions for prompts given on the command line or stdin "
+                       "(raw text, no chat template: see `conveyor chat`)")
     p.add_argument("prompts", nargs="*", help="prompts (default: one per line from stdin)")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--temperature", type=float, default=0.0)
@@ -42,10 +43,7 @@ def _run_generate(ns: argparse.Namespace) -> int:
                             n=ns.n, seed=ns.sampling_seed, stop=ns.stop, ignore_eos=ns.ignore_eos)
     args = EngineArgs.from_cli_args(ns)
     llm = LLM(**vars(args))
-    if args.model is None:
-        print("[conveyor] no --model given: using the embedded Llama-40M with RANDOM weights (output is noise; "
-              "pass --model DIR with any Hugging Face Llama/Qwen2/Mistral/GPT-2 directory for real text)",
-              file=sys.stderr)
+    warn_if_random(llm.engine.model_info.name)
     for out in llm.generate(prompts, params, use_tqdm=False):
         if ns.json:
             print(json.dumps({"prompt": out.prompt, "completions": [
@@ -54,6 +52,14 @@ def _run_generate(ns: argparse.Namespace) -> int:
             for c in out.outputs:
                 print(f"{out.prompt!r} -> {c.text!r} [{c.finish_reason}, {len(c.token_ids)} tokens]")
     return 0
+
+
+def warn_if_random(model_name: str) -> None:
+    from conveyor.models.sources import EMBEDDED_NAME
+
+    if model_name == EMBEDDED_NAME:
+        print(f"[conveyor] {EMBEDDED_NAME} has RANDOM weights: its output is noise (it exists for benchmarks)",
+              file=sys.stderr)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -165,11 +165,12 @@ def _step_dict(s) -> dict:
 
 def add_compare_parser(sub) -> None:
     from conveyor.engine.args import EngineArgs
+    from conveyor.models.sources import EMBEDDED_NAME
 
     # "resolve": the swept engine flags are re-added below as comma-separated lists.
     p = sub.add_parser("compare", conflict_handler="resolve",
                        help="compare policies / knob sweeps on one workload: table, plots, report")
-    EngineArgs.add_cli_args(p)
+    EngineArgs.add_cli_args(p, default_model=EMBEDDED_NAME)  # the peers' bench shape (random weights)
     p.add_argument("--workload", default="../shared/bench/workload_longtail_v1.json")
     p.add_argument("--out", default="compare-out", help="directory for results.json, plots and report.md")
     p.add_argument("--policies", "--policy", dest="policies", default="static,dynamic,continuous,chunked")

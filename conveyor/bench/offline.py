@@ -67,6 +67,7 @@ def run_offline(llm, workload: Workload, use_tqdm: bool = False, keep_prefix_cac
 
 def add_offline_parser(sub) -> None:
     from conveyor.engine.args import EngineArgs
+    from conveyor.models.sources import EMBEDDED_NAME
 
     p = sub.add_parser("offline", help="offline throughput: submit a whole workload at once")
     p.add_argument("--workload", default="../shared/bench/workload_longtail_v1.json")
@@ -75,7 +76,7 @@ def add_offline_parser(sub) -> None:
     p.add_argument("--no-warmup", action="store_true")
     p.add_argument("--keep-prefix-cache", action="store_true",
                    help="let a repeat reuse the previous run's cached prompts (as vllm_offline.py's repeats do)")
-    EngineArgs.add_cli_args(p)
+    EngineArgs.add_cli_args(p, default_model=EMBEDDED_NAME)  # the peers' bench shape (random weights)
     p.set_defaults(func=_main)
 
 

@@ -10,7 +10,8 @@ from conveyor.core.config import KV_LAYOUTS, POLICIES, CacheConfig, SchedulerCon
 
 @dataclass
 class EngineArgs:
-    """Engine settings, named as vLLM names them. ``model=None`` loads the embedded random-weights model."""
+    """Engine settings, named as vLLM names them. ``model``: a model name, a GGUF file (or a directory holding
+    one) or a Hugging Face directory; None is the default model, SmolLM2-135M-Instruct (``models/sources.py``)."""
 
     model: str | None = None
     dtype: str = "float32"
@@ -53,11 +54,15 @@ class EngineArgs:
         )
 
     @staticmethod
-    def add_cli_args(parser: argparse.ArgumentParser) -> None:
-        """Add the engine flags (vLLM's names: ``--max-num-seqs``, ``--block-size``, ...) to a parser."""
+    def add_cli_args(parser: argparse.ArgumentParser, default_model: str | None = None) -> None:
+        """Add the engine flags (vLLM's names: ``--max-num-seqs``, ``--block-size``, ...) to a parser.
+        ``default_model``: what no ``--model`` means (None: the default model; benchmarks pass the random one)."""
+        from conveyor.models.sources import DEFAULT_MODEL, EMBEDDED_NAME
+
         g = parser.add_argument_group("engine")
-        g.add_argument("--model", default=None, help="Hugging Face model directory (default: the embedded "
-                       "40M-parameter Llama with RANDOM weights)")
+        g.add_argument("--model", default=default_model, help=f"a model name ({DEFAULT_MODEL}, or {EMBEDDED_NAME} "
+                       "with random weights), a GGUF file or a directory holding one, or a Hugging Face model "
+                       f"directory (default: {default_model or DEFAULT_MODEL})")
         g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "auto"])
         g.add_argument("--device", default="auto")
         g.add_argument("--seed", type=int, default=0)

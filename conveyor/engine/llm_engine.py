@@ -37,6 +37,7 @@ class LLMEngine:
         from conveyor.runner.model_runner import ModelRunner
         from conveyor.tokenizer import load_tokenizer
 
+        start = time.perf_counter()
         args = args or EngineArgs(**overrides)
         self.args = args
         device = args.device
@@ -50,6 +51,7 @@ class LLMEngine:
         else:
             self.tokenizer = load_tokenizer(args.model)
             self.model, self.model_info = load_model(args.model, dtype=args.dtype, device=device, seed=args.seed)
+        self.load_time_s = time.perf_counter() - start  # tokenizer + weights (read, dequantized, laid out)
         limit = self.model_info.max_position_embeddings
         if args.max_model_len is not None and args.max_model_len > limit:
             raise ValueError(f"max_model_len ({args.max_model_len}) exceeds the model's context ({limit})")
@@ -75,6 +77,7 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler, detokenize=args.detokenize)
         self.step_listeners: list[Callable[[StepRecord], None]] = []
         self._ids = itertools.count()
+        self.init_time_s = time.perf_counter() - start  # plus the KV cache and runner
 
     @classmethod
     def sharing_model(cls, other: LLMEngine, args: EngineArgs) -> LLMEngine:

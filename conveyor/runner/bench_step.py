@@ -16,7 +16,7 @@ import torch
 
 from conveyor.core.outputs import CachedRequestData, NewRequestData, SchedulerOutput
 from conveyor.core.sampling_params import SamplingParams
-from conveyor.models import load_model
+from conveyor.models import EMBEDDED_NAME, load_model
 from conveyor.models.flops import forward_flops
 from conveyor.runner.model_runner import ModelRunner
 
@@ -84,7 +84,7 @@ class StepDriver:
 def run(args) -> None:
     torch.manual_seed(0)
     random.seed(0)
-    model, info = load_model(None)
+    model, info = load_model(EMBEDDED_NAME)
     runner = ModelRunner(model, info, num_blocks=args.num_blocks, block_size=args.block_size,
                          attention_backend=args.backend)
     print(f"threads {torch.get_num_threads()}; matmul GFLOP/s: 2048^3 {matmul_gflops(2048, 2048, 2048, 5):.0f}, "
