@@ -70,7 +70,8 @@ def add_offline_parser(sub) -> None:
     from conveyor.models.sources import EMBEDDED_NAME
 
     p = sub.add_parser("offline", help="offline throughput: submit a whole workload at once")
-    p.add_argument("--workload", default="../shared/bench/workload_longtail_v1.json")
+    p.add_argument("--workload", default="longtail_v1", help="a packaged trace's name (longtail_v1) or a "
+                   "trace file")
     p.add_argument("--repeats", type=int, default=1, help="timed runs after one warm-up run")
     p.add_argument("--num-requests", type=int, default=None, help="use only the first N requests")
     p.add_argument("--no-warmup", action="store_true")

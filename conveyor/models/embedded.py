@@ -1,9 +1,9 @@
-"""The built-in default model: the bench shape (shared/bench/model.json) with RANDOM weights.
+"""The benchmark model: the peers' bench shape (llama-40m) with RANDOM weights, built in (no files).
 
 "conveyor-embedded-llama-40m-random" is a 40M-parameter Llama (hidden 512, 8 layers, 8 heads / 4 KV heads,
 head_dim 64, MLP 1408, vocab 32000, tied embeddings, RoPE theta 10000). Its weights are random, drawn at load
 time from a seed (nothing is stored on disk): its text is gibberish, but it does exactly the work of the real
-shape, which is what the benchmarks measure. Pair it with ``load_tokenizer(None)``.
+shape, which is what the benchmarks measure. Its tokenizer is ``ByteTokenizer`` (``load_tokenizer(EMBEDDED_NAME)``).
 """
 
 from __future__ import annotations
