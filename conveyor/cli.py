@@ -1,4 +1,4 @@
-"""The ``conveyor`` command line: ``generate``, ``serve``, ``bench ...``.
+"""The ``conveyor`` command line: ``generate``, ``chat``, ``serve``, ``bench ...``.
 
 Each subcommand lives with its layer (``bench/cli.py``, ``server/cli.py``); this file only wires them up, and
 imports a layer only when its subcommand runs, so ``conveyor --help`` stays fast.
@@ -66,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="conveyor", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
+    from conveyor.chat import add_chat_parser
+
+    add_chat_parser(sub)
     from conveyor.bench.cli import add_bench_parser
 
     add_bench_parser(sub)

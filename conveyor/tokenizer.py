@@ -50,9 +50,11 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         raise NotImplementedError
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """Render chat messages ([{"role", "content"}]) to the prompt text the model expects."""
-        template = _compile_template(self.chat_template or DEFAULT_CHAT_TEMPLATE)
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            chat_template: str | None = None) -> str:
+        """Render chat messages ([{"role", "content"}]) to the prompt text the model expects (``chat_template``
+        overrides the model's own)."""
+        template = _compile_template(chat_template or self.chat_template or DEFAULT_CHAT_TEMPLATE)
         return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                bos_token=self.bos_token, eos_token=self.eos_token)
 

@@ -12,6 +12,10 @@ import sys
 import time
 
 import httpx
+import pytest
+
+
+pytestmark = pytest.mark.slow
 
 
 def free_port() -> int:
