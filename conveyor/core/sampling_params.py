@@ -29,6 +29,7 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     logprobs: int | None = None  # number of top logprobs to return per token (0: only the sampled token's)
+    prompt_logprobs: int | None = None  # the same for every prompt token but the first (vLLM's; echo needs it)
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
@@ -68,6 +69,9 @@ class SamplingParams:
             raise bad("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
             raise bad("logprobs", "must be an integer in [0, 20]")
+        if self.prompt_logprobs is not None and (not isinstance(self.prompt_logprobs, int)
+                                                 or not 0 <= self.prompt_logprobs <= 20):
+            raise bad("prompt_logprobs", "must be an integer in [0, 20]")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", "must hold non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):

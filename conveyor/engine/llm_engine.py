@@ -174,7 +174,7 @@ class LLMEngine:
         model_out = self.executor.execute(sched_out)
         now = time.monotonic()
         updates = self.scheduler.update(sched_out, model_out, now)
-        outputs = self.output_processor.process(updates, now)
+        outputs = self.output_processor.process(updates, now, model_out.prompt_logprobs)
         if self.args.debug_invariants:
             self.scheduler.check_invariants()
         if record is not None:

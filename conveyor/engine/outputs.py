@@ -61,6 +61,8 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     metrics: RequestMetrics
     finished: bool = False
+    # with SamplingParams.prompt_logprobs: one entry per prompt token, the first None (nothing predicts it)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     @property
     def num_generated_tokens(self) -> int:

@@ -40,6 +40,17 @@ class StepInputs:
     attn_meta: AttentionMetadata
     logits_indices: torch.Tensor | None  # rows of the hidden states that sample; None: every row samples
     sampling: list[RequestState]  # in logits row order
+    prompt_rows: list[PromptRows]  # hidden-state rows whose logits score prompt tokens (prompt_logprobs)
+
+
+@dataclass
+class PromptRows:
+    """Rows [row, row + count) of a step's hidden states predict prompt tokens [start, start + count) of state."""
+
+    state: RequestState
+    row: int
+    start: int
+    count: int
 
 
 class InputBatch:
@@ -132,6 +143,14 @@ class InputBatch:
             positions = np.concatenate([positions, np.arange(pad) % max(pad_segment, 1)])
 
         sampling_idx = [i for i, s in enumerate(ordered) if int(seq_lens[i]) == len(s.token_ids)]
+        prompt_rows = []
+        for i, s in enumerate(ordered):
+            if s.params.prompt_logprobs is None:
+                continue
+            # position p predicts token p + 1; prompt tokens 1 .. num_prompt - 1 have a prediction
+            c, end = int(computed[i]), min(int(seq_lens[i]), s.num_prompt_tokens - 1)
+            if end > c:
+                prompt_rows.append(PromptRows(s, int(query_start[i]), c + 1, end - c))
         sampling = [ordered[i] for i in sampling_idx]
         logits_indices = None
         if len(sampling) != num_tokens + pad:
@@ -143,4 +162,4 @@ class InputBatch:
             seq_lens=seq_lens.tolist(), num_computed=computed.tolist(),
             block_table=torch.from_numpy(block_table).to(dev), num_decodes=len(decodes), pad_segment=pad_segment)
         return StepInputs(torch.tensor(input_ids, dtype=torch.int64, device=dev),
-                          torch.from_numpy(positions).to(dev), meta, logits_indices, sampling)
+                          torch.from_numpy(positions).to(dev), meta, logits_indices, sampling, prompt_rows)

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import torch
 
-from conveyor.core.outputs import ModelOutput, SchedulerOutput
+from conveyor.core.outputs import ModelOutput, PromptLogprobs, SchedulerOutput
 from conveyor.layers.attention import make_attention, resolve_backend
 from conveyor.models.loader import ModelInfo, resolve_dtype
-from conveyor.runner.input_batch import InputBatch
-from conveyor.runner.sampler import Sampler
+from conveyor.runner.input_batch import InputBatch, PromptRows
+from conveyor.runner.sampler import Sampler, prompt_logprobs
+
+PROMPT_LOGITS_ROWS = 256  # prompt logprobs in slices: [256, 49152] float32 logits are 50 MB
 
 
 class ModelRunner:
@@ -51,18 +53,29 @@ class ModelRunner:
         step = self.batch.prepare(so)
         attn = make_attention(self.backend, step.attn_meta, self.dtype)
         hidden = self.model(step.input_ids, step.positions, self.kv_caches, attn)
+        out = ModelOutput()
+        for rows in step.prompt_rows:
+            out.prompt_logprobs[rows.state.req_id] = self._prompt_logprobs(hidden, rows)
         if not step.sampling:
-            return ModelOutput()
+            return out
         if step.logits_indices is not None:
             hidden = hidden.index_select(0, step.logits_indices)
         logits = self.model.compute_logits(hidden)
         if self.return_logits:
             self.last_logits = {r.req_id: logits[i].float().clone() for i, r in enumerate(step.sampling)}
         token_ids, logprobs = self.sampler.sample(logits, step.sampling)
-        out = ModelOutput()
         for state, token, lp in zip(step.sampling, token_ids, logprobs):
             state.token_ids.append(token)
             out.sampled_token_ids[state.req_id] = token
             if lp is not None:
                 out.logprobs[state.req_id] = lp
         return out
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, rows: PromptRows) -> PromptLogprobs:
+        targets = rows.state.token_ids[rows.start:rows.start + rows.count]
+        entries = []
+        for i in range(0, rows.count, PROMPT_LOGITS_ROWS):
+            n = min(PROMPT_LOGITS_ROWS, rows.count - i)
+            logits = self.model.compute_logits(hidden[rows.row + i:rows.row + i + n])
+            entries += prompt_logprobs(logits, targets[i:i + n], rows.state.params.prompt_logprobs)
+        return PromptLogprobs(rows.start, entries)
