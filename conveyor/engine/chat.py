@@ -9,9 +9,10 @@ Conversation = Sequence[dict]  # [{"role": "system" | "user" | "assistant", "con
 
 
 def render_chat(tokenizer, messages: Conversation, add_generation_prompt: bool = True,
-                chat_template: str | None = None) -> list[int]:
+                chat_template: str | None = None, add_special_tokens: bool = False) -> list[int]:
     """Token ids of a conversation. The template writes the special tokens (BOS, turn markers) itself, so the
-    text is encoded without adding any. ValueError when the template refuses the messages."""
+    text is encoded without adding any (unless ``add_special_tokens``). ValueError when the template refuses the
+    messages."""
     if not messages:
         raise ValueError("a conversation needs at least one message")
     for i, m in enumerate(messages):
@@ -22,7 +23,7 @@ def render_chat(tokenizer, messages: Conversation, add_generation_prompt: bool =
                                              chat_template=chat_template)
     except Exception as exc:  # jinja errors (raise_exception in templates, bad roles) are the caller's
         raise ValueError(f"messages could not be rendered with the chat template: {exc}") from exc
-    return tokenizer.encode(text, add_special_tokens=False)
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
 def as_conversations(messages: Conversation | Sequence[Conversation]) -> list[Conversation]:
