@@ -11,7 +11,8 @@ from __future__ import annotations
 import torch
 
 from conveyor.models.config import ModelConfig
-from conveyor.models.loader import EMBEDDED_NAME, ModelInfo, build_model, make_info
+from conveyor.models.loader import ModelInfo, build_model, make_info
+from conveyor.models.sources import EMBEDDED_NAME
 
 EMBEDDED_CONFIG = dict(
     architecture="LlamaForCausalLM", hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4, head_dim=64,

@@ -15,7 +15,7 @@ from conveyor.models.gguf_file import GGUFFile
 from conveyor.models.gguf_model import gguf_config, gguf_weights
 from conveyor.models.gpt2 import GPT2LMHeadModel
 from conveyor.models.llama import LlamaForCausalLM
-from conveyor.models.sources import EMBEDDED_NAME, resolve_model
+from conveyor.models.sources import resolve_model
 from conveyor.models.weights import checkpoint_files, iter_weights, load_into
 
 # float64 is for tests: the numerical oracle in which random weights' near-ties cannot flip.
