@@ -232,3 +232,27 @@ def test_cli_reports_a_broken_model_at_load(tiny_gguf, tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 1 and "Traceback" not in done.stderr
     assert f"conveyor serve: error: {bad}: truncated GGUF file" in done.stderr
+
+
+@pytest.mark.parametrize("qtype", ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL"])
+def test_types_gguf_dequantizes_load_as_gguf_dequantizes_them(tmp_path, qtype):
+    """K-quants (and an IQ type) gguf can read but not write: random bytes are a valid encoding of them."""
+    qt = gguf.GGMLQuantizationType[qtype]
+    block, size = gguf.GGML_QUANT_SIZES[qt]
+    raw = np.random.default_rng(0).integers(0, 256, (3, 512 // block * size), dtype=np.uint8)
+    w = gguf.GGUFWriter(str(tmp_path / "k.gguf"), "llama")
+    w.add_tensor("blk.0.ffn_up.weight", raw, raw_dtype=qt)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with GGUFFile(str(tmp_path / "k.gguf")) as f:
+        ours = f.load("blk.0.ffn_up.weight", torch.float32)
+    assert ours.shape == (3, 512)
+    ref = torch.from_numpy(gguf.quants.dequantize(raw, qt))
+    torch.testing.assert_close(ours, ref, atol=0, rtol=0, equal_nan=True)
+
+
+def test_gguf_into_the_engines_dtype(tiny_gguf):
+    model, info = load_model(str(tiny_gguf), dtype="bfloat16")
+    assert info.dtype == "bfloat16" and {p.dtype for p in model.parameters()} == {torch.bfloat16}
