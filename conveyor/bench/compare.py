@@ -170,7 +170,8 @@ def add_compare_parser(sub) -> None:
     # "resolve": the swept engine flags are re-added below as comma-separated lists.
     p = sub.add_parser("compare", conflict_handler="resolve",
                        help="compare policies / knob sweeps on one workload: table, plots, report")
-    EngineArgs.add_cli_args(p, default_model=EMBEDDED_NAME)  # the peers' bench shape (random weights)
+    EngineArgs.add_cli_args(p)
+    p.set_defaults(model=EMBEDDED_NAME)  # the peers' bench shape (random weights)
     p.add_argument("--workload", default="longtail_v1", help="a packaged trace's name (longtail_v1) or a "
                    "trace file")
     p.add_argument("--out", default="compare-out", help="directory for results.json, plots and report.md")

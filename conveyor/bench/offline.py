@@ -77,7 +77,8 @@ def add_offline_parser(sub) -> None:
     p.add_argument("--no-warmup", action="store_true")
     p.add_argument("--keep-prefix-cache", action="store_true",
                    help="let a repeat reuse the previous run's cached prompts (as vllm_offline.py's repeats do)")
-    EngineArgs.add_cli_args(p, default_model=EMBEDDED_NAME)  # the peers' bench shape (random weights)
+    EngineArgs.add_cli_args(p)
+    p.set_defaults(model=EMBEDDED_NAME)  # the peers' bench shape (random weights)
     p.set_defaults(func=_main)
 
 

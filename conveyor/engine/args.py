@@ -54,15 +54,12 @@ class EngineArgs:
         )
 
     @staticmethod
-    def add_cli_args(parser: argparse.ArgumentParser, default_model: str | None = None) -> None:
-        """Add the engine flags (vLLM's names: ``--max-num-seqs``, ``--block-size``, ...) to a parser.
-        ``default_model``: what no ``--model`` means (None: the default model; benchmarks pass the random one)."""
-        from conveyor.models.sources import DEFAULT_MODEL, EMBEDDED_NAME
-
+    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        """Add the engine flags (vLLM's names: ``--max-num-seqs``, ``--block-size``, ...) to a parser."""
         g = parser.add_argument_group("engine")
-        g.add_argument("--model", default=default_model, help=f"a model name ({DEFAULT_MODEL}, or {EMBEDDED_NAME} "
-                       "with random weights), a GGUF file or a directory holding one, or a Hugging Face model "
-                       f"directory (default: {default_model or DEFAULT_MODEL})")
+        g.add_argument("--model", default=None, help="a model name (SmolLM2-135M-Instruct, the default; "
+                       "conveyor-embedded-llama-40m-random, random weights, the benchmarks' default), a GGUF file or a "
+                       "directory holding one, or a Hugging Face model directory")
         g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "auto"])
         g.add_argument("--device", default="auto")
         g.add_argument("--seed", type=int, default=0)
