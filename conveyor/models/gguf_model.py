@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import numpy as np
 import torch
 
 from conveyor.models.config import ModelConfig
@@ -80,7 +81,10 @@ def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     """Undo llama.cpp's ``permute`` of q/k rows (weights or biases), head by head: its rows are, per head, the
     pairs (x0, x(d/2)), (x1, x(d/2+1)), ...; Hugging Face's are x0 .. x(d/2 - 1), then x(d/2) .. x(d - 1)."""
     rows = w.shape[0]
-    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+    # in numpy (w is the float32 output of dequantization): torch's threaded copy of these small tensors cost
+    # 0.68 s against 0.02 s single-threaded, measured while the 2 cores were shared
+    a = w.numpy().reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2)
+    return torch.from_numpy(np.ascontiguousarray(a).reshape(w.shape))
 
 
 def gguf_weights(f: GGUFFile, cfg: ModelConfig, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
