@@ -73,7 +73,8 @@ def gguf_tensor_name(hf_name: str) -> str:
 
 
 def write_llama_gguf(path: Path, model, qtype: str = "F32", vocab: str = "gpt2", arch: str = "llama",
-                     tokenizer: bool = True, chat_template: str | None = CHAT_TEMPLATE, skip: tuple = ()) -> Path:
+                     tokenizer: bool = True, chat_template: str | None = CHAT_TEMPLATE, skip: tuple = (),
+                     pre: str = "smollm") -> Path:
     """Write ``model`` (a transformers Llama/Qwen2 with vocab 384) as a GGUF file; 2-D weights in ``qtype``."""
     import gguf
 
@@ -96,7 +97,7 @@ def write_llama_gguf(path: Path, model, qtype: str = "F32", vocab: str = "gpt2",
         if vocab == "gpt2":
             tokens, types, merges = byte_level_vocab(cfg.vocab_size)
             w.add_tokenizer_model("gpt2")
-            w.add_tokenizer_pre("smollm")
+            w.add_tokenizer_pre(pre)
             w.add_token_list(tokens)
             w.add_token_types(types)
             w.add_token_merges(merges)

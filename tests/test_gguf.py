@@ -106,12 +106,13 @@ def test_qwen2_gguf_with_biases(tmp_path):
 
 # ---- tokenizer ---------------------------------------------------------------------------------------------
 TEXTS = ["hello there, the cat sat on 123 mats", " leading space", "h\u00e9llo w\u00f6rld\n\nnew line",
-         "<|im_start|>user\nhi<|im_end|>\n", "tabs\tand  double  spaces"]
+         "<|im_start|>user\nhi<|im_end|>\n", "tabs\tand  double  spaces", "it's 12345 o'clock!\r\n  x"]
 
 
-@pytest.mark.parametrize("vocab", ["gpt2", "llama"])
-def test_tokenizer_matches_transformers(hf_llama, tmp_path, vocab):
-    write_llama_gguf(tmp_path / "t.gguf", hf_llama, "F32", vocab=vocab)
+@pytest.mark.parametrize("vocab,pre", [("gpt2", "smollm"), ("gpt2", "llama-bpe"), ("gpt2", "qwen2"),
+                                       ("llama", None)])
+def test_tokenizer_matches_transformers(hf_llama, tmp_path, vocab, pre):
+    write_llama_gguf(tmp_path / "t.gguf", hf_llama, "F32", vocab=vocab, pre=pre)
     ours = load_tokenizer(str(tmp_path / "t.gguf"))
     ref = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file="t.gguf")
     for text in TEXTS:
