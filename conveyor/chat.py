@@ -110,9 +110,9 @@ def run_chat(ns: argparse.Namespace) -> int:
             print(f"[conveyor chat] cannot reach {ns.url}: {exc}", file=sys.stderr)
             return 1
     else:
-        from conveyor.cli import warn_if_random
         from conveyor.engine.args import EngineArgs
         from conveyor.engine.llm_engine import LLMEngine
+        from conveyor.models.embedded import warn_if_random
 
         backend = EngineChat(LLMEngine(EngineArgs.from_cli_args(ns)))
         warn_if_random(backend.name)

@@ -35,6 +35,7 @@ def _run_generate(ns: argparse.Namespace) -> int:
     from conveyor.core.sampling_params import SamplingParams
     from conveyor.engine.args import EngineArgs
     from conveyor.engine.llm import LLM
+    from conveyor.models.embedded import warn_if_random
 
     prompts = ns.prompts or [line.rstrip("\n") for line in sys.stdin if line.strip()]
     if not prompts:
@@ -54,14 +55,6 @@ def _run_generate(ns: argparse.Namespace) -> int:
     return 0
 
 
-def warn_if_random(model_name: str) -> None:
-    from conveyor.models.sources import EMBEDDED_NAME
-
-    if model_name == EMBEDDED_NAME:
-        print(f"[conveyor] {EMBEDDED_NAME} has RANDOM weights: its output is noise (it exists for benchmarks)",
-              file=sys.stderr)
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="conveyor", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -72,12 +65,12 @@ def build_parser() -> argparse.ArgumentParser:
     from conveyor.bench.cli import add_bench_parser
 
     add_bench_parser(sub)
-    try:
-        from conveyor.server.cli import add_serve_parser
-    except ImportError:  # the server layer is optional at import time (its deps may be missing)
-        add_serve_parser = None
-    if add_serve_parser is not None:
-        add_serve_parser(sub)
+    from conveyor.bench.cli import add_sim_parser
+
+    add_sim_parser(sub)
+    from conveyor.server.cli import add_serve_parser
+
+    add_serve_parser(sub)
     return parser
 
 

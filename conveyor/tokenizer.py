@@ -48,6 +48,7 @@ class Tokenizer:
         raise NotImplementedError
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        """Text of ``ids``. Read-only (no tokenizer state changes), so any thread may call it."""
         raise NotImplementedError
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
-from server_helpers import make_engine
 
 from conveyor import SamplingParams
-from conveyor.engine.async_engine import AsyncEngine, EngineDeadError, EngineShuttingDownError
+from conveyor.engine.async_engine import AsyncEngine, EngineDeadError, EngineShuttingDownError, RequestFailedError
+from tests.helpers.server import make_engine
+
+pytestmark = pytest.mark.slow  # a real model, engine or server: run by CI, skipped by -m "not slow"
 
 LONG = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
 SHORT = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
@@ -51,19 +54,54 @@ def test_abort_frees_blocks_before_the_next_step(engine):
         ae.abort("long")
         last = [out async for out in stream][-1]
         assert last.outputs[0].finish_reason == "abort" and len(last.outputs[0].token_ids) < 400
-        assert await ae.call(lambda e: e.kv_cache_usage()) == 0.0
+        assert await ae.call(lambda e: e.kv_manager.usage()) == 0.0
 
     run(go, engine)
 
 
-def test_drain_finishes_short_requests_and_aborts_long_ones(engine):
+def test_stats_snapshot_is_published_by_the_engine_thread(engine):
     async def go(ae: AsyncEngine):
+        assert (ae.stats.num_running, ae.stats.num_waiting) == (0, 0)
+        stream = await ae.add_request("long", PROMPT, LONG)
+        await stream.__anext__()
+        await stream.__anext__()  # a second output: the snapshot after the first step is out by now
+        during = ae.stats
+        assert during.num_running == 1 and during.kv_cache_usage > 0
+        ae.abort("long")
+        [out async for out in stream]
+        await ae.call(lambda e: None)  # a command after the abort: the snapshot after the abort is out
+        assert ae.stats.num_running == 0 and ae.stats.kv_cache_usage == 0.0
+        assert during.num_running == 1  # a snapshot never changes
+
+    run(go, engine)
+
+
+def test_drain_finishes_short_requests_and_aborts_long_ones(tiny_llama_dir):
+    """Deterministic whatever the machine's speed: once the short request has finished, the engine thread is
+    held between steps until the drain gives up and aborts, so the long one cannot finish in the meantime."""
+    engine = make_engine(tiny_llama_dir)
+    short_done, aborting = threading.Event(), threading.Event()
+
+    def on_output(out):  # engine thread
+        if out.request_id == "s" and out.finished:
+            short_done.set()
+
+    def hold_after_short(record):  # engine thread, after each step
+        if short_done.is_set():
+            assert aborting.wait(30), "the drain never aborted"
+
+    engine.step_listeners.append(hold_after_short)
+
+    async def go(ae: AsyncEngine):
+        ae.output_listeners.append(on_output)
+        abort = ae.abort
+        ae.abort = lambda request_id: (abort(request_id), aborting.set())  # release the engine once asked
         short = await ae.add_request("s", PROMPT, SHORT)
         long = await ae.add_request("l", PROMPT, LONG)
-        await long.__anext__()
-        await ae.drain(timeout_s=0.3)
         assert [o async for o in short][-1].outputs[0].finish_reason == "length"
-        assert [o async for o in long][-1].outputs[0].finish_reason == "abort"
+        await ae.drain(timeout_s=0.1)
+        last = [o async for o in long][-1].outputs[0]
+        assert last.finish_reason == "abort" and len(last.token_ids) < 400
         with pytest.raises(EngineShuttingDownError):
             await ae.add_request("late", PROMPT, SHORT)
 
@@ -80,21 +118,50 @@ def test_bad_request_raises_and_leaves_nothing_behind(engine):
     run(go, engine)
 
 
-def test_a_crashed_engine_fails_every_stream(tiny_llama_dir):
+def test_a_crashed_engine_fails_every_stream_and_every_queued_call(tiny_llama_dir):
     engine = make_engine(tiny_llama_dir)
+    in_step, gate = threading.Event(), threading.Event()
 
     def broken_step():
+        in_step.set()
+        assert gate.wait(30)
         raise RuntimeError("boom")
 
     engine.step = broken_step  # the one way to make a real engine crash on purpose
 
     async def go(ae: AsyncEngine):
+        deaths = []
+        ae.on_dead.append(deaths.append)
         stream = await ae.add_request("x", PROMPT, SHORT)
+        assert await asyncio.to_thread(in_step.wait, 30)
+        queued = asyncio.ensure_future(ae.call(lambda e: e.kv_manager.usage()))  # waits behind the dying step
+        await asyncio.sleep(0)  # the command is queued
+        gate.set()
         with pytest.raises(EngineDeadError):
             await stream.__anext__()
+        with pytest.raises(EngineDeadError):
+            await asyncio.wait_for(queued, 10)  # answered, not left hanging
         assert not ae.is_running
         with pytest.raises(EngineDeadError):
             await ae.add_request("y", PROMPT, SHORT)
+        with pytest.raises(EngineDeadError):
+            await ae.call(lambda e: None)
+        assert [repr(d) for d in deaths] == [repr(RuntimeError("boom"))]
+
+    run(go, engine)
+
+
+def test_a_request_that_fails_in_the_engine_raises_in_its_own_stream_only(engine):
+    bad = SamplingParams(seed=1, max_tokens=5)
+    bad.seed = 2**70  # past validation: its generator cannot be seeded
+
+    async def go(ae: AsyncEngine):
+        failing = await ae.add_request("bad", PROMPT, bad)
+        good = await ae.add_request("good", PROMPT, SHORT)
+        with pytest.raises(RequestFailedError, match="sampling generator"):
+            [o async for o in failing]
+        assert [o async for o in good][-1].outputs[0].finish_reason == "length"
+        assert ae.is_running and ae.num_in_flight == 0
 
     run(go, engine)
 

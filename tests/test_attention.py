@@ -8,8 +8,8 @@ import shutil
 import pytest
 import torch
 
-from conveyor.layers.attention import AttentionMetadata, make_attention
-from conveyor.layers.attention.cpu import CpuAttention
+from conveyor.layers.attention import AttentionMetadata, Padding, make_attention
+from conveyor.layers.attention.common import causal_self_attention
 from conveyor.layers.attention.paged_decode_kernel import load_kernel
 
 HEADS, KV_HEADS, HEAD_DIM = 8, 2, 16
@@ -18,7 +18,8 @@ HEADS, KV_HEADS, HEAD_DIM = 8, 2, 16
 def make_step(block_size, reqs, num_blocks=256, pad=0, seed=0):
     """reqs: list of (num_computed, num_new). Decodes (num_new == 1) first, sorted by context, as the runner does.
 
-    Returns metadata, random q/k/v for the new tokens and a cache whose already-computed slots hold random K/V.
+    Returns metadata, the padding (``pad`` rows in one segment; None without), random q/k/v for the new tokens
+    and the pad rows, and a cache whose already-computed slots hold random K/V.
     """
     gen = torch.Generator().manual_seed(seed)
     reqs = sorted([r for r in reqs if r[1] == 1]) + [r for r in reqs if r[1] != 1]
@@ -35,7 +36,7 @@ def make_step(block_size, reqs, num_blocks=256, pad=0, seed=0):
         qsl.append(qsl[-1] + new)
     width = max((len(t) for t in tables), default=0)
     meta = AttentionMetadata(
-        num_tokens=qsl[-1], num_pad_tokens=pad, block_size=block_size, slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        num_tokens=qsl[-1], block_size=block_size, slot_mapping=torch.tensor(slots, dtype=torch.int64),
         query_start_loc=qsl, seq_lens=[c + n for c, n in reqs], num_computed=[c for c, _ in reqs],
         block_table=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64).view(len(reqs), width),
         num_decodes=sum(1 for _, n in reqs if n == 1))
@@ -43,7 +44,7 @@ def make_step(block_size, reqs, num_blocks=256, pad=0, seed=0):
     q = torch.randn(total, HEADS, HEAD_DIM, generator=gen)
     k = torch.randn(total, KV_HEADS, HEAD_DIM, generator=gen)
     v = torch.randn(total, KV_HEADS, HEAD_DIM, generator=gen)
-    return meta, q, k, v, cache
+    return meta, Padding(pad, pad) if pad else None, q, k, v, cache
 
 
 MIXES = {
@@ -59,10 +60,11 @@ MIXES = {
 @pytest.mark.parametrize("pad", [0, 5])
 @pytest.mark.parametrize("c_kernel", [True, False])
 def test_cpu_backend_matches_reference(block_size, mix, pad, c_kernel):
-    meta, q, k, v, cache = make_step(block_size, MIXES[mix], pad=pad)
+    meta, padding, q, k, v, cache = make_step(block_size, MIXES[mix], pad=pad)
     ref_cache, fast_cache = cache.clone(), cache.clone()
-    ref = make_attention("reference", meta, torch.float32).forward(q, k, v, ref_cache, 0.25)
-    fast = CpuAttention(meta, torch.float32, use_c_kernel=c_kernel).forward(q, k, v, fast_cache, 0.25)
+    ref = make_attention("reference", meta, torch.float32, padding).forward(q, k, v, ref_cache, 0.25)
+    backend = "cpu" if c_kernel else "cpu-torch"
+    fast = make_attention(backend, meta, torch.float32, padding).forward(q, k, v, fast_cache, 0.25)
     torch.testing.assert_close(fast, ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(fast_cache, ref_cache)
 
@@ -70,16 +72,16 @@ def test_cpu_backend_matches_reference(block_size, mix, pad, c_kernel):
 def test_writes_before_reads_and_pad_touches_nothing():
     """Request B's context block is written by request A in the same step (a same-step prefix hit)."""
     bs = 4
-    meta, q, k, v, cache = make_step(bs, [(0, 8)], pad=3)
+    meta, padding, q, k, v, cache = make_step(bs, [(0, 8)], pad=3)
     before = cache.clone()
-    make_attention("cpu", meta, torch.float32).forward(q, k, v, cache, 0.25)
+    make_attention("cpu", meta, torch.float32, padding).forward(q, k, v, cache, 0.25)
     changed = (cache != before).any(dim=(2, 3, 4)).any(dim=0).nonzero().flatten().tolist()
     assert sorted(changed) == sorted(meta.block_table[0].tolist())  # pad tokens wrote nothing
     # B shares A's first block (positions 0..3, computed) and adds 1 token: it must see A's fresh K/V.
     shared = meta.block_table[0, 0].item()
     table = torch.tensor([[meta.block_table[0, 0].item(), meta.block_table[0, 1].item()],
                           [shared, 200]], dtype=torch.int64)
-    meta2 = AttentionMetadata(num_tokens=9, num_pad_tokens=0, block_size=bs,
+    meta2 = AttentionMetadata(num_tokens=9, block_size=bs,
                               slot_mapping=torch.cat([torch.tensor([200 * bs]), meta.slot_mapping]),
                               query_start_loc=[0, 1, 9], seq_lens=[5, 8], num_computed=[4, 0],
                               block_table=table[[1, 0]], num_decodes=1)
@@ -103,20 +105,24 @@ def test_c_kernel_builds_where_there_is_a_compiler():
     assert load_kernel() is not None
 
 
-def test_pad_tokens_attend_within_segments_of_the_longest_chunk():
+def test_pad_rows_attend_within_segments_and_the_backend_never_sees_them():
     # Static batching pads each prompt to the batch's longest: pads cost like padded rows, so they must
     # attend within segments of at most that length, never as one sequence of all the padding.
-    import torch
+    meta, _, q, k, v, cache = make_step(4, [(0, 6), (3, 1)], pad=10)
+    seen = []
 
-    from conveyor.layers.attention.common import attend_pad, causal_self_attention
-    from conveyor.layers.attention.metadata import AttentionMetadata
+    class Recording:  # an attention backend that records what it is given
+        name = "recording"
 
-    torch.manual_seed(0)
-    q, k, v = torch.randn(10, 4, 8), torch.randn(10, 2, 8), torch.randn(10, 2, 8)
-    meta = AttentionMetadata(num_tokens=0, num_pad_tokens=10, block_size=4, slot_mapping=torch.empty(0),
-                             query_start_loc=[0], seq_lens=[], num_computed=[], block_table=torch.empty(0, 0),
-                             num_decodes=0, pad_segment=4)
-    out = torch.empty_like(q)
-    attend_pad(q, k, v, out, meta, 0.3)
-    for s, e in ((0, 4), (4, 8), (8, 10)):
+        def forward(self, q, k, v, kv_cache, scale):
+            seen.append(q.shape[0])
+            return torch.zeros_like(q)
+
+    from conveyor.layers.attention.padded import PaddedAttention
+
+    out = PaddedAttention(Recording(), meta.num_tokens, Padding(10, 4)).forward(q, k, v, cache, 0.3)
+    assert seen == [meta.num_tokens]  # only the real rows reach the backend
+    assert out[:meta.num_tokens].abs().sum() == 0
+    n = meta.num_tokens
+    for s, e in ((n, n + 4), (n + 4, n + 8), (n + 8, n + 10)):
         torch.testing.assert_close(out[s:e], causal_self_attention(q[s:e], k[s:e], v[s:e], 0.3))

@@ -9,7 +9,9 @@ import pytest
 
 from conveyor import LLM, SamplingParams
 from conveyor.bench.workload import Workload, WorkloadRequest
-from test_engine import make_prompts, token_ids
+from tests.helpers.engine import make_prompts, token_ids
+
+pytestmark = pytest.mark.slow  # a real model, engine or server: run by CI, skipped by -m "not slow"
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)  # >= every max_tokens below
 

@@ -4,10 +4,11 @@ import random
 
 import pytest
 
-from conveyor.core import Scheduler, SchedulerConfig
+from conveyor.core import POLICIES, RequestStatus, Scheduler, SchedulerConfig, SchedulerOutput
 from conveyor.core.kv_manager import KVCacheManager
+from conveyor.core.policies import OnFinish, make_policy
 from conveyor.core.slab_manager import SlabKVManager
-from core_helpers import FakeExecutor, make_request, make_requests, make_scheduler, step
+from tests.helpers.core import FakeExecutor, make_request, make_requests, make_scheduler, step
 
 
 def run_until_idle(s, ex, now=0.0, max_steps=1000):
@@ -52,16 +53,59 @@ def test_static_pads_prefill_and_keeps_finished_slots_until_batch_drains():
     assert s.kv.block_ids("short") == [] and s.kv.block_ids("long") == []
 
 
+def test_a_parked_victim_is_released_not_preempted():
+    # 3 blocks of 4 tokens: after both prefills one block is free; "b" (admitted first) takes it for its next
+    # token, so the parked "a" must give way. Releasing it loses nothing: it is not a preemption.
+    s = make_scheduler(policy="static", max_num_seqs=2, num_blocks=3, block_size=4, enable_prefix_caching=False)
+    b, a = make_request("b", prompt_len=4, max_tokens=6, first_token=300), make_request("a", prompt_len=4, max_tokens=1)
+    s.add_request(b)
+    s.add_request(a)
+    ex = FakeExecutor()
+    step(s, ex)
+    assert a.status is RequestStatus.PARKED
+    out, _ = step(s, ex)
+    assert out.num_scheduled_tokens == {"b": 1} and not out.preempted_req_ids
+    assert a.status is RequestStatus.FINISHED_LENGTH and a not in s.running and a not in s.waiting
+    assert s.num_preemptions == 0 and a.num_preemptions == 0
+    assert "a" in s.schedule(1.0).finished_req_ids  # the executor is told to forget it, as for any retirement
+    s.check_invariants()
+
+
+def test_policies_are_registered_once_by_name_and_return_decisions():
+    assert list(POLICIES) == ["static", "dynamic", "continuous", "chunked"]
+    with pytest.raises(ValueError, match="policy must be one of static, dynamic, continuous, chunked"):
+        make_policy(SchedulerConfig(policy="fifo"))
+    r = make_request("r")
+    assert make_policy(SchedulerConfig(policy="chunked")).on_finished(r) is OnFinish.RETIRE
+    assert make_policy(SchedulerConfig(policy="dynamic")).on_finished(r) is OnFinish.PARK
+
+
+def test_static_begin_step_hands_back_a_drained_batch_without_touching_the_queues():
+    policy = make_policy(SchedulerConfig(policy="static", max_num_seqs=2, max_model_len=64))
+    x, y = make_request("x"), make_request("y", first_token=300)
+    running, waiting = [x, y], []
+    policy.begin_step([], [x, y], 0.0)  # a batch forms from whoever waits
+    assert policy.admits(x) and policy.admits(y)
+    policy.end_step(SchedulerOutput(), running)
+    assert policy.begin_step(running, waiting, 1.0) == [] and not policy.admits(make_request("z"))
+    x.status = y.status = RequestStatus.PARKED
+    assert policy.begin_step(running, waiting, 2.0) == [x, y] and running == [x, y]  # the scheduler retires them
+
+
 def test_static_user_visible_finish_is_own_completion_not_batch_drain():
     s = make_scheduler(policy="static", max_num_seqs=4)
     a, b = make_request("a", max_tokens=1), make_request("b", max_tokens=4, first_token=300)
     s.add_request(a)
     s.add_request(b)
     ex = FakeExecutor()
-    for t in range(6):
+    _, updates = step(s, ex, now=0.0)
+    assert [(u.request_id, u.finished, u.finish_reason) for u in updates] == [("a", True, "length"), ("b", False, None)]
+    assert a.status is RequestStatus.PARKED and a.is_finished and a in s.running  # its slot is held
+    for t in range(1, 6):
         step(s, ex, now=float(t))
     assert a.times.finished == 0.0  # its only token came in the first step
     assert b.times.finished == 3.0
+    assert a.status is b.status is RequestStatus.FINISHED_LENGTH and not s.running and not s.requests
     assert len(a.output_token_ids) >= 1
 
 

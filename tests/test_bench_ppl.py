@@ -25,6 +25,7 @@ def test_windows_score_every_token_once():
         windows(100, 40, 0)
 
 
+@pytest.mark.slow  # a real (tiny) model and engine
 def test_perplexity_matches_transformers(tiny_llama_dir, tmp_path, capsys):
     rng = random.Random(0)
     text = " ".join(f"w{rng.randrange(4, 384)}" for _ in range(150))

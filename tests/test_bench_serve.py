@@ -6,12 +6,14 @@ import json
 import random
 
 import pytest
-from conftest import TINY_VOCAB
-from server_helpers import serve_model
 
 from conveyor.bench.serve_client import schedule
 from conveyor.bench.workload import Workload, WorkloadRequest
 from conveyor.cli import main
+from tests.helpers.checkpoints import TINY_VOCAB
+from tests.helpers.server import serve_model
+
+pytestmark = pytest.mark.slow  # a real model, engine or server: run by CI, skipped by -m "not slow"
 
 
 def make_workload(n: int, vocab: int = TINY_VOCAB, text: bool = False) -> Workload:

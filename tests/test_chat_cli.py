@@ -12,7 +12,9 @@ from conveyor.chat import EngineChat
 from conveyor.core.sampling_params import SamplingParams
 from conveyor.engine.chat import render_chat
 from conveyor.engine.llm import LLM
-from gguf_helpers import write_llama_gguf
+from tests.helpers.gguf import write_llama_gguf
+
+pytestmark = pytest.mark.slow  # a real model, engine or server: run by CI, skipped by -m "not slow"
 
 transformers = pytest.importorskip("transformers")
 

@@ -8,17 +8,11 @@ import random
 import pytest
 
 from conveyor import LLM, SamplingParams
+from tests.helpers.engine import make_prompts, token_ids
+
+pytestmark = pytest.mark.slow  # a real model, engine or server: run by CI, skipped by -m "not slow"
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-
-
-def make_prompts(n: int, seed: int = 0, vocab: int = 384, lo: int = 3, hi: int = 70) -> list[dict]:
-    rng = random.Random(seed)
-    return [{"prompt_token_ids": [rng.randrange(4, vocab) for _ in range(rng.randint(lo, hi))]} for _ in range(n)]
-
-
-def token_ids(outputs) -> list[list[int]]:
-    return [o.outputs[0].token_ids for o in outputs]
 
 
 def make_llm(model_dir, **kw) -> LLM:

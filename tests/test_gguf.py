@@ -18,8 +18,9 @@ from conveyor.models.sources import (
     EMBEDDED_NAME, PACKAGED_MODELS, ModelNotInstalledError, PackagedModel, resolve_model,
 )
 from conveyor.tokenizer import load_tokenizer
-from gguf_helpers import write_llama_gguf
+from tests.helpers.gguf import write_llama_gguf
 
+pytestmark = pytest.mark.slow  # a real model, engine or server: run by CI, skipped by -m "not slow"
 transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
 

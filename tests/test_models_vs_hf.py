@@ -5,9 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conveyor.bench.step_builder import StepBuilder
 from conveyor.models import EMBEDDED_NAME, load_model
-from conveyor.runner import ModelRunner
-from runner_helpers import MiniScheduler
+from tests.helpers.runner import LogitsRecordingRunner
+
+pytestmark = pytest.mark.slow  # a real model, engine or server: run by CI, skipped by -m "not slow"
 
 transformers = pytest.importorskip("transformers")
 
@@ -36,13 +38,12 @@ def save_checkpoint(tmp_path, config, cls, seed=0):
 def drive_and_compare(hf_model, model_dir, block_size, backend="cpu", dtype="float32", atol=1e-4):
     """Three requests: chunked prefill, whole prefill and decodes in mixed batches; compare every step."""
     model, info = load_model(str(model_dir), dtype=dtype)
-    runner = ModelRunner(model, info, num_blocks=64, block_size=block_size, attention_backend=backend)
-    runner.return_logits = True
+    runner = LogitsRecordingRunner(model, info, num_blocks=64, block_size=block_size, attention_backend=backend)
     gen = torch.Generator().manual_seed(1)
     prompts = {"a": torch.randint(3, VOCAB, (11,), generator=gen).tolist(),
                "b": torch.randint(3, VOCAB, (5,), generator=gen).tolist(),
                "c": torch.randint(3, VOCAB, (1,), generator=gen).tolist()}
-    sched = MiniScheduler(block_size, 64)
+    sched = StepBuilder(block_size, 64, shuffle_seed=0)
     for rid, p in prompts.items():
         sched.add(rid, p)
     seen = {rid: [] for rid in prompts}  # (position, logits) of every sampling step
@@ -126,3 +127,16 @@ def test_embedded_model_is_deterministic():
     assert info.name == "conveyor-embedded-llama-40m-random" and 39e6 < info.num_params < 41e6
     assert (info.hidden_size, info.num_layers, info.vocab_size) == (512, 8, 32000)
     torch.testing.assert_close(m1.layers[3].mlp.down_proj.weight, m2.layers[3].mlp.down_proj.weight)
+
+
+def test_building_a_model_draws_no_random_numbers():
+    from conveyor.models.build import build_model
+    from conveyor.models.config import ModelConfig
+    from conveyor.models.embedded import EMBEDDED_CONFIG
+
+    state = torch.random.get_rng_state()
+    model = build_model(ModelConfig(**EMBEDDED_CONFIG), torch.bfloat16, "cpu")
+    assert torch.equal(torch.random.get_rng_state(), state)  # no layer ran its random init
+    assert {(p.device.type, p.dtype, p.requires_grad) for p in model.parameters()} == {("cpu", torch.bfloat16, False)}
+    cos_sin = model.rotary.cos_sin  # a computed buffer is real data, not an empty parameter
+    assert cos_sin.dtype == torch.bfloat16 and cos_sin[0, 0].float().eq(1.0).all() and cos_sin[0, 1].eq(0).all()

@@ -9,6 +9,8 @@ import torch
 from conveyor.core.sampling_params import SamplingParams
 from conveyor.engine.llm import LLM
 
+pytestmark = pytest.mark.slow  # a real model, engine or server: run by CI, skipped by -m "not slow"
+
 transformers = pytest.importorskip("transformers")
 
 

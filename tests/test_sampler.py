@@ -97,19 +97,19 @@ def test_logprobs_are_raw_log_softmax():
     assert lps[2].logprob == pytest.approx(raw[2, ids[2]].item(), abs=1e-5)  # before temperature and penalties
 
 
+@pytest.mark.slow  # the embedded 40M model
 def test_padding_tokens_are_computed_but_change_nothing():
+    from conveyor.bench.step_builder import StepBuilder
     from conveyor.models import EMBEDDED_NAME, load_model
-    from conveyor.runner import ModelRunner
-    from runner_helpers import MiniScheduler
+    from tests.helpers.runner import LogitsRecordingRunner
 
     model, info = load_model(EMBEDDED_NAME)
     rows_seen = []
     hook = model.layers[-1].mlp.register_forward_hook(lambda mod, args, out: rows_seen.append(out.shape[0]))
     runs = []
     for pad in (0, 7):
-        runner = ModelRunner(model, info, num_blocks=32, block_size=16)
-        runner.return_logits = True
-        sched = MiniScheduler(16, 32)
+        runner = LogitsRecordingRunner(model, info, num_blocks=32, block_size=16)
+        sched = StepBuilder(16, 32, shuffle_seed=0)
         sched.add("a", list(range(100, 120)))
         sched.run(runner, {"a": None}, num_padding_tokens=pad)
         sched.run(runner, {"a": 1}, num_padding_tokens=pad)

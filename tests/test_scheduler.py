@@ -5,7 +5,7 @@ import random
 import pytest
 
 from conveyor.core import RequestStatus, SamplingParams
-from core_helpers import FakeExecutor, make_request, make_requests, make_scheduler, step
+from tests.helpers.core import FakeExecutor, make_request, make_requests, make_scheduler, step
 
 
 def test_chunked_prefill_splits_prompt_under_budget():
@@ -59,7 +59,7 @@ def test_max_num_seqs_caps_running():
 
 
 def test_preemption_picks_newest_and_skips_admission():
-    # 6 blocks of 4 tokens; two requests of 8-token prompts hold 2 blocks each, growing.
+    # 5 blocks of 4 tokens; two requests of 8-token prompts hold 2 blocks each, growing.
     s = make_scheduler(num_blocks=5, block_size=4, enable_prefix_caching=False)
     ex = FakeExecutor()
     a, b = make_request("a", 8, max_tokens=20), make_request("b", 8, max_tokens=20, first_token=500)

@@ -14,8 +14,7 @@ import time
 import httpx
 import pytest
 
-
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.slow  # a real model, engine or server: run by CI, skipped by -m "not slow"
 
 
 def free_port() -> int:
@@ -24,31 +23,43 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_default_model_answers_then_sigterm_ends_in_flight_stream_with_abort(tmp_path):
+def start_server(cmd: list[str], log, log_path) -> tuple[subprocess.Popen, str]:
+    """Start ``cmd`` (a server on 127.0.0.1 that takes ``--port``); wait until /health answers 200.
+    Returns (process, base URL)."""
     port = free_port()
-    log = open(tmp_path / "serve.log", "w")
-    cmd = [sys.executable, "-m", "conveyor", "serve", "--port", str(port), "--shutdown-timeout", "1",
-           "--max-model-len", "4096", "--num-kv-blocks", "300", "--log-stats-interval", "0.5"]
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen([*cmd, "--port", str(port)], stdout=log, stderr=subprocess.STDOUT,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    deadline = time.monotonic() + 90
     try:
-        deadline = time.monotonic() + 90
         while True:
-            assert proc.poll() is None, (tmp_path / "serve.log").read_text()
+            assert proc.poll() is None, log_path.read_text()
             try:
                 if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
+                    return proc, url
             except httpx.HTTPError:
                 pass
             assert time.monotonic() < deadline, "server did not start"
             time.sleep(0.2)
+    except BaseException:
+        proc.kill()
+        raise
+
+
+def test_default_model_answers_then_sigterm_ends_in_flight_stream_with_abort(tmp_path):
+    log = open(tmp_path / "serve.log", "w")
+    cmd = [sys.executable, "-m", "conveyor", "serve", "--shutdown-timeout", "1",
+           "--max-model-len", "4096", "--num-kv-blocks", "300", "--log-stats-interval", "0.5"]
+    proc, url = start_server(cmd, log, tmp_path / "serve.log")
+    try:
         assert httpx.get(url + "/v1/models").json()["data"][0]["id"] == "SmolLM2-135M-Instruct"
         chat = {"messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 32,
                 "temperature": 0}
         answer = httpx.post(url + "/v1/chat/completions", json=chat, timeout=60).json()["choices"][0]
         assert "Paris" in answer["message"]["content"] and answer["finish_reason"] == "stop"
 
-        body = {"model": "SmolLM2-135M-Instruct", "prompt": "hello", "max_tokens": 3000, "ignore_eos": True, "stream": True}
+        body = {"model": "SmolLM2-135M-Instruct", "prompt": "hello", "max_tokens": 3000, "ignore_eos": True,
+                "stream": True}
         chunks, done = [], False
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as resp:
             for line in resp.iter_lines():
@@ -72,3 +83,69 @@ def test_default_model_answers_then_sigterm_ends_in_flight_stream_with_abort(tmp
         if proc.poll() is None:
             proc.kill()
         log.close()
+
+
+# The real `conveyor serve`, with one fault injected: a step with the prompt "crash now" in flight raises.
+CRASHING_SERVE = """
+import sys
+from conveyor.cli import main
+from conveyor.engine.llm_engine import LLMEngine
+
+step = LLMEngine.step
+
+def step_or_crash(self):
+    if any(p.prompt == "crash now" for p in self.output_processor.parents.values()):
+        raise RuntimeError("injected engine fault")
+    return step(self)
+
+LLMEngine.step = step_or_crash
+sys.exit(main(["serve", *sys.argv[1:]]))
+"""
+
+
+def test_a_dead_engine_ends_the_process_non_zero_within_seconds(tmp_path):
+    log = open(tmp_path / "serve.log", "w")
+    cmd = [sys.executable, "-c", CRASHING_SERVE, "--model", "conveyor-embedded-llama-40m-random",
+           "--num-kv-blocks", "300", "--served-model-name", "emb"]
+    proc, url = start_server(cmd, log, tmp_path / "serve.log")
+    try:
+        body = {"model": "emb", "prompt": "hello", "max_tokens": 3000, "ignore_eos": True, "stream": True}
+        events, crashed_at = [], None
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as resp:
+            for line in resp.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                events.append(line[6:])
+                if len(events) == 2:
+                    crashed_at = time.monotonic()
+                    killer = httpx.post(url + "/v1/completions", json={"prompt": "crash now", "max_tokens": 2})
+                    assert killer.status_code == 503 and killer.json()["error"]["code"] == "engine_dead"
+        assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == "engine_dead"
+        assert proc.wait(timeout=10 - (time.monotonic() - crashed_at)) == 1
+        output = (tmp_path / "serve.log").read_text()
+        assert output.count("the engine died") == 1, output
+        assert "injected engine fault" in output
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        log.close()
+
+
+def test_soak_script_passes_a_short_run(tiny_llama_dir, tmp_path):
+    """scripts/soak.py (its full run is in docs/reliability.md) on a short run: it starts the server, cuts
+    streams, abandons requests, and its checks pass."""
+    from pathlib import Path
+
+    out = tmp_path / "soak.json"
+    script = Path(__file__).resolve().parent.parent / "scripts" / "soak.py"
+    cmd = [sys.executable, str(script), "--streams", "40", "--concurrency", "8", "--abandon", "0.1", "--warmup", "8",
+           "--json", str(out), "--log", str(tmp_path / "serve.log"), "--", "--model", str(tiny_llama_dir),
+           "--kv-cache-memory", "0.05"]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["passed"] and all(result["checks"].values())
+    tally = result["tally"]
+    assert tally["requests"] == 40 and tally["disconnected_streams"] > 0 and tally["completed_streams"] > 0
+    assert result["gauges_settled"] == {"conveyor:num_requests_running": 0.0, "conveyor:num_requests_waiting": 0.0,
+                                        "conveyor:kv_cache_usage_perc": 0.0}

@@ -3,28 +3,29 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
+import logging
 import time
 from types import SimpleNamespace
 
 import httpx
 import openai
 import pytest
-from conftest import TINY_VOCAB, save_tiny_llama, write_word_tokenizer
 from prometheus_client.parser import text_string_to_metric_families
-from server_helpers import CHAT_TEMPLATE, TEST_DTYPE, serve_model
 
 from conveyor import LLM, SamplingParams
+from tests.helpers.server import TEST_DTYPE, serve_model
+
+pytestmark = pytest.mark.slow  # a real model, engine or server: run by CI, skipped by -m "not slow"
 
 PROMPT = "w10 w11 w12 w13 w14"
 GREEDY = dict(temperature=0.0, max_tokens=12, extra_body={"ignore_eos": True})
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = save_tiny_llama(tmp_path_factory.mktemp("tiny-chat"))
-    write_word_tokenizer(path, TINY_VOCAB, chat_template=CHAT_TEMPLATE)
-    return path
+def model_dir(tiny_chat_dir):
+    return tiny_chat_dir
 
 
 @pytest.fixture(scope="module")
@@ -245,7 +246,8 @@ def test_disconnect_mid_stream_frees_blocks(server):
     assert after[key] == before.get(key, 0.0) + 1
 
 
-def test_disconnect_while_waiting_for_non_streaming_answer(server):
+def test_disconnect_while_waiting_for_non_streaming_answer(server, caplog):
+    caplog.set_level(logging.INFO, logger="conveyor.server")
     before = metrics(server.url)
     body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 500, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
@@ -253,6 +255,12 @@ def test_disconnect_while_waiting_for_non_streaming_answer(server):
     key = "conveyor:request_success_total{finished_reason=abort}"
     assert wait_for(lambda: metrics(server.url).get(key, 0.0) == before.get(key, 0.0) + 1)
     assert metrics(server.url)["conveyor:kv_cache_usage_perc"] == 0.0
+    # One quiet line, and no asyncio "exception was never retrieved" traceback when the futures are collected.
+    assert wait_for(lambda: any("client disconnected" in r.getMessage() for r in caplog.records))
+    gc.collect()
+    quiet = [r for r in caplog.records if "client disconnected" in r.getMessage()]
+    assert len(quiet) == 1 and quiet[0].levelname == "INFO" and quiet[0].exc_info is None
+    assert not [r for r in caplog.records if "never retrieved" in r.getMessage()]
 
 
 # ---- metrics --------------------------------------------------------------------------------------------
@@ -300,7 +308,7 @@ def test_api_key_required_except_health_and_metrics(guarded):
 
 def test_full_queue_answers_503_and_loses_nothing_admitted(guarded):
     async def one(aclient: httpx.AsyncClient):
-        body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 40, "ignore_eos": True}
+        body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 100, "ignore_eos": True}
         return await aclient.post("/v1/completions", json=body)
 
     async def run_all():
@@ -315,4 +323,37 @@ def test_full_queue_answers_503_and_loses_nothing_admitted(guarded):
         if r.status_code == 503:
             assert r.headers["Retry-After"] and r.json()["error"]["code"] == "queue_full"
         else:
-            assert r.json()["usage"]["completion_tokens"] == 40
+            assert r.json()["usage"]["completion_tokens"] == 100
+
+
+def test_a_request_that_can_never_be_admitted_is_400_not_503(guarded):
+    """1 seat + a queue bound of 2: at most 3 sequences can ever be in at once."""
+    headers = {"Authorization": "Bearer sekret"}
+    for body in ({"prompt": "w1", "n": 4}, {"prompt": ["w1", "w2"], "n": 2}):
+        resp = httpx.post(guarded.url + "/v1/completions", json={**body, "max_tokens": 2}, headers=headers)
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == "n", resp.text
+        assert "Retry-After" not in resp.headers
+    chat = httpx.post(guarded.url + "/v1/chat/completions", headers=headers,
+                      json={"messages": [{"role": "user", "content": "w1"}], "n": 4, "max_tokens": 2})
+    assert chat.status_code == 400 and chat.json()["error"]["param"] == "n"
+    ok = httpx.post(guarded.url + "/v1/completions", json={"prompt": "w1", "n": 3, "max_tokens": 2},
+                    headers=headers)  # idle: the seat and the whole queue
+    assert ok.status_code == 200 and len(ok.json()["choices"]) == 3
+
+
+@pytest.fixture(scope="module")
+def roomy(model_dir):
+    with serve_model(model_dir, max_num_seqs=256, max_num_queued_reqs=4) as (url, app):
+        yield url
+
+
+def test_queue_bound_does_not_shed_requests_that_find_a_free_seat(roomy):
+    """100 requests at once on an idle engine with 256 seats: none waits, so a bound of 4 refuses none."""
+
+    async def run_all():
+        async with httpx.AsyncClient(base_url=roomy, timeout=120) as aclient:
+            body = {"prompt": PROMPT, "max_tokens": 4, "ignore_eos": True}
+            return await asyncio.gather(*(aclient.post("/v1/completions", json=body) for _ in range(100)))
+
+    codes = [r.status_code for r in asyncio.run(run_all())]
+    assert codes == [200] * 100

@@ -7,7 +7,9 @@ import json
 
 import httpx
 import pytest
-from server_helpers import serve_model
+from tests.helpers.server import serve_model
+
+pytestmark = pytest.mark.slow  # a real model, engine or server: run by CI, skipped by -m "not slow"
 
 PROMPT = "w10 w11 w12 w13 w14"
 

@@ -8,7 +8,7 @@ import torch
 
 from conveyor.core.sampling_params import SamplingParams
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.slow  # the real default model (SmolLM2-135M-Instruct): run by CI, skipped by -m "not slow"
 
 CHATS = [
     [{"role": "user", "content": "What is the capital of France?"}],

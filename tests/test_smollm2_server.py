@@ -13,9 +13,9 @@ import openai
 import pytest
 
 from conveyor.server.app import build_app
-from server_helpers import running_server
+from tests.helpers.server import running_server
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.slow  # the real default model (SmolLM2-135M-Instruct): run by CI, skipped by -m "not slow"
 
 
 @pytest.fixture(scope="module")

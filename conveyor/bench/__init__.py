@@ -1,1 +1,1 @@
-"""Benchmarks: workloads, the offline throughput benchmark, metrics shared with the simulator and HTTP client."""
+"""Benchmarks: workloads, offline / online / HTTP / single-step benchmarks, the metrics they share, reports."""

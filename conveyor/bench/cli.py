@@ -21,3 +21,17 @@ def add_bench_parser(sub) -> None:
     from conveyor.bench.ppl import add_ppl_parser
 
     add_ppl_parser(bench_sub)
+    from conveyor.bench.step import add_step_parser
+
+    add_step_parser(bench_sub)
+
+
+def add_sim_parser(sub) -> None:
+    sim = sub.add_parser("sim", help="the simulator: calibrate it on this machine (run it: bench compare --simulate)")
+    sim_sub = sim.add_subparsers(dest="sim_command", required=True)
+    from conveyor.bench.calibrate import add_calibrate_parser
+
+    add_calibrate_parser(sim_sub)
+    from conveyor.bench.prediction import add_errors_parser
+
+    add_errors_parser(sim_sub)

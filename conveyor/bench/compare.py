@@ -17,9 +17,9 @@ import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from conveyor.bench.engine_metrics import engine_stats
+from conveyor.bench.engine_metrics import engine_stats, step_dict
 from conveyor.bench.metrics import summarize
-from conveyor.bench.workload import Workload, load_workload
+from conveyor.bench.workload import Workload, load_workload, time_scale_for
 
 # knob -> (EngineArgs field, parser, label prefix, policies it matters to (None: all))
 SWEEPS = {
@@ -32,6 +32,8 @@ SWEEPS = {
     "kv_cache_memory": ("kv_cache_memory", float, "kv=", None),
     "request_rate": ("request_rate", float, "rate=", None),
 }
+# The sweeps that are engine flags of the same name (--policies and --request-rate are flags of their own).
+ENGINE_SWEEPS = tuple(n for n in SWEEPS if n not in ("policies", "request_rate"))
 
 
 @dataclass(frozen=True)
@@ -85,19 +87,6 @@ def prepare_workload(workload: Workload, num_requests: int | None, offline: bool
     return workload.all_at_once() if offline else workload
 
 
-def time_scale_for(workload: Workload, rate: float | None, time_scale: float) -> float:
-    """Arrival-time multiplier: ``time_scale``, or what turns the trace's rate into ``rate`` req/s."""
-    if rate is None:
-        return time_scale
-    native = workload.arrival_rate_req_s
-    if not native:
-        last = max(r.arrival_s for r in workload.requests)
-        native = len(workload.requests) / last if last > 0 else None
-    if not native:
-        raise ValueError("--request-rate needs a workload with arrival times (not --offline)")
-    return native / rate
-
-
 def run_all(ns, base_args, configs: list[RunConfig], workload: Workload, progress: bool = True) -> dict:
     """Run every configuration; return the results document (what results.json holds)."""
     import torch
@@ -139,13 +128,13 @@ def _run_configs(ns, base_args, configs: list[RunConfig], workload: Workload, pr
             result = replay(engine, workload, time_scale=scale, progress=bar.update)
         summary = summarize(result.timings, result.duration_s, ns.slo_ms)
         stats = engine_stats(result.steps, result.duration_s, flops, roof.matmul_gflops, weight_bytes,
-                             roof.mem_bandwidth_gbs)
+                             roof.mem_bandwidth_gbs, max_num_seqs=args.max_num_seqs)
         runs.append({
             "label": config.label, "overrides": dict(config.overrides), "request_rate": config.request_rate,
             "offered_rate": (len(workload.requests) / (max(r.arrival_s for r in workload.requests) * scale)
                              if scale and workload.requests[-1].arrival_s > 0 else None),
             "num_kv_blocks": engine.num_kv_blocks, "summary": summary.to_dict(), "engine": stats.to_dict(),
-            "timings": [asdict(t) for t in result.timings], "steps": [_step_dict(s) for s in result.steps],
+            "timings": [asdict(t) for t in result.timings], "steps": [step_dict(s) for s in result.steps],
             "output_token_ids": result.output_token_ids,
         })
         del engine
@@ -156,29 +145,19 @@ def _run_configs(ns, base_args, configs: list[RunConfig], workload: Workload, pr
             "base_args": asdict(base_args), "runs": runs}
 
 
-def _step_dict(s) -> dict:
-    return {k: getattr(s, k) for k in ("start", "end", "num_reqs", "num_prefill_tokens", "num_decode_tokens",
-                                       "num_padding_tokens", "num_idle_slot_tokens", "num_running", "num_waiting",
-                                       "kv_usage", "kv_reserved_slots", "kv_stored_tokens", "num_preempted",
-                                       "num_scheduled_tokens")}
-
-
 def add_compare_parser(sub) -> None:
     from conveyor.engine.args import EngineArgs
-    from conveyor.models.sources import EMBEDDED_NAME
 
     # "resolve": the swept engine flags are re-added below as comma-separated lists.
     p = sub.add_parser("compare", conflict_handler="resolve",
                        help="compare policies / knob sweeps on one workload: table, plots, report")
     EngineArgs.add_cli_args(p)
-    p.set_defaults(model=EMBEDDED_NAME)  # the peers' bench shape (random weights)
     p.add_argument("--workload", default="longtail_v1", help="a packaged trace's name (longtail_v1) or a "
                    "trace file")
     p.add_argument("--out", default="compare-out", help="directory for results.json, plots and report.md")
     p.add_argument("--policies", "--policy", dest="policies", default="static,dynamic,continuous,chunked")
     defaults = EngineArgs()
-    for name in ("max_num_seqs", "max_wait_ms", "block_size", "max_num_batched_tokens", "kv_layout",
-                 "kv_cache_memory"):
+    for name in ENGINE_SWEEPS:
         p.add_argument(f"--{name.replace('_', '-')}", dest=name, default=str(getattr(defaults, name)),
                        help="one value, or a comma-separated list to sweep")
     p.add_argument("--request-rate", default=None, help="req/s to rescale arrivals to; comma list: load sweep")
@@ -188,6 +167,13 @@ def add_compare_parser(sub) -> None:
     p.add_argument("--slo", default=None, help="goodput SLOs in ms, e.g. ttft=500,tpot=100")
     p.add_argument("--no-warmup", action="store_true")
     p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--simulate", default=None, metavar="PROFILE_OR_HARDWARE",
+                   help="run on the simulator instead: a hardware name of conveyor.sim.HARDWARE (a100-80gb, "
+                        "h100-sxm, h200, ...) or a profile JSON from `conveyor sim calibrate`; --model then names a "
+                        "model of the simulator's table or a Hugging Face directory (default: the profile's model, "
+                        "else the bench model). Real runs default to the random-weights bench model, "
+                        "conveyor-embedded-llama-40m-random")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, help="devices per model when simulating")
     p.add_argument("--flush-denormal", action=argparse.BooleanOptionalAction, default=True,
                    help="flush denormal floats to zero on CPU (default: on, for every configuration)")
     p.set_defaults(func=_main)
@@ -196,8 +182,7 @@ def add_compare_parser(sub) -> None:
 def sweeps_from_args(ns) -> dict[str, list]:
     """The comma-separated lists of the sweepable flags, parsed."""
     sweeps = {"policies": parse_list(ns.policies, str), "request_rate": parse_list(ns.request_rate, float)}
-    for name in ("max_num_seqs", "max_wait_ms", "block_size", "max_num_batched_tokens", "kv_layout",
-                 "kv_cache_memory"):
+    for name in ENGINE_SWEEPS:
         sweeps[name] = parse_list(getattr(ns, name), SWEEPS[name][1])
     return sweeps
 
@@ -222,7 +207,16 @@ def _main(ns: argparse.Namespace) -> int:
     print(f"{len(configs)} configurations on {workload.name}: {len(workload.requests)} requests, "
           f"{workload.num_prompt_tokens} prompt + {workload.num_output_tokens} output tokens"
           f"{' (all at once)' if ns.offline else ''}")
-    results = run_all(ns, base_engine_args(ns, sweeps), configs, workload)
+    base_args = base_engine_args(ns, sweeps)
+    if ns.simulate:
+        from conveyor.bench.simulate import run_all_simulated
+
+        results = run_all_simulated(ns, base_args, configs, workload)
+    else:
+        from conveyor.models import EMBEDDED_NAME
+
+        base_args.model = base_args.model or EMBEDDED_NAME  # the peers' bench shape (random weights)
+        results = run_all(ns, base_args, configs, workload)
     out = Path(ns.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(results))

@@ -1,6 +1,6 @@
 """Engine-side metrics from per-step records: wasted work, KV waste, concurrency, achieved machine fraction.
 
-PURE PYTHON, like ``metrics.py``: the simulator produces the same step records. A step is anything with the
+PURE PYTHON, like ``metrics.py``, so that any producer of step records can use it. A step is anything with the
 ``StepRecord`` fields (``start``, ``end``, token counts, ``num_running``, ``kv_reserved_slots``, ...).
 
 - Wasted-token fraction: (padding + idle-slot tokens) / every token the forward passes computed.
@@ -8,6 +8,8 @@ PURE PYTHON, like ``metrics.py``: the simulator produces the same step records. 
   wastes at most a partly filled last block per request; a slab reserves ``max_model_len`` for everyone).
 - Peak concurrency: the most requests holding a slot (running, including a static batch's idle slots) after
   any step; mean batch size: requests per forward pass.
+- Useful-slot fraction: of the ``max_num_seqs`` batch slots over the run's duration, the share that computed a
+  token someone receives (a running request's prompt or decode; not an idle slot, not an empty slot).
 - Achieved fraction of the machine: model FLOPs / wall time / measured matmul rate, and the bytes one step must
   stream (the weights, once per step) / step time / measured bandwidth, averaged over steps by time.
 """
@@ -33,6 +35,7 @@ class EngineStats:
     preemptions: int = 0
     matmul_fraction: float | None = None
     bandwidth_fraction: float | None = None
+    useful_slot_fraction: float | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -47,7 +50,7 @@ def _time_weighted(steps, value) -> float:
 
 def engine_stats(steps: list, duration_s: float, model_flops: float | None = None,
                  matmul_gflops: float | None = None, weight_bytes: float | None = None,
-                 mem_bandwidth_gbs: float | None = None) -> EngineStats:
+                 mem_bandwidth_gbs: float | None = None, max_num_seqs: int | None = None) -> EngineStats:
     """Aggregate step records of one run; the machine fractions need the model's FLOPs / bytes and the roofline."""
     if not steps:
         return EngineStats()
@@ -70,7 +73,18 @@ def engine_stats(steps: list, duration_s: float, model_flops: float | None = Non
         stats.matmul_fraction = model_flops / duration_s / (matmul_gflops * 1e9)
     if weight_bytes and mem_bandwidth_gbs and busy > 0:
         stats.bandwidth_fraction = weight_bytes * len(steps) / busy / (mem_bandwidth_gbs * 1e9)
+    if max_num_seqs and duration_s > 0:
+        useful = sum((s.num_reqs - s.num_idle_slot_tokens) * (s.end - s.start) for s in steps)
+        stats.useful_slot_fraction = useful / (max_num_seqs * duration_s)
     return stats
+
+
+def step_dict(s) -> dict:
+    """A step record as the plain dict results.json stores."""
+    return {k: getattr(s, k) for k in ("start", "end", "num_reqs", "num_prefill_tokens", "num_decode_tokens",
+                                       "num_padding_tokens", "num_idle_slot_tokens", "num_running", "num_waiting",
+                                       "kv_usage", "kv_reserved_slots", "kv_stored_tokens", "num_preempted",
+                                       "num_scheduled_tokens")}
 
 
 def slot_intervals(scheduled: list[dict[str, int]]) -> dict[str, tuple[int, int]]:

@@ -31,29 +31,30 @@ def _best_time(fn, repeats: int) -> float:
     return best
 
 
+def gemm_gflops(m: int, k: int, n: int, device: str = "cpu", calls: int = 1, repeats: int = 3) -> float:
+    """Best-of-``repeats`` rate of ``calls`` back-to-back fp32 [m x k] @ [k x n] matmuls on ``device``, GFLOP/s."""
+    import torch
+
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    a = torch.randn(m, k, device=device)
+    b = torch.randn(k, n, device=device)
+
+    def run():
+        for _ in range(calls):
+            torch.mm(a, b)
+        sync()
+
+    return calls * 2 * m * k * n / _best_time(run, repeats) / 1e9
+
+
 def measure_roofline(device: str = "cpu", quick: bool = False) -> MachineRoofline:
     """Best-of-N timings of a square GEMM, a skinny GEMM and a large copy on ``device``."""
     import torch
 
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     n = 1024 if quick else 2048
-    a = torch.randn(n, n, device=device)
-    b = torch.randn(n, n, device=device)
-
-    def square():
-        torch.mm(a, b)
-        sync()
-
-    matmul = 2 * n**3 / _best_time(square, 3) / 1e9
-    x = torch.randn(32, 512, device=device)
-    w = torch.randn(512, 1536, device=device)
-
-    def skinny():
-        for _ in range(50):
-            torch.mm(x, w)
-        sync()
-
-    skinny_rate = 50 * 2 * 32 * 512 * 1536 / _best_time(skinny, 3) / 1e9
+    matmul = gemm_gflops(n, n, n, device)
+    skinny_rate = gemm_gflops(32, 512, 1536, device, calls=50)
     numel = (32 if quick else 128) * (1 << 20) // 4
     src = torch.empty(numel, device=device).fill_(1.0)
     dst = torch.empty_like(src)

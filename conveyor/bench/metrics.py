@@ -1,7 +1,6 @@
 """Latency and throughput metrics with the field's definitions (vLLM's serving benchmark). PURE PYTHON.
 
-Shared by the in-process online benchmark, the HTTP benchmark client and the simulator, so their reports agree
-line by line. Every time is in seconds on one clock (whichever the caller used); only differences matter.
+Shared by the in-process online benchmark and the HTTP benchmark client, so their reports agree line by line. Every time is in seconds on one clock (whichever the caller used); only differences matter.
 
 - TTFT: ``first_token - arrival``.
 - TPOT (per request, only when it produced more than one token): ``(last token time - first_token) /

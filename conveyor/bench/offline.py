@@ -31,17 +31,22 @@ class OfflineResult:
         return (self.prompt_tokens + self.output_tokens) / self.wall_s
 
 
-def model_flops(model, info, prompt_tokens: int, output_tokens: int, num_requests: int) -> float:
-    """FLOPs the workload needs (``models.flops.forward_flops``).
+def workload_work(prompt_tokens: int, output_tokens: int, num_requests: int) -> tuple[int, int, float]:
+    """(tokens through the layers, rows through the lm_head, keys attended in all) that a workload needs.
 
     Every prompt token and every output token but the last of each request passes through the layers; every
     output token is sampled once through the lm_head. Attention is approximated at half the final context.
     """
-    from conveyor.models.flops import forward_flops  # the models package imports torch: not at CLI start-up
-
     computed = prompt_tokens + output_tokens - num_requests
     avg_ctx = (prompt_tokens + output_tokens) / max(num_requests, 1) / 2
-    return forward_flops(model, info, computed, output_tokens, avg_ctx * computed)
+    return computed, output_tokens, avg_ctx * computed
+
+
+def model_flops(model, info, prompt_tokens: int, output_tokens: int, num_requests: int) -> float:
+    """FLOPs the workload needs (``models.flops.forward_flops`` of ``workload_work``)."""
+    from conveyor.models.flops import forward_flops  # the models package imports torch: not at CLI start-up
+
+    return forward_flops(model, info, *workload_work(prompt_tokens, output_tokens, num_requests))
 
 
 def run_offline(llm, workload: Workload, use_tqdm: bool = False, keep_prefix_cache: bool = False) -> OfflineResult:
@@ -67,7 +72,7 @@ def run_offline(llm, workload: Workload, use_tqdm: bool = False, keep_prefix_cac
 
 def add_offline_parser(sub) -> None:
     from conveyor.engine.args import EngineArgs
-    from conveyor.models.sources import EMBEDDED_NAME
+    from conveyor.models import EMBEDDED_NAME
 
     p = sub.add_parser("offline", help="offline throughput: submit a whole workload at once")
     p.add_argument("--workload", default="longtail_v1", help="a packaged trace's name (longtail_v1) or a "

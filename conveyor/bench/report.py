@@ -51,11 +51,17 @@ def write_report(results: dict, out: Path, plots: list[Path]) -> Path:
     m = results["machine"]
     mode = "all requests at t=0 (offline)" if results["offline"] else "replayed at their arrival times"
     a = results["base_args"]
+    sim = results.get("simulated")
+    if sim:
+        where = (f"SIMULATED ({sim['cost_model']}; {sim['target']}): peaks {m['matmul_gflops'] / 1e3:.0f} TFLOP/s, "
+                 f"{m['mem_bandwidth_gbs']:.0f} GB/s over all devices; *% matmul* is MFU against them.")
+    else:
+        where = (f"model {results['model']} ({a['dtype']}, {a['device']}); machine as measured in this run: "
+                 f"{m['matmul_gflops']:.0f} GFLOP/s fp32 matmul, {m['mem_bandwidth_gbs']:.1f} GB/s copy.")
     lines = [
         f"# conveyor bench compare: {results['workload']}", "",
         f"{results['num_requests']} requests ({results['prompt_tokens']} prompt + {results['output_tokens']} output "
-        f"tokens), {mode}; model {results['model']} ({a['dtype']}, {a['device']}); machine as measured in this "
-        f"run: {m['matmul_gflops']:.0f} GFLOP/s fp32 matmul, {m['mem_bandwidth_gbs']:.1f} GB/s copy.", "",
+        f"tokens), {mode}; {where}", "",
         markdown_table(results), "",
         "Definitions (vLLM's serving benchmark): TTFT = first token - arrival; ITL = every gap between consecutive "
         "tokens; E2E = finish - arrival; throughput over the run's wall time. *wasted tok* = (padding + idle-slot "

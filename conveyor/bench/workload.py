@@ -133,3 +133,16 @@ def load_workload(spec: str | Path) -> Workload:
                                         max_tokens, raw.get("kind", ""), params))
     return Workload(data.get("name", path.stem), requests, data.get("seed"), data.get("arrival_rate_req_s"),
                     data.get("notes", ""))
+
+
+def time_scale_for(workload: Workload, rate: float | None, time_scale: float) -> float:
+    """Arrival-time multiplier: ``time_scale``, or what turns the trace's rate into ``rate`` req/s."""
+    if rate is None:
+        return time_scale
+    native = workload.arrival_rate_req_s
+    if not native:
+        last = max(r.arrival_s for r in workload.requests)
+        native = len(workload.requests) / last if last > 0 else None
+    if not native:
+        raise ValueError("--request-rate needs a workload with arrival times (not --offline)")
+    return native / rate

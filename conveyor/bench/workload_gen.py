@@ -117,13 +117,17 @@ def add_workload_parser(sub) -> None:
     p.add_argument("--request-rate", type=float, default=4.0, help="mean arrivals per second")
     p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape: <1 burstier than Poisson")
     p.add_argument("--vocab-size", type=int, default=32000)
+    p.add_argument("--rag-fraction", type=float, default=None, help="longtail: share of long RAG prompts (0.2)")
     p.add_argument("--out", required=True, help="trace file to write (JSON)")
     p.set_defaults(func=_main)
 
 
 def _main(ns) -> int:
+    extra = {} if ns.rag_fraction is None else {"rag_fraction": ns.rag_fraction}
+    if extra and ns.kind != "longtail":
+        raise SystemExit("--rag-fraction applies to longtail workloads only")
     workload = GENERATORS[ns.kind](num_requests=ns.num_requests, seed=ns.seed, arrival=ns.arrival,
-                                   rate=ns.request_rate, burstiness=ns.burstiness, vocab_size=ns.vocab_size)
+                                   rate=ns.request_rate, burstiness=ns.burstiness, vocab_size=ns.vocab_size, **extra)
     workload.save(ns.out)
     last = workload.requests[-1].arrival_s if workload.requests else 0.0
     print(f"wrote {ns.out}: {len(workload.requests)} requests, {workload.num_prompt_tokens} prompt + "

@@ -1,16 +1,19 @@
 """Pure-Python scheduling core: requests, KV block bookkeeping, scheduler, policies. Imports no torch."""
 
 from conveyor.core.config import CacheConfig, SchedulerConfig
-from conveyor.core.outputs import CachedRequestData, ModelOutput, NewRequestData, SchedulerOutput, TokenLogprobs
+from conveyor.core.interfaces import Executor, KVManager
+from conveyor.core.outputs import ModelOutput, RequestUpdate, SchedulerOutput, SchedulerStats, TokenLogprobs
+from conveyor.core.policies import POLICIES, SchedulingPolicy
 from conveyor.core.request import Request, RequestStatus
 from conveyor.core.sampling_params import SamplingParams
-from conveyor.core.scheduler import RequestUpdate, Scheduler
+from conveyor.core.scheduler import Scheduler
 
 __all__ = [
     "CacheConfig",
-    "CachedRequestData",
+    "Executor",
+    "KVManager",
     "ModelOutput",
-    "NewRequestData",
+    "POLICIES",
     "Request",
     "RequestStatus",
     "RequestUpdate",
@@ -18,5 +21,7 @@ __all__ = [
     "Scheduler",
     "SchedulerConfig",
     "SchedulerOutput",
+    "SchedulerStats",
+    "SchedulingPolicy",
     "TokenLogprobs",
 ]

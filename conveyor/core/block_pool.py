@@ -14,6 +14,11 @@ from collections.abc import Iterable, Sequence
 BlockHash = int
 
 
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division: how many blocks of ``b`` tokens hold ``a`` tokens."""
+    return -(-a // b)
+
+
 def hash_block(parent_hash: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:
     """Chained hash of a full block: it names the block's tokens *and* every token before them."""
     return hash((parent_hash, tuple(token_ids)))

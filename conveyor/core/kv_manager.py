@@ -13,12 +13,8 @@ the same prefix finds it (even in the same step: the runner writes a layer's K/V
 
 from __future__ import annotations
 
-from conveyor.core.block_pool import BlockHash, BlockPool, KVBlock, hash_block
+from conveyor.core.block_pool import BlockHash, BlockPool, KVBlock, cdiv, hash_block
 from conveyor.core.request import Request
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 class KVCacheManager:
@@ -33,6 +29,10 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
         self.req_blocks: dict[str, list[KVBlock]] = {}
+        # How many leading blocks of each table were offered to the cache: each step looks only at the blocks that
+        # filled since (a decode fills one block in block_size steps), not the whole table again. A block whose
+        # hash another block already holds stays unhashed and is not offered again (vLLM does the same).
+        self.num_cached_blocks: dict[str, int] = {}
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0  # of which found
 
@@ -115,19 +115,25 @@ class KVCacheManager:
         # request.block_hashes may run ahead (a prefix lookup hashes the whole prompt): only blocks that are
         # full once this step's tokens are computed may become findable.
         n_full = num_tokens // self.block_size
-        hashes = self._update_block_hashes(request, num_tokens)[:n_full]
-        for block, block_hash in zip(blocks, hashes):
-            if block.block_hash is None:
-                self.pool.cache_full_block(block, block_hash)
+        start = self.num_cached_blocks.get(request.request_id, 0)
+        if n_full <= start:
+            return
+        hashes = self._update_block_hashes(request, num_tokens)
+        for i in range(start, n_full):
+            if blocks[i].block_hash is None:
+                self.pool.cache_full_block(blocks[i], hashes[i])
+        self.num_cached_blocks[request.request_id] = n_full
 
     def free(self, request: Request) -> None:
         """Release a request's blocks, tail first (see the ordering rule in block_pool)."""
         blocks = self.req_blocks.pop(request.request_id, [])
+        self.num_cached_blocks.pop(request.request_id, None)
         self.pool.free(reversed(blocks))
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached block hash (blocks stay where they are)."""
         self.pool.reset_prefix_cache()
+        self.num_cached_blocks.clear()  # held full blocks get their hashes again at their next allocation
 
     def check_invariants(self) -> None:
         owners: dict[int, int] = {}
@@ -135,4 +141,7 @@ class KVCacheManager:
             assert len({b.block_id for b in blocks}) == len(blocks), "a block appears twice in one block table"
             for block in blocks:
                 owners[block.block_id] = owners.get(block.block_id, 0) + 1
+        for rid, n in self.num_cached_blocks.items():
+            blocks = self.req_blocks.get(rid, [])
+            assert n <= len(blocks), f"{rid}: {n} blocks counted as cached, {len(blocks)} held"
         self.pool.check_invariants(owners)

@@ -1,4 +1,4 @@
-"""The plain-data contract between the scheduler and an executor (the real model runner, the simulator, a fake).
+"""The plain-data contract between the scheduler and an executor (the torch model runner, a test's fake, any cost model).
 
 One step is ``schedule(now) -> SchedulerOutput``, ``executor.execute(SchedulerOutput) -> ModelOutput``,
 ``scheduler.update(SchedulerOutput, ModelOutput, now)``. Everything here is ids and ints, so the same object can be
@@ -54,11 +54,11 @@ class SchedulerOutput:
     # Ids the executor should forget before this step: finished or aborted since the last step, or preempted.
     finished_req_ids: set[str] = field(default_factory=set)
     preempted_req_ids: set[str] = field(default_factory=set)
-    # Baseline policies only: extra pad tokens the executor must really compute (static batching pads every
-    # prompt of a batch to the longest one). They attend to nothing useful and their results are dropped.
+    # Work a policy wastes on purpose (the static/dynamic baselines; ``policies.WastedWork``): pad tokens the
+    # executor must really compute (a static batch pads every prompt to the longest one; they attend to nothing
+    # useful and their results are dropped), and how many of the scheduled tokens are "idle-slot" work (a
+    # parked request kept decoding: computed for real, output discarded). The benchmark counts both as waste.
     num_padding_tokens: int = 0
-    # Of the scheduled tokens, how many are "idle-slot" work (a finished request kept decoding by a static
-    # batch): computed for real, output discarded. Counted as wasted by the benchmark.
     num_idle_slot_tokens: int = 0
 
     @property
@@ -68,6 +68,16 @@ class SchedulerOutput:
     @property
     def num_reqs(self) -> int:
         return len(self.scheduled_new_reqs) + len(self.scheduled_cached_reqs)
+
+
+def is_decode(num_new_tokens: int) -> bool:
+    """Whether a request's share of a step is a decode: exactly one new token, so one query row.
+
+    The scheduler asks it of the tokens a request is behind (decodes are scheduled first), the runner of the
+    tokens scheduled (decodes take the batched attention path). The step metrics add "and past the prompt",
+    because there the question is what kind of work a token was: a one-token prompt is prefill work.
+    """
+    return num_new_tokens == 1
 
 
 @dataclass(slots=True)
@@ -96,3 +106,34 @@ class ModelOutput:
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)  # only for requests that asked
     prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)  # only for requests that asked
+    # Requests whose per-request setup failed in the executor (id -> why). Their tokens were still computed
+    # (the KV cache stays consistent for blocks they share) but they sampled nothing; the engine fails them.
+    failed: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class RequestUpdate:
+    """What one step did to one request: the token it produced and whether that finished it (and why)."""
+
+    request_id: str
+    new_token_id: int
+    logprobs: TokenLogprobs | None
+    finished: bool
+    finish_reason: str | None = None  # "stop" | "length" when finished
+    stop_reason: int | None = None  # the stop token id that finished it, if one did
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerStats:
+    """An immutable snapshot of the scheduler and its KV cache, taken between steps (vLLM's ``make_stats``).
+
+    Whoever lives on another thread (the HTTP server's metrics and status line) reads this, never the live
+    objects.
+    """
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0  # fraction of KV blocks referenced by a request
+    num_preemptions: int = 0  # cumulative
+    prefix_cache_queries: int = 0  # cumulative, in tokens
+    prefix_cache_hits: int = 0  # cumulative, in tokens

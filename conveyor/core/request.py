@@ -3,12 +3,24 @@
 ``num_computed_tokens`` catches up with ``num_tokens`` (prompt + output) one scheduled step at a time. A request
 is "prefilling" exactly when it is more than one token behind; nothing stores that as a phase. Times are passed
 in by the caller (core never reads the clock).
+
+Life of a request::
+
+    WAITING -> RUNNING <-> PREEMPTED (recompute: back to the queue head)
+                  |
+                  +--> PARKED (static/dynamic batching: finished for its user, slot held) --+
+                  |                                                                         v
+                  +-----------------------------------------------------------> FINISHED_{STOPPED,LENGTH,ABORTED}
+
+``finish_reason`` is what the user sees ("stop", "length", "abort"); it is set the moment the request finishes
+for its user, which for a parked request is before its status becomes FINISHED_*.
 """
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from conveyor.core.sampling_params import SamplingParams
 
@@ -17,6 +29,7 @@ class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     PREEMPTED = "preempted"  # waiting again after a recompute preemption
+    PARKED = "parked"  # finished for its user; a static batch keeps its slot computing until the batch drains
     FINISHED_STOPPED = "stop"  # EOS, a stop token id, or (set by the engine) a stop string
     FINISHED_LENGTH = "length"  # max_tokens or max_model_len reached
     FINISHED_ABORTED = "abort"  # aborted by the caller (client gone, shutdown)
@@ -26,12 +39,29 @@ class RequestStatus(enum.Enum):
         return self in _FINISHED
 
     @property
+    def holds_slot(self) -> bool:
+        """Whether a request in this status is in the running batch (and holds KV blocks)."""
+        return self in _HOLDS_SLOT
+
+    @property
     def finish_reason(self) -> str | None:
-        """The OpenAI-style finish reason ("stop", "length", "abort"), None while unfinished."""
+        """The OpenAI-style finish reason ("stop", "length", "abort") of a FINISHED_* status, else None."""
         return self.value if self.is_finished else None
 
 
 _FINISHED = {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED}
+_HOLDS_SLOT = {RequestStatus.RUNNING, RequestStatus.PARKED}
+
+# max_tokens=None with no max_model_len: the request runs until a stop condition. A bound that no real
+# generation reaches keeps the arithmetic in integers.
+UNLIMITED_TOKENS = 1 << 30
+
+
+class StopDecision(NamedTuple):
+    """Why appending a token ends a request: its finished status and, for a stop token id, that id."""
+
+    status: RequestStatus
+    stop_reason: int | None = None
 
 
 @dataclass
@@ -62,12 +92,10 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
-    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    finish_reason: str | None = None  # "stop" | "length" | "abort" once finished for its user
     num_preemptions: int = 0
     num_cached_prompt_tokens: int = 0  # prefix-cache hit at the first admission
     times: RequestTimes = field(default_factory=RequestTimes)
-    # Static batching keeps a finished request's slot decoding until its batch drains ("idle slot").
-    idle_slot: bool = False
     # Block hashes of this request's full blocks, computed lazily by the KV manager (prefix caching).
     block_hashes: list[int] = field(default_factory=list)
 
@@ -92,27 +120,45 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return self.status.is_finished
+        """Finished for its user (a parked request is, although it still holds its slot)."""
+        return self.finish_reason is not None
 
     def max_output_tokens(self) -> int:
         """How many tokens this request may generate: max_tokens, capped by the room left in max_model_len."""
         room = None if self.max_model_len is None else self.max_model_len - self.num_prompt_tokens
         limit = self.sampling_params.max_tokens
         if limit is None:
-            return room if room is not None else 1 << 30
+            return room if room is not None else UNLIMITED_TOKENS
         return limit if room is None else min(limit, room)
 
-    def check_stop(self, token_id: int) -> RequestStatus | None:
-        """The finished status that appending ``token_id`` (already appended) causes, or None to go on."""
+    def append_token(self, token_id: int) -> bool:
+        """Append a sampled token; True when it is output for the user.
+
+        A parked request's token was computed for real and is nobody's output: it still extends the token list,
+        so the KV bookkeeping (block count, block hashes) matches what the executor wrote, until the slot reaches
+        ``max_model_len``, where it stops computing (as a padded batch's row would) but stays held.
+        """
+        if self.status is RequestStatus.RUNNING:
+            self.output_token_ids.append(token_id)
+            return True
+        if self.max_model_len is None or self.num_tokens < self.max_model_len:
+            self.output_token_ids.append(token_id)
+        return False
+
+    def stop_decision(self, token_id: int) -> StopDecision | None:
+        """Whether the just-appended ``token_id`` ends the request (and why), or None to go on. Changes nothing."""
         params = self.sampling_params
         n_out = self.num_output_tokens
         if n_out >= params.min_tokens:
             if not params.ignore_eos and token_id in self.eos_token_ids:
-                self.stop_reason = None
-                return RequestStatus.FINISHED_STOPPED
+                return StopDecision(RequestStatus.FINISHED_STOPPED)
             if token_id in params.stop_token_ids:
-                self.stop_reason = token_id
-                return RequestStatus.FINISHED_STOPPED
+                return StopDecision(RequestStatus.FINISHED_STOPPED, token_id)
         if n_out >= self.max_output_tokens():
-            return RequestStatus.FINISHED_LENGTH
+            return StopDecision(RequestStatus.FINISHED_LENGTH)
         return None
+
+    def mark_finished(self, status: RequestStatus, now: float) -> None:
+        """The request is finished for its user from ``now`` on (it may still hold a parked slot)."""
+        self.finish_reason = status.finish_reason
+        self.times.finished = now

@@ -6,7 +6,19 @@ Field names follow vLLM's ``SamplingParams`` so users and clients feel at home. 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
+
+# Bounds that come from where the values end up, not from taste:
+FLOAT32_MAX = 3.4028234663852886e38  # sampling runs in float32: a larger float becomes inf there
+SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1  # what torch.Generator.manual_seed accepts
+MAX_LOGPROBS = 20  # top logprobs per token (OpenAI's limit)
+# vLLM's floor: dividing logits by a smaller temperature overflows float32 (inf - inf = NaN in the softmax),
+# so a positive temperature below it is raised to it (near-greedy either way).
+MIN_TEMPERATURE = 1e-2
+# Below this a repetition penalty multiplies logits by more than 100; with a small temperature that overflows
+# float32 as well. No sensible use needs less.
+MIN_REPETITION_PENALTY = 1e-2
 
 
 @dataclass
@@ -40,41 +52,51 @@ class SamplingParams:
         if self.top_k == -1:
             self.top_k = 0
         self._validate()
+        if 0.0 < self.temperature < MIN_TEMPERATURE:
+            self.temperature = MIN_TEMPERATURE
 
     def _validate(self) -> None:
         def bad(name: str, why: str) -> ValueError:
             return ValueError(f"{name} {why}, got {getattr(self, name)!r}")
 
-        if not isinstance(self.n, int) or self.n < 1:
+        def integer(value) -> bool:
+            return isinstance(value, int)
+
+        def finite(value) -> bool:  # also refuses NaN, which passes every ``<`` / ``>`` comparison
+            return isinstance(value, (int, float)) and math.isfinite(value) and abs(value) <= FLOAT32_MAX
+
+        if not integer(self.n) or self.n < 1:
             raise bad("n", "must be an integer >= 1")
-        if self.temperature < 0.0:
-            raise bad("temperature", "must be >= 0")
-        if not 0.0 < self.top_p <= 1.0:
+        if not finite(self.temperature) or self.temperature < 0.0:
+            raise bad("temperature", "must be a finite number in [0, 3.4e38]")
+        if not finite(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise bad("top_p", "must be in (0, 1]")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
+        if not integer(self.top_k) or self.top_k < 0:
             raise bad("top_k", "must be -1, 0 (disabled) or a positive integer")
-        if not 0.0 <= self.min_p <= 1.0:
+        if not finite(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             raise bad("min_p", "must be in [0, 1]")
-        if not -2.0 <= self.presence_penalty <= 2.0:
+        if not finite(self.presence_penalty) or not -2.0 <= self.presence_penalty <= 2.0:
             raise bad("presence_penalty", "must be in [-2, 2]")
-        if not -2.0 <= self.frequency_penalty <= 2.0:
+        if not finite(self.frequency_penalty) or not -2.0 <= self.frequency_penalty <= 2.0:
             raise bad("frequency_penalty", "must be in [-2, 2]")
-        if self.repetition_penalty <= 0.0:
-            raise bad("repetition_penalty", "must be > 0")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+        if not finite(self.repetition_penalty) or self.repetition_penalty < MIN_REPETITION_PENALTY:
+            raise bad("repetition_penalty", f"must be a finite number in [{MIN_REPETITION_PENALTY}, 3.4e38]")
+        if self.seed is not None and (not integer(self.seed) or not SEED_MIN <= self.seed <= SEED_MAX):
+            raise bad("seed", "must be an integer in [-2**63, 2**64 - 1]")
+        if self.max_tokens is not None and (not integer(self.max_tokens) or self.max_tokens < 1):
             raise bad("max_tokens", "must be an integer >= 1")
-        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+        if not integer(self.min_tokens) or self.min_tokens < 0:
             raise bad("min_tokens", "must be an integer >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise bad("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
-            raise bad("logprobs", "must be an integer in [0, 20]")
-        if self.prompt_logprobs is not None and (not isinstance(self.prompt_logprobs, int)
-                                                 or not 0 <= self.prompt_logprobs <= 20):
-            raise bad("prompt_logprobs", "must be an integer in [0, 20]")
+        if self.logprobs is not None and (not integer(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}]")
+        if self.prompt_logprobs is not None and (not integer(self.prompt_logprobs)
+                                                 or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+            raise bad("prompt_logprobs", f"must be an integer in [0, {MAX_LOGPROBS}]")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", "must hold non-empty strings")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+        if any(not integer(t) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must hold non-negative integers")
 
     @property
@@ -89,4 +111,6 @@ class SamplingParams:
     def for_child(self, index: int) -> SamplingParams:
         """The params of completion ``index`` of an ``n > 1`` request: n=1, and a distinct derived seed."""
         seed = None if self.seed is None else self.seed + index
+        if seed is not None and seed > SEED_MAX:  # wrap around 2**64, as the generator's own seed space does
+            seed -= 1 << 64
         return replace(self, n=1, seed=seed)

@@ -11,12 +11,12 @@ block range ``[i * blocks_per_slab, (i + 1) * blocks_per_slab)``, handed over wh
     blocks:  | slab 0              | slab 1              | ... | slab n-1            | leftover |
              | b0 b1 ... b(k-1)    | bk ... b(2k-1)      |     |                     | (unused) |
 
-Same interface as ``KVCacheManager``; no prefix sharing (a slab belongs to one request).
+Implements ``interfaces.KVManager`` as ``KVCacheManager`` does; no prefix sharing (a slab belongs to one request).
 """
 
 from __future__ import annotations
 
-from conveyor.core.kv_manager import cdiv
+from conveyor.core.block_pool import cdiv
 from conveyor.core.request import Request
 
 

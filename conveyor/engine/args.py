@@ -1,11 +1,25 @@
-"""``EngineArgs``: every knob of an engine in one flat dataclass (the CLI, ``LLM`` and the server share it)."""
+"""``EngineArgs``: every knob of an engine in one flat dataclass (the CLI, ``LLM`` and the server share it).
+
+The command-line flags are generated from the fields (``--max-num-seqs`` from ``max_num_seqs``), and the
+scheduler and cache knobs take their defaults from ``SchedulerConfig`` / ``CacheConfig``: each default is
+written once.
+"""
 
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, fields
+import typing
+from dataclasses import MISSING, dataclass, field, fields
 
-from conveyor.core.config import KV_LAYOUTS, POLICIES, CacheConfig, SchedulerConfig
+from conveyor.core.config import KV_LAYOUTS, CacheConfig, SchedulerConfig
+from conveyor.core.policies import POLICIES
+
+DTYPE_CHOICES = ("float32", "bfloat16", "float16", "auto")
+
+
+def _arg(default, help: str, **argparse_options):
+    """A field with its command-line help (and argparse options such as ``choices``) in its metadata."""
+    return field(default=default, metadata={"help": help, **argparse_options})
 
 
 @dataclass
@@ -13,73 +27,63 @@ class EngineArgs:
     """Engine settings, named as vLLM names them. ``model``: a model name, a GGUF file (or a directory holding
     one) or a Hugging Face directory; None is the default model, SmolLM2-135M-Instruct (``models/sources.py``)."""
 
-    model: str | None = None
-    dtype: str = "float32"
-    device: str = "auto"  # "auto": CUDA when available, else CPU
-    seed: int = 0
-    policy: str = "chunked"
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None
-    long_prefill_token_threshold: int = 0
-    max_wait_ms: float = 0.0
-    block_size: int = 16
-    num_kv_blocks: int | None = None
-    kv_cache_memory: float = 1.0  # GiB
-    enable_prefix_caching: bool = True
-    kv_layout: str = "paged"
-    attention_backend: str = "auto"
-    max_num_queued_reqs: int | None = None  # bound on waiting requests; None: unbounded
-    debug_invariants: bool = False  # run check_invariants() after every step
-    detokenize: bool = True
-    num_threads: int | None = None  # torch intra-op threads on CPU; None: all cores
+    model: str | None = _arg(None, "a model name (SmolLM2-135M-Instruct, the default; "
+                                   "conveyor-embedded-llama-40m-random, random weights, the benchmarks' default), "
+                                   "a GGUF file or a directory holding one, or a Hugging Face model directory")
+    dtype: str = _arg("float32", "weights and KV cache dtype", choices=DTYPE_CHOICES)
+    device: str = _arg("auto", '"auto" (CUDA when available, else CPU), "cpu", "cuda", ...')
+    seed: int = _arg(0, "seed of unseeded sampling and of the embedded model's random weights")
+    policy: str = _arg(SchedulerConfig.policy, "batching policy", choices=tuple(POLICIES))
+    max_num_seqs: int = _arg(SchedulerConfig.max_num_seqs, "most requests in the running batch")
+    max_num_batched_tokens: int = _arg(SchedulerConfig.max_num_batched_tokens,
+                                       "token budget of one step (chunked prefill)")
+    max_model_len: int | None = _arg(SchedulerConfig.max_model_len, "context length (default: the model's)")
+    long_prefill_token_threshold: int = _arg(SchedulerConfig.long_prefill_token_threshold,
+                                             "most tokens of one prompt per step (0: no cap)")
+    max_wait_ms: float = _arg(SchedulerConfig.max_wait_ms, "dynamic batching: how long the oldest request may "
+                                                           "wait for a full batch")
+    block_size: int = _arg(CacheConfig.block_size, "tokens per KV cache block")
+    num_kv_blocks: int | None = _arg(CacheConfig.num_kv_blocks, "KV cache size in blocks (default: from "
+                                                                "--kv-cache-memory)")
+    kv_cache_memory: float = _arg(CacheConfig.kv_cache_memory, "KV cache size in GiB")
+    enable_prefix_caching: bool = _arg(CacheConfig.enable_prefix_caching, "reuse the KV of shared prompt prefixes")
+    kv_layout: str = _arg(CacheConfig.kv_layout, "KV cache layout", choices=KV_LAYOUTS)
+    attention_backend: str = _arg("auto", "attention implementation (see conveyor.layers.attention)")
+    max_num_queued_reqs: int | None = _arg(None, "bound on waiting requests (default: unbounded)")
+    debug_invariants: bool = _arg(False, "check the scheduler's and KV cache's invariants after every step")
+    detokenize: bool = field(default=True, metadata={"cli": False})  # benchmarks turn it off: ids in, ids out
+    num_threads: int | None = _arg(None, "torch intra-op threads on CPU (default: all cores)")
 
     def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
-        return SchedulerConfig(
-            policy=self.policy,
-            max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=self.max_num_batched_tokens,
-            max_model_len=max_model_len,
-            long_prefill_token_threshold=self.long_prefill_token_threshold,
-            max_wait_ms=self.max_wait_ms,
-        )
+        return SchedulerConfig(**{**self._values_of(SchedulerConfig), "max_model_len": max_model_len})
 
     def cache_config(self) -> CacheConfig:
-        return CacheConfig(
-            block_size=self.block_size,
-            num_kv_blocks=self.num_kv_blocks,
-            kv_cache_memory=self.kv_cache_memory,
-            enable_prefix_caching=self.enable_prefix_caching,
-            kv_layout=self.kv_layout,
-        )
+        return CacheConfig(**self._values_of(CacheConfig))
 
-    @staticmethod
-    def add_cli_args(parser: argparse.ArgumentParser) -> None:
-        """Add the engine flags (vLLM's names: ``--max-num-seqs``, ``--block-size``, ...) to a parser."""
-        g = parser.add_argument_group("engine")
-        g.add_argument("--model", default=None, help="a model name (SmolLM2-135M-Instruct, the default; "
-                       "conveyor-embedded-llama-40m-random, random weights, the benchmarks' default), a GGUF file or a "
-                       "directory holding one, or a Hugging Face model directory")
-        g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "auto"])
-        g.add_argument("--device", default="auto")
-        g.add_argument("--seed", type=int, default=0)
-        g.add_argument("--policy", default="chunked", choices=POLICIES)
-        g.add_argument("--max-num-seqs", type=int, default=256)
-        g.add_argument("--max-num-batched-tokens", type=int, default=2048)
-        g.add_argument("--max-model-len", type=int, default=None)
-        g.add_argument("--long-prefill-token-threshold", type=int, default=0)
-        g.add_argument("--max-wait-ms", type=float, default=0.0)
-        g.add_argument("--block-size", type=int, default=16)
-        g.add_argument("--num-kv-blocks", type=int, default=None)
-        g.add_argument("--kv-cache-memory", type=float, default=1.0, help="KV cache size in GiB")
-        g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-        g.add_argument("--kv-layout", default="paged", choices=KV_LAYOUTS)
-        g.add_argument("--attention-backend", default="auto")
-        g.add_argument("--max-num-queued-reqs", type=int, default=None)
-        g.add_argument("--debug-invariants", action="store_true")
-        g.add_argument("--num-threads", type=int, default=None)
+    def _values_of(self, config_class) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(config_class)}
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+        """Add one flag per field (vLLM's names: ``--max-num-seqs``, ``--block-size``, ...) to a parser."""
+        group = parser.add_argument_group("engine")
+        hints = typing.get_type_hints(cls)
+        for f in fields(cls):
+            if f.metadata.get("cli", True):
+                options = {k: v for k, v in f.metadata.items() if k != "cli"}
+                group.add_argument("--" + f.name.replace("_", "-"), default=f.default,
+                                   **_argparse_type(hints[f.name], f.default), **options)
 
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> EngineArgs:
         names = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in vars(ns).items() if k in names})
+
+
+def _argparse_type(hint, default) -> dict:
+    """How argparse reads a field of type ``hint``: a flag pair for booleans, else the (non-None) type."""
+    if hint is bool:
+        return {"action": argparse.BooleanOptionalAction if default else "store_true"}
+    kinds = [t for t in typing.get_args(hint) if t is not type(None)] or [hint]
+    assert len(kinds) == 1 and default is not MISSING, f"no command-line form for {hint}"
+    return {"type": kinds[0]}

@@ -4,7 +4,9 @@ Why a thread: on CPU torch a step is blocking compute that releases the GIL insi
 thread keeps the event loop (HTTP parsing, SSE writes) responsive while the model runs. ``LLMEngine`` is not
 thread-safe, so the asyncio side never touches it: every call (add, abort, any function) goes through a
 command queue that the engine thread drains between steps. Outputs travel back with one
-``loop.call_soon_threadsafe`` per step.
+``loop.call_soon_threadsafe`` per step, and the engine's numbers (running, waiting, KV usage, ...) as ``stats``,
+an immutable ``SchedulerStats`` the engine thread replaces after every step and every command.
+(Decoding token ids to text is read-only, so the server formats logprobs with the tokenizer on the loop.)
 
     asyncio thread                     engine thread
     add_request() --command-->  [drain commands] -> step() -> snapshot outputs
@@ -23,11 +25,18 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from typing import Any
 
+from conveyor.core.outputs import SchedulerStats
 from conveyor.core.sampling_params import SamplingParams
 from conveyor.engine.llm_engine import LLMEngine, PromptType
 from conveyor.engine.outputs import RequestOutput
 
 logger = logging.getLogger("conveyor.engine")
+
+# While requests wait but none can start (a dynamic batch still forming until max_wait_ms), the engine thread
+# waits this long for commands before it tries to schedule again, instead of spinning.
+IDLE_POLL_S = 0.002
+DRAIN_ABORT_GRACE_S = 10.0  # after the drain deadline aborts what is left: how long the aborts may take
+THREAD_JOIN_TIMEOUT_S = 30.0  # shutdown: how long to wait for the engine thread to finish its step and stop
 
 
 class EngineDeadError(RuntimeError):
@@ -36,6 +45,10 @@ class EngineDeadError(RuntimeError):
 
 class EngineShuttingDownError(RuntimeError):
     """The engine is shutting down and admits no new requests."""
+
+
+class RequestFailedError(RuntimeError):
+    """The engine could not process this one request (it survived; see ``RequestOutput.error``)."""
 
 
 class RequestStream:
@@ -83,19 +96,27 @@ class AsyncEngine:
     """Runs ``engine.step()`` in a background thread while work exists; ``add_request`` returns a stream.
 
     Listeners in ``output_listeners`` are called on the engine thread with every ``RequestOutput`` (metrics use
-    this); they must be quick and must not touch the engine.
+    this); they must be quick and must not touch the engine. Callbacks in ``on_dead`` are called on the event
+    loop, once, with the exception that killed the engine thread, after every in-flight stream got its error
+    (the server exits then, so that a supervisor restarts it).
     """
 
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
         self.output_listeners: list[Callable[[RequestOutput], None]] = []
+        self.on_dead: list[Callable[[BaseException], None]] = []
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        # Guards "is the engine thread still taking commands?" against "put a command": once the thread stops,
+        # no command may be queued that nobody would ever answer.
+        self._closed_lock = threading.Lock()
+        self._closed: BaseException | None = None
         self._streams: dict[str, RequestStream] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._accepting = True
         self.dead_error: BaseException | None = None
         self._idle = asyncio.Event()
+        self.stats: SchedulerStats = engine.scheduler.make_stats()  # replaced whole by the engine thread
 
     # ---- lifecycle --------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -130,7 +151,7 @@ class AsyncEngine:
             for request_id in left:
                 self.abort(request_id)
             try:
-                await asyncio.wait_for(self._idle.wait(), 10.0)
+                await asyncio.wait_for(self._idle.wait(), DRAIN_ABORT_GRACE_S)
             except asyncio.TimeoutError:
                 pass
 
@@ -141,7 +162,7 @@ class AsyncEngine:
             self.abort(request_id)
         self._commands.put(_STOP)
         if self._thread is not None:
-            await asyncio.to_thread(self._thread.join, 30.0)
+            await asyncio.to_thread(self._thread.join, THREAD_JOIN_TIMEOUT_S)
 
     # ---- requests ---------------------------------------------------------------------------------------
     async def add_request(self, request_id: str, prompt: PromptType | Callable[[LLMEngine], PromptType],
@@ -179,11 +200,12 @@ class AsyncEngine:
 
     async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
         """Run ``fn(engine)`` on the engine thread between steps and return its result (or raise its error).
-        The one safe way to read or change engine state (tokenizer included) from the event loop."""
-        if not self.is_running:
-            raise EngineDeadError(f"the engine is not running: {self.dead_error!r}")
+        The one safe way to read or change engine state from the event loop (``stats`` aside)."""
         future: concurrent.futures.Future = concurrent.futures.Future()
-        self._commands.put((fn, future))
+        with self._closed_lock:
+            if self._closed is not None or not self.is_running:
+                raise EngineDeadError(f"the engine is not running: {self.dead_error!r}")
+            self._commands.put((fn, future))
         return await asyncio.wrap_future(future)
 
     # ---- engine thread ----------------------------------------------------------------------------------
@@ -200,6 +222,7 @@ class AsyncEngine:
                 # Block while idle; while requests run, just take what has arrived since the last step.
                 timeout = idle_wait if engine.has_unfinished_requests() else None
                 if not self._run_commands(timeout):
+                    self._close(EngineShuttingDownError("the engine has stopped"))
                     return
                 idle_wait = 0.0
                 if engine.has_unfinished_requests():
@@ -207,13 +230,25 @@ class AsyncEngine:
                     if outputs:
                         self._publish(outputs)
                     elif not engine.scheduler.num_running:
-                        # Requests wait but none could start (a batching policy's max_wait_ms): only time or
-                        # a new command changes that, so wait a little for commands instead of spinning.
-                        idle_wait = 0.002
+                        idle_wait = IDLE_POLL_S  # only time or a new command can start a waiting request
+                    self.stats = engine.scheduler.make_stats()
         except BaseException as exc:  # noqa: BLE001 - a crashed engine must fail every waiting client
             logger.exception("engine thread crashed")
             self.dead_error = exc
+            self._close(EngineDeadError(f"the engine stopped: {exc!r}"))
             self._fail_all(exc)
+
+    def _close(self, error: BaseException) -> None:
+        """Take no more commands; answer those still queued with ``error`` (nobody else ever would)."""
+        with self._closed_lock:
+            self._closed = error
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(command, tuple) and command[1].set_running_or_notify_cancel():
+                command[1].set_exception(error)
 
     def _run_commands(self, timeout: float | None) -> bool:
         """Run queued commands, waiting up to ``timeout`` s for the first (None: forever). False: stop."""
@@ -233,6 +268,7 @@ class AsyncEngine:
                         future.set_exception(exc)
             else:
                 command(self.engine)
+            self.stats = self.engine.scheduler.make_stats()  # a command may have added, aborted, ...
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
@@ -247,21 +283,26 @@ class AsyncEngine:
 
     def _fail_all(self, exc: BaseException) -> None:
         error = EngineDeadError(f"the engine stopped: {exc!r}")
-        self._loop.call_soon_threadsafe(self._deliver_error, error)
+        try:
+            self._loop.call_soon_threadsafe(self._deliver_error, error, exc)
+        except RuntimeError:  # the event loop is already closed: nobody is left to tell
+            pass
 
     # ---- event loop side --------------------------------------------------------------------------------
     def _deliver(self, batch: list[RequestOutput]) -> None:
         for out in batch:
             stream = self._streams.get(out.request_id)
             if stream is not None:
-                stream.put(out)
+                stream.put(out if out.error is None else RequestFailedError(out.error))
                 if out.finished:
                     self._forget(out.request_id)
 
-    def _deliver_error(self, error: BaseException) -> None:
+    def _deliver_error(self, error: BaseException, cause: BaseException) -> None:
         for request_id, stream in list(self._streams.items()):
             stream.put(error)
             self._forget(request_id)
+        for callback in self.on_dead:
+            callback(cause)
 
     def _forget(self, request_id: str) -> None:
         self._streams.pop(request_id, None)

@@ -8,10 +8,9 @@ from collections.abc import Sequence
 Conversation = Sequence[dict]  # [{"role": "system" | "user" | "assistant", "content": str}, ...]
 
 
-def render_chat(tokenizer, messages: Conversation, add_generation_prompt: bool = True,
-                chat_template: str | None = None, add_special_tokens: bool = False) -> list[int]:
-    """Token ids of a conversation. The template writes the special tokens (BOS, turn markers) itself, so the
-    text is encoded without adding any (unless ``add_special_tokens``). ValueError when the template refuses the
+def chat_prompt(tokenizer, messages: Conversation, add_generation_prompt: bool = True,
+                chat_template: str | None = None) -> str:
+    """A conversation as prompt text through the chat template. ValueError when the template refuses the
     messages."""
     if not messages:
         raise ValueError("a conversation needs at least one message")
@@ -19,10 +18,17 @@ def render_chat(tokenizer, messages: Conversation, add_generation_prompt: bool =
         if not isinstance(m, dict) or "role" not in m:
             raise ValueError(f"message {i} must be a dict with a 'role' and a 'content', got {m!r}")
     try:
-        text = tokenizer.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt,
+        return tokenizer.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt,
                                              chat_template=chat_template)
     except Exception as exc:  # jinja errors (raise_exception in templates, bad roles) are the caller's
         raise ValueError(f"messages could not be rendered with the chat template: {exc}") from exc
+
+
+def render_chat(tokenizer, messages: Conversation, add_generation_prompt: bool = True,
+                chat_template: str | None = None, add_special_tokens: bool = False) -> list[int]:
+    """Token ids of a conversation. The template writes the special tokens (BOS, turn markers) itself, so the
+    text is encoded without adding any (unless ``add_special_tokens``)."""
+    text = chat_prompt(tokenizer, messages, add_generation_prompt, chat_template)
     return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 

@@ -1,16 +1,19 @@
 """``LLMEngine``: builds the tokenizer, model runner, KV manager and scheduler, and runs one step at a time.
 
 ``step()`` is three calls: ``scheduler.schedule(now)``, ``executor.execute(...)``, ``scheduler.update(...)``;
-then the output processor detokenizes and applies stop strings. The engine is the layer that reads the clock
-(``time.monotonic()``) and passes it down.
+then the output processor detokenizes and checks stop strings, and the engine finishes in the scheduler what
+a stop string ended. The engine is the layer that reads the clock (``time.monotonic()``) and passes it down.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections.abc import Callable
 
+from conveyor.core.config import CacheConfig
+from conveyor.core.interfaces import Executor, KVManager
 from conveyor.core.kv_manager import KVCacheManager
 from conveyor.core.request import Request, RequestStatus
 from conveyor.core.sampling_params import SamplingParams
@@ -22,6 +25,8 @@ from conveyor.engine.step_record import StepRecord
 
 PromptType = str | list[int] | dict
 
+logger = logging.getLogger("conveyor.engine")
+
 
 class QueueFullError(RuntimeError):
     """The bounded waiting queue (``max_num_queued_reqs``) is full; retry later."""
@@ -30,7 +35,8 @@ class QueueFullError(RuntimeError):
 class LLMEngine:
     """A synchronous engine. Not thread-safe: ``AsyncEngine`` serialises access to it."""
 
-    def __init__(self, args: EngineArgs | None = None, executor=None, shared_model=None, **overrides) -> None:
+    def __init__(self, args: EngineArgs | None = None, executor: Executor | None = None, shared_model=None,
+                 **overrides) -> None:
         import torch
 
         from conveyor.models.loader import load_model
@@ -72,9 +78,9 @@ class LLMEngine:
         self.scheduler = Scheduler(args.scheduler_config(self.max_model_len), self.kv_manager)
         self.executor = executor or ModelRunner(
             self.model, self.model_info, num_blocks=num_blocks, block_size=cache.block_size, device=device,
-            attention_backend=args.attention_backend,
+            attention_backend=args.attention_backend, seed=args.seed,  # --seed seeds sampling too, as in vLLM
         )
-        self.output_processor = OutputProcessor(self.tokenizer, self.scheduler, detokenize=args.detokenize)
+        self.output_processor = OutputProcessor(self.tokenizer, detokenize=args.detokenize)
         self.step_listeners: list[Callable[[StepRecord], None]] = []
         self._ids = itertools.count()
         self.init_time_s = time.perf_counter() - start  # plus the KV cache and runner
@@ -92,7 +98,7 @@ class LLMEngine:
                                  f"{getattr(other.args, name)!r}")
         return cls(args, shared_model=(other.model, other.model_info, other.tokenizer))
 
-    def _make_kv_manager(self, cache, num_blocks: int):
+    def _make_kv_manager(self, cache: CacheConfig, num_blocks: int) -> KVManager:
         if cache.kv_layout == "slab":
             from conveyor.core.slab_manager import SlabKVManager
 
@@ -107,14 +113,24 @@ class LLMEngine:
                 return prompt.get("prompt"), list(prompt["prompt_token_ids"])
             prompt = prompt["prompt"]
         if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt)
+            return prompt, self.encode(prompt)
         return None, list(prompt)
 
+    def encode(self, text: str, add_special_tokens: bool = True, field: str = "prompt") -> list[int]:
+        """Token ids of ``text``; ValueError (naming ``field``) for text that is not valid Unicode (a lone
+        surrogate, which JSON can carry), which the tokenizers would refuse with an error of their own."""
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ValueError(f"{field} is not valid Unicode text: {exc.reason} at position {exc.start}") from None
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
     def validate_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
-        """Raise ValueError when a prompt cannot be served (empty, too long, ids outside the vocabulary).
+        """Raise ValueError when a request cannot be served by this model: an empty or too long prompt, ids
+        outside the vocabulary, ``min_tokens`` that do not fit in the context.
 
         ``max_tokens`` beyond the remaining context is not an error here: ``Request.max_output_tokens`` caps it
-        (the OpenAI server is stricter and refuses it, as vLLM's does)."""
+        (the OpenAI server is stricter and refuses it, as vLLM's does). ``min_tokens`` is a promise, so it is."""
         if not token_ids:
             raise ValueError("prompt must not be empty")
         if len(token_ids) >= self.max_model_len:
@@ -125,6 +141,34 @@ class LLMEngine:
         vocab = self.model_info.vocab_size
         if any(not isinstance(t, int) or not 0 <= t < vocab for t in token_ids):
             raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        if len(token_ids) + params.min_tokens > self.max_model_len:
+            raise ValueError(
+                f"min_tokens is {params.min_tokens} and the prompt has {len(token_ids)} tokens: together they "
+                f"exceed this model's maximum context length of {self.max_model_len} tokens"
+            )
+        if any(t >= vocab for t in params.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be token ids in [0, {vocab})")
+
+    @property
+    def max_seqs_per_request(self) -> int | None:
+        """With a queue bound: the most sequences (``n`` x prompts) one request can ever bring, every seat of
+        the running batch plus the bound; more can never be admitted. None: no bound."""
+        bound = self.args.max_num_queued_reqs
+        return None if bound is None else bound + self.scheduler.config.max_num_seqs
+
+    def _check_queue_room(self, num_seqs: int) -> None:
+        """The queue bound counts what waits: sequences that will not find a free seat at the next step."""
+        bound = self.args.max_num_queued_reqs
+        if bound is None:
+            return
+        if num_seqs > self.max_seqs_per_request:
+            raise ValueError(
+                f"n is {num_seqs}, more than this server can ever admit at once ({self.max_seqs_per_request}: "
+                f"max_num_seqs {self.scheduler.config.max_num_seqs} + max_num_queued_reqs {bound})"
+            )
+        free_seats = max(0, self.scheduler.config.max_num_seqs - self.scheduler.num_running)
+        if self.scheduler.num_waiting + num_seqs - free_seats > bound:
+            raise QueueFullError(f"the waiting queue is full ({bound} requests); retry later")
 
     def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams | None = None,
                     arrival_time: float | None = None) -> str:
@@ -133,9 +177,7 @@ class LLMEngine:
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.output_processor.parents:
             raise ValueError(f"request id {request_id!r} is already in use")
-        bound = self.args.max_num_queued_reqs
-        if bound is not None and self.scheduler.num_waiting + params.n > bound:
-            raise QueueFullError(f"the waiting queue is full ({bound} requests); retry later")
+        self._check_queue_room(params.n)
         text, token_ids = self.tokenize_prompt(prompt)
         self.validate_prompt(token_ids, params)
         now = time.monotonic() if arrival_time is None else arrival_time
@@ -160,6 +202,15 @@ class LLMEngine:
             self.scheduler.finish_request(child_id, RequestStatus.FINISHED_ABORTED, now)
         return self.output_processor.abort(request_id, now)
 
+    def _fail_request(self, request_id: str, why: str) -> RequestOutput | None:
+        """Defence in depth: a request whose per-request work failed inside the step ends alone, with an error;
+        the step loop and every other request go on."""
+        logger.error("request %s failed and was aborted: %s", request_id, why)
+        out = self.abort_request(request_id)
+        if out is not None:
+            out.error = why
+        return out
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
@@ -174,7 +225,18 @@ class LLMEngine:
         model_out = self.executor.execute(sched_out)
         now = time.monotonic()
         updates = self.scheduler.update(sched_out, model_out, now)
-        outputs = self.output_processor.process(updates, now, model_out.prompt_logprobs)
+        processed = self.output_processor.process(updates, now, model_out.prompt_logprobs)
+        for request_id in processed.stopped:  # a stop string ended it: the output layer decides, the core applies
+            self.scheduler.finish_request(request_id, RequestStatus.FINISHED_STOPPED, now)
+        outputs = processed.request_outputs
+        failures = dict(processed.failed)
+        for child_id, why in model_out.failed.items():
+            parent = self.output_processor.parent_id(child_id)
+            if parent is not None:
+                failures.setdefault(parent, why)
+        if failures:
+            outputs = [o for o in outputs if o.request_id not in failures]
+            outputs += [out for rid, why in failures.items() if (out := self._fail_request(rid, why)) is not None]
         if self.args.debug_invariants:
             self.scheduler.check_invariants()
         if record is not None:
@@ -188,6 +250,3 @@ class LLMEngine:
         if self.has_unfinished_requests():
             raise RuntimeError("reset_prefix_cache needs an idle engine")
         self.kv_manager.reset_prefix_cache()
-
-    def kv_cache_usage(self) -> float:
-        return self.kv_manager.usage()

@@ -1,16 +1,17 @@
 """Turns the scheduler's per-step ``RequestUpdate``s into user-facing ``RequestOutput``s.
 
-It owns what core does not: detokenization, stop strings (which finish a request from outside the step), the
-grouping of an ``n > 1`` request's completions, and the per-token timestamps latency metrics need.
+It owns what core does not: detokenization, stop strings, the grouping of an ``n > 1`` request's completions,
+and the per-token timestamps latency metrics need. It never changes the core's state: what a stop string ended,
+and what it could not process, are decisions it hands back (``ProcessedOutputs``) for the engine to apply. (It
+reads the core ``Request``s it was given, for their timestamps and counts.)
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from conveyor.core.outputs import PromptLogprobs
-from conveyor.core.request import Request, RequestStatus
-from conveyor.core.scheduler import RequestUpdate, Scheduler
+from conveyor.core.outputs import PromptLogprobs, RequestUpdate
+from conveyor.core.request import Request
 from conveyor.engine.detokenizer import IncrementalDetokenizer
 from conveyor.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 
@@ -47,12 +48,21 @@ class _Parent:
         self.prompt_logprobs.extend(chunk.entries[held - chunk.start:])
 
 
+@dataclass
+class ProcessedOutputs:
+    """One step's outputs, the (child) requests a stop string ended (the engine finishes them), and the
+    requests whose output could not be processed (parent id -> why; the engine fails them)."""
+
+    request_outputs: list[RequestOutput] = field(default_factory=list)
+    stopped: list[str] = field(default_factory=list)
+    failed: dict[str, str] = field(default_factory=dict)
+
+
 class OutputProcessor:
     """Per-request output state, keyed by the scheduler's (child) request ids."""
 
-    def __init__(self, tokenizer, scheduler: Scheduler, detokenize: bool = True) -> None:
+    def __init__(self, tokenizer, detokenize: bool = True) -> None:
         self.tokenizer = tokenizer
-        self.scheduler = scheduler
         self.detokenize = detokenize
         self.children: dict[str, _Child] = {}
         self.parents: dict[str, _Parent] = {}
@@ -75,26 +85,40 @@ class OutputProcessor:
             self.children[req.request_id] = child
         self.parents[request_id] = parent
 
+    def parent_id(self, child_id: str) -> str | None:
+        child = self.children.get(child_id)
+        return None if child is None else child.parent.request_id
+
     def child_ids(self, request_id: str) -> list[str]:
         parent = self.parents.get(request_id)
         return [c.request.request_id for c in parent.children] if parent else []
 
     def process(self, updates: list[RequestUpdate], now: float,
-                prompt_logprobs: dict[str, PromptLogprobs] | None = None) -> list[RequestOutput]:
+                prompt_logprobs: dict[str, PromptLogprobs] | None = None) -> ProcessedOutputs:
         for req_id, chunk in (prompt_logprobs or {}).items():  # before the updates: outputs carry them
             child = self.children.get(req_id)
             if child is not None and child.parent.prompt_logprobs is not None:
                 child.parent.add_prompt_logprobs(chunk)
         touched: dict[str, _Parent] = {}
+        stopped: list[str] = []
+        failed: dict[str, str] = {}
         for update in updates:
             child = self.children.get(update.request_id)
-            if child is None:
+            if child is None or child.parent.request_id in failed:
                 continue
-            self._apply(child, update, now)
+            try:
+                stop_hit = self._apply(child, update, now)
+            except Exception as exc:  # noqa: BLE001 - one request's detokenizer must not stop the step
+                failed[child.parent.request_id] = f"could not detokenize its output: {exc!r}"
+                touched.pop(child.parent.request_id, None)
+                continue
+            if stop_hit:
+                stopped.append(update.request_id)
             touched[child.parent.request_id] = child.parent
-        return self._collect(touched, now)
+        return ProcessedOutputs(self._collect(touched, now), stopped, failed)
 
-    def _apply(self, child: _Child, update: RequestUpdate, now: float) -> None:
+    def _apply(self, child: _Child, update: RequestUpdate, now: float) -> bool:
+        """Add the update to its completion; True when a stop string ended a request the scheduler still runs."""
         comp, req = child.completion, child.request
         assert update.new_token_id is not None
         comp.token_ids.append(update.new_token_id)
@@ -102,16 +126,17 @@ class OutputProcessor:
         if update.logprobs is not None and comp.logprobs is not None:
             comp.logprobs.append(update.logprobs)
             comp.cumulative_logprob = (comp.cumulative_logprob or 0.0) + update.logprobs.logprob
+        stop_str = None
         if child.detok is not None:
             stop_str = child.detok.add_token(update.new_token_id)
             comp.text = child.detok.text
-            if stop_str is not None and not update.finished:
-                self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED, now)
-                req.stop_reason = stop_str
-        if req.is_finished:
-            comp.finish_reason = req.status.finish_reason
-            comp.stop_reason = req.stop_reason
+        if update.finished:
+            comp.finish_reason, comp.stop_reason = update.finish_reason, update.stop_reason
+        elif stop_str is not None:
+            comp.finish_reason, comp.stop_reason = "stop", stop_str
+        if comp.finished:
             comp.num_preemptions = req.num_preemptions
+        return stop_str is not None and not update.finished
 
     def abort(self, request_id: str, now: float) -> RequestOutput | None:
         """Mark every unfinished completion of a request aborted (the scheduler side is the caller's job)."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from conveyor.core.outputs import SchedulerOutput
+from conveyor.core.outputs import SchedulerOutput, is_decode
 
 
 @dataclass
@@ -40,7 +40,8 @@ class StepRecord:
         prefill = decode = 0
         for rid, n in out.num_scheduled_tokens.items():
             req = scheduler.requests.get(rid)
-            if n == 1 and req is not None and req.num_computed_tokens >= req.num_prompt_tokens:
+            # The kind of work a token is: a one-token prompt (or last prompt chunk) is prefill work.
+            if is_decode(n) and req is not None and req.num_computed_tokens >= req.num_prompt_tokens:
                 decode += 1
             else:
                 prefill += n

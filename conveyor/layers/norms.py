@@ -18,6 +18,3 @@ class RMSNorm(torch.nn.Module):
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)
-
-
-LayerNorm = torch.nn.LayerNorm

@@ -13,7 +13,7 @@ import torch
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
     """Inverse frequencies [head_dim // 2], with the rope scaling variants Llama-family checkpoints use."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device="cpu") / head_dim))
     rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default")) or "default"
     if rope_type == "default":
         return inv_freq
@@ -46,8 +46,10 @@ class RotaryEmbedding(torch.nn.Module):
         self.register_buffer("cos_sin", self._table(dtype, device), persistent=False)
 
     def _table(self, dtype: torch.dtype, device: torch.device | str | None) -> torch.Tensor:
+        # Computed on the CPU in float64 whatever the default device (also while a model is built on the meta
+        # device: the table is real data, not a parameter a checkpoint fills), then rounded once to ``dtype``.
         inv_freq = rope_inv_freq(self.head_dim, self.theta, self.scaling)
-        angles = torch.outer(torch.arange(self.max_positions, dtype=torch.float64), inv_freq)
+        angles = torch.outer(torch.arange(self.max_positions, dtype=torch.float64, device="cpu"), inv_freq)
         # [max_positions, 2, head_dim // 2]: cos and sin side by side, so one index_select fetches both.
         return torch.stack([angles.cos(), angles.sin()], dim=1).to(dtype=dtype, device=device)
 

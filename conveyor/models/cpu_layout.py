@@ -27,7 +27,7 @@ def relayout_for_cpu(model: nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, nn.Linear):
             module.weight.data = _column_major(module.weight.data)
-    if getattr(model, "lm_head", "absent") is None:
+    if model.lm_head is None:  # tied: the logits matmul reads the embedding
         embedding = model.get_input_embeddings()
         # built on the meta device: a real one would spend 0.25 s (SmolLM2's 49152 x 576) on a random init
         head = nn.Linear(embedding.embedding_dim, embedding.num_embeddings, bias=False, device="meta")

@@ -8,12 +8,14 @@ shape, which is what the benchmarks measure. Its tokenizer is ``ByteTokenizer`` 
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
+from conveyor.models.build import ModelInfo, build_model, make_info
 from conveyor.models.config import ModelConfig
-from conveyor.models.loader import ModelInfo, build_model, make_info
-from conveyor.models.sources import EMBEDDED_NAME
 
+EMBEDDED_NAME = "conveyor-embedded-llama-40m-random"
 EMBEDDED_CONFIG = dict(
     architecture="LlamaForCausalLM", hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4, head_dim=64,
     intermediate_size=1408, vocab_size=32000, max_position_embeddings=4096, norm_eps=1e-5,
@@ -37,3 +39,10 @@ def load_embedded(dtype: torch.dtype = torch.float32, device: str | torch.device
                 param.normal_(0.0, INIT_STD, generator=gen)
     model = model.to(device=device, dtype=dtype)
     return model, make_info(EMBEDDED_NAME, cfg, model, dtype)
+
+
+def warn_if_random(model_name: str) -> None:
+    """On stderr, for the command-line front ends: a model named ``EMBEDDED_NAME`` answers noise."""
+    if model_name == EMBEDDED_NAME:
+        print(f"[conveyor] {EMBEDDED_NAME} has RANDOM weights: its output is noise (it exists for benchmarks)",
+              file=sys.stderr)

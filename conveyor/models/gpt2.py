@@ -9,7 +9,9 @@ import torch
 from torch import nn
 
 from conveyor.layers.activation import gelu_new
+from conveyor.layers.embedding import Embedding
 from conveyor.models.config import ModelConfig
+from conveyor.models.weights import WeightTarget
 
 CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 
@@ -57,8 +59,8 @@ class GPT2LMHeadModel(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.config = cfg
-        self.wte = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.wpe = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)
+        self.wte = Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.wpe = Embedding(cfg.max_position_embeddings, cfg.hidden_size)
         self.h = nn.ModuleList(GPT2Block(cfg) for _ in range(cfg.num_layers))
         self.ln_f = nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
@@ -69,16 +71,16 @@ class GPT2LMHeadModel(nn.Module):
             x = block(x, kv_cache, attn)
         return self.ln_f(x)
 
-    def get_input_embeddings(self) -> nn.Embedding:
+    def get_input_embeddings(self) -> Embedding:
         return self.wte
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.wte.weight if self.lm_head is None else self.lm_head.weight
         return torch.nn.functional.linear(hidden, weight)
 
-    def map_weight(self, name: str):
-        """Where HF checkpoint weight ``name`` goes: (param name, None, None, transpose?) or None to skip it."""
+    def map_weight(self, name: str) -> WeightTarget | None:
+        """Where HF checkpoint weight ``name`` goes (None: skip it); Conv1D weights are transposed."""
         name = name.removeprefix("transformer.")
         if name.endswith((".attn.bias", ".attn.masked_bias")) or (name == "lm_head.weight" and self.lm_head is None):
             return None  # old checkpoints' causal-mask buffers; tied lm_head copy
-        return name, None, None, name.endswith(CONV1D_WEIGHTS)
+        return WeightTarget(name, transpose=name.endswith(CONV1D_WEIGHTS))

@@ -11,9 +11,11 @@ import torch
 from torch import nn
 
 from conveyor.layers.activation import silu_and_mul
+from conveyor.layers.embedding import Embedding
 from conveyor.layers.norms import RMSNorm
 from conveyor.layers.rotary import RotaryEmbedding, apply_rotary
 from conveyor.models.config import ModelConfig
+from conveyor.models.weights import WeightTarget
 
 
 class LlamaAttention(nn.Module):
@@ -64,7 +66,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
@@ -77,15 +79,15 @@ class LlamaForCausalLM(nn.Module):
             x = layer(x, cos, sin, kv_cache, attn)
         return self.norm(x)
 
-    def get_input_embeddings(self) -> nn.Embedding:
+    def get_input_embeddings(self) -> Embedding:
         return self.embed_tokens
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return torch.nn.functional.linear(hidden, weight)
 
-    def map_weight(self, name: str):
-        """Where HF checkpoint weight ``name`` goes: (param name, row offset, rows) or None to skip it."""
+    def map_weight(self, name: str) -> WeightTarget | None:
+        """Where HF checkpoint weight ``name`` goes (None: skip it). q/k/v and gate/up fill rows of fused ones."""
         cfg = self.config
         name = name.removeprefix("model.")
         if "rotary_emb" in name or (name == "lm_head.weight" and self.lm_head is None):
@@ -95,5 +97,5 @@ class LlamaForCausalLM(nn.Module):
                                            ("v_proj", "qkv_proj", q + kv, kv), ("gate_proj", "gate_up_proj", 0, inter),
                                            ("up_proj", "gate_up_proj", inter, inter)):
             if f".{short}." in name:
-                return name.replace(short, fused), offset, rows
-        return name, None, None
+                return WeightTarget(name.replace(short, fused), offset, rows)
+        return WeightTarget(name)

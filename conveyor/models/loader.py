@@ -2,90 +2,19 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-from dataclasses import dataclass
 
 import torch
 
-from conveyor.models.config import GPT2_LIKE, ModelConfig, parse_config
+from conveyor.models.build import ModelInfo, build_model, make_info, resolve_dtype
+from conveyor.models.config import parse_config
 from conveyor.models.cpu_layout import relayout_for_cpu
+from conveyor.models.embedded import load_embedded
 from conveyor.models.gguf_file import GGUFFile
 from conveyor.models.gguf_model import gguf_config, gguf_weights
-from conveyor.models.gpt2 import GPT2LMHeadModel
-from conveyor.models.llama import LlamaForCausalLM
 from conveyor.models.sources import resolve_model
 from conveyor.models.weights import checkpoint_files, iter_weights, load_into
-
-# float64 is for tests: the numerical oracle in which random weights' near-ties cannot flip.
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
-
-
-@dataclass
-class ModelInfo:
-    """What the engine, runner and server need to know about a loaded model."""
-
-    name: str
-    architecture: str
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    hidden_size: int
-    vocab_size: int
-    max_position_embeddings: int
-    eos_token_ids: list[int]
-    bos_token_id: int | None
-    dtype: str
-    num_params: int
-
-
-def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device = "cpu", checkpoint_dtype=None) -> torch.dtype:
-    """A dtype name -> torch dtype. "auto": float32 on CPU (no fast bf16/fp16 matmul on most CPUs), else the
-    checkpoint's 16-bit dtype when it has one."""
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype == "auto":
-        if torch.device(device).type == "cpu" or checkpoint_dtype not in ("bfloat16", "float16"):
-            return torch.float32
-        return DTYPES[checkpoint_dtype]
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(DTYPES) + ['auto']}, got {dtype!r}")
-    return DTYPES[dtype]
-
-
-@contextlib.contextmanager
-def skip_param_init():
-    """Make nn.Linear / nn.Embedding skip their random init while the model is built: the checkpoint (or the
-    embedded model's seeded init) overwrites every parameter anyway. (Building on the meta device instead
-    costs a 1.3 s one-off import of torch's reference ops.)"""
-    names = ("kaiming_uniform_", "uniform_", "normal_")
-    saved = {n: getattr(torch.nn.init, n) for n in names}
-    try:
-        for n in names:
-            setattr(torch.nn.init, n, lambda tensor, *args, **kwargs: tensor)
-        yield
-    finally:
-        for n, fn in saved.items():
-            setattr(torch.nn.init, n, fn)
-
-
-def build_model(cfg: ModelConfig, dtype: torch.dtype, device: str | torch.device) -> torch.nn.Module:
-    """A model with uninitialised parameters of ``dtype`` on ``device`` (no random init cost)."""
-    cls = GPT2LMHeadModel if cfg.architecture in GPT2_LIKE else LlamaForCausalLM
-    with skip_param_init(), torch.device(device):
-        model = cls(cfg).to(dtype)
-    return model.eval().requires_grad_(False)
-
-
-def make_info(name: str, cfg: ModelConfig, model: torch.nn.Module, dtype: torch.dtype) -> ModelInfo:
-    return ModelInfo(
-        name=name, architecture=cfg.architecture, num_layers=cfg.num_layers, num_heads=cfg.num_heads,
-        num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, hidden_size=cfg.hidden_size,
-        vocab_size=cfg.vocab_size, max_position_embeddings=cfg.max_position_embeddings,
-        eos_token_ids=list(cfg.eos_token_ids), bos_token_id=cfg.bos_token_id,
-        dtype=str(dtype).removeprefix("torch."), num_params=sum(p.numel() for p in model.parameters()))
 
 
 def _generation_eos(model_dir: str) -> list[int]:
@@ -107,7 +36,6 @@ def load_model(model: str | None, dtype: str | torch.dtype = "float32", device: 
     """
     source = resolve_model(model)
     if source.kind == "embedded":
-        from conveyor.models.embedded import load_embedded
         net, info = load_embedded(resolve_dtype(dtype, device), device, seed)
     elif source.kind == "gguf":
         net, info = _load_gguf(source.path, source.name, dtype, device)
@@ -147,4 +75,3 @@ def _load_hf_dir(model: str, dtype: str | torch.dtype, device: str | torch.devic
     with torch.no_grad():
         load_into(net, iter_weights(files), where=model)
     return net, make_info(os.path.basename(os.path.normpath(model)), cfg, net, torch_dtype)
-

@@ -16,8 +16,9 @@ import importlib.util
 import os
 from dataclasses import dataclass
 
+from conveyor.models.embedded import EMBEDDED_NAME
+
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
-EMBEDDED_NAME = "conveyor-embedded-llama-40m-random"
 
 
 @dataclass(frozen=True)

@@ -5,10 +5,22 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterator
+from typing import NamedTuple
 
 import numpy as np
 import torch
 from safetensors import safe_open
+
+
+class WeightTarget(NamedTuple):
+    """Where one checkpoint tensor goes: parameter ``param`` whole, or rows [offset, offset + rows) of it when the
+    tensor is one part of a fused parameter (q_proj of qkv_proj); transposed first when the checkpoint stores it
+    [in, out] (GPT-2's Conv1D)."""
+
+    param: str
+    offset: int | None = None
+    rows: int | None = None
+    transpose: bool = False
 
 
 def checkpoint_files(model_dir: str) -> list[str]:
@@ -44,27 +56,25 @@ def copy_weight(dst: torch.Tensor, src: torch.Tensor) -> None:
 def load_into(model: torch.nn.Module, weights, where: str) -> None:
     """Copy checkpoint weights in through ``model.map_weight``; ValueError for unknown, misshapen or missing ones.
 
-    ``map_weight(name)`` returns None (skip) or (param name, row offset, rows[, transpose]): a slice of a fused
-    parameter when offset is not None.
+    ``map_weight(name)`` returns the ``WeightTarget`` of a checkpoint tensor, or None to skip it.
     """
     params = dict(model.named_parameters())
     rows_loaded = {name: 0 for name in params}
     for name, tensor in weights:
-        mapped = model.map_weight(name)
-        if mapped is None:
+        target = model.map_weight(name)
+        if target is None:
             continue
-        target, offset, rows, *transpose = mapped
-        if target not in params:
+        if target.param not in params:
             raise ValueError(f"{where}: unexpected weight {name!r}")
-        if transpose and transpose[0]:
+        if target.transpose:
             tensor = tensor.t()
-        dst = params[target].data
-        if offset is not None:
-            dst = dst.narrow(0, offset, rows)
+        dst = params[target.param].data
+        if target.offset is not None:
+            dst = dst.narrow(0, target.offset, target.rows)
         if dst.shape != tensor.shape:
             raise ValueError(f"{where}: weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
         copy_weight(dst, tensor)
-        rows_loaded[target] += dst.shape[0]
+        rows_loaded[target.param] += dst.shape[0]
     missing = [n for n, p in params.items() if rows_loaded[n] != p.shape[0]]
     if missing:
         raise ValueError(f"{where}: checkpoint lacks weights for {missing[:4]}{' ...' if len(missing) > 4 else ''}")

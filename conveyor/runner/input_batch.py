@@ -12,9 +12,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from conveyor.core.outputs import SchedulerOutput
+from conveyor.core.block_pool import cdiv
+from conveyor.core.outputs import SchedulerOutput, is_decode
 from conveyor.core.sampling_params import SamplingParams
-from conveyor.layers.attention.metadata import AttentionMetadata
+from conveyor.layers.attention import AttentionMetadata, Padding
+
+# The persistent block table starts with room for this many requests x blocks each and doubles when outgrown.
+INITIAL_TABLE_ROWS = 64
+INITIAL_TABLE_COLS = 64
 
 
 @dataclass
@@ -27,6 +32,7 @@ class RequestState:
     row: int  # row in the persistent block table
     num_blocks: int
     generator: torch.Generator | None  # only for seeded requests
+    error: str | None = None  # per-request setup failed: computed as usual, sampled token discarded
 
     @property
     def num_output_tokens(self) -> int:
@@ -37,7 +43,8 @@ class RequestState:
 class StepInputs:
     input_ids: torch.Tensor  # [T + pad]
     positions: torch.Tensor  # [T + pad]
-    attn_meta: AttentionMetadata
+    attn_meta: AttentionMetadata  # of the T real tokens
+    padding: Padding | None  # a baseline's pad rows after the real ones (None: no padding this step)
     logits_indices: torch.Tensor | None  # rows of the hidden states that sample; None: every row samples
     sampling: list[RequestState]  # in logits row order
     prompt_rows: list[PromptRows]  # hidden-state rows whose logits score prompt tokens (prompt_logprobs)
@@ -61,8 +68,8 @@ class InputBatch:
         self.device = torch.device(device)
         self.max_position = max_position
         self.requests: dict[str, RequestState] = {}
-        self.block_table = np.zeros((64, 64), dtype=np.int64)
-        self.free_rows = list(range(63, -1, -1))
+        self.block_table = np.zeros((INITIAL_TABLE_ROWS, INITIAL_TABLE_COLS), dtype=np.int64)
+        self.free_rows = list(range(INITIAL_TABLE_ROWS - 1, -1, -1))
 
     def _ensure_capacity(self, rows: int, cols: int) -> None:
         r, c = self.block_table.shape
@@ -81,6 +88,11 @@ class InputBatch:
         self.block_table[state.row, state.num_blocks:end] = new_block_ids
         state.num_blocks = end
 
+    def _generator(self, params: SamplingParams) -> torch.Generator | None:
+        if params.seed is None:
+            return None
+        return torch.Generator(device=self.device).manual_seed(params.seed)
+
     def update(self, so: SchedulerOutput) -> None:
         """Forget finished / preempted requests, admit new ones, apply the cached ones' deltas."""
         for req_id in so.finished_req_ids | so.preempted_req_ids:
@@ -92,11 +104,13 @@ class InputBatch:
                 self.free_rows.append(self.requests.pop(new.request_id).row)
             if not self.free_rows:
                 self._ensure_capacity(self.block_table.shape[0] + 1, 0)
-            gen = None
-            if new.sampling_params.seed is not None:
-                gen = torch.Generator(device=self.device).manual_seed(new.sampling_params.seed)
+            gen, error = None, None
+            try:
+                gen = self._generator(new.sampling_params)
+            except Exception as exc:  # noqa: BLE001 - one request's bad seed must not stop the step
+                error = f"could not seed its sampling generator: {exc!r}"
             state = RequestState(new.request_id, list(new.token_ids), new.num_prompt_tokens, new.sampling_params,
-                                 new.num_computed_tokens, self.free_rows.pop(), 0, gen)
+                                 new.num_computed_tokens, self.free_rows.pop(), 0, gen, error)
             self._set_blocks(state, new.block_ids)
             self.requests[new.request_id] = state
         for cached in so.scheduled_cached_reqs:
@@ -110,8 +124,8 @@ class InputBatch:
         scheduled = so.num_scheduled_tokens
         states = [self.requests[r.request_id] for r in so.scheduled_new_reqs]
         states += [self.requests[r.request_id] for r in so.scheduled_cached_reqs]
-        decodes = sorted((s for s in states if scheduled[s.req_id] == 1), key=lambda s: s.num_computed_tokens)
-        others = [s for s in states if scheduled[s.req_id] != 1]
+        decodes = sorted((s for s in states if is_decode(scheduled[s.req_id])), key=lambda s: s.num_computed_tokens)
+        others = [s for s in states if not is_decode(scheduled[s.req_id])]
         ordered = decodes + others
         num_new = np.fromiter((scheduled[s.req_id] for s in ordered), dtype=np.int64, count=len(ordered))
         computed = np.fromiter((s.num_computed_tokens for s in ordered), dtype=np.int64, count=len(ordered))
@@ -124,7 +138,7 @@ class InputBatch:
         req_of_token = np.repeat(np.arange(len(ordered)), num_new)
         positions = np.arange(num_tokens) + np.repeat(computed - query_start[:-1], num_new)
         rows = np.fromiter((s.row for s in ordered), dtype=np.int64, count=len(ordered))
-        max_blocks = int(-(-seq_lens.max() // self.block_size)) if len(ordered) else 0
+        max_blocks = cdiv(int(seq_lens.max()), self.block_size) if len(ordered) else 0
         block_table = self.block_table[rows, :max_blocks]
         slot_mapping = block_table[req_of_token, positions // self.block_size] * self.block_size \
             + positions % self.block_size
@@ -132,15 +146,12 @@ class InputBatch:
         input_ids: list[int] = []
         for s, c, n in zip(ordered, computed.tolist(), num_new.tolist()):
             input_ids += s.token_ids[c:c + n]
-        pad = so.num_padding_tokens
-        # Pad tokens (token 0) form fake sequences no longer than the step's longest chunk: the rows a padded
-        # [batch, longest] tensor would hold. Positions restart at 0 in each.
-        pad_segment = int(num_new.max()) if len(ordered) else pad
-        if self.max_position is not None:
-            pad_segment = min(pad_segment, self.max_position)
-        if pad:
-            input_ids += [0] * pad
-            positions = np.concatenate([positions, np.arange(pad) % max(pad_segment, 1)])
+        padding = None
+        if so.num_padding_tokens:
+            padding = self._padding(so.num_padding_tokens, int(num_new.max()) if len(ordered) else 0)
+            input_ids += [0] * padding.num_tokens  # pad token id 0; positions restart at 0 in each segment
+            positions = np.concatenate([positions, np.arange(padding.num_tokens) % max(padding.segment, 1)])
+        pad = padding.num_tokens if padding else 0
 
         sampling_idx = [i for i, s in enumerate(ordered) if int(seq_lens[i]) == len(s.token_ids)]
         prompt_rows = []
@@ -157,9 +168,17 @@ class InputBatch:
             logits_indices = torch.from_numpy(query_start[1:][sampling_idx] - 1).to(self.device)
         dev = self.device
         meta = AttentionMetadata(
-            num_tokens=num_tokens, num_pad_tokens=pad, block_size=self.block_size,
-            slot_mapping=torch.from_numpy(slot_mapping).to(dev), query_start_loc=query_start.tolist(),
-            seq_lens=seq_lens.tolist(), num_computed=computed.tolist(),
-            block_table=torch.from_numpy(block_table).to(dev), num_decodes=len(decodes), pad_segment=pad_segment)
+            num_tokens=num_tokens, block_size=self.block_size, slot_mapping=torch.from_numpy(slot_mapping).to(dev),
+            query_start_loc=query_start.tolist(), seq_lens=seq_lens.tolist(), num_computed=computed.tolist(),
+            block_table=torch.from_numpy(block_table).to(dev), num_decodes=len(decodes))
         return StepInputs(torch.tensor(input_ids, dtype=torch.int64, device=dev),
-                          torch.from_numpy(positions).to(dev), meta, logits_indices, sampling, prompt_rows)
+                          torch.from_numpy(positions).to(dev), meta, padding, logits_indices, sampling,
+                          prompt_rows)
+
+    def _padding(self, num_pad_tokens: int, longest_chunk: int) -> Padding:
+        """Pad rows form sequences no longer than the step's longest chunk: the rows a padded [batch, longest]
+        tensor would hold (and no longer than the model's positions reach)."""
+        segment = longest_chunk or num_pad_tokens
+        if self.max_position is not None:
+            segment = min(segment, self.max_position)
+        return Padding(num_pad_tokens, segment)

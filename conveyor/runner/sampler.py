@@ -31,7 +31,9 @@ class Sampler:
         penalised = [i for i, p in enumerate(params) if p.has_penalties]
         if penalised:
             apply_penalties(logits, [reqs[i] for i in penalised], penalised)
-        banned = [(i, self._stop_ids(r)) for i, r in enumerate(reqs) if r.num_output_tokens < r.params.min_tokens]
+        vocab = logits.shape[1]
+        banned = [(i, self._stop_ids(r, vocab)) for i, r in enumerate(reqs)
+                  if r.num_output_tokens < r.params.min_tokens]
         for i, ids in banned:
             if ids:
                 logits[i, ids] = float("-inf")
@@ -45,9 +47,10 @@ class Sampler:
             return token_ids.tolist(), [None] * len(reqs)
         return self._with_logprobs(token_ids, raw_logprobs, lp_rows, params)
 
-    def _stop_ids(self, req: RequestState) -> list[int]:
+    def _stop_ids(self, req: RequestState, vocab: int) -> list[int]:
         eos = [] if req.params.ignore_eos else self.eos_token_ids
-        return sorted(set(eos) | set(req.params.stop_token_ids))
+        # Ids outside the vocabulary can never be sampled, so there is nothing to ban (and indexing would fail).
+        return sorted(t for t in set(eos) | set(req.params.stop_token_ids) if 0 <= t < vocab)
 
     def _sample_random(self, logits: torch.Tensor, reqs: list[RequestState]) -> torch.Tensor:
         params = [r.params for r in reqs]

@@ -45,13 +45,14 @@ class APIKeyMiddleware:
 
 
 def build_app(engine: LLMEngine, served_model_name: str | None = None, api_key: str | None = None,
-              log_stats_interval_s: float = 5.0, shutdown_timeout_s: float = 30.0) -> FastAPI:
-    """An OpenAI-compatible app serving ``engine``'s model. The engine thread runs for the app's lifespan."""
+              log_stats_interval_s: float = 5.0, shutdown_timeout_s: float = 30.0, max_n: int = 128) -> FastAPI:
+    """An OpenAI-compatible app serving ``engine``'s model. The engine thread runs for the app's lifespan.
+    ``max_n`` bounds ``n`` (and ``best_of``) per request: 128, as OpenAI's API does."""
     model_name = served_model_name or engine.model_info.name
     async_engine = AsyncEngine(engine)
-    metrics = ServerMetrics(engine, model_name)
-    metrics.attach(async_engine)
-    ctx = ServingContext(async_engine, model_name, engine.max_model_len)
+    metrics = ServerMetrics(async_engine, model_name)
+    metrics.attach()
+    ctx = ServingContext(async_engine, model_name, engine.max_model_len, max_n)
     tokenizer = engine.tokenizer
     created = int(time.time())
 
@@ -115,14 +116,16 @@ def build_app(engine: LLMEngine, served_model_name: str | None = None, api_key: 
             raise bad_request("give exactly one of prompt or messages", "prompt")
         messages = messages_as_dicts(body.messages) if body.messages is not None else None
 
-        def run(e: LLMEngine) -> list[int]:
+        def run(e: LLMEngine) -> tuple[list[int], list[str] | None]:
             if messages is not None:
-                return render_chat(e, messages, body.add_generation_prompt, bool(body.add_special_tokens))
-            add = True if body.add_special_tokens is None else body.add_special_tokens
-            return e.tokenizer.encode(body.prompt, add_special_tokens=add)
+                ids = render_chat(e, messages, body.add_generation_prompt, bool(body.add_special_tokens))
+            else:
+                add = True if body.add_special_tokens is None else body.add_special_tokens
+                ids = e.encode(body.prompt, add_special_tokens=add)
+            strs = [e.tokenizer.decode([t], skip_special_tokens=False) for t in ids] if body.return_token_strs else None
+            return ids, strs
 
-        ids = await _engine_call(async_engine, run)
-        strs = [tokenizer.decode([t], skip_special_tokens=False) for t in ids] if body.return_token_strs else None
+        ids, strs = await _engine_call(async_engine, run)
         return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids, "token_strs": strs}
 
     @app.post("/detokenize")

@@ -25,6 +25,13 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--disable-log-stats", action="store_true")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGINT/SIGTERM, seconds in-flight requests may take to finish before they are aborted")
+    p.add_argument("--max-n", type=int, default=128,
+                   help="the largest n (and best_of) one request may ask for (OpenAI's limit is 128); larger is 400")
+    p.add_argument("--timeout-keep-alive", type=float, default=5.0,
+                   help="seconds an idle keep-alive connection stays open after a response (uvicorn's)")
+    p.add_argument("--timeout-headers", type=float, default=10.0,
+                   help="seconds a client has to send a request's headers once connected (or after its previous "
+                   "response); slower or silent connections are closed")
     p.add_argument("--uvicorn-log-level", default="info")
     EngineArgs.add_cli_args(p)
     p.set_defaults(func=run_serve)
@@ -33,7 +40,7 @@ def add_serve_parser(sub) -> None:
 def run_serve(ns: argparse.Namespace) -> int:
     from conveyor.engine.args import EngineArgs
     from conveyor.engine.llm_engine import LLMEngine
-    from conveyor.models.sources import EMBEDDED_NAME
+    from conveyor.models import EMBEDDED_NAME
     from conveyor.server.app import build_app
     from conveyor.server.launcher import make_server
 
@@ -49,7 +56,8 @@ def run_serve(ns: argparse.Namespace) -> int:
                 "max_model_len %d, policy %s", info.name, info.num_params / 1e6, info.dtype, engine.load_time_s,
                 engine.init_time_s, engine.num_kv_blocks, args.block_size, engine.max_model_len, args.policy)
     app = build_app(engine, ns.served_model_name or info.name, ns.api_key,
-                    0.0 if ns.disable_log_stats else ns.log_stats_interval, ns.shutdown_timeout)
-    make_server(app, ns.host, ns.port, ns.uvicorn_log_level).run()
-    return 0
+                    0.0 if ns.disable_log_stats else ns.log_stats_interval, ns.shutdown_timeout, ns.max_n)
+    server = make_server(app, ns.host, ns.port, ns.uvicorn_log_level, ns.timeout_keep_alive, ns.timeout_headers)
+    server.run()
+    return 1 if server.engine_died else 0  # non-zero: a supervisor restarts a server whose engine died
 

@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from conveyor.core.sampling_params import SamplingParams
-from conveyor.engine.async_engine import EngineDeadError, EngineShuttingDownError
+from conveyor.engine.async_engine import EngineDeadError, EngineShuttingDownError, RequestFailedError
 from conveyor.engine.llm_engine import QueueFullError
 
 logger = logging.getLogger("conveyor.server")
@@ -69,8 +69,10 @@ def from_engine_error(exc: BaseException) -> APIError:
         return APIError(503, str(exc), code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)})
     if isinstance(exc, EngineShuttingDownError):
         return APIError(503, str(exc), code="shutting_down", headers={"Retry-After": str(RETRY_AFTER_S)})
-    if isinstance(exc, EngineDeadError):
+    if isinstance(exc, EngineDeadError):  # the server exits now (see launcher): no Retry-After
         return APIError(503, str(exc), code="engine_dead")
+    if isinstance(exc, RequestFailedError):  # the engine logged it and went on; only this request is lost
+        return APIError(500, f"the engine could not process this request: {exc}", code="request_failed")
     logger.exception("unexpected error", exc_info=exc)
     return APIError(500, f"internal error: {exc!r}")
 

@@ -2,7 +2,9 @@
 
 Where the numbers come from:
 - gauges (running / waiting / KV usage) and the engine's own counters (preemptions, prefix-cache queries and
-  hits) are read from the engine at scrape time, so they are exact even while the engine idles;
+  hits) are read at scrape time from ``AsyncEngine.stats``, the immutable snapshot the engine thread publishes
+  after every step and every command (so they are exact even while the engine idles): the event loop never
+  reads the live scheduler;
 - per-request histograms and token counters come from every ``RequestOutput`` (``AsyncEngine.output_listeners``);
 - tokens per step come from ``StepRecord`` (``LLMEngine.step_listeners``).
 Listeners run on the engine thread; prometheus-client metrics are thread-safe.
@@ -17,6 +19,7 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily
 
+from conveyor.engine.async_engine import AsyncEngine
 from conveyor.engine.outputs import RequestOutput
 from conveyor.engine.step_record import StepRecord
 
@@ -34,18 +37,18 @@ P = "conveyor:"
 
 
 class _EngineCounters:
-    """A collector that reports counters the engine already keeps, read at scrape time."""
+    """A collector that reports counters the engine already keeps, from its latest stats snapshot."""
 
-    def __init__(self, engine, labels: dict[str, str]) -> None:
-        self.engine = engine
+    def __init__(self, async_engine: AsyncEngine, labels: dict[str, str]) -> None:
+        self.async_engine = async_engine
         self.labels = labels
 
     def collect(self):
-        kv = self.engine.kv_manager
+        stats = self.async_engine.stats
         values = [
-            ("num_preemptions", "Cumulative number of preemptions.", self.engine.scheduler.num_preemptions),
-            ("prefix_cache_queries", "Prefix cache queries, in tokens.", getattr(kv, "prefix_queries", 0)),
-            ("prefix_cache_hits", "Prefix cache hits, in tokens.", getattr(kv, "prefix_hits", 0)),
+            ("num_preemptions", "Cumulative number of preemptions.", stats.num_preemptions),
+            ("prefix_cache_queries", "Prefix cache queries, in tokens.", stats.prefix_cache_queries),
+            ("prefix_cache_hits", "Prefix cache hits, in tokens.", stats.prefix_cache_hits),
         ]
         for name, doc, value in values:
             family = CounterMetricFamily(P + name, doc, labels=list(self.labels))
@@ -54,10 +57,10 @@ class _EngineCounters:
 
 
 class ServerMetrics:
-    """All metrics of one served model. ``attach(async_engine)`` wires the listeners."""
+    """All metrics of one served model. ``attach()`` wires the listeners."""
 
-    def __init__(self, engine, model_name: str) -> None:
-        self.engine = engine
+    def __init__(self, async_engine: AsyncEngine, model_name: str) -> None:
+        self.async_engine = async_engine
         self.registry = CollectorRegistry()
         labels = {"model_name": model_name}
         names = list(labels)
@@ -66,10 +69,10 @@ class ServerMetrics:
         def gauge(name: str, doc: str, fn) -> None:
             Gauge(P + name, doc, names, registry=r).labels(**labels).set_function(fn)
 
-        gauge("num_requests_running", "Requests in the running batch.", lambda: engine.scheduler.num_running)
-        gauge("num_requests_waiting", "Requests waiting to be scheduled.", lambda: engine.scheduler.num_waiting)
-        gauge("kv_cache_usage_perc", "KV-cache usage (1 = full).", engine.kv_cache_usage)
-        r.register(_EngineCounters(engine, labels))
+        gauge("num_requests_running", "Requests in the running batch.", lambda: async_engine.stats.num_running)
+        gauge("num_requests_waiting", "Requests waiting to be scheduled.", lambda: async_engine.stats.num_waiting)
+        gauge("kv_cache_usage_perc", "KV-cache usage (1 = full).", lambda: async_engine.stats.kv_cache_usage)
+        r.register(_EngineCounters(async_engine, labels))
 
         def counter(name: str, doc: str):
             return Counter(P + name, doc, names, registry=r).labels(**labels)
@@ -96,9 +99,9 @@ class ServerMetrics:
         self.total_prompt_tokens = 0
         self.total_generation_tokens = 0
 
-    def attach(self, async_engine) -> None:
-        async_engine.output_listeners.append(self.on_output)
-        async_engine.engine.step_listeners.append(self.on_step)
+    def attach(self) -> None:
+        self.async_engine.output_listeners.append(self.on_output)
+        self.async_engine.engine.step_listeners.append(self.on_step)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -144,16 +147,15 @@ class ServerMetrics:
 
 async def log_stats_forever(metrics: ServerMetrics, interval_s: float) -> None:
     """Log a vLLM-style status line every ``interval_s`` seconds while there is activity."""
-    engine = metrics.engine
     last = (time.monotonic(), metrics.total_prompt_tokens, metrics.total_generation_tokens)
     last_kv = (0, 0)
     while True:
         await asyncio.sleep(interval_s)
         now = time.monotonic()
         prompt, gen = metrics.total_prompt_tokens, metrics.total_generation_tokens
-        running, waiting = engine.scheduler.num_running, engine.scheduler.num_waiting
-        kv = engine.kv_manager
-        queries, hits = getattr(kv, "prefix_queries", 0), getattr(kv, "prefix_hits", 0)
+        stats = metrics.async_engine.stats
+        running, waiting = stats.num_running, stats.num_waiting
+        queries, hits = stats.prefix_cache_queries, stats.prefix_cache_hits
         if prompt == last[1] and gen == last[2] and not running and not waiting:
             last = (now, prompt, gen)
             continue  # idle: stay quiet
@@ -163,7 +165,7 @@ async def log_stats_forever(metrics: ServerMetrics, interval_s: float) -> None:
         logger.info(
             "Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, Running: %d reqs, "
             "Waiting: %d reqs, KV cache usage: %.1f%%, Prefix cache hit rate: %.1f%%",
-            (prompt - last[1]) / dt, (gen - last[2]) / dt, running, waiting, 100.0 * engine.kv_cache_usage(),
+            (prompt - last[1]) / dt, (gen - last[2]) / dt, running, waiting, 100.0 * stats.kv_cache_usage,
             hit_rate,
         )
         last, last_kv = (now, prompt, gen), (queries, hits)

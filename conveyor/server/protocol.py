@@ -18,7 +18,7 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = False
 
 
-class _SamplingFields(BaseModel):
+class SamplingFields(BaseModel):
     """Fields shared by completions and chat completions: OpenAI's, then the extras vLLM accepts."""
 
     model_config = ConfigDict(extra="ignore")
@@ -66,7 +66,7 @@ class _SamplingFields(BaseModel):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
-class CompletionRequest(_SamplingFields):
+class CompletionRequest(SamplingFields):
     """POST /v1/completions. ``prompt``: text, token ids, or a batch of either."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
@@ -87,7 +87,7 @@ class ChatMessage(BaseModel):
     name: str | None = None
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatCompletionRequest(SamplingFields):
     """POST /v1/chat/completions."""
 
     messages: list[ChatMessage] = Field(min_length=1)

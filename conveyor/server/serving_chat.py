@@ -8,11 +8,12 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from conveyor.core.outputs import TokenLogprobs
+from conveyor.core.sampling_params import MAX_LOGPROBS
 from conveyor.engine import chat
-from conveyor.server.errors import APIError, bad_request, from_engine_error, from_value_error
+from conveyor.server.errors import bad_request
 from conveyor.server.protocol import ChatCompletionRequest, ChatMessage
 from conveyor.server.serving_common import (
-    SSE_DONE, DeltaTracker, ServingContext, check_context, merged, new_id, sse, usage,
+    DeltaTracker, ServingContext, check_context, merged, new_id, sse_events, usage,
 )
 
 
@@ -34,8 +35,10 @@ def messages_as_dicts(messages: list[ChatMessage]) -> list[dict]:
 
 
 def render_chat(engine, messages: list[dict], add_generation_prompt: bool, add_special_tokens: bool) -> list[int]:
-    """Token ids of a conversation through the model's chat template (engine thread)."""
-    return chat.render_chat(engine.tokenizer, messages, add_generation_prompt, add_special_tokens=add_special_tokens)
+    """Token ids of a conversation through the model's chat template (engine thread). The template writes the
+    special tokens itself."""
+    text = chat.chat_prompt(engine.tokenizer, messages, add_generation_prompt)
+    return engine.encode(text, add_special_tokens=add_special_tokens, field="messages")
 
 
 def _logprobs(tokenizer, entries: list[TokenLogprobs]) -> dict:
@@ -53,17 +56,14 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: Request, ctx:
         raise bad_request("tools are not supported", "tools")
     if body.response_format and body.response_format.get("type") not in (None, "text"):
         raise bad_request("only response_format {\"type\": \"text\"} is supported", "response_format")
-    if body.logit_bias:
-        raise bad_request("logit_bias is not supported", "logit_bias")
-    if body.stream_options is not None and not body.stream:
-        raise bad_request("stream_options can only be set when stream is true", "stream_options")
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
+    if body.top_logprobs is not None and not 0 <= body.top_logprobs <= MAX_LOGPROBS:
+        raise bad_request(f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {body.top_logprobs}",
+                          "top_logprobs")
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    try:
-        params = body.sampling_params(max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
-    except ValueError as exc:
-        raise from_value_error(exc) from exc
+    params = ctx.sampling_params(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
+    ctx.check_size(params, 1)
     messages = messages_as_dicts(body.messages)
 
     def prepare(engine) -> dict:  # engine thread
@@ -75,8 +75,8 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: Request, ctx:
     streams = await ctx.submit(request_id, [prepare], params)
     head = {"id": request_id, "created": int(time.time()), "model": ctx.model_name}
     if body.stream:
-        return StreamingResponse(_stream(head, streams, ctx, tokenizer, params, body.include_usage),
-                                 media_type="text/event-stream")
+        chunks = _stream(head, streams, tokenizer, params, body.include_usage)
+        return StreamingResponse(sse_events(chunks, ctx, streams), media_type="text/event-stream")
 
     (final,) = await ctx.wait_final(streams, raw)
     choices = [{
@@ -88,36 +88,30 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: Request, ctx:
     return JSONResponse({**head, "object": "chat.completion", "choices": choices, "usage": usage([final])})
 
 
-async def _stream(head, streams, ctx: ServingContext, tokenizer, params, include_usage: bool):
+async def _stream(head, streams, tokenizer, params, include_usage: bool):
+    """The chunks of a streamed chat completion (``sse_events`` sends them)."""
     head = {**head, "object": "chat.completion.chunk"}
     extra = {"usage": None} if include_usage else {}
     tracker = DeltaTracker(params)
     final = None
-    try:
-        # OpenAI sends the role first, in a chunk of its own per choice.
-        for i in range(params.n):
-            choice = {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                      "finish_reason": None}
-            yield sse({**head, "choices": [choice], **extra})
-        async for _, out in merged(streams):
-            final = out
-            for c in out.outputs:
-                delta = tracker.delta(c.index, c)
-                if delta is None:
-                    continue
-                text, t0, t1, finished = delta
-                choice = {
-                    "index": c.index, "delta": {"content": text} if text or not finished else {},
-                    "logprobs": _logprobs(tokenizer, c.logprobs[t0:t1]) if c.logprobs is not None else None,
-                    "finish_reason": c.finish_reason if finished else None,
-                    "stop_reason": c.stop_reason if finished else None,
-                }
-                yield sse({**head, "choices": [choice], **extra})
-        if include_usage and final is not None:
-            yield sse({**head, "choices": [], "usage": usage([final])})
-    except Exception as exc:  # headers are sent: report in-band, as vLLM does
-        error = exc if isinstance(exc, APIError) else from_engine_error(exc)
-        yield sse(error.body())
-    finally:
-        ctx.abort(streams)
-    yield SSE_DONE
+    # OpenAI sends the role first, in a chunk of its own per choice.
+    for i in range(params.n):
+        choice = {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                  "finish_reason": None}
+        yield {**head, "choices": [choice], **extra}
+    async for _, out in merged(streams):
+        final = out
+        for c in out.outputs:
+            delta = tracker.delta(c.index, c)
+            if delta is None:
+                continue
+            text, t0, t1, finished = delta
+            choice = {
+                "index": c.index, "delta": {"content": text} if text or not finished else {},
+                "logprobs": _logprobs(tokenizer, c.logprobs[t0:t1]) if c.logprobs is not None else None,
+                "finish_reason": c.finish_reason if finished else None,
+                "stop_reason": c.stop_reason if finished else None,
+            }
+            yield {**head, "choices": [choice], **extra}
+    if include_usage and final is not None:
+        yield {**head, "choices": [], "usage": usage([final])}

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -14,8 +16,10 @@ from conveyor.core.sampling_params import SamplingParams
 from conveyor.engine.async_engine import AsyncEngine, RequestStream
 from conveyor.engine.llm_engine import LLMEngine
 from conveyor.engine.outputs import CompletionOutput, RequestOutput
-from conveyor.server.errors import APIError, from_engine_error
+from conveyor.server.errors import APIError, bad_request, from_engine_error, from_value_error
+from conveyor.server.protocol import SamplingFields
 
+logger = logging.getLogger("conveyor.server")
 Prepare = Callable[[LLMEngine], dict]  # runs on the engine thread: tokenizes, checks, returns the engine prompt
 
 
@@ -49,15 +53,40 @@ def usage(outputs: list[RequestOutput], prompt_only: bool = False) -> dict:
 class ServingContext:
     """The served model and its engine, as the handlers see them."""
 
-    def __init__(self, async_engine: AsyncEngine, model_name: str, max_model_len: int) -> None:
+    def __init__(self, async_engine: AsyncEngine, model_name: str, max_model_len: int, max_n: int = 128) -> None:
         self.engine = async_engine
         self.model_name = model_name
         self.max_model_len = max_model_len
+        self.max_n = max_n
+        self.max_seqs_per_request = async_engine.engine.max_seqs_per_request  # config: fixed for the run
+
+    def check_size(self, params: SamplingParams, num_prompts: int) -> None:
+        """400 for a request bigger than this server serves: ``n`` over ``--max-n``, or more sequences than the
+        queue bound could ever admit (a 503 would send a retrying client round forever)."""
+        if params.n > self.max_n:
+            raise bad_request(f"n must be <= {self.max_n} on this server (--max-n), got {params.n}", "n")
+        cap = self.max_seqs_per_request
+        if cap is not None and params.n * num_prompts > cap:
+            raise bad_request(
+                f"n x prompts is {params.n * num_prompts}, more than this server can ever admit at once ({cap}: "
+                f"--max-num-seqs plus --max-num-queued-reqs)", "n")
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
             raise APIError(404, f"The model `{name}` does not exist; this server serves `{self.model_name}`.",
                            "model", "model_not_found")
+
+    def sampling_params(self, body: SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        """The checks every generation endpoint makes after its own, and the request's ``SamplingParams``
+        (APIError 400 when bad)."""
+        if body.logit_bias:
+            raise bad_request("logit_bias is not supported", "logit_bias")
+        if body.stream_options is not None and not body.stream:
+            raise bad_request("stream_options can only be set when stream is true", "stream_options")
+        try:
+            return body.sampling_params(max_tokens, logprobs)
+        except ValueError as exc:
+            raise from_value_error(exc) from exc
 
     async def submit(self, request_id: str, prompts: list[Prepare], params: SamplingParams) -> list[RequestStream]:
         """Queue one engine request per prompt (ids ``{request_id}-{i}``); all or nothing."""
@@ -94,14 +123,36 @@ class ServingContext:
         finally:
             gone.cancel()
             if not results.done():
+                # A cancelled gather ends holding a CancelledError that asyncio would log, with a traceback,
+                # as "never retrieved": retrieve it.
+                results.add_done_callback(lambda f: f.cancelled() or f.exception())
                 results.cancel()
                 self.abort(streams)
         if not results.done():  # nobody will read this answer; it only ends the handler cleanly
+            logger.info("client disconnected before the answer: aborted %s", streams[0].request_id.rsplit("-", 1)[0])
             raise APIError(499, "client disconnected", code="client_closed_request")
         try:
             return results.result()
         except Exception as exc:
+            self.abort(streams)  # one prompt of a batch failed: the answer is an error, so stop the others
             raise from_engine_error(exc) from exc
+
+
+async def sse_events(events: AsyncIterator[dict], ctx: ServingContext,
+                     streams: list[RequestStream]) -> AsyncIterator[str]:
+    """``events`` as server-sent events, ended by ``data: [DONE]``. The headers are sent by then, so an error is
+    reported in-band (as vLLM does). Whatever happens, the request's unfinished streams are aborted: a no-op for
+    finished ones, and it frees the blocks of a client that went away."""
+    try:
+        async with contextlib.aclosing(events):
+            async for event in events:
+                yield sse(event)
+    except Exception as exc:
+        error = exc if isinstance(exc, APIError) else from_engine_error(exc)
+        yield sse(error.body())
+    finally:
+        ctx.abort(streams)
+    yield SSE_DONE
 
 
 async def _wait_disconnect(raw: Request) -> None:

@@ -10,10 +10,10 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from conveyor.core.outputs import TokenLogprobs
 from conveyor.engine.outputs import CompletionOutput, RequestOutput
-from conveyor.server.errors import APIError, bad_request, from_engine_error, from_value_error
+from conveyor.server.errors import bad_request, from_value_error
 from conveyor.server.protocol import CompletionRequest
 from conveyor.server.serving_common import (
-    SSE_DONE, DeltaTracker, ServingContext, check_context, merged, new_id, sse, usage,
+    DeltaTracker, ServingContext, check_context, merged, new_id, sse_events, usage,
 )
 
 
@@ -29,7 +29,7 @@ def _prompts(prompt) -> list[str | list[int]]:
 def _prepare(prompt: str | list[int], max_tokens: int | None, add_special_tokens: bool):
     def prepare(engine) -> dict:  # runs on the engine thread
         if isinstance(prompt, str):
-            ids = engine.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+            ids = engine.encode(prompt, add_special_tokens=add_special_tokens)
             text = prompt
         else:
             ids, text = list(prompt), None
@@ -122,23 +122,20 @@ async def create_completion(body: CompletionRequest, raw: Request, ctx: ServingC
         raise bad_request("suffix is not supported", "suffix")
     if body.best_of is not None and body.best_of != body.n:
         raise bad_request("best_of other than n is not supported", "best_of")
-    if body.logit_bias:
-        raise bad_request("logit_bias is not supported", "logit_bias")
-    if body.stream_options is not None and not body.stream:
-        raise bad_request("stream_options can only be set when stream is true", "stream_options")
     prompt_only = body.echo and body.max_tokens == 0  # score the prompt, generate nothing
     max_tokens = 1 if prompt_only else body.max_tokens
+    params = ctx.sampling_params(body, max_tokens, body.logprobs)
+    # echo with logprobs needs the prompt tokens' logprobs, as many alternatives as the completion's
+    want = body.prompt_logprobs
+    if body.echo and body.logprobs is not None:
+        want = max(want or 0, body.logprobs)
     try:
-        params = body.sampling_params(max_tokens, body.logprobs)
-        # echo with logprobs needs the prompt tokens' logprobs, as many alternatives as the completion's
-        want = body.prompt_logprobs
-        if body.echo and body.logprobs is not None:
-            want = max(want or 0, body.logprobs)
-        params = dataclasses.replace(params, prompt_logprobs=want)
+        params = dataclasses.replace(params, prompt_logprobs=want)  # validated again: a bad count is a 400
     except ValueError as exc:
         raise from_value_error(exc) from exc
     echo = _Echo(body, prompt_only)
     prompts = [_prepare(p, max_tokens, body.add_special_tokens) for p in _prompts(body.prompt)]
+    ctx.check_size(params, len(prompts))
     request_id = new_id("cmpl")
     created = int(time.time())
     streams = await ctx.submit(request_id, prompts, params)
@@ -146,8 +143,8 @@ async def create_completion(body: CompletionRequest, raw: Request, ctx: ServingC
     n = params.n
 
     if body.stream:
-        return StreamingResponse(_stream(head, streams, ctx, tokenizer, params, n, body.include_usage, echo),
-                                 media_type="text/event-stream")
+        chunks = _stream(head, streams, tokenizer, params, n, body.include_usage, echo)
+        return StreamingResponse(sse_events(chunks, ctx, streams), media_type="text/event-stream")
 
     finals = await ctx.wait_final(streams, raw)
     choices = []
@@ -157,31 +154,25 @@ async def create_completion(body: CompletionRequest, raw: Request, ctx: ServingC
     return JSONResponse({**head, "choices": choices, "usage": usage(finals, prompt_only)})
 
 
-async def _stream(head, streams, ctx: ServingContext, tokenizer, params, n: int, include_usage: bool, echo: _Echo):
+async def _stream(head, streams, tokenizer, params, n: int, include_usage: bool, echo: _Echo):
+    """The chunks of a streamed completion (``sse_events`` sends them)."""
     tracker = DeltaTracker(params)
     last = {}
-    try:
-        async for p, out in merged(streams):
-            last[p] = out
-            for c in out.outputs:
-                index = p * n + c.index
-                first = index not in tracker.chars
-                delta = tracker.delta(index, c)
-                if delta is None:
-                    continue
-                text, t0, t1, finished = delta
-                entries = c.logprobs[t0:t1] if c.logprobs is not None else None
-                start = tracker.chars[index] - len(text)
-                chunk = {**head, "choices": [echo.choice(tokenizer, out, index, text, c, entries, first, finished,
-                                                         start)]}
-                if include_usage:
-                    chunk["usage"] = None
-                yield sse(chunk)
-        if include_usage:
-            yield sse({**head, "choices": [], "usage": usage(list(last.values()), echo.prompt_only)})
-    except Exception as exc:  # headers are sent: report in-band, as vLLM does
-        error = exc if isinstance(exc, APIError) else from_engine_error(exc)
-        yield sse(error.body())
-    finally:
-        ctx.abort(streams)  # a no-op for finished streams; frees the blocks of a client that went away
-    yield SSE_DONE
+    async for p, out in merged(streams):
+        last[p] = out
+        for c in out.outputs:
+            index = p * n + c.index
+            first = index not in tracker.chars
+            delta = tracker.delta(index, c)
+            if delta is None:
+                continue
+            text, t0, t1, finished = delta
+            entries = c.logprobs[t0:t1] if c.logprobs is not None else None
+            start = tracker.chars[index] - len(text)
+            chunk = {**head, "choices": [echo.choice(tokenizer, out, index, text, c, entries, first, finished,
+                                                     start)]}
+            if include_usage:
+                chunk["usage"] = None
+            yield chunk
+    if include_usage:
+        yield {**head, "choices": [], "usage": usage(list(last.values()), echo.prompt_only)}

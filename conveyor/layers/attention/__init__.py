@@ -1,22 +1,26 @@
-"""Attention backends behind one interface.
+"""Attention backends behind one interface (``base.AttentionBackend``).
 
-``make_attention(backend, meta, dtype)`` turns the step's ``AttentionMetadata`` into an object with
+``make_attention(backend, meta, dtype, padding)`` turns the step's ``AttentionMetadata`` into an object with
 ``forward(q, k, v, kv_cache, scale) -> out`` that every layer calls; all per-step preparation happens once, in
 its constructor. ``forward`` first writes the K/V of ALL new tokens into the paged cache, then reads.
-Backends: "reference" (the oracle), "cpu" (batched torch, default on CPU), "cuda" (flash-attn varlen when
-installed, else the batched torch path), "auto" (cuda on a GPU, cpu otherwise).
+Backends: "reference" (the oracle), "cpu" (batched torch plus a small C decode kernel, default on CPU),
+"cpu-torch" (the cpu backend without the C kernel), "cuda" (flash-attn varlen when installed, else the batched
+torch path), "auto" (cuda on a GPU, cpu otherwise). A step with a baseline's pad rows gets its backend wrapped
+in ``padded.PaddedAttention``.
 """
 
 from __future__ import annotations
 
 import torch
 
+from conveyor.layers.attention.base import AttentionBackend
 from conveyor.layers.attention.cpu import CpuAttention
 from conveyor.layers.attention.cuda import make_cuda_attention
 from conveyor.layers.attention.metadata import AttentionMetadata
+from conveyor.layers.attention.padded import PaddedAttention, Padding
 from conveyor.layers.attention.reference import ReferenceAttention
 
-BACKENDS = ("auto", "reference", "cpu", "cuda")
+BACKENDS = ("auto", "reference", "cpu", "cpu-torch", "cuda")
 
 
 def resolve_backend(name: str, device: torch.device | str) -> str:
@@ -27,15 +31,23 @@ def resolve_backend(name: str, device: torch.device | str) -> str:
     return name
 
 
-def make_attention(backend: str, meta: AttentionMetadata, dtype: torch.dtype):
-    """The per-step attention object for a resolved backend name."""
+def make_attention(backend: str, meta: AttentionMetadata, dtype: torch.dtype,
+                   padding: Padding | None = None) -> AttentionBackend:
+    """The per-step attention object for a resolved backend name; with ``padding``, wrapped to run the pad rows."""
+    attention = _make_backend(backend, meta, dtype)
+    return attention if padding is None else PaddedAttention(attention, meta.num_tokens, padding)
+
+
+def _make_backend(backend: str, meta: AttentionMetadata, dtype: torch.dtype) -> AttentionBackend:
     if backend == "reference":
         return ReferenceAttention(meta)
     if backend == "cpu":
         return CpuAttention(meta, dtype)
+    if backend == "cpu-torch":
+        return CpuAttention(meta, dtype, use_c_kernel=False)
     if backend == "cuda":
         return make_cuda_attention(meta, dtype)
     raise ValueError(f"unknown attention backend {backend!r}")
 
 
-__all__ = ["AttentionMetadata", "BACKENDS", "make_attention", "resolve_backend"]
+__all__ = ["AttentionBackend", "AttentionMetadata", "BACKENDS", "Padding", "make_attention", "resolve_backend"]

@@ -1,4 +1,4 @@
-"""Helpers every attention backend shares: cache writes, context gathers, the pad segment."""
+"""Helpers the attention backends share: cache writes, context gathers, plain causal attention."""
 
 from __future__ import annotations
 
@@ -9,13 +9,12 @@ from conveyor.layers.attention.metadata import AttentionMetadata
 
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
-    """Store the K/V of all real new tokens. Runs before any read, so a same-step prefix hit sees them."""
-    n = meta.num_tokens
-    if n == 0:
+    """Store the K/V of all new tokens. Runs before any read, so a same-step prefix hit sees them."""
+    if meta.num_tokens == 0:
         return
     num_slots = kv_cache.shape[1] * kv_cache.shape[2]
-    kv_cache[0].view(num_slots, *k.shape[1:]).index_copy_(0, meta.slot_mapping, k[:n])
-    kv_cache[1].view(num_slots, *v.shape[1:]).index_copy_(0, meta.slot_mapping, v[:n])
+    kv_cache[0].view(num_slots, *k.shape[1:]).index_copy_(0, meta.slot_mapping, k)
+    kv_cache[1].view(num_slots, *v.shape[1:]).index_copy_(0, meta.slot_mapping, v)
 
 
 def gather_context(kv_cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -33,14 +32,3 @@ def causal_self_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sca
         q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
         is_causal=True, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
     return out.squeeze(0).transpose(0, 1)
-
-
-def attend_pad(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, meta: AttentionMetadata,
-               scale: float) -> None:
-    """Really compute the pad tokens (a baseline's wasted work), causal within segments of at most
-    ``meta.pad_segment`` tokens (the step's longest prompt chunk): as padded rows of a [batch, longest] tensor
-    would cost, never one long sequence whose attention would grow with the square of *all* the padding."""
-    seg = meta.pad_segment or meta.num_pad_tokens
-    for s in range(meta.num_tokens, meta.num_tokens + meta.num_pad_tokens, max(seg, 1)):
-        e = min(s + seg, meta.num_tokens + meta.num_pad_tokens)
-        out[s:e] = causal_self_attention(q[s:e], k[s:e], v[s:e], scale)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from conveyor.layers.attention.common import attend_pad, causal_self_attention, gather_context, write_kv
+from conveyor.layers.attention.common import causal_self_attention, gather_context, write_kv
 from conveyor.layers.attention.metadata import AttentionMetadata
 from conveyor.layers.attention.paged_decode_kernel import load_kernel, paged_decode
 
@@ -50,7 +50,9 @@ def plan_decode_buckets(seq_lens: list[int], num_decodes: int) -> list[tuple[int
 
 
 class CpuAttention:
-    """All decodes in one C-kernel call (or a few torch length buckets), then prefill chunks one by one."""
+    """All decodes in one C-kernel call (or a few torch length buckets), then prefill chunks one by one.
+
+    ``use_c_kernel=False`` is the "cpu-torch" backend: the torch path even where the kernel builds."""
 
     name = "cpu"
 
@@ -106,7 +108,6 @@ class CpuAttention:
                 continue
             ctx_k, ctx_v = gather_context(kv_cache, meta.block_table[i], meta.seq_lens[i])
             out[start:end] = _attend_with_context(q[start:end], ctx_k, ctx_v, meta.num_computed[i], scale)
-        attend_pad(q, k, v, out, meta, scale)
         return out
 
 

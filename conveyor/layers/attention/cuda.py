@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from conveyor.layers.attention.common import attend_pad, write_kv
+from conveyor.layers.attention.base import AttentionBackend
+from conveyor.layers.attention.common import write_kv
 from conveyor.layers.attention.cpu import CpuAttention
 from conveyor.layers.attention.metadata import AttentionMetadata
 
@@ -39,21 +40,19 @@ class FlashAttention:
         self.max_k = max(meta.seq_lens, default=0)
         self.block_table = meta.block_table.to(torch.int32)
 
-    def forward(self, q, k, v, kv_cache, scale):
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                scale: float) -> torch.Tensor:
         meta = self.meta
         write_kv(kv_cache, k, v, meta)
-        out = torch.empty_like(q)
-        n = meta.num_tokens
-        if meta.num_reqs:
-            out[:n] = flash_attn_varlen_func(
-                q[:n], kv_cache[0], kv_cache[1], cu_seqlens_q=self.cu_q, cu_seqlens_k=self.cu_k,
-                max_seqlen_q=self.max_q, max_seqlen_k=self.max_k, softmax_scale=scale, causal=True,
-                block_table=self.block_table)
-        attend_pad(q, k, v, out, meta, scale)
-        return out
+        if not meta.num_reqs:
+            return torch.empty_like(q)
+        return flash_attn_varlen_func(
+            q, kv_cache[0], kv_cache[1], cu_seqlens_q=self.cu_q, cu_seqlens_k=self.cu_k,
+            max_seqlen_q=self.max_q, max_seqlen_k=self.max_k, softmax_scale=scale, causal=True,
+            block_table=self.block_table)
 
 
-def make_cuda_attention(meta: AttentionMetadata, dtype: torch.dtype):
+def make_cuda_attention(meta: AttentionMetadata, dtype: torch.dtype) -> AttentionBackend:
     if flash_attn_available() and meta.block_size % 256 == 0:
         return FlashAttention(meta)
     return CpuAttention(meta, dtype)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from conveyor.layers.attention.common import attend_pad, gather_context, write_kv
+from conveyor.layers.attention.common import gather_context, write_kv
 from conveyor.layers.attention.metadata import AttentionMetadata
 
 
@@ -36,5 +36,4 @@ class ReferenceAttention:
             vh = ctx_v.transpose(0, 1).repeat_interleave(group, dim=0).float()
             o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=allowed, scale=scale)
             out[start:end] = o.transpose(0, 1).to(q.dtype)
-        attend_pad(q, k, v, out, meta, scale)
         return out

@@ -9,7 +9,7 @@ from contextlib import contextmanager
 
 from conveyor.engine.args import EngineArgs
 from conveyor.engine.llm_engine import LLMEngine
-from conveyor.models.loader import DTYPES
+from conveyor.models.build import DTYPES
 from conveyor.server.app import build_app
 from conveyor.server.launcher import make_server
 
@@ -27,13 +27,14 @@ def make_engine(model_dir, **overrides) -> LLMEngine:
 
 
 @contextmanager
-def running_server(app):
-    """Serve ``app`` on a free port; yields the base URL (``http://127.0.0.1:PORT``)."""
+def running_server(app, **server_kwargs):
+    """Serve ``app`` on a free port; yields the base URL (``http://127.0.0.1:PORT``). ``server_kwargs`` go to
+    ``make_server`` (timeouts, ``exit_on_engine_death``)."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = make_server(app, "127.0.0.1", port, log_level="warning")
+    server = make_server(app, "127.0.0.1", port, log_level="warning", **server_kwargs)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
@@ -50,9 +51,10 @@ def running_server(app):
 
 
 @contextmanager
-def serve_model(model_dir, served_model_name: str = "tiny", api_key: str | None = None, **engine_overrides):
+def serve_model(model_dir, served_model_name: str = "tiny", api_key: str | None = None, server_kwargs=None,
+                **engine_overrides):
     """Build an engine for ``model_dir`` and serve it; yields (base URL, app)."""
     engine = make_engine(model_dir, **engine_overrides)
     app = build_app(engine, served_model_name, api_key, log_stats_interval_s=0.0, shutdown_timeout_s=2.0)
-    with running_server(app) as url:
+    with running_server(app, **(server_kwargs or {})) as url:
         yield url, app

@@ -1,0 +1,60 @@
+"""What a scheduling policy is: the questions the scheduler asks it, and the decisions it hands back.
+
+Mechanism (the token budget, the KV manager, preemption, the queues) lives in ``scheduler.py``; decisions live in
+a policy. A policy never touches the scheduler: it reads the queues it is shown and returns values that the
+scheduler applies. It may keep state of its own (a static batch's members).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from typing import NamedTuple, Protocol
+
+from conveyor.core.outputs import SchedulerOutput
+from conveyor.core.request import Request
+
+
+class OnFinish(enum.Enum):
+    """What becomes of a request that finished for its user."""
+
+    RETIRE = "retire"  # leave the batch now; its blocks are freed
+    PARK = "park"  # keep the slot and keep computing (output discarded) until the policy releases it
+
+
+class WastedWork(NamedTuple):
+    """Work a step does on purpose for nobody: pad tokens the executor must add, and how many of the scheduled
+    tokens belong to parked requests."""
+
+    num_padding_tokens: int = 0
+    num_idle_slot_tokens: int = 0
+
+
+NO_WASTE = WastedWork()
+
+
+class SchedulingPolicy(Protocol):
+    """The decisions of one batching strategy. ``name`` is its key in ``policies.POLICIES``."""
+
+    name: str
+
+    def step_budget(self) -> int:
+        """How many tokens one step may compute."""
+
+    def prefill_chunk(self, remaining: int, budget: int) -> int:
+        """How many of a prompt's ``remaining`` tokens to compute now, with ``budget`` tokens left (0: not now)."""
+
+    def begin_step(self, running: Sequence[Request], waiting: Sequence[Request], now: float) -> list[Request]:
+        """Called first in every step. Returns the parked requests to release now (their blocks are freed)."""
+
+    def admits(self, request: Request) -> bool:
+        """Whether the head of the waiting queue may join the batch in this step (a question: changes nothing)."""
+
+    def end_step(self, out: SchedulerOutput, running: Sequence[Request]) -> WastedWork:
+        """Called last in every step, with what was scheduled. Returns the work the step wastes on purpose."""
+
+    def on_finished(self, request: Request) -> OnFinish:
+        """Retire or park a request that just finished for its user."""
+
+    def choose_victim(self, candidates: Sequence[Request]) -> Request:
+        """The running request to preempt when blocks run out (``candidates`` in admission order)."""

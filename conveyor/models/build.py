@@ -1,0 +1,74 @@
+"""Building a model object: its class by architecture, parameters on the target device, and its ``ModelInfo``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from conveyor.models.config import GPT2_LIKE, ModelConfig
+from conveyor.models.gpt2 import GPT2LMHeadModel
+from conveyor.models.llama import LlamaForCausalLM
+
+# float64 is for tests: the numerical oracle in which random weights' near-ties cannot flip.
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+
+
+@dataclass
+class ModelInfo:
+    """What the engine, runner and server need to know about a loaded model."""
+
+    name: str
+    architecture: str
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    vocab_size: int
+    max_position_embeddings: int
+    eos_token_ids: list[int]
+    bos_token_id: int | None
+    dtype: str
+    num_params: int
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device = "cpu", checkpoint_dtype=None) -> torch.dtype:
+    """A dtype name -> torch dtype. "auto": float32 on CPU (no fast bf16/fp16 matmul on most CPUs), else the
+    checkpoint's 16-bit dtype when it has one."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        if torch.device(device).type == "cpu" or checkpoint_dtype not in ("bfloat16", "float16"):
+            return torch.float32
+        return DTYPES[checkpoint_dtype]
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES) + ['auto']}, got {dtype!r}")
+    return DTYPES[dtype]
+
+
+def build_model(cfg: ModelConfig, dtype: torch.dtype, device: str | torch.device) -> torch.nn.Module:
+    """A model with uninitialised parameters of ``dtype`` on ``device``, for a checkpoint to fill.
+
+    It is built on the meta device, so that its layers' random init (which the checkpoint, or the embedded
+    model's seeded init, would overwrite anyway) costs nothing, and every parameter is then given real, empty
+    storage. (Buffers computed at construction, like RoPE's table, are computed on the CPU for real.)
+    """
+    cls = GPT2LMHeadModel if cfg.architecture in GPT2_LIKE else LlamaForCausalLM
+    with torch.device("meta"):
+        model = cls(cfg)
+    for module in model.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            # torch.empty, not Module.to_empty: its empty_like on meta tensors pulls in sympy (seconds at start-up).
+            storage = torch.empty(param.shape, dtype=dtype, device=device)
+            module.register_parameter(name, torch.nn.Parameter(storage, requires_grad=False))
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def make_info(name: str, cfg: ModelConfig, model: torch.nn.Module, dtype: torch.dtype) -> ModelInfo:
+    return ModelInfo(
+        name=name, architecture=cfg.architecture, num_layers=cfg.num_layers, num_heads=cfg.num_heads,
+        num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, hidden_size=cfg.hidden_size,
+        vocab_size=cfg.vocab_size, max_position_embeddings=cfg.max_position_embeddings,
+        eos_token_ids=list(cfg.eos_token_ids), bos_token_id=cfg.bos_token_id,
+        dtype=str(dtype).removeprefix("torch."), num_params=sum(p.numel() for p in model.parameters()))

@@ -1,0 +1,94 @@
+"""The shapes of the models the simulator knows, from their Hugging Face ``config.json`` files. PURE PYTHON.
+
+Only what a cost model needs: layer count, widths, heads, vocabulary. Every FLOP and byte count of the cost
+models derives from the properties below, so a unit test can check them by hand for a known shape.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A Llama-family decoder (gated MLP, grouped-query attention, RoPE) as a cost model sees it."""
+
+    name: str
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+
+    @property
+    def q_dim(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def linear_params_per_layer(self) -> int:
+        """Weights every computed token multiplies through in one layer: q/k/v, o, gate/up, down."""
+        h = self.hidden_size
+        attention = h * (self.q_dim + 2 * self.kv_dim) + self.q_dim * h
+        mlp = 3 * h * self.intermediate_size
+        return attention + mlp
+
+    @property
+    def per_token_linear_params(self) -> int:
+        return self.num_layers * self.linear_params_per_layer
+
+    @property
+    def lm_head_params(self) -> int:
+        return self.hidden_size * self.vocab_size
+
+    @property
+    def num_params(self) -> int:
+        """All parameters: layers (norms included), embedding, final norm and lm_head (shared when tied)."""
+        per_layer = self.linear_params_per_layer + 2 * self.hidden_size
+        embeddings = self.lm_head_params * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * per_layer + embeddings + self.hidden_size
+
+    def forward_flops(self, num_tokens: int, num_sampled: int, attended_keys: float) -> float:
+        """Matmul FLOPs of ``num_tokens`` tokens, ``num_sampled`` of them through the lm_head, whose queries attend
+        to ``attended_keys`` keys in all: the same count as ``models.flops.forward_flops`` on a loaded model."""
+        linear = 2.0 * self.per_token_linear_params * num_tokens
+        lm_head = 2.0 * self.lm_head_params * num_sampled
+        attention = 4.0 * self.num_layers * self.q_dim * attended_keys
+        return linear + lm_head + attention
+
+    def kv_elements_per_token(self) -> int:
+        """K and V elements one token keeps in the cache, over all layers."""
+        return 2 * self.num_layers * self.kv_dim
+
+
+# The numbers are those of each model's published config.json (Hugging Face hub), copied here so the simulator
+# needs no files: name -> (hidden, layers, heads, kv heads, head_dim, intermediate, vocab, context, tied).
+_TABLE = {
+    # conveyor's embedded bench model = ../shared/bench/model.json (random weights, 40M parameters)
+    "bench-llama-40m": (512, 8, 8, 4, 64, 1408, 32000, 4096, True),
+    "smollm2-135m": (576, 30, 9, 3, 64, 1536, 49152, 8192, True),  # HuggingFaceTB/SmolLM2-135M-Instruct
+    "llama-3-8b": (4096, 32, 32, 8, 128, 14336, 128256, 8192, False),  # meta-llama/Meta-Llama-3-8B
+    "llama-3-70b": (8192, 80, 64, 8, 128, 28672, 128256, 8192, False),  # meta-llama/Meta-Llama-3-70B
+    "qwen2.5-7b": (3584, 28, 28, 4, 128, 18944, 152064, 32768, False),  # Qwen/Qwen2.5-7B-Instruct
+}
+MODELS: dict[str, ModelSpec] = {name: ModelSpec(name, *row) for name, row in _TABLE.items()}
+# The names conveyor's real engine reports for the same shapes, so a profile measured on one finds its spec.
+ALIASES = {"conveyor-embedded-llama-40m-random": "bench-llama-40m", "llama-40m-fp32": "bench-llama-40m",
+           "smollm2-135m-fp32": "smollm2-135m", "smollm2-135m-instruct": "smollm2-135m"}
+
+
+def get_model_spec(name: str) -> ModelSpec:
+    """The table's spec for ``name`` (case-insensitive; the real engine's model names are aliases)."""
+    key = name.lower()
+    key = ALIASES.get(key, key)
+    if key not in MODELS:
+        raise ValueError(f"unknown model {name!r} for the simulator; known: {', '.join(MODELS)} "
+                         "(or pass a Hugging Face model directory)")
+    return MODELS[key]
