@@ -85,10 +85,12 @@ def build_model(cfg: ModelConfig, dtype: torch.dtype, device: str | torch.device
     return model.to(device=device, dtype=dtype).eval()
 
 
-def make_info(name: str, cfg: ModelConfig, model: torch.nn.Module, dtype: torch.dtype) -> ModelInfo:
+def make_info(name: str, cfg: ModelConfig, model: torch.nn.Module, dtype: torch.dtype,
+              dtype_reason: str = "") -> ModelInfo:
     return ModelInfo(
         name=name, architecture=cfg.architecture, num_layers=cfg.num_layers, num_heads=cfg.num_heads,
         num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, hidden_size=cfg.hidden_size,
         vocab_size=cfg.vocab_size, max_position_embeddings=cfg.max_position_embeddings,
         eos_token_ids=list(cfg.eos_token_ids), bos_token_id=cfg.bos_token_id,
-        dtype=str(dtype).removeprefix("torch."), num_params=sum(p.numel() for p in model.parameters()))
+        dtype=str(dtype).removeprefix("torch."), num_params=sum(p.numel() for p in model.parameters()),
+        dtype_reason=dtype_reason)
