@@ -14,6 +14,8 @@ import time
 import httpx
 import pytest
 
+from conveyor.models.build import choose_dtype
+
 pytestmark = pytest.mark.slow  # a real model, engine or server: run by CI, skipped by -m "not slow"
 
 
@@ -78,7 +80,8 @@ def test_default_model_answers_then_sigterm_ends_in_flight_stream_with_abort(tmp
         assert proc.wait(timeout=30) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal it caught
         output = (tmp_path / "serve.log").read_text()
         assert "Avg generation throughput" in output and "aborting 1 unfinished request" in output
-        assert "loaded SmolLM2-135M-Instruct (135M parameters, float32) in" in output
+        auto = str(choose_dtype("auto", "cpu")[0]).removeprefix("torch.")  # the default dtype on this CPU
+        assert f"loaded SmolLM2-135M-Instruct (135M parameters, {auto}) in" in output
     finally:
         if proc.poll() is None:
             proc.kill()
