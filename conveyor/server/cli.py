@@ -32,6 +32,9 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--timeout-headers", type=float, default=10.0,
                    help="seconds a client has to send a request's headers once connected (or after its previous "
                    "response); slower or silent connections are closed")
+    p.add_argument("--engine-in-process", action="store_true",
+                   help="step the engine in a thread of the server's process instead of a process of its own "
+                   "(then the engine and the event loop share one GIL)")
     p.add_argument("--uvicorn-log-level", default="info")
     EngineArgs.add_cli_args(p)
     p.set_defaults(func=run_serve)
@@ -39,6 +42,7 @@ def add_serve_parser(sub) -> None:
 
 def run_serve(ns: argparse.Namespace) -> int:
     from conveyor.engine.args import EngineArgs
+    from conveyor.engine.core_client import EngineCoreClient
     from conveyor.engine.llm_engine import LLMEngine
     from conveyor.server.app import build_app
     from conveyor.server.launcher import make_server
@@ -49,9 +53,15 @@ def run_serve(ns: argparse.Namespace) -> int:
     args = EngineArgs.from_cli_args(ns)
     if args.model is None:
         logger.warning("no --model given: serving the embedded Llama-40M with RANDOM weights (output is noise)")
-    engine = LLMEngine(args)
-    logger.info("loaded %s: %d KV blocks of %d tokens, max_model_len %d, policy %s", engine.model_info.name,
-                engine.num_kv_blocks, args.block_size, engine.max_model_len, args.policy)
+    if ns.engine_in_process:
+        engine = LLMEngine(args)
+        view = engine
+    else:
+        engine = EngineCoreClient(args)  # blocks until the engine process has loaded the model
+        view = engine.engine
+    logger.info("loaded %s: %d KV blocks of %d tokens, max_model_len %d, policy %s, engine %s",
+                view.model_info.name, view.num_kv_blocks, args.block_size, view.max_model_len, args.policy,
+                "in this process" if ns.engine_in_process else f"in process {view.pid}")
     app = build_app(engine, ns.served_model_name or args.model, ns.api_key,
                     0.0 if ns.disable_log_stats else ns.log_stats_interval, ns.shutdown_timeout, ns.max_n)
     server = make_server(app, ns.host, ns.port, ns.uvicorn_log_level, ns.timeout_keep_alive, ns.timeout_headers)
