@@ -30,6 +30,7 @@ import threading
 import time
 
 from conveyor.engine.args import EngineArgs
+from conveyor.engine.core_client import EngineCoreClient
 from conveyor.engine.detokenizer import IncrementalDetokenizer
 from conveyor.engine.llm_engine import LLMEngine
 from conveyor.server import serving_common
@@ -105,6 +106,7 @@ def instrument(engine: LLMEngine, app, probe: Probe) -> None:
                 probe.token_times[out.request_id.rsplit("-", 1)[0]] = list(out.outputs[0].token_times)
 
     async_engine._publish = publish_wrapper
+    async_engine._step_loop.publish = publish_wrapper  # the step loop holds the bound method it was given
     deliver = async_engine._deliver
 
     def deliver_wrapper(batch):
@@ -114,6 +116,44 @@ def instrument(engine: LLMEngine, app, probe: Probe) -> None:
             probe.steps[-1]["delivered"], probe.steps[-1]["deliver_s"] = t, time.monotonic() - t
 
     async_engine._deliver = deliver_wrapper
+    sse = serving_common.sse
+
+    def sse_wrapper(payload):
+        t = time.monotonic()
+        out = sse(payload)
+        end = time.monotonic()
+        probe.sse_calls.append((end, end - t))
+        return out
+
+    serving_common.sse = sse_wrapper
+
+
+def instrument_process(app, probe: Probe) -> None:
+    """The engine in its own process: its step records (start, end of execute) come with each message; the
+    server side stamps the loop's wake-up, the end of receiving + unpickling, and the end of delivery."""
+    core = app.state.async_engine
+    records: list = []
+    core.engine.step_listeners.append(records.append)
+    on_readable, handle = core._on_readable, core._handle
+
+    def readable_wrapper():
+        probe.wake = time.monotonic()
+        on_readable()
+
+    def handle_wrapper(message):
+        t = time.monotonic()
+        records.clear()
+        handle(message)
+        done = time.monotonic()
+        if message.outputs and records:
+            last = records[-1]
+            probe.steps.append({"start": last.start, "end": last.end, "wake": probe.wake, "received": t,
+                                "delivered": t, "deliver_s": done - t, "prefill": last.num_prefill_tokens,
+                                "decode": last.num_decode_tokens, "num_outputs": len(message.outputs)})
+
+    core._on_readable, core._handle = readable_wrapper, handle_wrapper
+    core.output_listeners.append(lambda out: out.finished and probe.token_times.__setitem__(
+        out.request_id.rsplit("-", 1)[0], list(out.outputs[0].token_times)))
     sse = serving_common.sse
 
     def sse_wrapper(payload):
@@ -143,15 +183,21 @@ def account(probe: Probe, client: dict) -> dict:
         r = rows["with prefill" if s.get("prefill") else "decode-only"]
         r["# decode tokens in the step"].append(s.get("decode", 0))
         r["# prompt tokens in the step"].append(s.get("prefill", 0))
-        r["engine step: schedule"].append(s.get("schedule", 0))
-        r["engine step: execute (model)"].append(s.get("execute", 0))
-        r["engine step: update"].append(s.get("update", 0))
-        r["output processing (w/o detok)"].append(s.get("process", 0) - s["detok"])
-        r["detokenization"].append(s["detok"])
-        r["step() total"].append(s["end"] - s["start"])
-        r["hand-off: snapshot + listeners (engine thread)"].append(s["published"] - s["publish_start"])
-        r["hand-off: wait for the event loop"].append(s["delivered"] - s["published"])
-        r["hand-off: delivery on the loop"].append(s["deliver_s"])
+        if "wake" in s:  # the engine in its own process
+            r["engine: schedule + execute (model)"].append(s["end"] - s["start"])
+            r["engine: update, output processing, detok, send; pipe; loop wake-up"].append(s["wake"] - s["end"])
+            r["server: receive + unpickle the step message"].append(s["received"] - s["wake"])
+            r["server: decode deltas + deliver to streams"].append(s["deliver_s"])
+        else:
+            r["engine step: schedule"].append(s.get("schedule", 0))
+            r["engine step: execute (model)"].append(s.get("execute", 0))
+            r["engine step: update"].append(s.get("update", 0))
+            r["output processing (w/o detok)"].append(s.get("process", 0) - s["detok"])
+            r["detokenization"].append(s["detok"])
+            r["step() total"].append(s["end"] - s["start"])
+            r["hand-off: snapshot + listeners (engine thread)"].append(s["published"] - s["publish_start"])
+            r["hand-off: wait for the event loop"].append(s["delivered"] - s["published"])
+            r["hand-off: delivery on the loop"].append(s["deliver_s"])
         nxt = steps[i + 1]["delivered"] if i + 1 < len(steps) else float("inf")
         lo, hi = bisect.bisect_left(sse_ends, s["delivered"]), bisect.bisect_left(sse_ends, nxt)
         r["SSE encoding (json + framing), all chunks"].append(sum(d for _, d in probe.sse_calls[lo:hi]))
@@ -159,7 +205,8 @@ def account(probe: Probe, client: dict) -> dict:
             r["loop: delivery -> last chunk encoded"].append(sse_ends[hi - 1] - s["delivered"])
         if i + 1 < len(steps):
             r["step start -> next step start (token cadence)"].append(steps[i + 1]["start"] - s["start"])
-            r["engine thread outside step()"].append(steps[i + 1]["start"] - s["end"])
+            if "wake" not in s:
+                r["engine thread outside step()"].append(steps[i + 1]["start"] - s["end"])
     delays, matched, total = [], 0, 0
     t0 = client["clock_t0"]
     for req in client["requests"]:
@@ -187,9 +234,11 @@ def py_spy_split(raw_path: str) -> dict:
         ("engine", [("execute", "model forward (executor.execute)"), ("schedule (", "schedule"),
                     ("update (conveyor/core", "scheduler.update"), ("add_token", "detokenization"),
                     ("process (conveyor/engine/output_processor", "output processing"),
-                    ("_publish", "hand-off (snapshot, listeners)"), ("make_stats", "stats snapshot"),
-                    ("_run_commands", "waiting for / running commands"), ("step (", "step: other")]),
+                    ("_publish", "hand-off (snapshot / delta encoding)"), ("_flush", "send (pickle, pipe)"),
+                    ("make_stats", "stats snapshot"), ("_run_commands", "waiting for / running commands"),
+                    ("step (", "step: other")]),
         ("loop", [("sse (", "SSE encoding"), ("dumps", "JSON"), ("_deliver", "delivery"),
+                  ("_recv", "receive step message"), ("decode (conveyor/engine/output_delta", "decode deltas"),
                   ("select (selectors", "idle (epoll)"), ("h11", "HTTP (h11)"),
                   ("serving_", "handlers"), ("starlette", "starlette/fastapi"), ("uvicorn", "uvicorn"),
                   ("asyncio", "asyncio")]),
@@ -201,8 +250,12 @@ def py_spy_split(raw_path: str) -> dict:
             stack, _, n = line.rstrip().rpartition(" ")
             if not n.isdigit():
                 continue
-            thread = "engine" if "_run (conveyor/engine/async_engine.py" in stack else (
-                "loop" if "run (uvicorn" in stack or "serve (" in stack else "other")
+            if "_run (conveyor/engine/async_engine.py" in stack or "run (conveyor/engine/step_loop.py" in stack:
+                thread = "engine"
+            elif "run (uvicorn" in stack or "serve (" in stack:
+                thread = "loop"
+            else:
+                thread = "other"
             frames = stack.split(";")[::-1]
             label = "other"
             for name, table in rules:
@@ -222,13 +275,20 @@ def main() -> int:
     ap.add_argument("--request-rate", default="4")
     ap.add_argument("--warmup", type=int, default=20, help="requests sent first, not measured")
     ap.add_argument("--py-spy", default=None, help="path of the py-spy binary (sampling both threads)")
+    ap.add_argument("--engine-process", action="store_true", help="the engine in its own process (the default "
+                    "of conveyor serve); without: in a thread of the server (conveyor serve --engine-in-process)")
     ap.add_argument("--out", default=None)
     ns = ap.parse_args()
 
-    engine = LLMEngine(EngineArgs(model=ns.model, dtype=ns.dtype))
-    app = build_app(engine, ns.model, log_stats_interval_s=0.0)
+    args = EngineArgs(model=ns.model, dtype=ns.dtype)
     probe = Probe()
-    instrument(engine, app, probe)
+    if ns.engine_process:
+        app = build_app(EngineCoreClient(args), ns.model, log_stats_interval_s=0.0)
+        instrument_process(app, probe)
+    else:
+        engine = LLMEngine(args)
+        app = build_app(engine, ns.model, log_stats_interval_s=0.0)
+        instrument(engine, app, probe)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
@@ -242,10 +302,12 @@ def main() -> int:
     subprocess.run(bench + ["--num-requests", str(ns.warmup), "--request-rate", "inf"], check=True,
                    stdout=subprocess.DEVNULL)
     probe.__init__()
+    probe.wake = 0.0
     with tempfile.TemporaryDirectory() as tmp:
         spy = None
         if ns.py_spy:
             spy = subprocess.Popen([ns.py_spy, "record", "--pid", str(os.getpid()), "--threads", "--idle",
+                                    *(["--subprocesses"] if ns.engine_process else []),
                                     "--rate", "250", "--format", "raw", "--output", f"{tmp}/spy.txt"],
                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             time.sleep(1.0)

@@ -122,7 +122,7 @@ def test_an_engine_that_cannot_load_its_model_is_an_error_at_once(tiny_llama_dir
     for weights in broken.glob("*.safetensors"):
         weights.unlink()
     with pytest.raises(RuntimeError, match="the engine could not start: .*safetensors"):
-        EngineCoreClient(EngineArgs(model=str(broken)), startup_timeout_s=120)
+        EngineCoreClient(EngineArgs(model=str(broken)), startup_timeout_s=120).wait_ready()
 
 
 @pytest.mark.parametrize("seed", range(5))

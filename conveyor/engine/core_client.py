@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from conveyor.core.outputs import SchedulerStats
 from conveyor.engine.args import EngineArgs
 from conveyor.engine.core_proc import EngineInfo, StepMessage, add_request_command, run_engine_core
 from conveyor.engine.engine_client import EngineClient, EngineDeadError
@@ -51,7 +52,8 @@ class EngineView:
 
 
 class EngineCoreClient(EngineClient):
-    """Starts the engine core process for ``args`` and blocks until it is ready (raises if it fails to start).
+    """Starts the engine core process for ``args``; ``wait_ready()`` blocks until it has loaded the model (and
+    raises if it could not), so the caller can import and build the server meanwhile.
 
     ``output_listeners`` are called on the event loop. ``call(fn)`` sends ``fn`` to the process: it must be
     picklable (a module-level function, a ``functools.partial`` or ``operator`` getter of one).
@@ -66,18 +68,30 @@ class EngineCoreClient(EngineClient):
                                      daemon=True)
         self._proc.start()
         child_conn.close()
+        self._args, self._startup_timeout_s, self._started = args, startup_timeout_s, time.monotonic()
         try:
-            tokenizer = load_tokenizer(args.model)  # while the engine loads its model
-            info = self._wait_ready(startup_timeout_s)
+            self._tokenizer = load_tokenizer(args.model)  # while the engine loads its model
         except BaseException:
             self._proc.kill()
             raise
-        super().__init__(info.stats)
-        self.engine = EngineView(args, tokenizer, info)
+        super().__init__(SchedulerStats())  # the engine's own stats arrive with "ready"
         self._decoder = DeltaDecoder()
         self._calls: dict[int, asyncio.Future] = {}
         self._call_ids = itertools.count()
         self._stopping = False
+        self.engine: EngineView | None = None
+
+    def wait_ready(self) -> EngineCoreClient:
+        """Block until the engine process is ready; raise RuntimeError (and reap it) if it cannot start."""
+        if self.engine is None:
+            try:
+                info = self._wait_ready(self._startup_timeout_s - (time.monotonic() - self._started))
+            except BaseException:
+                self._proc.kill()
+                raise
+            self.stats = info.stats
+            self.engine = EngineView(self._args, self._tokenizer, info)
+        return self
 
     def _wait_ready(self, timeout_s: float) -> EngineInfo:
         deadline = time.monotonic() + timeout_s
@@ -98,6 +112,7 @@ class EngineCoreClient(EngineClient):
     # ---- lifecycle --------------------------------------------------------------------------------------
     def start(self) -> None:
         """Start reading the process's messages on the running event loop."""
+        self.wait_ready()
         self._start_loop_side()
         self._loop.add_reader(self._conn.fileno(), self._on_readable)
 

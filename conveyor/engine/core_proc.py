@@ -17,6 +17,7 @@ and then says "stop"); it exits when told, when the pipe closes (the server is g
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import pickle
@@ -25,6 +26,7 @@ import signal
 import sys
 import threading
 import traceback
+import types
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,7 +45,7 @@ logger = logging.getLogger("conveyor.engine")
 class EngineInfo:
     """What the server needs to know of the engine, sent once when it is ready."""
 
-    model_info: Any  # conveyor.models.build.ModelInfo
+    model_info: Any  # ModelInfo's fields as a SimpleNamespace: the server need not import torch to read it
     max_model_len: int
     num_kv_blocks: int
     max_seqs_per_request: int | None
@@ -166,7 +168,8 @@ def run_engine_core(args: EngineArgs, conn) -> None:
     except BaseException as exc:  # noqa: BLE001 - the server reports it and exits
         conn.send(("failed", f"{exc!r}"))
         sys.exit(1)
-    conn.send(("ready", EngineInfo(engine.model_info, engine.max_model_len, engine.num_kv_blocks,
+    model_info = types.SimpleNamespace(**dataclasses.asdict(engine.model_info))
+    conn.send(("ready", EngineInfo(model_info, engine.max_model_len, engine.num_kv_blocks,
                                    engine.max_seqs_per_request, engine.scheduler.make_stats(), os.getpid())))
     sys.exit(serve_engine(engine, conn))
 

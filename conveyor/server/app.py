@@ -15,6 +15,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from conveyor.engine.async_engine import AsyncEngine
+from conveyor.engine.core_client import EngineCoreClient
 from conveyor.engine.engine_client import EngineClient
 from conveyor.engine.llm_engine import LLMEngine
 from conveyor.server.errors import APIError, bad_request, from_engine_error, install_error_handlers
@@ -50,6 +51,8 @@ def build_app(engine: LLMEngine | EngineClient, served_model_name: str | None = 
     """An OpenAI-compatible app serving ``engine``'s model: an ``LLMEngine`` (stepped in a thread of this process,
     ``AsyncEngine``) or an ``EngineClient`` (``EngineCoreClient``: the engine in its own process). The engine runs
     for the app's lifespan. ``max_n`` bounds ``n`` (and ``best_of``) per request: 128, as OpenAI's API does."""
+    if isinstance(engine, EngineCoreClient):
+        engine.wait_ready()
     async_engine = engine if isinstance(engine, EngineClient) else AsyncEngine(engine)
     engine = async_engine.engine  # the engine, or (in another process) a view of it with its tokenizer
     model_name = served_model_name or engine.model_info.name

@@ -40,12 +40,18 @@ def add_serve_parser(sub) -> None:
     p.set_defaults(func=run_serve)
 
 
+# OpenMP workers that spin between parallel regions (libgomp's default) stall every step when anything else needs
+# the cores: a batch-1 decode step of the bench model took 1,064 ms with spinning workers and 17 ms with passive
+# ones, alternated in one run at a load average of 10-12 on 2 cores (docs/serving-latency.md). A server always
+# shares its cores with its event loop and its clients, so it waits passively unless the user chose otherwise.
+# libgomp reads this when torch loads it, so it is set before anything imports torch.
+OMP_DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE"}
+
+
 def run_serve(ns: argparse.Namespace) -> int:
+    for name, value in OMP_DEFAULTS.items():
+        os.environ.setdefault(name, value)  # the engine process inherits it
     from conveyor.engine.args import EngineArgs
-    from conveyor.engine.core_client import EngineCoreClient
-    from conveyor.engine.llm_engine import LLMEngine
-    from conveyor.server.app import build_app
-    from conveyor.server.launcher import make_server
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     if ns.model_tag and not ns.model:
@@ -53,12 +59,19 @@ def run_serve(ns: argparse.Namespace) -> int:
     args = EngineArgs.from_cli_args(ns)
     if args.model is None:
         logger.warning("no --model given: serving the embedded Llama-40M with RANDOM weights (output is noise)")
+    if not ns.engine_in_process:
+        from conveyor.engine.core_client import EngineCoreClient
+
+        engine = EngineCoreClient(args)  # the engine process starts loading the model now ...
+    from conveyor.engine.llm_engine import LLMEngine
+    from conveyor.server.app import build_app  # ... while this process imports the server
+    from conveyor.server.launcher import make_server
+
     if ns.engine_in_process:
         engine = LLMEngine(args)
         view = engine
     else:
-        engine = EngineCoreClient(args)  # blocks until the engine process has loaded the model
-        view = engine.engine
+        view = engine.wait_ready().engine
     logger.info("loaded %s: %d KV blocks of %d tokens, max_model_len %d, policy %s, engine %s",
                 view.model_info.name, view.num_kv_blocks, args.block_size, view.max_model_len, args.policy,
                 "in this process" if ns.engine_in_process else f"in process {view.pid}")
