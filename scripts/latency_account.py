@@ -59,6 +59,20 @@ def timed(store: dict, key: str, fn):
     return wrapper
 
 
+def time_sse(probe: Probe) -> None:
+    """Stamp the end and duration of every SSE encoding (``sse_events`` looks ``sse`` up at each call)."""
+    sse = serving_common.sse
+
+    def sse_wrapper(payload):
+        t = time.monotonic()
+        out = sse(payload)
+        end = time.monotonic()
+        probe.sse_calls.append((end, end - t))
+        return out
+
+    serving_common.sse = sse_wrapper
+
+
 def instrument(engine: LLMEngine, app, probe: Probe) -> None:
     async_engine = app.state.async_engine
     phases: dict = {}
@@ -116,16 +130,7 @@ def instrument(engine: LLMEngine, app, probe: Probe) -> None:
             probe.steps[-1]["delivered"], probe.steps[-1]["deliver_s"] = t, time.monotonic() - t
 
     async_engine._deliver = deliver_wrapper
-    sse = serving_common.sse
-
-    def sse_wrapper(payload):
-        t = time.monotonic()
-        out = sse(payload)
-        end = time.monotonic()
-        probe.sse_calls.append((end, end - t))
-        return out
-
-    serving_common.sse = sse_wrapper
+    time_sse(probe)
 
 
 def instrument_process(app, probe: Probe) -> None:
@@ -154,16 +159,7 @@ def instrument_process(app, probe: Probe) -> None:
     core._on_readable, core._handle = readable_wrapper, handle_wrapper
     core.output_listeners.append(lambda out: out.finished and probe.token_times.__setitem__(
         out.request_id.rsplit("-", 1)[0], list(out.outputs[0].token_times)))
-    sse = serving_common.sse
-
-    def sse_wrapper(payload):
-        t = time.monotonic()
-        out = sse(payload)
-        end = time.monotonic()
-        probe.sse_calls.append((end, end - t))
-        return out
-
-    serving_common.sse = sse_wrapper
+    time_sse(probe)
 
 
 def pct(values: list[float], q: float) -> float:
