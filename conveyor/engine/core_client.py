@@ -45,6 +45,7 @@ class EngineView:
         self.num_kv_blocks = info.num_kv_blocks
         self.max_seqs_per_request = info.max_seqs_per_request
         self.pid = info.pid
+        self.load_time_s, self.init_time_s = info.load_time_s, info.init_time_s
         self.step_listeners: list[Callable] = []  # called on the event loop with each step's ``StepRecord``
 
     def encode(self, text: str, add_special_tokens: bool = True, field: str = "prompt") -> list[int]:

@@ -51,6 +51,8 @@ class EngineInfo:
     max_seqs_per_request: int | None
     stats: SchedulerStats
     pid: int
+    load_time_s: float  # tokenizer + weights
+    init_time_s: float  # plus the KV cache and runner
 
 
 @dataclass
@@ -170,7 +172,8 @@ def run_engine_core(args: EngineArgs, conn) -> None:
         sys.exit(1)
     model_info = types.SimpleNamespace(**dataclasses.asdict(engine.model_info))
     conn.send(("ready", EngineInfo(model_info, engine.max_model_len, engine.num_kv_blocks,
-                                   engine.max_seqs_per_request, engine.scheduler.make_stats(), os.getpid())))
+                                   engine.max_seqs_per_request, engine.scheduler.make_stats(), os.getpid(),
+                                   engine.load_time_s, engine.init_time_s)))
     sys.exit(serve_engine(engine, conn))
 
 

@@ -30,7 +30,8 @@ class CompletionDelta:
 class OutputDelta:
     request_id: str
     completions: list[CompletionDelta]
-    other: dict  # RequestOutput's fields but ``outputs``: all with the first delta, later the non-list ones
+    other: dict  # RequestOutput's fields but ``outputs``: all with the first delta, later the non-list ones and
+    # the lists whose length changed (prompt_logprobs, filled as prefill chunks complete)
     first: bool
 
 
@@ -39,6 +40,7 @@ class DeltaEncoder:
 
     def __init__(self) -> None:
         self._sent: dict[str, dict[int, tuple[str, dict[str, int]]]] = {}
+        self._list_lens: dict[str, dict[str, int]] = {}  # request id -> top-level list field -> length sent
 
     def encode(self, out: RequestOutput) -> OutputDelta:
         first = out.request_id not in self._sent
@@ -56,10 +58,19 @@ class DeltaEncoder:
             completions.append(CompletionDelta(c.index, keep, c.text[keep:], grown, other))
             sent[c.index] = (c.text, {name: len(items) for name, items in
                                       ((n, getattr(c, n)) for n in _GROWING) if items is not None})
-        other = {f.name: getattr(out, f.name) for f in fields(out)
-                 if f.name != "outputs" and (first or not isinstance(getattr(out, f.name), list))}
+        list_lens = self._list_lens.setdefault(out.request_id, {})
+        other = {}
+        for f in fields(out):
+            value = getattr(out, f.name)
+            if f.name == "outputs":
+                continue
+            if isinstance(value, list):
+                if not first and list_lens.get(f.name) == len(value):
+                    continue
+                list_lens[f.name] = len(value)
+            other[f.name] = value
         if out.finished:
-            del self._sent[out.request_id]
+            del self._sent[out.request_id], self._list_lens[out.request_id]
         return OutputDelta(out.request_id, completions, other, first)
 
 

@@ -13,11 +13,11 @@ def add_serve_parser(sub) -> None:
     from conveyor.engine.args import EngineArgs
 
     p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
-    p.add_argument("model_tag", nargs="?", default=None, help="model directory (same as --model)")
+    p.add_argument("model_tag", nargs="?", default=None, help="model name, GGUF file or directory (same as --model)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", default=None, help="the name clients pass as `model` (default: the "
-                   "model directory, or the embedded model's name)")
+                   "model's name, e.g. SmolLM2-135M-Instruct, or the GGUF file's / directory's name)")
     p.add_argument("--api-key", default=os.environ.get("CONVEYOR_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on every route but /health and /metrics "
                    "(default: $CONVEYOR_API_KEY)")
@@ -57,13 +57,12 @@ def run_serve(ns: argparse.Namespace) -> int:
     if ns.model_tag and not ns.model:
         ns.model = ns.model_tag
     args = EngineArgs.from_cli_args(ns)
-    if args.model is None:
-        logger.warning("no --model given: serving the embedded Llama-40M with RANDOM weights (output is noise)")
     if not ns.engine_in_process:
         from conveyor.engine.core_client import EngineCoreClient
 
         engine = EngineCoreClient(args)  # the engine process starts loading the model now ...
     from conveyor.engine.llm_engine import LLMEngine
+    from conveyor.models import EMBEDDED_NAME
     from conveyor.server.app import build_app  # ... while this process imports the server
     from conveyor.server.launcher import make_server
 
@@ -72,10 +71,14 @@ def run_serve(ns: argparse.Namespace) -> int:
         view = engine
     else:
         view = engine.wait_ready().engine
-    logger.info("loaded %s: %d KV blocks of %d tokens, max_model_len %d, policy %s, engine %s",
-                view.model_info.name, view.num_kv_blocks, args.block_size, view.max_model_len, args.policy,
-                "in this process" if ns.engine_in_process else f"in process {view.pid}")
-    app = build_app(engine, ns.served_model_name or args.model, ns.api_key,
+    info = view.model_info
+    if info.name == EMBEDDED_NAME:
+        logger.warning("serving %s: RANDOM weights, its output is noise (it exists for benchmarks)", EMBEDDED_NAME)
+    logger.info("loaded %s (%.0fM parameters, %s) in %.2f s; engine ready in %.2f s: %d KV blocks of %d tokens, "
+                "max_model_len %d, policy %s, engine %s", info.name, info.num_params / 1e6, info.dtype,
+                view.load_time_s, view.init_time_s, view.num_kv_blocks, args.block_size, view.max_model_len,
+                args.policy, "in this process" if ns.engine_in_process else f"in process {view.pid}")
+    app = build_app(engine, ns.served_model_name or info.name, ns.api_key,
                     0.0 if ns.disable_log_stats else ns.log_stats_interval, ns.shutdown_timeout, ns.max_n)
     server = make_server(app, ns.host, ns.port, ns.uvicorn_log_level, ns.timeout_keep_alive, ns.timeout_headers)
     server.run()
