@@ -3,7 +3,8 @@
 It starts the process (spawn: a fresh interpreter, so no torch thread pool is inherited half-initialised), waits
 for it to be ready, and then lives on the event loop: the pipe is registered with ``loop.add_reader``, so the loop
 wakes once per message (one per engine step) and delivers every stream's output of that step in one go. Prompts
-are prepared (tokenized, chat-rendered, length-checked) here, with the server's own copy of the tokenizer.
+are prepared (tokenized, chat-rendered, length-checked) here, with a copy of the engine's tokenizer that came with
+its "ready" message (so this process need not import torch to load one).
 
 If the process dies (it raised, or was killed), every in-flight stream and pending call gets
 ``EngineDeadError`` and the ``on_dead`` callbacks run: the server then exits with status 1, as with a crashed
@@ -46,6 +47,7 @@ class EngineView:
         self.max_seqs_per_request = info.max_seqs_per_request
         self.pid = info.pid
         self.load_time_s, self.init_time_s = info.load_time_s, info.init_time_s
+        self.random_weights = info.random_weights
         self.step_listeners: list[Callable] = []  # called on the event loop with each step's ``StepRecord``
 
     def encode(self, text: str, add_special_tokens: bool = True, field: str = "prompt") -> list[int]:
@@ -61,8 +63,6 @@ class EngineCoreClient(EngineClient):
     """
 
     def __init__(self, args: EngineArgs, startup_timeout_s: float = STARTUP_TIMEOUT_S) -> None:
-        from conveyor.tokenizer import load_tokenizer
-
         context = multiprocessing.get_context("spawn")
         self._conn, child_conn = context.Pipe()
         self._proc = context.Process(target=run_engine_core, args=(args, child_conn), name="conveyor-engine-core",
@@ -70,11 +70,6 @@ class EngineCoreClient(EngineClient):
         self._proc.start()
         child_conn.close()
         self._args, self._startup_timeout_s, self._started = args, startup_timeout_s, time.monotonic()
-        try:
-            self._tokenizer = load_tokenizer(args.model)  # while the engine loads its model
-        except BaseException:
-            self._proc.kill()
-            raise
         super().__init__(SchedulerStats())  # the engine's own stats arrive with "ready"
         self._decoder = DeltaDecoder()
         self._calls: dict[int, asyncio.Future] = {}
@@ -91,7 +86,12 @@ class EngineCoreClient(EngineClient):
                 self._proc.kill()
                 raise
             self.stats = info.stats
-            self.engine = EngineView(self._args, self._tokenizer, info)
+            tokenizer = info.tokenizer
+            if tokenizer is None:  # it could not travel: load our own copy
+                from conveyor.tokenizer import load_tokenizer
+
+                tokenizer = load_tokenizer(self._args.model)
+            self.engine = EngineView(self._args, tokenizer, info)
         return self
 
     def _wait_ready(self, timeout_s: float) -> EngineInfo:

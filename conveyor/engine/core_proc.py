@@ -53,6 +53,8 @@ class EngineInfo:
     pid: int
     load_time_s: float  # tokenizer + weights
     init_time_s: float  # plus the KV cache and runner
+    tokenizer: Any  # the engine's tokenizer, so the server need not load it (and import torch); None: load it
+    random_weights: bool  # the embedded bench model: the server warns that its output is noise
 
 
 @dataclass
@@ -170,10 +172,14 @@ def run_engine_core(args: EngineArgs, conn) -> None:
     except BaseException as exc:  # noqa: BLE001 - the server reports it and exits
         conn.send(("failed", f"{exc!r}"))
         sys.exit(1)
+    from conveyor.models import EMBEDDED_NAME
+
     model_info = types.SimpleNamespace(**dataclasses.asdict(engine.model_info))
     conn.send(("ready", EngineInfo(model_info, engine.max_model_len, engine.num_kv_blocks,
                                    engine.max_seqs_per_request, engine.scheduler.make_stats(), os.getpid(),
-                                   engine.load_time_s, engine.init_time_s)))
+                                   engine.load_time_s, engine.init_time_s,
+                                   engine.tokenizer if _picklable(engine.tokenizer) else None,
+                                   engine.model_info.name == EMBEDDED_NAME)))
     sys.exit(serve_engine(engine, conn))
 
 

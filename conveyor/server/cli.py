@@ -61,19 +61,21 @@ def run_serve(ns: argparse.Namespace) -> int:
         from conveyor.engine.core_client import EngineCoreClient
 
         engine = EngineCoreClient(args)  # the engine process starts loading the model now ...
-    from conveyor.engine.llm_engine import LLMEngine
-    from conveyor.models import EMBEDDED_NAME
     from conveyor.server.app import build_app  # ... while this process imports the server
     from conveyor.server.launcher import make_server
 
     if ns.engine_in_process:
+        from conveyor.engine.llm_engine import LLMEngine
+        from conveyor.models import EMBEDDED_NAME
+
         engine = LLMEngine(args)
-        view = engine
+        view, random_weights = engine, engine.model_info.name == EMBEDDED_NAME
     else:
         view = engine.wait_ready().engine
+        random_weights = view.random_weights  # (this process does not import torch, which conveyor.models does)
     info = view.model_info
-    if info.name == EMBEDDED_NAME:
-        logger.warning("serving %s: RANDOM weights, its output is noise (it exists for benchmarks)", EMBEDDED_NAME)
+    if random_weights:
+        logger.warning("serving %s: RANDOM weights, its output is noise (it exists for benchmarks)", info.name)
     logger.info("loaded %s (%.0fM parameters, %s) in %.2f s; engine ready in %.2f s: %d KV blocks of %d tokens, "
                 "max_model_len %d, policy %s, engine %s", info.name, info.num_params / 1e6, info.dtype,
                 view.load_time_s, view.init_time_s, view.num_kv_blocks, args.block_size, view.max_model_len,
