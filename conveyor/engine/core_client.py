@@ -78,7 +78,8 @@ class EngineCoreClient(EngineClient):
         self.engine: EngineView | None = None
 
     def wait_ready(self) -> EngineCoreClient:
-        """Block until the engine process is ready; raise RuntimeError (and reap it) if it cannot start."""
+        """Block until the engine process is ready; raise what building the engine raised there (or
+        RuntimeError when the process died or timed out), and reap the process, if it cannot start."""
         if self.engine is None:
             try:
                 info = self._wait_ready(self._startup_timeout_s - (time.monotonic() - self._started))
@@ -106,8 +107,8 @@ class EngineCoreClient(EngineClient):
             kind, payload = self._conn.recv()
         except EOFError:
             raise RuntimeError("the engine core process exited before it was ready (see its log above)") from None
-        if kind != "ready":
-            raise RuntimeError(f"the engine could not start: {payload}")
+        if kind != "ready":  # "failed": the very error building the engine raised (a bad model: ValueError, ...)
+            raise payload
         return payload
 
     # ---- lifecycle --------------------------------------------------------------------------------------

@@ -169,8 +169,8 @@ def run_engine_core(args: EngineArgs, conn) -> None:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s[core]: %(message)s")
     try:
         engine = LLMEngine(args)
-    except BaseException as exc:  # noqa: BLE001 - the server reports it and exits
-        conn.send(("failed", f"{exc!r}"))
+    except BaseException as exc:  # noqa: BLE001 - the server raises it (the same error an engine in it would)
+        conn.send(("failed", exc if _picklable(exc) else RuntimeError(f"the engine could not start: {exc!r}")))
         sys.exit(1)
     from conveyor.models import EMBEDDED_NAME
 
