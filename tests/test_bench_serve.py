@@ -72,3 +72,19 @@ def test_schedule_replays_or_draws_seeded_arrivals():
     assert 2.0 < poisson[-1] < 10.0  # 50 arrivals at 10/s: about 5 s
     bursty = schedule(w, 10.0, 0.2, 7)
     assert bursty != poisson and 1.0 < bursty[-1] < 25.0
+
+
+def test_compare_url_replays_the_same_trace_against_a_second_server(server_url, tmp_path, capsys):
+    workload = make_workload(6)
+    workload.save(tmp_path / "w.json")
+    rc = main(["bench", "serve", "--base-url", server_url, "--compare-url", server_url, "--names", "first,second",
+               "--warmup", "2", "--workload", str(tmp_path / "w.json"), "--json", str(tmp_path / "out.json")])
+    assert rc == 0
+    out = capsys.readouterr().out
+    table = out[out.index("| server |"):].splitlines()
+    assert [row.split("|")[1].strip() for row in table[2:4]] == ["first", "second"]
+    runs = json.loads((tmp_path / "out.json").read_text())["runs"]
+    assert [r["name"] for r in runs] == ["first", "second"]
+    for run in runs:  # the same requests, each with its full output (ignore_eos)
+        assert sorted((r["request_id"], r["output_tokens"]) for r in run["requests"]) == \
+            sorted((str(r.id), r.max_tokens) for r in workload.requests)

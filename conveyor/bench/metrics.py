@@ -35,6 +35,7 @@ class RequestTiming:
     finished: float | None
     first_scheduled: float | None = None
     error: str | None = None  # set when the request failed
+    server_id: str | None = None  # the id the server gave the response (HTTP client only), to join its logs
 
     @property
     def completed(self) -> bool:

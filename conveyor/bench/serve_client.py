@@ -15,7 +15,7 @@ import math
 import random
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from conveyor.bench.metrics import RequestTiming, format_summary, summarize
 from conveyor.bench.workload import Workload, WorkloadRequest, load_workload
@@ -75,6 +75,7 @@ async def send_one(client, req: WorkloadRequest, model: str, t0: float) -> Reque
                     timing.error = f"stream error: {chunk['error'].get('message')}"
                     return timing
                 if chunk.get("choices"):
+                    timing.server_id = timing.server_id or chunk.get("id")
                     chunks += 1
                     timing.token_times.append(now)
                     if timing.first_token is None:
@@ -89,8 +90,11 @@ async def send_one(client, req: WorkloadRequest, model: str, t0: float) -> Reque
     return timing
 
 
-async def run_bench(workload: Workload, cfg: ServeBenchConfig) -> tuple[list[RequestTiming], float]:
-    """Send every request at its time; return the timings and the run's duration (s)."""
+async def run_bench(workload: Workload, cfg: ServeBenchConfig,
+                    clock: dict | None = None) -> tuple[list[RequestTiming], float]:
+    """Send every request at its time; return the timings and the run's duration (s). Times are seconds since
+    the start; ``clock["t0"]``, when given, receives the start on ``time.perf_counter()`` (CLOCK_MONOTONIC on
+    Linux, the clock the server's timestamps use), so a run can be joined with the server's own records."""
     import httpx
 
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
@@ -101,6 +105,8 @@ async def run_bench(workload: Workload, cfg: ServeBenchConfig) -> tuple[list[Req
         times = schedule(workload, cfg.request_rate, cfg.burstiness, cfg.seed)
         gate = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None
         t0 = time.perf_counter()
+        if clock is not None:
+            clock["t0"] = t0
 
         async def at_time(req: WorkloadRequest, when: float) -> RequestTiming:
             await asyncio.sleep(max(0.0, when - (time.perf_counter() - t0)))
@@ -147,6 +153,14 @@ def add_serve_client_parser(sub) -> None:
     p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout (s)")
     for key in ("ttft", "tpot", "e2e"):
         p.add_argument(f"--slo-{key}-ms", type=float, default=None, help=f"goodput SLO on {key.upper()} (ms)")
+    p.add_argument("--compare-url", default=None,
+                   help="a second OpenAI-compatible server: the same trace is replayed against it after the first "
+                   "(same arrivals, same client), and one row per server is printed")
+    p.add_argument("--compare-model", default=None, help="model name for --compare-url (default: its first model)")
+    p.add_argument("--names", default=None, help="row names for the two servers, comma-separated "
+                   "(default: their URLs)")
+    p.add_argument("--warmup", type=int, default=0,
+                   help="before measuring a server, send it this many of the trace's requests at once, unmeasured")
     p.add_argument("--json", default=None, help="write the summary and per-request timings to this file")
     p.set_defaults(func=run_serve_client)
 
@@ -156,23 +170,51 @@ def run_serve_client(ns: argparse.Namespace) -> int:
     if ns.num_requests is not None:
         workload = Workload(workload.name, workload.requests[: ns.num_requests], workload.seed,
                             workload.arrival_rate_req_s, workload.notes)
-    cfg = ServeBenchConfig(ns.base_url, ns.model, ns.request_rate, ns.burstiness, ns.max_concurrency, ns.seed,
-                           ns.api_key, ns.timeout)
     slo = {k: v for k in ("ttft", "tpot", "e2e") if (v := getattr(ns, f"slo_{k}_ms")) is not None} or None
+    targets = [(ns.base_url, ns.model)] + ([(ns.compare_url, ns.compare_model)] if ns.compare_url else [])
+    names = ns.names.split(",") if ns.names else [url for url, _ in targets]
+    if len(names) != len(targets):
+        raise SystemExit(f"--names needs {len(targets)} names, got {len(names)}")
     arrivals = "trace arrivals" if ns.request_rate is None else f"{ns.request_rate:g} req/s"
-    print(f"[bench serve] {len(workload.requests)} requests of {workload.name} to {ns.base_url} ({arrivals})",
-          file=sys.stderr)
-    timings, duration = asyncio.run(run_bench(workload, cfg))
-    summary = summarize(timings, duration, slo)
-    print(format_summary(summary, f"bench serve: {workload.name}"))
-    if hint := token_prompt_hint(workload, timings):
-        print(f"[bench serve] {hint}", file=sys.stderr)
-    elif summary.num_failed:
-        first = next(t.error for t in timings if t.error)
-        print(f"[bench serve] {summary.num_failed} request(s) failed; first error: {first}", file=sys.stderr)
+    runs, failed = [], False
+    for name, (url, model) in zip(names, targets):
+        cfg = ServeBenchConfig(url, model, ns.request_rate, ns.burstiness, ns.max_concurrency, ns.seed,
+                               ns.api_key, ns.timeout)
+        if ns.warmup:
+            warm = Workload(workload.name, workload.requests[: ns.warmup], workload.seed)
+            asyncio.run(run_bench(warm, replace(cfg, request_rate=math.inf)))
+        print(f"[bench serve] {len(workload.requests)} requests of {workload.name} to {url} ({arrivals})",
+              file=sys.stderr)
+        clock: dict = {}
+        timings, duration = asyncio.run(run_bench(workload, cfg, clock))
+        summary = summarize(timings, duration, slo)
+        print(format_summary(summary, f"bench serve: {workload.name} -> {name}"))
+        if hint := token_prompt_hint(workload, timings):
+            print(f"[bench serve] {hint}", file=sys.stderr)
+        elif summary.num_failed:
+            first = next(t.error for t in timings if t.error)
+            print(f"[bench serve] {summary.num_failed} request(s) failed; first error: {first}", file=sys.stderr)
+        failed = failed or summary.num_failed > 0
+        config = {k: v for k, v in asdict(cfg).items() if k != "api_key"}
+        runs.append({"name": name, "config": config, "workload": workload.name, "clock_t0": clock.get("t0"),
+                     "summary": summary.to_dict(), "requests": [asdict(t) for t in timings]})
+    if len(runs) > 1:
+        print(format_rows([(r["name"], r["summary"]) for r in runs]))
     if ns.json:
         with open(ns.json, "w") as f:
-            config = {k: v for k, v in asdict(cfg).items() if k != "api_key"}
-            json.dump({"config": config, "workload": workload.name, "summary": summary.to_dict(),
-                       "requests": [asdict(t) for t in timings]}, f, indent=1)
-    return 0 if summary.num_failed == 0 else 1
+            json.dump(runs[0] if len(runs) == 1 else {"runs": runs}, f, indent=1)
+    return 1 if failed else 0
+
+
+def format_rows(rows: list[tuple[str, dict]]) -> str:
+    """One markdown row per server: TTFT, TPOT, ITL (ms) and E2E (s) p50 / p99, output tok/s, goodput."""
+    lines = ["| server | TTFT p50 / p99 | TPOT p50 / p99 | ITL p50 / p99 | E2E p50 / p99 | output tok/s | goodput |",
+             "|---|---|---|---|---|---|---|"]
+    for name, s in rows:
+        def ms(key: str) -> str:
+            return f"{1e3 * s[key]['p50']:.0f} / {1e3 * s[key]['p99']:.0f} ms"
+
+        goodput = "-" if s.get("goodput") is None else f"{s['goodput']:.2f} req/s"
+        lines.append(f"| {name} | {ms('ttft')} | {ms('tpot')} | {ms('itl')} | {s['e2e']['p50']:.2f} / "
+                     f"{s['e2e']['p99']:.2f} s | {s['output_throughput']:.0f} | {goodput} |")
+    return "\n".join(lines)

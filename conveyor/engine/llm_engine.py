@@ -28,6 +28,16 @@ PromptType = str | list[int] | dict
 logger = logging.getLogger("conveyor.engine")
 
 
+def encode_text(tokenizer, text: str, add_special_tokens: bool = True, field: str = "prompt") -> list[int]:
+    """Token ids of ``text``; ValueError (naming ``field``) for text that is not valid Unicode (a lone surrogate,
+    which JSON can carry), which the tokenizers would refuse with an error of their own."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"{field} is not valid Unicode text: {exc.reason} at position {exc.start}") from None
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+
 class QueueFullError(RuntimeError):
     """The bounded waiting queue (``max_num_queued_reqs``) is full; retry later."""
 
@@ -124,13 +134,8 @@ class LLMEngine:
         return None, list(prompt)
 
     def encode(self, text: str, add_special_tokens: bool = True, field: str = "prompt") -> list[int]:
-        """Token ids of ``text``; ValueError (naming ``field``) for text that is not valid Unicode (a lone
-        surrogate, which JSON can carry), which the tokenizers would refuse with an error of their own."""
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError as exc:
-            raise ValueError(f"{field} is not valid Unicode text: {exc.reason} at position {exc.start}") from None
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        """Token ids of ``text`` (see ``encode_text``)."""
+        return encode_text(self.tokenizer, text, add_special_tokens, field)
 
     def validate_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError when a request cannot be served by this model: an empty or too long prompt, ids

@@ -15,6 +15,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from conveyor.engine.async_engine import AsyncEngine
+from conveyor.engine.core_client import EngineCoreClient
+from conveyor.engine.engine_client import EngineClient
 from conveyor.engine.llm_engine import LLMEngine
 from conveyor.server.errors import APIError, bad_request, from_engine_error, install_error_handlers
 from conveyor.server.metrics import ServerMetrics, log_stats_forever
@@ -44,12 +46,16 @@ class APIKeyMiddleware:
         await self.app(scope, receive, send)
 
 
-def build_app(engine: LLMEngine, served_model_name: str | None = None, api_key: str | None = None,
+def build_app(engine: LLMEngine | EngineClient, served_model_name: str | None = None, api_key: str | None = None,
               log_stats_interval_s: float = 5.0, shutdown_timeout_s: float = 30.0, max_n: int = 128) -> FastAPI:
-    """An OpenAI-compatible app serving ``engine``'s model. The engine thread runs for the app's lifespan.
-    ``max_n`` bounds ``n`` (and ``best_of``) per request: 128, as OpenAI's API does."""
+    """An OpenAI-compatible app serving ``engine``'s model: an ``LLMEngine`` (stepped in a thread of this process,
+    ``AsyncEngine``) or an ``EngineClient`` (``EngineCoreClient``: the engine in its own process). The engine runs
+    for the app's lifespan. ``max_n`` bounds ``n`` (and ``best_of``) per request: 128, as OpenAI's API does."""
+    if isinstance(engine, EngineCoreClient):
+        engine.wait_ready()
+    async_engine = engine if isinstance(engine, EngineClient) else AsyncEngine(engine)
+    engine = async_engine.engine  # the engine, or (in another process) a view of it with its tokenizer
     model_name = served_model_name or engine.model_info.name
-    async_engine = AsyncEngine(engine)
     metrics = ServerMetrics(async_engine, model_name)
     metrics.attach()
     ctx = ServingContext(async_engine, model_name, engine.max_model_len, max_n)
@@ -125,7 +131,7 @@ def build_app(engine: LLMEngine, served_model_name: str | None = None, api_key: 
             strs = [e.tokenizer.decode([t], skip_special_tokens=False) for t in ids] if body.return_token_strs else None
             return ids, strs
 
-        ids, strs = await _engine_call(async_engine, run)
+        ids, strs = await _tokenizer_call(async_engine, run)
         return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids, "token_strs": strs}
 
     @app.post("/detokenize")
@@ -134,14 +140,14 @@ def build_app(engine: LLMEngine, served_model_name: str | None = None, api_key: 
         vocab = engine.model_info.vocab_size
         if any(not 0 <= t < vocab for t in body.tokens):
             raise bad_request(f"tokens must be integers in [0, {vocab})", "tokens")
-        text = await _engine_call(async_engine, lambda e: e.tokenizer.decode(body.tokens))
+        text = await _tokenizer_call(async_engine, lambda e: e.tokenizer.decode(body.tokens))
         return {"prompt": text}
 
     return app
 
 
-async def _engine_call(async_engine: AsyncEngine, fn):
+async def _tokenizer_call(async_engine: EngineClient, fn):
     try:
-        return await async_engine.call(fn)
+        return await async_engine.tokenizer_call(fn)
     except Exception as exc:
         raise from_engine_error(exc) from exc

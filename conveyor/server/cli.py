@@ -32,29 +32,54 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--timeout-headers", type=float, default=10.0,
                    help="seconds a client has to send a request's headers once connected (or after its previous "
                    "response); slower or silent connections are closed")
+    p.add_argument("--engine-in-process", action="store_true",
+                   help="step the engine in a thread of the server's process instead of a process of its own "
+                   "(then the engine and the event loop share one GIL)")
     p.add_argument("--uvicorn-log-level", default="info")
     EngineArgs.add_cli_args(p)
     p.set_defaults(func=run_serve)
 
 
+# OpenMP workers that spin between parallel regions (libgomp's default) stall every step when anything else needs
+# the cores: a batch-1 decode step of the bench model took 1,064 ms with spinning workers and 17 ms with passive
+# ones, alternated in one run at a load average of 10-12 on 2 cores (docs/serving-latency.md). A server always
+# shares its cores with its event loop and its clients, so it waits passively unless the user chose otherwise.
+# libgomp reads this when torch loads it, so it is set before anything imports torch.
+OMP_DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE"}
+
+
 def run_serve(ns: argparse.Namespace) -> int:
+    for name, value in OMP_DEFAULTS.items():
+        os.environ.setdefault(name, value)  # the engine process inherits it
     from conveyor.engine.args import EngineArgs
-    from conveyor.engine.llm_engine import LLMEngine
-    from conveyor.models import EMBEDDED_NAME
-    from conveyor.server.app import build_app
-    from conveyor.server.launcher import make_server
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     if ns.model_tag and not ns.model:
         ns.model = ns.model_tag
     args = EngineArgs.from_cli_args(ns)
-    engine = LLMEngine(args)
-    info = engine.model_info
-    if info.name == EMBEDDED_NAME:
-        logger.warning("serving %s: RANDOM weights, its output is noise (it exists for benchmarks)", EMBEDDED_NAME)
+    if not ns.engine_in_process:
+        from conveyor.engine.core_client import EngineCoreClient
+
+        engine = EngineCoreClient(args)  # the engine process starts loading the model now ...
+    from conveyor.server.app import build_app  # ... while this process imports the server
+    from conveyor.server.launcher import make_server
+
+    if ns.engine_in_process:
+        from conveyor.engine.llm_engine import LLMEngine
+        from conveyor.models import EMBEDDED_NAME
+
+        engine = LLMEngine(args)
+        view, random_weights = engine, engine.model_info.name == EMBEDDED_NAME
+    else:
+        view = engine.wait_ready().engine
+        random_weights = view.random_weights  # (this process does not import torch, which conveyor.models does)
+    info = view.model_info
+    if random_weights:
+        logger.warning("serving %s: RANDOM weights, its output is noise (it exists for benchmarks)", info.name)
     logger.info("loaded %s (%.0fM parameters, %s) in %.2f s; engine ready in %.2f s: %d KV blocks of %d tokens, "
-                "max_model_len %d, policy %s", info.name, info.num_params / 1e6, info.dtype, engine.load_time_s,
-                engine.init_time_s, engine.num_kv_blocks, args.block_size, engine.max_model_len, args.policy)
+                "max_model_len %d, policy %s, engine %s", info.name, info.num_params / 1e6, info.dtype,
+                view.load_time_s, view.init_time_s, view.num_kv_blocks, args.block_size, view.max_model_len,
+                args.policy, "in this process" if ns.engine_in_process else f"in process {view.pid}")
     app = build_app(engine, ns.served_model_name or info.name, ns.api_key,
                     0.0 if ns.disable_log_stats else ns.log_stats_interval, ns.shutdown_timeout, ns.max_n)
     server = make_server(app, ns.host, ns.port, ns.uvicorn_log_level, ns.timeout_keep_alive, ns.timeout_headers)

@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator, Callable
 from fastapi import Request
 
 from conveyor.core.sampling_params import SamplingParams
-from conveyor.engine.async_engine import AsyncEngine, RequestStream
+from conveyor.engine.engine_client import EngineClient, RequestStream
 from conveyor.engine.llm_engine import LLMEngine
 from conveyor.engine.outputs import CompletionOutput, RequestOutput
 from conveyor.server.errors import APIError, bad_request, from_engine_error, from_value_error
@@ -53,7 +53,7 @@ def usage(outputs: list[RequestOutput], prompt_only: bool = False) -> dict:
 class ServingContext:
     """The served model and its engine, as the handlers see them."""
 
-    def __init__(self, async_engine: AsyncEngine, model_name: str, max_model_len: int, max_n: int = 128) -> None:
+    def __init__(self, async_engine: EngineClient, model_name: str, max_model_len: int, max_n: int = 128) -> None:
         self.engine = async_engine
         self.model_name = model_name
         self.max_model_len = max_model_len
