@@ -33,8 +33,25 @@ def add_serve_parser(sub) -> None:
                    help="seconds a client has to send a request's headers once connected (or after its previous "
                    "response); slower or silent connections are closed")
     p.add_argument("--uvicorn-log-level", default="info")
+    _add_scale_out_args(p)
     EngineArgs.add_cli_args(p)
     p.set_defaults(func=run_serve)
+
+
+def _add_scale_out_args(p) -> None:
+    from conveyor.distributed import ROUTER_NAMES
+
+    g = p.add_argument_group("scale-out on Ray Serve (needs the extra: pip install 'conveyor[ray]')")
+    g.add_argument("--data-parallel-size", type=int, default=1,
+                   help="engine replicas behind this one endpoint, each a Ray Serve replica (1: no Ray)")
+    g.add_argument("--ray-address", default=None, help="join this Ray cluster instead of starting a local one")
+    g.add_argument("--router", choices=ROUTER_NAMES, default="prefix",
+                   help="how requests pick a replica: prefix (the replica caching the prompt's head while queues "
+                   "are balanced, else power of two choices), pow2, round-robin")
+    g.add_argument("--cpus-per-replica", type=float, default=1.0, help="Ray CPUs (and torch threads) per replica")
+    g.add_argument("--autoscaling-config", default=None,
+                   help="Ray Serve autoscaling_config as JSON (e.g. '{\"min_replicas\": 1, \"max_replicas\": 4}'); "
+                   "replaces --data-parallel-size")
 
 
 def run_serve(ns: argparse.Namespace) -> int:
@@ -49,6 +66,13 @@ def run_serve(ns: argparse.Namespace) -> int:
     args = EngineArgs.from_cli_args(ns)
     if args.model is None:
         logger.warning("no --model given: serving the embedded Llama-40M with RANDOM weights (output is noise)")
+    if ns.data_parallel_size > 1 or ns.ray_address or ns.autoscaling_config:
+        from conveyor.distributed import require_ray
+
+        require_ray()
+        from conveyor.distributed.launch import run_serve_data_parallel
+
+        return run_serve_data_parallel(ns, args)
     engine = LLMEngine(args)
     logger.info("loaded %s: %d KV blocks of %d tokens, max_model_len %d, policy %s", engine.model_info.name,
                 engine.num_kv_blocks, args.block_size, engine.max_model_len, args.policy)
