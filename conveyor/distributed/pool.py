@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -31,7 +32,7 @@ from conveyor.engine.async_engine import (
     EngineDeadError, EngineShuttingDownError, RequestFailedError, RequestStream,
 )
 from conveyor.engine.llm_engine import LLMEngine
-from conveyor.engine.outputs import RequestOutput
+from conveyor.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 
 logger = logging.getLogger("conveyor.distributed")
 
@@ -65,6 +66,17 @@ def summed_stats(reports: list[ReplicaReport]) -> SchedulerStats:
                    num_preemptions=sum(s.num_preemptions for s in stats),
                    prefix_cache_queries=sum(s.prefix_cache_queries for s in stats),
                    prefix_cache_hits=sum(s.prefix_cache_hits for s in stats))
+
+
+def aborted_output(request_id: str, prompt: dict, params: SamplingParams,
+                   last: RequestOutput | None) -> RequestOutput:
+    """The final output of a request aborted here (what the engine's own abort reports): whatever it had
+    produced, with finish_reason "abort" on every unfinished completion."""
+    if last is None:
+        last = RequestOutput(request_id, prompt.get("prompt"), prompt["prompt_token_ids"],
+                             [CompletionOutput(i) for i in range(params.n)], RequestMetrics(time.monotonic()))
+    outputs = [replace(c, finish_reason=c.finish_reason or "abort") for c in last.outputs]
+    return replace(last, outputs=outputs, finished=True)
 
 
 class ReplicaPool:
@@ -180,17 +192,19 @@ class ReplicaPool:
         try:
             while True:
                 try:
-                    async for item in responses:
+                    ended = False
+                    async for item in responses:  # read to its end, so Ray Serve sees the call complete
                         if isinstance(item, tuple):  # ("failed", error)
                             stream.put(item[1])
-                            return
+                            ended = True
+                            continue
                         last = item
                         for listener in self.output_listeners:
                             listener(item)
                         stream.put(item if item.error is None else RequestFailedError(item.error))
-                        if item.finished:
-                            return
-                    stream.put(RequestFailedError(f"the replica's stream of {request_id} ended unfinished"))
+                        ended = item.finished
+                    if not ended:
+                        stream.put(RequestFailedError(f"the replica's stream of {request_id} ended unfinished"))
                     return
                 except REPLICA_LOST as exc:
                     if (last is None or last.num_generated_tokens == 0) and retries_left > 0:
@@ -207,11 +221,8 @@ class ReplicaPool:
                     return
         except asyncio.CancelledError:  # aborted: the stream still ends, as the engine's own abort ends it
             responses.cancel()
-            if last is not None and not stream.finished:
-                outputs = [replace(c, finish_reason=c.finish_reason or "abort") for c in last.outputs]
-                stream.put(replace(last, outputs=outputs, finished=True))
-            else:
-                stream.put(RequestFailedError("aborted"))
+            if last is None or not last.finished:
+                stream.put(aborted_output(request_id, prompt, params, last))
         finally:
             self._forget(request_id)
 
