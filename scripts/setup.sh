@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One-step set-up on a fresh machine: a virtual environment in .venv with conveyor and its test tools.
+# One-step set-up on a fresh machine: a virtual environment in .venv with conveyor, its test tools and the ray extra.
 # torch is pinned to the 2.13.0 wheel first: on the CPU machines this project runs on, pip takes that CPU build
 # from the machine's local wheel store instead of pulling a multi-GB CUDA build.
 set -euo pipefail
@@ -10,5 +10,7 @@ fi
 . .venv/bin/activate
 python -m pip install --quiet --upgrade pip
 python -m pip install --quiet "torch==2.13.0"
-python -m pip install --quiet -e ".[test]"
+# The ray extra (Ray Serve, for conveyor serve --data-parallel-size) is installed too, so the scale-out tests run;
+# conveyor itself needs none of it: `pip install -e .` alone serves on one machine.
+python -m pip install --quiet -e ".[test,ray]"
 python -c "import torch, conveyor; print('conveyor', conveyor.__version__, '| torch', torch.__version__)"

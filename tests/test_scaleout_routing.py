@@ -80,3 +80,12 @@ def test_affinity_and_serve_cli_import_no_ray():
             "conveyor.cli.build_parser()\n"
             "assert 'ray' not in sys.modules, 'ray imported'\n")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_data_parallel_without_ray_names_the_extra():
+    # sys.modules["ray"] = None makes every "import ray" fail, as on a machine without the extra.
+    code = ("import sys\nsys.modules['ray'] = None\nfrom conveyor.cli import main\n"
+            "try:\n    main(['serve', '--data-parallel-size', '2'])\nexcept SystemExit as e:\n    print(e)\n"
+            "else:\n    print('no error')\n")
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
+    assert "conveyor[ray]" in out and "Ray Serve" in out, out
