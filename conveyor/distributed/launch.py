@@ -25,6 +25,9 @@ logger = logging.getLogger("conveyor.distributed")
 APP_NAME = "conveyor"
 DEPLOYMENT_NAME = "engine"
 HEALTH_CHECK_PERIOD_S = 2.0
+# A replica whose engine cannot be built (a bad flag, a missing model) fails the same way every time: give up
+# soon instead of Ray Serve's default of many retries, each loading the model again.
+CONSTRUCTOR_RETRIES = 2
 
 
 def deploy(args: EngineArgs, model_name: str, num_replicas: int, router: str, cpus_per_replica: float = 1.0,
@@ -45,7 +48,8 @@ def deploy(args: EngineArgs, model_name: str, num_replicas: int, router: str, cp
         name=DEPLOYMENT_NAME, **replicas, ray_actor_options={"num_cpus": cpus_per_replica},
         max_ongoing_requests=max_ongoing_requests, health_check_period_s=HEALTH_CHECK_PERIOD_S,
         request_router_config=router_config,
-        logging_config={"enable_access_log": False},  # a line per request on the console is uvicorn's job
+        logging_config={"log_level": "WARNING", "enable_access_log": False},  # per-request lines are uvicorn's
+        max_constructor_retry_count=CONSTRUCTOR_RETRIES,
     )
     threads = max(1, int(cpus_per_replica))
     handle = serve.run(deployment.bind(args, model_name, threads, board), name=APP_NAME, route_prefix=None)
@@ -61,7 +65,8 @@ def start_ray(address: str | None, num_cpus: float) -> None:
         ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING)
     else:
         ray.init(num_cpus=num_cpus, include_dashboard=False, logging_level=logging.WARNING)
-    serve.start(http_options={"location": "NoServer"})
+    # No Serve HTTP proxy (conveyor's uvicorn is the ingress); Ray's own INFO lines stay in Ray's log files.
+    serve.start(proxy_location="Disabled", logging_config={"log_level": "WARNING"})
 
 
 def run_serve_data_parallel(ns: argparse.Namespace, args: EngineArgs) -> int:
@@ -77,7 +82,13 @@ def run_serve_data_parallel(ns: argparse.Namespace, args: EngineArgs) -> int:
     start_ray(ns.ray_address, num_cpus)
     model_name = ns.served_model_name or args.model or None
     try:
-        pool = deploy(args, model_name, ns.data_parallel_size, ns.router, ns.cpus_per_replica, autoscaling)
+        router_kwargs = {"imbalance_threshold": ns.router_imbalance_threshold} if ns.router == "prefix" else {}
+        try:
+            pool = deploy(args, model_name, ns.data_parallel_size, ns.router, ns.cpus_per_replica, autoscaling,
+                          router_kwargs)
+        except RuntimeError as exc:  # the replicas' own errors are in the log above, as Ray printed them
+            logger.critical("the engine replicas could not start: %s", exc)
+            return 1
         model_name = model_name or pool.engine.model_info.name
         logger.info("%d replica(s) of %s on Ray Serve, router %s", ns.data_parallel_size, model_name, ns.router)
         app = build_app(pool.engine, model_name, ns.api_key, 0.0 if ns.disable_log_stats else ns.log_stats_interval,

@@ -33,7 +33,7 @@ class PrefixAffinityRouter(RequestRouter):
     Queue lengths come from Ray Serve's per-replica queue-length cache (updated on every send and completion
     and by probes); replicas missing from it are probed."""
 
-    def initialize_state(self, block_size: int = 16, max_blocks: int = 64, imbalance_threshold: int = 4,
+    def initialize_state(self, block_size: int = 16, max_blocks: int = 64, imbalance_threshold: int = 8,
                          capacity: int = 100_000, ttl_s: float = 600.0, seed: int | None = None) -> None:
         self.block_size = block_size
         self.max_blocks = max_blocks

@@ -48,6 +48,9 @@ def _add_scale_out_args(p) -> None:
     g.add_argument("--router", choices=ROUTER_NAMES, default="prefix",
                    help="how requests pick a replica: prefix (the replica caching the prompt's head while queues "
                    "are balanced, else power of two choices), pow2, round-robin")
+    g.add_argument("--router-imbalance-threshold", type=int, default=8,
+                   help="prefix router: while replicas' queues differ by at most this many requests, the prefix "
+                   "decides; beyond it, power of two choices")
     g.add_argument("--cpus-per-replica", type=float, default=1.0, help="Ray CPUs (and torch threads) per replica")
     g.add_argument("--autoscaling-config", default=None,
                    help="Ray Serve autoscaling_config as JSON (e.g. '{\"min_replicas\": 1, \"max_replicas\": 4}'); "
