@@ -21,7 +21,6 @@ from ray import serve  # noqa: E402
 
 from conveyor.distributed.launch import APP_NAME, DEPLOYMENT_NAME, deploy, start_ray, stop_ray  # noqa: E402
 from conveyor.distributed.metrics import PoolMetrics  # noqa: E402
-from conveyor.distributed.replica import REPORT_PERIOD_S  # noqa: E402
 from conveyor.engine.args import EngineArgs  # noqa: E402
 from conveyor.server.app import build_app  # noqa: E402
 
@@ -43,7 +42,7 @@ def cluster(tiny_chat_dir):
                         metrics=PoolMetrics(pool), health_detail=pool.health)
         with running_server(app) as url:
             wait_for(lambda: len(health(url)["replicas"]) == 2, "2 replicas reporting")
-            yield SimpleNamespace(url=url, pool=pool, args=args)
+            yield SimpleNamespace(url=url, pool=pool, args=args, sent=0)  # sent: requests served so far
     finally:
         stop_ray(joined=False)
 
@@ -78,25 +77,17 @@ def served_per_replica(url: str) -> dict[str, float]:
     return dict(counts)
 
 
-def settled_counts(url: str) -> dict[str, float]:
-    """Per-replica finished counts once the replicas are idle and their reports have caught up (two reads a
-    report period apart agree)."""
-    previous = None
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        idle = all(r["running"] == 0 and r["waiting"] == 0 for r in health(url)["replicas"])
-        counts = served_per_replica(url)
-        if idle and counts == previous:
-            return counts
-        previous = counts
-        time.sleep(REPORT_PERIOD_S + 0.3)
-    raise AssertionError("the replicas' reports did not settle")
+def counts_at(url: str, total: int) -> dict[str, float]:
+    """Finished requests per replica, once the replicas' reports (posted every second) account for all
+    ``total`` requests this module has sent."""
+    wait_for(lambda: sum(served_per_replica(url).values()) >= total, f"{total} finished requests reported", 30)
+    counts = served_per_replica(url)
+    assert sum(counts.values()) == total, counts  # more would mean a request was served twice
+    return counts
 
 
-def served_since(url: str, before: dict[str, float]) -> dict[str, float]:
-    """Requests finished per replica since ``before`` (settled), replicas with none left out."""
-    now = settled_counts(url)
-    return {r: v - before.get(r, 0.0) for r, v in now.items() if v - before.get(r, 0.0)}
+def served_between(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {r: v - before.get(r, 0.0) for r, v in after.items() if v - before.get(r, 0.0)}
 
 
 def test_two_replicas_serve_the_openai_api(cluster, client, tiny_chat_dir):
@@ -116,6 +107,7 @@ def test_two_replicas_serve_the_openai_api(cluster, client, tiny_chat_dir):
                                           stream=True, max_tokens=5, extra_body={"ignore_eos": True})
     pieces = list(chat)
     assert pieces[-1].choices[0].finish_reason == "length"
+    cluster.sent += 6
     with pytest.raises(openai.BadRequestError, match="max_tokens"):  # the ingress validates, as one server does
         client.completions.create(model="tiny", prompt=prompt, max_tokens=10_000)
     with pytest.raises(openai.NotFoundError):
@@ -123,10 +115,11 @@ def test_two_replicas_serve_the_openai_api(cluster, client, tiny_chat_dir):
 
 
 def test_metrics_per_replica_and_summed_and_health(cluster, client):
-    before = settled_counts(cluster.url)
+    before = counts_at(cluster.url, cluster.sent)
     for i in range(6):  # distinct short prompts: no shared block, so power of two spreads them
         client.completions.create(model="tiny", prompt=f"w{20 + i} w{30 + i}", max_tokens=2)
-    assert sum(served_since(cluster.url, before).values()) == 6
+    cluster.sent += 6
+    counts_at(cluster.url, cluster.sent)
     text = httpx.get(cluster.url + "/metrics", timeout=10).text
     per_replica, summed = {}, None
     for family in text_string_to_metric_families(text):
@@ -144,15 +137,16 @@ def test_metrics_per_replica_and_summed_and_health(cluster, client):
 
 
 def test_prefix_router_keeps_a_shared_prefix_on_one_replica_while_balanced(cluster, client):
-    before = settled_counts(cluster.url)
+    before = counts_at(cluster.url, cluster.sent)
     for i in range(6):  # one at a time: queues stay balanced (both empty)
         client.completions.create(model="tiny", prompt=SHARED + [100 + i, 101 + i], max_tokens=2)
-    served = served_since(cluster.url, before)
+    cluster.sent += 6
+    served = served_between(before, counts_at(cluster.url, cluster.sent))
     assert list(served.values()) == [6], served  # all six on one replica
 
 
 def test_prefix_router_spreads_when_one_queue_runs_ahead(cluster):
-    before = settled_counts(cluster.url)
+    before = counts_at(cluster.url, cluster.sent)
     prefix = list(range(200, 264))
 
     async def load(n: int) -> list[str]:
@@ -163,8 +157,8 @@ def test_prefix_router_spreads_when_one_queue_runs_ahead(cluster):
             return [r.choices[0].finish_reason for r in await asyncio.gather(*calls)]
 
     assert asyncio.run(load(12)) == ["length"] * 12
-    served = served_since(cluster.url, before)
-    assert sum(served.values()) == 12
+    cluster.sent += 12
+    served = served_between(before, counts_at(cluster.url, cluster.sent))
     assert len(served) == 2, served  # the holder's queue ran ahead by more than the threshold: the rest spread
     assert max(served.values()) > min(served.values())  # still, affinity kept the holder the busier one
 

@@ -16,6 +16,7 @@ every stream ends with its final output or an error.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -90,7 +91,6 @@ class ReplicaPool:
         self.board = board
         self.app_name, self.deployment_name = app_name, deployment_name
         self.retries = retries
-        self.output_listeners: list[Callable[[RequestOutput], None]] = []
         self.on_dead: list[Callable[[BaseException], None]] = []  # the pool never dies whole: Ray replaces replicas
         self.dead_error: BaseException | None = None
         self.stats = SchedulerStats()
@@ -112,26 +112,16 @@ class ReplicaPool:
         """At least one replica reported recently."""
         return bool(self.reports)
 
-    @property
-    def num_in_flight(self) -> int:
-        return len(self._streams)
-
-    def stop_admissions(self) -> None:
-        self._accepting = False
-
     async def drain(self, timeout_s: float) -> None:
         """As ``AsyncEngine.drain``: no new requests; in-flight ones get ``timeout_s``, then are aborted."""
-        self.stop_admissions()
-        try:
+        self._accepting = False
+        with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(self._idle.wait(), timeout_s)
-        except asyncio.TimeoutError:
-            for request_id in list(self._streams):
-                self.abort(request_id)
-
-    async def shutdown(self) -> None:
-        self.stop_admissions()
         for request_id in list(self._streams):
             self.abort(request_id)
+
+    async def shutdown(self) -> None:
+        await self.drain(0.0)
         if self._poller is not None:
             self._poller.cancel()
 
@@ -199,8 +189,6 @@ class ReplicaPool:
                             ended = True
                             continue
                         last = item
-                        for listener in self.output_listeners:
-                            listener(item)
                         stream.put(item if item.error is None else RequestFailedError(item.error))
                         ended = item.finished
                     if not ended:
