@@ -39,7 +39,10 @@ logger = logging.getLogger("conveyor.distributed")
 
 REPLICA_LOST = (RayActorError, ActorDiedError, ActorUnavailableError)
 POLL_PERIOD_S = 1.0
-REPORT_STALE_S = 5.0  # a replica that has not reported for this long is not counted live
+REPORT_STALE_S = 5.0
+# How long a request may wait for a replica to accept it (routing plus the engine's add, normally milliseconds);
+# past it the client gets a 503 instead of waiting on a deployment that has no replica to give.
+ACCEPT_TIMEOUT_S = 60.0  # a replica that has not reported for this long is not counted live
 
 
 class EngineFrontend:
@@ -92,7 +95,6 @@ class ReplicaPool:
         self.app_name, self.deployment_name = app_name, deployment_name
         self.retries = retries
         self.on_dead: list[Callable[[BaseException], None]] = []  # the pool never dies whole: Ray replaces replicas
-        self.dead_error: BaseException | None = None
         self.stats = SchedulerStats()
         self.reports: list[ReplicaReport] = []  # live replicas' latest reports
         self.deployment_status: dict[str, Any] = {}
@@ -139,6 +141,8 @@ class ReplicaPool:
         EngineDeadError when no replica could take it."""
         if not self._accepting:
             raise EngineShuttingDownError("the server is shutting down and accepts no new requests")
+        if not self.reports:  # Ray Serve would hold the request until a replica is back: answer now instead
+            raise EngineDeadError("no engine replica is running (Ray Serve is starting or replacing them)")
         engine_prompt = prompt(self.engine) if callable(prompt) else prompt
         if not isinstance(engine_prompt, dict):
             text = engine_prompt if isinstance(engine_prompt, str) else None
@@ -161,7 +165,10 @@ class ReplicaPool:
         for attempt in range(self.retries + 1):
             responses = self.handle.options(stream=True).generate.remote(request_id, prompt, params)
             try:
-                kind, value = await responses.__anext__()
+                kind, value = await asyncio.wait_for(responses.__anext__(), ACCEPT_TIMEOUT_S)
+            except asyncio.TimeoutError:
+                responses.cancel()
+                raise EngineDeadError(f"no replica took request {request_id} within {ACCEPT_TIMEOUT_S:.0f} s")
             except REPLICA_LOST as exc:
                 logger.warning("request %s: replica lost before it accepted (%r); attempt %d of %d", request_id,
                                exc, attempt + 1, self.retries + 1)
