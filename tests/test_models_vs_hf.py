@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from conveyor.bench.step_builder import StepBuilder
-from conveyor.models import load_model
+from conveyor.models import EMBEDDED_NAME, load_model
 from tests.helpers.runner import LogitsRecordingRunner
 
 pytestmark = pytest.mark.slow  # a real model, engine or server: run by CI, skipped by -m "not slow"
@@ -122,8 +122,8 @@ def test_load_errors(tmp_path):
 
 
 def test_embedded_model_is_deterministic():
-    m1, info = load_model(None, seed=3)
-    m2, _ = load_model(None, seed=3)
+    m1, info = load_model(EMBEDDED_NAME, seed=3)
+    m2, _ = load_model(EMBEDDED_NAME, seed=3)
     assert info.name == "conveyor-embedded-llama-40m-random" and 39e6 < info.num_params < 41e6
     assert (info.hidden_size, info.num_layers, info.vocab_size) == (512, 8, 32000)
     torch.testing.assert_close(m1.layers[3].mlp.down_proj.weight, m2.layers[3].mlp.down_proj.weight)

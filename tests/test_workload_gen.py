@@ -66,3 +66,18 @@ def test_cli_shapes_the_shared_prefix_workload(tmp_path):
     assert 8 <= len(heads) <= 12  # 60 draws among 12 system prompts of 32 tokens
     with pytest.raises(SystemExit, match="shared-prefix"):
         main(["bench", "workload", "uniform", "--num-prefixes", "3", "--out", str(out)])
+
+
+def test_packaged_trace_by_name_and_by_path(tmp_path):
+    from conveyor.bench.workload import packaged_workloads, workload_path
+
+    assert "longtail_v1" in packaged_workloads()
+    w = load_workload("longtail_v1")
+    assert (w.name, len(w.requests), w.num_prompt_tokens, w.num_output_tokens) == \
+        ("workload_longtail_v1", 100, 15702, 8861)
+    assert load_workload("workload_longtail_v1").num_prompt_tokens == 15702  # the file's own name works too
+    copy = tmp_path / "copy.json"
+    copy.write_bytes(workload_path("longtail_v1").read_bytes())
+    assert load_workload(copy).requests[7] == w.requests[7]
+    with pytest.raises(FileNotFoundError, match="neither a file nor a packaged trace"):
+        load_workload("longtail_v9")

@@ -204,9 +204,11 @@ def describe(profile: dict) -> str:
 
 def add_calibrate_parser(sub) -> None:
     from conveyor.engine.args import EngineArgs
+    from conveyor.models import EMBEDDED_NAME
 
     p = sub.add_parser("calibrate", help="time the real engine over a grid of step shapes; write a sim profile")
     EngineArgs.add_cli_args(p)
+    p.set_defaults(model=EMBEDDED_NAME)  # the bench model, as bench compare's real runs (random weights)
     p.add_argument("--out", default="profile.json", help="the profile JSON to write")
     p.add_argument("--repeats", type=int, default=2, help="times each shape is timed (the fastest is kept)")
     p.add_argument("--quick", action="store_true", help="a quarter of the grid (a smoke test, not a profile)")

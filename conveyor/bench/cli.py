@@ -18,6 +18,9 @@ def add_bench_parser(sub) -> None:
     from conveyor.bench.serve_client import add_serve_client_parser
 
     add_serve_client_parser(bench_sub)
+    from conveyor.bench.ppl import add_ppl_parser
+
+    add_ppl_parser(bench_sub)
     from conveyor.bench.step import add_step_parser
 
     add_step_parser(bench_sub)

@@ -152,7 +152,8 @@ def add_compare_parser(sub) -> None:
     p = sub.add_parser("compare", conflict_handler="resolve",
                        help="compare policies / knob sweeps on one workload: table, plots, report")
     EngineArgs.add_cli_args(p)
-    p.add_argument("--workload", default="../shared/bench/workload_longtail_v1.json")
+    p.add_argument("--workload", default="longtail_v1", help="a packaged trace's name (longtail_v1) or a "
+                   "trace file")
     p.add_argument("--out", default="compare-out", help="directory for results.json, plots and report.md")
     p.add_argument("--policies", "--policy", dest="policies", default="static,dynamic,continuous,chunked")
     defaults = EngineArgs()
@@ -169,7 +170,9 @@ def add_compare_parser(sub) -> None:
     p.add_argument("--simulate", default=None, metavar="PROFILE_OR_HARDWARE",
                    help="run on the simulator instead: a hardware name of conveyor.sim.HARDWARE (a100-80gb, "
                         "h100-sxm, h200, ...) or a profile JSON from `conveyor sim calibrate`; --model then names a "
-                        "model of the simulator's table or a Hugging Face directory")
+                        "model of the simulator's table or a Hugging Face directory (default: the profile's model, "
+                        "else the bench model). Real runs default to the random-weights bench model, "
+                        "conveyor-embedded-llama-40m-random")
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="devices per model when simulating")
     p.add_argument("--flush-denormal", action=argparse.BooleanOptionalAction, default=True,
                    help="flush denormal floats to zero on CPU (default: on, for every configuration)")
@@ -204,12 +207,16 @@ def _main(ns: argparse.Namespace) -> int:
     print(f"{len(configs)} configurations on {workload.name}: {len(workload.requests)} requests, "
           f"{workload.num_prompt_tokens} prompt + {workload.num_output_tokens} output tokens"
           f"{' (all at once)' if ns.offline else ''}")
+    base_args = base_engine_args(ns, sweeps)
     if ns.simulate:
         from conveyor.bench.simulate import run_all_simulated
 
-        results = run_all_simulated(ns, base_engine_args(ns, sweeps), configs, workload)
+        results = run_all_simulated(ns, base_args, configs, workload)
     else:
-        results = run_all(ns, base_engine_args(ns, sweeps), configs, workload)
+        from conveyor.models import EMBEDDED_NAME
+
+        base_args.model = base_args.model or EMBEDDED_NAME  # the peers' bench shape (random weights)
+        results = run_all(ns, base_args, configs, workload)
     out = Path(ns.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(results))

@@ -72,15 +72,18 @@ def run_offline(llm, workload: Workload, use_tqdm: bool = False, keep_prefix_cac
 
 def add_offline_parser(sub) -> None:
     from conveyor.engine.args import EngineArgs
+    from conveyor.models import EMBEDDED_NAME
 
     p = sub.add_parser("offline", help="offline throughput: submit a whole workload at once")
-    p.add_argument("--workload", default="../shared/bench/workload_longtail_v1.json")
+    p.add_argument("--workload", default="longtail_v1", help="a packaged trace's name (longtail_v1) or a "
+                   "trace file")
     p.add_argument("--repeats", type=int, default=1, help="timed runs after one warm-up run")
     p.add_argument("--num-requests", type=int, default=None, help="use only the first N requests")
     p.add_argument("--no-warmup", action="store_true")
     p.add_argument("--keep-prefix-cache", action="store_true",
                    help="let a repeat reuse the previous run's cached prompts (as vllm_offline.py's repeats do)")
     EngineArgs.add_cli_args(p)
+    p.set_defaults(model=EMBEDDED_NAME)  # the peers' bench shape (random weights)
     p.set_defaults(func=_main)
 
 

@@ -134,7 +134,8 @@ def token_prompt_hint(workload: Workload, timings: list[RequestTiming]) -> str |
 def add_serve_client_parser(sub) -> None:
     p = sub.add_parser("serve", help="replay a workload against an OpenAI-compatible server (streaming HTTP)")
     p.add_argument("--base-url", default="http://127.0.0.1:8000")
-    p.add_argument("--workload", default="../shared/bench/workload_longtail_v1.json")
+    p.add_argument("--workload", default="longtail_v1", help="a packaged trace's name (longtail_v1) or a "
+                   "trace file")
     p.add_argument("--model", default=None, help="model name to send (default: the server's first model)")
     p.add_argument("--request-rate", type=float, default=None,
                    help="req/s for Poisson/gamma arrivals; 'inf': all at once (default: the trace's arrival times)")

@@ -73,13 +73,13 @@ def run(args) -> None:
     import torch
 
     from conveyor.bench.machine import gemm_gflops
-    from conveyor.models import load_model
+    from conveyor.models import EMBEDDED_NAME, load_model
     from conveyor.models.flops import forward_flops
     from conveyor.runner.model_runner import ModelRunner
 
     torch.manual_seed(0)
     random.seed(0)
-    model, info = load_model(None)
+    model, info = load_model(EMBEDDED_NAME)
     runner = ModelRunner(model, info, num_blocks=args.num_blocks, block_size=args.block_size,
                          attention_backend=args.backend)
     print(f"threads {torch.get_num_threads()}; matmul GFLOP/s: 2048^3 {gemm_gflops(2048, 2048, 2048):.0f}, "

@@ -1,4 +1,8 @@
-"""Workload traces: the JSON format of ../shared/bench/README.md (load, save, and the per-request spec).
+"""Workload traces: a JSON trace format (load, save, and the per-request spec), and the traces shipped with the
+package (``bench/traces/``), which every benchmark takes by name: ``--workload longtail_v1``.
+
+``longtail_v1`` (100 requests: 80 chat turns, 20 RAG prompts, token ids of the bench model's 32,000 vocabulary,
+greedy with ``ignore_eos``, Poisson arrivals at 4 req/s) is the trace the peers' numbers were measured on.
 
 A trace is a list of requests, each with a prompt (token ids or text), sampling fields named as in
 ``SamplingParams`` and an arrival time in seconds since the start. Generators (long-tail, uniform,
@@ -9,6 +13,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field, fields
+from importlib import resources
 from pathlib import Path
 
 from conveyor.core.sampling_params import SamplingParams
@@ -89,11 +94,28 @@ class Workload:
         Path(path).write_text(json.dumps(self.to_json()))
 
 
-def load_workload(path: str | Path) -> Workload:
-    """Read a trace file (a JSON object as in ../shared/bench/README.md, or JSONL with one request a line)."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"workload file not found: {path}")
+def packaged_workloads() -> list[str]:
+    """Names of the traces shipped in ``conveyor/bench/traces/``."""
+    return sorted(p.name.removesuffix(".json") for p in resources.files("conveyor.bench").joinpath("traces").iterdir()
+                  if p.name.endswith(".json"))
+
+
+def workload_path(spec: str | Path) -> Path:
+    """A trace file path, or a packaged trace's name (``longtail_v1``; ``workload_longtail_v1`` also works)."""
+    path = Path(spec)
+    if path.is_file():
+        return path
+    name = str(spec).removeprefix("workload_").removesuffix(".json")
+    if name in packaged_workloads():
+        return Path(str(resources.files("conveyor.bench").joinpath("traces", f"{name}.json")))
+    raise FileNotFoundError(f"workload {str(spec)!r} is neither a file nor a packaged trace "
+                            f"({', '.join(packaged_workloads())})")
+
+
+def load_workload(spec: str | Path) -> Workload:
+    """Read a trace (a path or a packaged trace's name): a JSON object as ``Workload.to_json`` writes, or JSONL
+    with one request a line."""
+    path = workload_path(spec)
     text = path.read_text()
     if path.suffix == ".jsonl":
         data = {"name": path.stem, "requests": [json.loads(line) for line in text.splitlines() if line.strip()]}

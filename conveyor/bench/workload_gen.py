@@ -1,9 +1,9 @@
 """Synthetic workloads: long-tail, uniform and shared-prefix traffic with all-at-once, Poisson or bursty arrivals.
 
 Every generator is seeded and pure Python (``random.Random(seed)``), so a (kind, seed, knobs) triple names one
-trace exactly; ``conveyor bench workload ... --out FILE`` writes it in the trace format of
-../shared/bench/README.md. Requests are greedy with ``ignore_eos`` and ``max_tokens`` equal to their output
-length, so every engine does the same work on them.
+trace exactly; ``conveyor bench workload ... --out FILE`` writes it in the trace format of ``workload.py``.
+Requests are greedy with ``ignore_eos`` and ``max_tokens`` equal to their output length, so every engine does
+the same work on them.
 
 Lengths are log-uniform: as many requests between 16 and 32 tokens as between 512 and 1024, which is the shape
 of real chat + RAG traffic (many short turns, a long tail of long prompts).

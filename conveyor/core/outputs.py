@@ -87,6 +87,16 @@ class TokenLogprobs:
     token_id: int
     logprob: float
     top: list[tuple[int, float]]
+    rank: int | None = None  # 1 + how many tokens were more likely (set for prompt tokens)
+
+
+@dataclass
+class PromptLogprobs:
+    """Logprobs of a run of prompt tokens computed in one step: ``entries[i]`` is prompt token ``start + i``'s
+    (``start >= 1``: nothing predicts the first token). A recomputed prompt (preemption) repeats positions."""
+
+    start: int
+    entries: list[TokenLogprobs]
 
 
 @dataclass
@@ -95,6 +105,7 @@ class ModelOutput:
 
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)  # only for requests that asked
+    prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)  # only for requests that asked
     # Requests whose per-request setup failed in the executor (id -> why). Their tokens were still computed
     # (the KV cache stays consistent for blocks they share) but they sampled nothing; the engine fails them.
     failed: dict[str, str] = field(default_factory=dict)

@@ -41,6 +41,7 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     logprobs: int | None = None  # number of top logprobs to return per token (0: only the sampled token's)
+    prompt_logprobs: int | None = None  # the same for every prompt token but the first (vLLM's; echo needs it)
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
@@ -90,6 +91,9 @@ class SamplingParams:
             raise bad("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
         if self.logprobs is not None and (not integer(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}]")
+        if self.prompt_logprobs is not None and (not integer(self.prompt_logprobs)
+                                                 or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+            raise bad("prompt_logprobs", f"must be an integer in [0, {MAX_LOGPROBS}]")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", "must hold non-empty strings")
         if any(not integer(t) or t < 0 for t in self.stop_token_ids):

@@ -24,10 +24,12 @@ def _arg(default, help: str, **argparse_options):
 
 @dataclass
 class EngineArgs:
-    """Engine settings, named as vLLM names them. ``model=None`` loads the embedded random-weights model."""
+    """Engine settings, named as vLLM names them. ``model``: a model name, a GGUF file (or a directory holding
+    one) or a Hugging Face directory; None is the default model, SmolLM2-135M-Instruct (``models/sources.py``)."""
 
-    model: str | None = _arg(None, "Hugging Face model directory (default: the embedded 40M-parameter Llama "
-                                   "with RANDOM weights)")
+    model: str | None = _arg(None, "a model name (SmolLM2-135M-Instruct, the default; "
+                                   "conveyor-embedded-llama-40m-random, random weights, the benchmarks' default), "
+                                   "a GGUF file or a directory holding one, or a Hugging Face model directory")
     dtype: str = _arg("float32", "weights and KV cache dtype", choices=DTYPE_CHOICES)
     device: str = _arg("auto", '"auto" (CUDA when available, else CPU), "cpu", "cuda", ...')
     seed: int = _arg(0, "seed of unseeded sampling and of the embedded model's random weights")

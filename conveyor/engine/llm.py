@@ -8,6 +8,7 @@ from tqdm.auto import tqdm
 
 from conveyor.core.sampling_params import SamplingParams
 from conveyor.engine.args import EngineArgs
+from conveyor.engine.chat import Conversation, as_conversations, render_chat
 from conveyor.engine.llm_engine import LLMEngine, PromptType
 from conveyor.engine.outputs import RequestOutput
 
@@ -55,3 +56,22 @@ class LLM:
                         results[out.request_id] = out
                         bar.update(1)
         return [results[i] for i in ids]
+
+    def chat(
+        self,
+        messages: Conversation | Sequence[Conversation],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation or a batch of them, as vLLM's ``LLM.chat``.
+
+        ``messages`` is ``[{"role": ..., "content": ...}, ...]`` or a list of such lists (batched in one run).
+        Each is rendered with the model's chat template (or ``chat_template``), the assistant's turn opened when
+        ``add_generation_prompt``; generation stops at the model's end-of-turn token (its EOS, e.g.
+        ``<|im_end|>`` for SmolLM2). Returns one ``RequestOutput`` per conversation, in order.
+        """
+        prompts = [{"prompt_token_ids": render_chat(self.tokenizer, conv, add_generation_prompt, chat_template)}
+                   for conv in as_conversations(messages)]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)

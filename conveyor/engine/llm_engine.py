@@ -43,6 +43,7 @@ class LLMEngine:
         from conveyor.runner.model_runner import ModelRunner
         from conveyor.tokenizer import load_tokenizer
 
+        start = time.perf_counter()
         args = args or EngineArgs(**overrides)
         self.args = args
         device = args.device
@@ -56,6 +57,7 @@ class LLMEngine:
         else:
             self.tokenizer = load_tokenizer(args.model)
             self.model, self.model_info = load_model(args.model, dtype=args.dtype, device=device, seed=args.seed)
+        self.load_time_s = time.perf_counter() - start  # tokenizer + weights (read, dequantized, laid out)
         limit = self.model_info.max_position_embeddings
         if args.max_model_len is not None and args.max_model_len > limit:
             raise ValueError(f"max_model_len ({args.max_model_len}) exceeds the model's context ({limit})")
@@ -81,6 +83,7 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer, detokenize=args.detokenize)
         self.step_listeners: list[Callable[[StepRecord], None]] = []
         self._ids = itertools.count()
+        self.init_time_s = time.perf_counter() - start  # plus the KV cache and runner
 
     @classmethod
     def sharing_model(cls, other: LLMEngine, args: EngineArgs) -> LLMEngine:
@@ -222,7 +225,7 @@ class LLMEngine:
         model_out = self.executor.execute(sched_out)
         now = time.monotonic()
         updates = self.scheduler.update(sched_out, model_out, now)
-        processed = self.output_processor.process(updates, now)
+        processed = self.output_processor.process(updates, now, model_out.prompt_logprobs)
         for request_id in processed.stopped:  # a stop string ended it: the output layer decides, the core applies
             self.scheduler.finish_request(request_id, RequestStatus.FINISHED_STOPPED, now)
         outputs = processed.request_outputs

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from conveyor.core.outputs import RequestUpdate
+from conveyor.core.outputs import PromptLogprobs, RequestUpdate
 from conveyor.core.request import Request
 from conveyor.engine.detokenizer import IncrementalDetokenizer
 from conveyor.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -31,13 +31,21 @@ class _Parent:
     prompt_token_ids: list[int]
     children: list[_Child]
     metrics: RequestMetrics
+    prompt_logprobs: list | None = None  # filled as prefill chunks complete
 
     def output(self) -> RequestOutput:
         finished = all(c.completion.finished for c in self.children)
         return RequestOutput(
             self.request_id, self.prompt, self.prompt_token_ids, [c.completion for c in self.children],
-            self.metrics, finished,
+            self.metrics, finished, self.prompt_logprobs,
         )
+
+    def add_prompt_logprobs(self, chunk: PromptLogprobs) -> None:
+        """Append a chunk's entries, skipping positions already held (a recomputed prompt, or the second of
+        ``n`` completions, scores the same tokens again)."""
+        held = len(self.prompt_logprobs)
+        assert chunk.start <= held, f"prompt logprobs from position {chunk.start}, only {held} held"
+        self.prompt_logprobs.extend(chunk.entries[held - chunk.start:])
 
 
 @dataclass
@@ -61,6 +69,8 @@ class OutputProcessor:
 
     def add(self, request_id: str, prompt: str | None, requests: list[Request], arrival: float) -> None:
         parent = _Parent(request_id, prompt, requests[0].prompt_token_ids, [], RequestMetrics(arrival))
+        if requests[0].sampling_params.prompt_logprobs is not None:
+            parent.prompt_logprobs = [None]
         for index, req in enumerate(requests):
             params = req.sampling_params
             detok = None
@@ -83,7 +93,12 @@ class OutputProcessor:
         parent = self.parents.get(request_id)
         return [c.request.request_id for c in parent.children] if parent else []
 
-    def process(self, updates: list[RequestUpdate], now: float) -> ProcessedOutputs:
+    def process(self, updates: list[RequestUpdate], now: float,
+                prompt_logprobs: dict[str, PromptLogprobs] | None = None) -> ProcessedOutputs:
+        for req_id, chunk in (prompt_logprobs or {}).items():  # before the updates: outputs carry them
+            child = self.children.get(req_id)
+            if child is not None and child.parent.prompt_logprobs is not None:
+                child.parent.add_prompt_logprobs(chunk)
         touched: dict[str, _Parent] = {}
         stopped: list[str] = []
         failed: dict[str, str] = {}

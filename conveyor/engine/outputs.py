@@ -61,6 +61,8 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     metrics: RequestMetrics
     finished: bool = False
+    # with SamplingParams.prompt_logprobs: one entry per prompt token, the first None (nothing predicts it)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
     # Set when the engine could not process this request (a per-request failure it survived); the request is
     # then finished, its completions with finish_reason "abort".
     error: str | None = None

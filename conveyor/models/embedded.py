@@ -1,12 +1,14 @@
-"""The built-in default model: the bench shape (shared/bench/model.json) with RANDOM weights.
+"""The benchmark model: the peers' bench shape (llama-40m) with RANDOM weights, built in (no files).
 
 "conveyor-embedded-llama-40m-random" is a 40M-parameter Llama (hidden 512, 8 layers, 8 heads / 4 KV heads,
 head_dim 64, MLP 1408, vocab 32000, tied embeddings, RoPE theta 10000). Its weights are random, drawn at load
 time from a seed (nothing is stored on disk): its text is gibberish, but it does exactly the work of the real
-shape, which is what the benchmarks measure. Pair it with ``load_tokenizer(None)``.
+shape, which is what the benchmarks measure. Its tokenizer is ``ByteTokenizer`` (``load_tokenizer(EMBEDDED_NAME)``).
 """
 
 from __future__ import annotations
+
+import sys
 
 import torch
 
@@ -37,3 +39,10 @@ def load_embedded(dtype: torch.dtype = torch.float32, device: str | torch.device
                 param.normal_(0.0, INIT_STD, generator=gen)
     model = model.to(device=device, dtype=dtype)
     return model, make_info(EMBEDDED_NAME, cfg, model, dtype)
+
+
+def warn_if_random(model_name: str) -> None:
+    """On stderr, for the command-line front ends: a model named ``EMBEDDED_NAME`` answers noise."""
+    if model_name == EMBEDDED_NAME:
+        print(f"[conveyor] {EMBEDDED_NAME} has RANDOM weights: its output is noise (it exists for benchmarks)",
+              file=sys.stderr)

@@ -47,6 +47,17 @@ class StepInputs:
     padding: Padding | None  # a baseline's pad rows after the real ones (None: no padding this step)
     logits_indices: torch.Tensor | None  # rows of the hidden states that sample; None: every row samples
     sampling: list[RequestState]  # in logits row order
+    prompt_rows: list[PromptRows]  # hidden-state rows whose logits score prompt tokens (prompt_logprobs)
+
+
+@dataclass
+class PromptRows:
+    """Rows [row, row + count) of a step's hidden states predict prompt tokens [start, start + count) of state."""
+
+    state: RequestState
+    row: int
+    start: int
+    count: int
 
 
 class InputBatch:
@@ -143,6 +154,14 @@ class InputBatch:
         pad = padding.num_tokens if padding else 0
 
         sampling_idx = [i for i, s in enumerate(ordered) if int(seq_lens[i]) == len(s.token_ids)]
+        prompt_rows = []
+        for i, s in enumerate(ordered):
+            if s.params.prompt_logprobs is None:
+                continue
+            # position p predicts token p + 1; prompt tokens 1 .. num_prompt - 1 have a prediction
+            c, end = int(computed[i]), min(int(seq_lens[i]), s.num_prompt_tokens - 1)
+            if end > c:
+                prompt_rows.append(PromptRows(s, int(query_start[i]), c + 1, end - c))
         sampling = [ordered[i] for i in sampling_idx]
         logits_indices = None
         if len(sampling) != num_tokens + pad:
@@ -153,7 +172,8 @@ class InputBatch:
             query_start_loc=query_start.tolist(), seq_lens=seq_lens.tolist(), num_computed=computed.tolist(),
             block_table=torch.from_numpy(block_table).to(dev), num_decodes=len(decodes))
         return StepInputs(torch.tensor(input_ids, dtype=torch.int64, device=dev),
-                          torch.from_numpy(positions).to(dev), meta, padding, logits_indices, sampling)
+                          torch.from_numpy(positions).to(dev), meta, padding, logits_indices, sampling,
+                          prompt_rows)
 
     def _padding(self, num_pad_tokens: int, longest_chunk: int) -> Padding:
         """Pad rows form sequences no longer than the step's longest chunk: the rows a padded [batch, longest]

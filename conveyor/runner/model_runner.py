@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import torch
 
-from conveyor.core.outputs import ModelOutput, SchedulerOutput
+from conveyor.core.outputs import ModelOutput, PromptLogprobs, SchedulerOutput
 from conveyor.layers.attention import make_attention, resolve_backend
 from conveyor.models.build import ModelInfo, resolve_dtype
-from conveyor.runner.input_batch import InputBatch, StepInputs
-from conveyor.runner.sampler import Sampler
+from conveyor.runner.input_batch import InputBatch, PromptRows, StepInputs
+from conveyor.runner.sampler import Sampler, prompt_logprobs
+
+PROMPT_LOGITS_ROWS = 256  # prompt logprobs in slices: [256, 49152] float32 logits are 50 MB
 
 
 class ModelRunner:
@@ -16,7 +18,7 @@ class ModelRunner:
 
     The KV cache is one tensor per layer, [2 (K, V), num_blocks, block_size, num_kv_heads, head_dim]; block b
     covers cache slots [b * block_size, (b + 1) * block_size). A step is ``forward`` (the logits of the rows that
-    sample) then ``sample``.
+    sample, and the logprobs of prompt tokens for requests that asked) then ``sample``.
     """
 
     def __init__(self, model: torch.nn.Module, info: ModelInfo, num_blocks: int, block_size: int,
@@ -49,21 +51,26 @@ class ModelRunner:
         if so.is_empty:
             return ModelOutput()
         step = self.batch.prepare(so)
-        logits = self.forward(step)
+        logits, prompt_lps = self.forward(step)
         out = ModelOutput() if logits is None else self.sample(logits, step)
+        out.prompt_logprobs = prompt_lps
         out.failed = self._failed(so)
         return out
 
-    def forward(self, step: StepInputs) -> torch.Tensor | None:
-        """Run the model over every row of the step (writing its K/V); the logits of the rows that sample, in
-        ``step.sampling`` order, or None when none does."""
+    def forward(self, step: StepInputs) -> tuple[torch.Tensor | None, dict[str, PromptLogprobs]]:
+        """Run the model over every row of the step (writing its K/V). Returns the logits of the rows that
+        sample, in ``step.sampling`` order (None when none does), and the logprobs of the prompt tokens this step
+        scores for requests that asked (``prompt_logprobs``): those need rows that do not sample, so they are
+        taken here, while every row's hidden state is at hand."""
         attn = make_attention(self.backend, step.attn_meta, self.dtype, step.padding)
         hidden = self.model(step.input_ids, step.positions, self.kv_caches, attn)
+        prompt_lps = {rows.state.req_id: self._prompt_logprobs(hidden, rows) for rows in step.prompt_rows
+                      if rows.state.error is None}
         if not step.sampling:
-            return None
+            return None, prompt_lps
         if step.logits_indices is not None:
             hidden = hidden.index_select(0, step.logits_indices)
-        return self.model.compute_logits(hidden)
+        return self.model.compute_logits(hidden), prompt_lps
 
     def sample(self, logits: torch.Tensor, step: StepInputs) -> ModelOutput:
         """One token per sampling row; each is appended to its request's own token list."""
@@ -77,3 +84,12 @@ class ModelRunner:
             if lp is not None:
                 out.logprobs[state.req_id] = lp
         return out
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, rows: PromptRows) -> PromptLogprobs:
+        targets = rows.state.token_ids[rows.start:rows.start + rows.count]
+        entries = []
+        for i in range(0, rows.count, PROMPT_LOGITS_ROWS):
+            n = min(PROMPT_LOGITS_ROWS, rows.count - i)
+            logits = self.model.compute_logits(hidden[rows.row + i:rows.row + i + n])
+            entries += prompt_logprobs(logits, targets[i:i + n], rows.state.params.prompt_logprobs)
+        return PromptLogprobs(rows.start, entries)

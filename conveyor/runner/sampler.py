@@ -93,6 +93,20 @@ class Sampler:
         return ids, out
 
 
+def prompt_logprobs(logits: torch.Tensor, targets: list[int], top_n: int) -> list[TokenLogprobs]:
+    """Logprobs of ``targets`` (one token per row of ``logits`` [R, V]) with their rank and the top ``top_n``:
+    the raw model distribution (log_softmax), as vLLM's prompt_logprobs."""
+    lp = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)  # float32 or 64
+    target = torch.tensor(targets, device=lp.device).unsqueeze(1)
+    own = lp.gather(1, target)
+    rank = (lp > own).sum(dim=1, keepdim=True) + 1
+    top_vals, top_ids = lp.topk(top_n, dim=-1)
+    rows = torch.cat([own.double(), rank.double(), top_ids.double(), top_vals.double()], dim=1).tolist()
+    return [TokenLogprobs(token_id=t, logprob=row[0], rank=int(row[1]),
+                          top=[(int(i), v) for i, v in zip(row[2:2 + top_n], row[2 + top_n:])])
+            for t, row in zip(targets, rows)]
+
+
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """Row-wise argmax (first maximum). On CPU numpy's SIMD argmax is ~7x faster than torch's (0.6 vs 4.3 ms
     for [100, 32000] here)."""

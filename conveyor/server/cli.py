@@ -13,11 +13,11 @@ def add_serve_parser(sub) -> None:
     from conveyor.engine.args import EngineArgs
 
     p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
-    p.add_argument("model_tag", nargs="?", default=None, help="model directory (same as --model)")
+    p.add_argument("model_tag", nargs="?", default=None, help="model name, GGUF file or directory (same as --model)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", default=None, help="the name clients pass as `model` (default: the "
-                   "model directory, or the embedded model's name)")
+                   "model's name, e.g. SmolLM2-135M-Instruct, or the GGUF file's / directory's name)")
     p.add_argument("--api-key", default=os.environ.get("CONVEYOR_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on every route but /health and /metrics "
                    "(default: $CONVEYOR_API_KEY)")
@@ -60,6 +60,7 @@ def _add_scale_out_args(p) -> None:
 def run_serve(ns: argparse.Namespace) -> int:
     from conveyor.engine.args import EngineArgs
     from conveyor.engine.llm_engine import LLMEngine
+    from conveyor.models import EMBEDDED_NAME
     from conveyor.server.app import build_app
     from conveyor.server.launcher import make_server
 
@@ -67,8 +68,6 @@ def run_serve(ns: argparse.Namespace) -> int:
     if ns.model_tag and not ns.model:
         ns.model = ns.model_tag
     args = EngineArgs.from_cli_args(ns)
-    if args.model is None:
-        logger.warning("no --model given: serving the embedded Llama-40M with RANDOM weights (output is noise)")
     if ns.data_parallel_size > 1 or ns.ray_address or ns.autoscaling_config:
         from conveyor.distributed import require_ray
 
@@ -77,9 +76,13 @@ def run_serve(ns: argparse.Namespace) -> int:
 
         return run_serve_data_parallel(ns, args)
     engine = LLMEngine(args)
-    logger.info("loaded %s: %d KV blocks of %d tokens, max_model_len %d, policy %s", engine.model_info.name,
-                engine.num_kv_blocks, args.block_size, engine.max_model_len, args.policy)
-    app = build_app(engine, ns.served_model_name or args.model, ns.api_key,
+    info = engine.model_info
+    if info.name == EMBEDDED_NAME:
+        logger.warning("serving %s: RANDOM weights, its output is noise (it exists for benchmarks)", EMBEDDED_NAME)
+    logger.info("loaded %s (%.0fM parameters, %s) in %.2f s; engine ready in %.2f s: %d KV blocks of %d tokens, "
+                "max_model_len %d, policy %s", info.name, info.num_params / 1e6, info.dtype, engine.load_time_s,
+                engine.init_time_s, engine.num_kv_blocks, args.block_size, engine.max_model_len, args.policy)
+    app = build_app(engine, ns.served_model_name or info.name, ns.api_key,
                     0.0 if ns.disable_log_stats else ns.log_stats_interval, ns.shutdown_timeout, ns.max_n)
     server = make_server(app, ns.host, ns.port, ns.uvicorn_log_level, ns.timeout_keep_alive, ns.timeout_headers)
     server.run()

@@ -72,7 +72,8 @@ class CompletionRequest(SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = None
-    echo: bool = False
+    echo: bool = False  # the prompt (and, with logprobs, its tokens' logprobs) before the completion
+    prompt_logprobs: int | None = None  # vLLM's: top logprobs of every prompt token, in choices[i].prompt_logprobs
     best_of: int | None = None
     suffix: str | None = None
     add_special_tokens: bool = True

@@ -9,6 +9,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from conveyor.core.outputs import TokenLogprobs
 from conveyor.core.sampling_params import MAX_LOGPROBS
+from conveyor.engine import chat
 from conveyor.server.errors import bad_request
 from conveyor.server.protocol import ChatCompletionRequest, ChatMessage
 from conveyor.server.serving_common import (
@@ -34,11 +35,9 @@ def messages_as_dicts(messages: list[ChatMessage]) -> list[dict]:
 
 
 def render_chat(engine, messages: list[dict], add_generation_prompt: bool, add_special_tokens: bool) -> list[int]:
-    """Token ids of a conversation (engine thread). The template writes the special tokens itself."""
-    try:
-        text = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
-    except Exception as exc:  # jinja errors (raise_exception in templates, bad roles) are the client's
-        raise ValueError(f"messages could not be rendered with the chat template: {exc}") from exc
+    """Token ids of a conversation through the model's chat template (engine thread). The template writes the
+    special tokens itself."""
+    text = chat.chat_prompt(engine.tokenizer, messages, add_generation_prompt)
     return engine.encode(text, add_special_tokens=add_special_tokens, field="messages")
 
 

@@ -43,9 +43,10 @@ def check_context(num_prompt_tokens: int, max_tokens: int | None, max_model_len:
         )
 
 
-def usage(outputs: list[RequestOutput]) -> dict:
+def usage(outputs: list[RequestOutput], prompt_only: bool = False) -> dict:
+    """Token counts; ``prompt_only``: an echo with max_tokens 0, whose one generated token is never shown."""
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
-    completion = sum(o.num_generated_tokens for o in outputs)
+    completion = 0 if prompt_only else sum(o.num_generated_tokens for o in outputs)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from conveyor.core.outputs import TokenLogprobs
-from conveyor.engine.outputs import CompletionOutput
-from conveyor.server.errors import bad_request
+from conveyor.engine.outputs import CompletionOutput, RequestOutput
+from conveyor.server.errors import bad_request, from_value_error
 from conveyor.server.protocol import CompletionRequest
 from conveyor.server.serving_common import (
     DeltaTracker, ServingContext, check_context, merged, new_id, sse_events, usage,
@@ -38,20 +39,41 @@ def _prepare(prompt: str | list[int], max_tokens: int | None, add_special_tokens
     return prepare
 
 
-def _logprobs(tokenizer, entries: list[TokenLogprobs], text_start: int) -> dict:
-    """OpenAI's legacy completions logprobs: tokens, token_logprobs, top_logprobs, text_offset."""
+def _logprobs(tokenizer, entries: list[tuple[int, TokenLogprobs | None]], text_start: int) -> dict:
+    """OpenAI's legacy completions logprobs: tokens, token_logprobs, top_logprobs, text_offset. An entry without
+    logprobs (the first prompt token, under echo) gets None, as in OpenAI's and vLLM's answers."""
     tokens, token_logprobs, tops, offsets = [], [], [], []
     offset = text_start
-    for e in entries:
-        token = tokenizer.decode([e.token_id], skip_special_tokens=False)
+    for token_id, e in entries:
+        token = tokenizer.decode([token_id], skip_special_tokens=False)
         tokens.append(token)
+        offsets.append(offset)
+        offset += len(token)
+        if e is None:
+            token_logprobs.append(None)
+            tops.append(None)
+            continue
         token_logprobs.append(e.logprob)
         top = {tokenizer.decode([t], skip_special_tokens=False): lp for t, lp in e.top}
         top.setdefault(token, e.logprob)  # vLLM includes the sampled token
         tops.append(top)
-        offsets.append(offset)
-        offset += len(token)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
+
+
+def _prompt_logprobs(tokenizer, out: RequestOutput) -> list[dict | None]:
+    """vLLM's ``prompt_logprobs``: per prompt token None (the first) or {token id: {logprob, rank, decoded_token}}
+    holding the prompt token and the top alternatives."""
+    result: list[dict | None] = []
+    for token_id, e in zip(out.prompt_token_ids, out.prompt_logprobs):
+        if e is None:
+            result.append(None)
+            continue
+        entry = {str(t): {"logprob": lp, "rank": r + 1, "decoded_token": tokenizer.decode([t], skip_special_tokens=False)}
+                 for r, (t, lp) in enumerate(e.top)}
+        entry[str(token_id)] = {"logprob": e.logprob, "rank": e.rank,
+                                "decoded_token": tokenizer.decode([token_id], skip_special_tokens=False)}
+        result.append(entry)
+    return result
 
 
 def _choice(index: int, text: str, c: CompletionOutput, logprobs: dict | None, finished: bool) -> dict:
@@ -60,16 +82,59 @@ def _choice(index: int, text: str, c: CompletionOutput, logprobs: dict | None, f
             "stop_reason": c.stop_reason if finished else None}
 
 
+class _Echo:
+    """What ``echo`` (and ``prompt_logprobs``) put in front of a choice: the prompt's text, its tokens' logprobs.
+    ``prompt_only``: max_tokens 0 with echo, run as one generated token that is never shown (legacy OpenAI)."""
+
+    def __init__(self, body: CompletionRequest, prompt_only: bool) -> None:
+        self.echo, self.want_logprobs, self.prompt_only = body.echo, body.logprobs is not None, prompt_only
+        self.want_prompt_logprobs = body.prompt_logprobs is not None
+
+    def text(self, tokenizer, out: RequestOutput) -> str:
+        if not self.echo:
+            return ""
+        return out.prompt if out.prompt is not None else tokenizer.decode(out.prompt_token_ids)
+
+    def choice(self, tokenizer, out: RequestOutput, index: int, text: str, c: CompletionOutput,
+               entries: list[TokenLogprobs] | None, first: bool, finished: bool, text_start: int = 0) -> dict:
+        """A choice (or a stream chunk of one). ``first``: the first one of this choice, which carries the echo;
+        ``text_start``: where ``text`` starts in the completion's text (for text_offset)."""
+        if self.prompt_only:
+            text, entries = "", []
+        prompt_text = self.text(tokenizer, out)
+        prefix = prompt_text if first else ""
+        lp = None
+        if self.want_logprobs:
+            if first and self.echo:  # offsets count from the start of the echoed prompt
+                head, start = list(zip(out.prompt_token_ids, out.prompt_logprobs)), 0
+            else:
+                head, start = [], len(prompt_text) + text_start
+            lp = _logprobs(tokenizer, head + [(e.token_id, e) for e in entries or []], start)
+        choice = _choice(index, prefix + text, c, lp, finished)
+        if first and self.want_prompt_logprobs:
+            choice["prompt_logprobs"] = _prompt_logprobs(tokenizer, out)
+        return choice
+
+
 async def create_completion(body: CompletionRequest, raw: Request, ctx: ServingContext, tokenizer):
     ctx.check_model(body.model)
-    if body.echo:
-        raise bad_request("echo is not supported", "echo")
     if body.suffix:
         raise bad_request("suffix is not supported", "suffix")
     if body.best_of is not None and body.best_of != body.n:
         raise bad_request("best_of other than n is not supported", "best_of")
-    params = ctx.sampling_params(body, body.max_tokens, body.logprobs)
-    prompts = [_prepare(p, body.max_tokens, body.add_special_tokens) for p in _prompts(body.prompt)]
+    prompt_only = body.echo and body.max_tokens == 0  # score the prompt, generate nothing
+    max_tokens = 1 if prompt_only else body.max_tokens
+    params = ctx.sampling_params(body, max_tokens, body.logprobs)
+    # echo with logprobs needs the prompt tokens' logprobs, as many alternatives as the completion's
+    want = body.prompt_logprobs
+    if body.echo and body.logprobs is not None:
+        want = max(want or 0, body.logprobs)
+    try:
+        params = dataclasses.replace(params, prompt_logprobs=want)  # validated again: a bad count is a 400
+    except ValueError as exc:
+        raise from_value_error(exc) from exc
+    echo = _Echo(body, prompt_only)
+    prompts = [_prepare(p, max_tokens, body.add_special_tokens) for p in _prompts(body.prompt)]
     ctx.check_size(params, len(prompts))
     request_id = new_id("cmpl")
     created = int(time.time())
@@ -78,19 +143,18 @@ async def create_completion(body: CompletionRequest, raw: Request, ctx: ServingC
     n = params.n
 
     if body.stream:
-        chunks = _stream(head, streams, tokenizer, params, n, body.include_usage)
+        chunks = _stream(head, streams, tokenizer, params, n, body.include_usage, echo)
         return StreamingResponse(sse_events(chunks, ctx, streams), media_type="text/event-stream")
 
     finals = await ctx.wait_final(streams, raw)
     choices = []
     for p, out in enumerate(finals):
         for c in out.outputs:
-            lp = _logprobs(tokenizer, c.logprobs, 0) if c.logprobs is not None else None
-            choices.append(_choice(p * n + c.index, c.text, c, lp, True))
-    return JSONResponse({**head, "choices": choices, "usage": usage(finals)})
+            choices.append(echo.choice(tokenizer, out, p * n + c.index, c.text, c, c.logprobs, True, True))
+    return JSONResponse({**head, "choices": choices, "usage": usage(finals, prompt_only)})
 
 
-async def _stream(head, streams, tokenizer, params, n: int, include_usage: bool):
+async def _stream(head, streams, tokenizer, params, n: int, include_usage: bool, echo: _Echo):
     """The chunks of a streamed completion (``sse_events`` sends them)."""
     tracker = DeltaTracker(params)
     last = {}
@@ -98,16 +162,17 @@ async def _stream(head, streams, tokenizer, params, n: int, include_usage: bool)
         last[p] = out
         for c in out.outputs:
             index = p * n + c.index
+            first = index not in tracker.chars
             delta = tracker.delta(index, c)
             if delta is None:
                 continue
             text, t0, t1, finished = delta
-            lp = None
-            if c.logprobs is not None:
-                lp = _logprobs(tokenizer, c.logprobs[t0:t1], tracker.chars[index] - len(text))
-            chunk = {**head, "choices": [_choice(index, text, c, lp, finished)]}
+            entries = c.logprobs[t0:t1] if c.logprobs is not None else None
+            start = tracker.chars[index] - len(text)
+            chunk = {**head, "choices": [echo.choice(tokenizer, out, index, text, c, entries, first, finished,
+                                                     start)]}
             if include_usage:
                 chunk["usage"] = None
             yield chunk
     if include_usage:
-        yield {**head, "choices": [], "usage": usage(list(last.values()))}
+        yield {**head, "choices": [], "usage": usage(list(last.values()), echo.prompt_only)}
