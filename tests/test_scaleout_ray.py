@@ -159,8 +159,9 @@ def test_prefix_router_spreads_when_one_queue_runs_ahead(cluster):
     assert asyncio.run(load(12)) == ["length"] * 12
     cluster.sent += 12
     served = served_between(before, counts_at(cluster.url, cluster.sent))
-    assert len(served) == 2, served  # the holder's queue ran ahead by more than the threshold: the rest spread
-    assert max(served.values()) > min(served.values())  # still, affinity kept the holder the busier one
+    # All twelve share a prefix, so while balanced they would all go to its holder (the test above); its queue ran
+    # more than the threshold ahead, and the rest went elsewhere. (How many each got depends on timing.)
+    assert len(served) == 2, served
 
 
 def test_killing_a_replica_mid_load_loses_no_request_and_the_deployment_recovers(cluster):
