@@ -45,7 +45,7 @@ def prefix_counters(url: str) -> tuple[float, float]:
     return values["conveyor:prefix_cache_queries"], values["conveyor:prefix_cache_hits"]
 
 
-def wait_ready(url: str, proc: subprocess.Popen, replicas: int, timeout_s: float = 300) -> None:
+def wait_ready(url: str, proc: subprocess.Popen, replicas: int, timeout_s: float = 900) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
