@@ -58,6 +58,16 @@ def test_cli_writes_a_trace_that_loads_back(tmp_path):
     assert w.requests[0].sampling_params().ignore_eos
 
 
+def test_cli_shapes_the_shared_prefix_workload(tmp_path):
+    out = tmp_path / "sp.json"
+    assert main(["bench", "workload", "shared-prefix", "--num-requests", "60", "--num-prefixes", "12",
+                 "--prefix-len", "32", "--out", str(out)]) == 0
+    heads = {tuple(r.prompt_token_ids[:32]) for r in load_workload(str(out)).requests}
+    assert 8 <= len(heads) <= 12  # 60 draws among 12 system prompts of 32 tokens
+    with pytest.raises(SystemExit, match="shared-prefix"):
+        main(["bench", "workload", "uniform", "--num-prefixes", "3", "--out", str(out)])
+
+
 def test_packaged_trace_by_name_and_by_path(tmp_path):
     from conveyor.bench.workload import packaged_workloads, workload_path
 

@@ -118,6 +118,8 @@ def add_workload_parser(sub) -> None:
     p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape: <1 burstier than Poisson")
     p.add_argument("--vocab-size", type=int, default=32000)
     p.add_argument("--rag-fraction", type=float, default=None, help="longtail: share of long RAG prompts (0.2)")
+    p.add_argument("--num-prefixes", type=int, default=None, help="shared-prefix: distinct system prompts (4)")
+    p.add_argument("--prefix-len", type=int, default=None, help="shared-prefix: tokens per system prompt (256)")
     p.add_argument("--out", required=True, help="trace file to write (JSON)")
     p.set_defaults(func=_main)
 
@@ -126,6 +128,10 @@ def _main(ns) -> int:
     extra = {} if ns.rag_fraction is None else {"rag_fraction": ns.rag_fraction}
     if extra and ns.kind != "longtail":
         raise SystemExit("--rag-fraction applies to longtail workloads only")
+    prefix_knobs = {k: v for k in ("num_prefixes", "prefix_len") if (v := getattr(ns, k)) is not None}
+    if prefix_knobs and ns.kind != "shared-prefix":
+        raise SystemExit("--num-prefixes and --prefix-len apply to shared-prefix workloads only")
+    extra.update(prefix_knobs)
     workload = GENERATORS[ns.kind](num_requests=ns.num_requests, seed=ns.seed, arrival=ns.arrival,
                                    rate=ns.request_rate, burstiness=ns.burstiness, vocab_size=ns.vocab_size, **extra)
     workload.save(ns.out)

@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import hmac
 import time
+from collections.abc import Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -47,17 +48,25 @@ class APIKeyMiddleware:
 
 
 def build_app(engine: LLMEngine | EngineClient, served_model_name: str | None = None, api_key: str | None = None,
-              log_stats_interval_s: float = 5.0, shutdown_timeout_s: float = 30.0, max_n: int = 128) -> FastAPI:
+              log_stats_interval_s: float = 5.0, shutdown_timeout_s: float = 30.0, max_n: int = 128,
+              async_engine: EngineClient | None = None, metrics: ServerMetrics | None = None,
+              health_detail: Callable[[], dict] | None = None) -> FastAPI:
     """An OpenAI-compatible app serving ``engine``'s model: an ``LLMEngine`` (stepped in a thread of this process,
     ``AsyncEngine``) or an ``EngineClient`` (``EngineCoreClient``: the engine in its own process). The engine runs
-    for the app's lifespan. ``max_n`` bounds ``n`` (and ``best_of``) per request: 128, as OpenAI's API does."""
-    if isinstance(engine, EngineCoreClient):
-        engine.wait_ready()
-    async_engine = engine if isinstance(engine, EngineClient) else AsyncEngine(engine)
-    engine = async_engine.engine  # the engine, or (in another process) a view of it with its tokenizer
+    for the app's lifespan. ``max_n`` bounds ``n`` (and ``best_of``) per request: 128, as OpenAI's API does.
+
+    Scale-out (``conveyor.distributed``) passes its own ``async_engine`` (the same interface over a pool of
+    replicas; ``engine`` is then a frontend with the tokenizer and limits), its ``metrics`` and a
+    ``health_detail`` that ``/health`` answers with."""
+    if async_engine is None:
+        if isinstance(engine, EngineCoreClient):
+            engine.wait_ready()
+        async_engine = engine if isinstance(engine, EngineClient) else AsyncEngine(engine)
+        engine = async_engine.engine  # the engine, or (in another process) a view of it with its tokenizer
     model_name = served_model_name or engine.model_info.name
-    metrics = ServerMetrics(async_engine, model_name)
-    metrics.attach()
+    if metrics is None:
+        metrics = ServerMetrics(async_engine, model_name)
+        metrics.attach()
     ctx = ServingContext(async_engine, model_name, engine.max_model_len, max_n)
     tokenizer = engine.tokenizer
     created = int(time.time())
@@ -103,7 +112,7 @@ def build_app(engine: LLMEngine | EngineClient, served_model_name: str | None = 
     async def health():
         if not async_engine.is_running:
             return JSONResponse(APIError(503, "engine is not running", code="engine_dead").body(), 503)
-        return Response(status_code=200)
+        return JSONResponse(health_detail()) if health_detail else Response(status_code=200)
 
     @app.get("/version")
     async def version():

@@ -36,6 +36,7 @@ def add_serve_parser(sub) -> None:
                    help="step the engine in a thread of the server's process instead of a process of its own "
                    "(then the engine and the event loop share one GIL)")
     p.add_argument("--uvicorn-log-level", default="info")
+    _add_scale_out_args(p)
     EngineArgs.add_cli_args(p)
     p.set_defaults(func=run_serve)
 
@@ -48,6 +49,25 @@ def add_serve_parser(sub) -> None:
 OMP_DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE"}
 
 
+def _add_scale_out_args(p) -> None:
+    from conveyor.distributed import ROUTER_NAMES
+
+    g = p.add_argument_group("scale-out on Ray Serve (needs the extra: pip install 'conveyor[ray]')")
+    g.add_argument("--data-parallel-size", type=int, default=1,
+                   help="engine replicas behind this one endpoint, each a Ray Serve replica (1: no Ray)")
+    g.add_argument("--ray-address", default=None, help="join this Ray cluster instead of starting a local one")
+    g.add_argument("--router", choices=ROUTER_NAMES, default="prefix",
+                   help="how requests pick a replica: prefix (the replica caching the prompt's head while queues "
+                   "are balanced, else power of two choices), pow2, round-robin")
+    g.add_argument("--router-imbalance-threshold", type=int, default=8,
+                   help="prefix router: while replicas' queues differ by at most this many requests, the prefix "
+                   "decides; beyond it, power of two choices")
+    g.add_argument("--cpus-per-replica", type=float, default=1.0, help="Ray CPUs (and torch threads) per replica")
+    g.add_argument("--autoscaling-config", default=None,
+                   help="Ray Serve autoscaling_config as JSON (e.g. '{\"min_replicas\": 1, \"max_replicas\": 4}'); "
+                   "replaces --data-parallel-size")
+
+
 def run_serve(ns: argparse.Namespace) -> int:
     for name, value in OMP_DEFAULTS.items():
         os.environ.setdefault(name, value)  # the engine process inherits it
@@ -57,6 +77,13 @@ def run_serve(ns: argparse.Namespace) -> int:
     if ns.model_tag and not ns.model:
         ns.model = ns.model_tag
     args = EngineArgs.from_cli_args(ns)
+    if ns.data_parallel_size > 1 or ns.ray_address or ns.autoscaling_config:
+        from conveyor.distributed import require_ray
+
+        require_ray()
+        from conveyor.distributed.launch import run_serve_data_parallel
+
+        return run_serve_data_parallel(ns, args)
     if not ns.engine_in_process:
         from conveyor.engine.core_client import EngineCoreClient
 

@@ -1,0 +1,109 @@
+"""``conveyor serve --data-parallel-size N``: a local Ray (or ``--ray-address``), N engine replicas on Ray Serve,
+and conveyor's own OpenAI app and uvicorn in this process as the one ingress, on the same port.
+
+Ray's footprint is kept small, since it shares the machine with the engines: no dashboard, no Serve HTTP proxy
+(conveyor's uvicorn is the ingress), a local Ray sized to the replicas' CPUs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+
+import ray
+from ray import serve
+from ray.serve.config import RequestRouterConfig
+
+from conveyor.distributed.pool import EngineFrontend, ReplicaPool
+from conveyor.distributed.replica import EngineReplica, ReplicaBoard
+from conveyor.distributed.routers import ROUTERS
+from conveyor.engine.args import EngineArgs
+
+logger = logging.getLogger("conveyor.distributed")
+
+APP_NAME = "conveyor"
+DEPLOYMENT_NAME = "engine"
+HEALTH_CHECK_PERIOD_S = 2.0
+# A replica whose engine cannot be built (a bad flag, a missing model) fails the same way every time: give up
+# soon instead of Ray Serve's default of many retries, each loading the model again.
+CONSTRUCTOR_RETRIES = 2
+
+
+def deploy(args: EngineArgs, model_name: str, num_replicas: int, router: str, cpus_per_replica: float = 1.0,
+           autoscaling_config: dict | None = None, router_kwargs: dict | None = None,
+           max_ongoing_requests: int = 1024) -> ReplicaPool:
+    """Deploy the engine replicas on the connected Ray and return the pool that fronts them (start it on the
+    event loop that serves). ``max_ongoing_requests`` is high on purpose: queueing and its 503 belong to each
+    engine's own bounded queue, not to Ray Serve's router."""
+    board = ReplicaBoard.remote()
+    kwargs = dict(router_kwargs or {})
+    if router == "prefix":
+        kwargs.setdefault("block_size", args.block_size)
+    replicas = {"autoscaling_config": autoscaling_config} if autoscaling_config else {"num_replicas": num_replicas}
+    router_class = ROUTERS[router]
+    router_config = (RequestRouterConfig(request_router_class=router_class, request_router_kwargs=kwargs)
+                     if router_class else RequestRouterConfig())
+    deployment = serve.deployment(EngineReplica).options(
+        name=DEPLOYMENT_NAME, **replicas, ray_actor_options={"num_cpus": cpus_per_replica},
+        max_ongoing_requests=max_ongoing_requests, health_check_period_s=HEALTH_CHECK_PERIOD_S,
+        request_router_config=router_config,
+        logging_config={"log_level": "WARNING", "enable_access_log": False},  # per-request lines are uvicorn's
+        max_constructor_retry_count=CONSTRUCTOR_RETRIES,
+    )
+    threads = max(1, int(cpus_per_replica))
+    handle = serve.run(deployment.bind(args, model_name, threads, board), name=APP_NAME, route_prefix=None)
+    from conveyor.tokenizer import load_tokenizer
+
+    frontend = EngineFrontend(handle.info.remote().result(), load_tokenizer(args.model))
+    return ReplicaPool(handle, frontend, board, APP_NAME, DEPLOYMENT_NAME)
+
+
+def start_ray(address: str | None, num_cpus: float) -> None:
+    """Join ``address``, or start a local Ray with ``num_cpus`` CPUs, no dashboard, quiet logs."""
+    if address:
+        ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING)
+    else:
+        ray.init(num_cpus=num_cpus, include_dashboard=False, logging_level=logging.WARNING)
+    # No Serve HTTP proxy (conveyor's uvicorn is the ingress); Ray's own INFO lines stay in Ray's log files.
+    serve.start(proxy_location="Disabled", logging_config={"log_level": "WARNING"})
+
+
+def run_serve_data_parallel(ns: argparse.Namespace, args: EngineArgs) -> int:
+    """The body of ``conveyor serve`` when ``--data-parallel-size`` > 1 or ``--ray-address`` is given."""
+    from conveyor.distributed.metrics import PoolMetrics
+    from conveyor.server.app import build_app
+    from conveyor.server.launcher import make_server
+
+    autoscaling = json.loads(ns.autoscaling_config) if ns.autoscaling_config else None
+    num_cpus = ns.data_parallel_size * ns.cpus_per_replica
+    if autoscaling:
+        num_cpus = autoscaling.get("max_replicas", ns.data_parallel_size) * ns.cpus_per_replica
+    start_ray(ns.ray_address, num_cpus)
+    model_name = ns.served_model_name or args.model or None
+    try:
+        router_kwargs = {"imbalance_threshold": ns.router_imbalance_threshold} if ns.router == "prefix" else {}
+        try:
+            pool = deploy(args, model_name, ns.data_parallel_size, ns.router, ns.cpus_per_replica, autoscaling,
+                          router_kwargs)
+        except RuntimeError as exc:  # the replicas' own errors are in the log above, as Ray printed them
+            logger.critical("the engine replicas could not start: %s", exc)
+            return 1
+        model_name = model_name or pool.engine.model_info.name
+        logger.info("%d replica(s) of %s on Ray Serve, router %s", ns.data_parallel_size, model_name, ns.router)
+        app = build_app(pool.engine, model_name, ns.api_key, 0.0 if ns.disable_log_stats else ns.log_stats_interval,
+                        ns.shutdown_timeout, ns.max_n, async_engine=pool, metrics=PoolMetrics(pool),
+                        health_detail=pool.health)
+        server = make_server(app, ns.host, ns.port, ns.uvicorn_log_level, ns.timeout_keep_alive, ns.timeout_headers)
+        server.run()
+    finally:
+        stop_ray(joined=bool(ns.ray_address))
+    return 0
+
+
+def stop_ray(joined: bool) -> None:
+    """Leave a joined cluster as it was (only this app is deleted); a local Ray is stopped whole, which stops
+    its Serve actors with it (``serve.shutdown`` would wait for a graceful controller shutdown first)."""
+    if joined:
+        serve.delete(APP_NAME)
+    ray.shutdown()

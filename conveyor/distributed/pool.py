@@ -1,0 +1,256 @@
+"""``ReplicaPool``: the ``AsyncEngine`` interface the server's handlers use, over a pool of Ray Serve replicas.
+
+The OpenAI app (``conveyor.server.app.build_app``) runs unchanged in the ingress process; where a single server
+hands a request to its engine thread, this hands it to the deployment handle, whose request router picks the
+replica. The ingress holds no model: ``EngineFrontend`` carries what the API layer reads of an engine (the
+tokenizer, limits, model card), so prompts are tokenized here, where the prefix router can hash them.
+
+    handler --add_request--> ReplicaPool --handle.generate (router picks)--> EngineReplica --> AsyncEngine
+    RequestStream <--pump task-- ("accepted", id), RequestOutput, ... <--------------- streamed back
+
+Faults: a replica that dies before it streamed a token is retried on another (``retries`` times); one that dies
+mid-stream ends its requests with ``RequestFailedError`` (500 / an in-band SSE error). Nothing waits forever:
+every stream ends with its final output or an error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+from ray import serve
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+
+from conveyor.core.outputs import SchedulerStats
+from conveyor.core.sampling_params import SamplingParams
+from conveyor.distributed.replica import ReplicaReport
+from conveyor.engine.async_engine import (
+    EngineDeadError, EngineShuttingDownError, RequestFailedError, RequestStream,
+)
+from conveyor.engine.llm_engine import LLMEngine
+from conveyor.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+
+logger = logging.getLogger("conveyor.distributed")
+
+REPLICA_LOST = (RayActorError, ActorDiedError, ActorUnavailableError)
+POLL_PERIOD_S = 1.0
+REPORT_STALE_S = 5.0
+# How long a request may wait for a replica to accept it (routing plus the engine's add, normally milliseconds);
+# past it the client gets a 503 instead of waiting on a deployment that has no replica to give.
+ACCEPT_TIMEOUT_S = 60.0  # a replica that has not reported for this long is not counted live
+
+
+class EngineFrontend:
+    """What the API layer reads of an engine, for an ingress that holds no model: limits and the model card from
+    a replica (``EngineReplica.info``), and the tokenizer loaded here from the same model directory."""
+
+    encode = LLMEngine.encode  # the engine's own text -> ids (Unicode check included); it reads only .tokenizer
+
+    def __init__(self, info: dict, tokenizer) -> None:
+        self.args = info["args"]
+        self.model_info = info["model_info"]
+        self.max_model_len = info["max_model_len"]
+        self.max_seqs_per_request = info["max_seqs_per_request"]
+        self.tokenizer = tokenizer
+
+
+def summed_stats(reports: list[ReplicaReport]) -> SchedulerStats:
+    """The pool's stats: requests and counters summed, KV usage averaged (each replica has its own cache)."""
+    if not reports:
+        return SchedulerStats()
+    stats = [r.stats for r in reports]
+    return replace(stats[0], num_running=sum(s.num_running for s in stats),
+                   num_waiting=sum(s.num_waiting for s in stats),
+                   kv_cache_usage=sum(s.kv_cache_usage for s in stats) / len(stats),
+                   num_preemptions=sum(s.num_preemptions for s in stats),
+                   prefix_cache_queries=sum(s.prefix_cache_queries for s in stats),
+                   prefix_cache_hits=sum(s.prefix_cache_hits for s in stats))
+
+
+def aborted_output(request_id: str, prompt: dict, params: SamplingParams,
+                   last: RequestOutput | None) -> RequestOutput:
+    """The final output of a request aborted here (what the engine's own abort reports): whatever it had
+    produced, with finish_reason "abort" on every unfinished completion."""
+    if last is None:
+        last = RequestOutput(request_id, prompt.get("prompt"), prompt["prompt_token_ids"],
+                             [CompletionOutput(i) for i in range(params.n)], RequestMetrics(time.monotonic()))
+    outputs = [replace(c, finish_reason=c.finish_reason or "abort") for c in last.outputs]
+    return replace(last, outputs=outputs, finished=True)
+
+
+class ReplicaPool:
+    """Drop-in for ``AsyncEngine`` in ``build_app``: same ``add_request`` / ``abort`` / ``call`` / ``drain`` /
+    ``stats`` contract, served by the replicas of ``handle``'s deployment."""
+
+    def __init__(self, handle, frontend: EngineFrontend, board, app_name: str, deployment_name: str,
+                 retries: int = 2) -> None:
+        self.handle = handle
+        self.engine = frontend
+        self.board = board
+        self.app_name, self.deployment_name = app_name, deployment_name
+        self.retries = retries
+        self.on_dead: list[Callable[[BaseException], None]] = []  # the pool never dies whole: Ray replaces replicas
+        self.stats = SchedulerStats()
+        self.reports: list[ReplicaReport] = []  # live replicas' latest reports
+        self.deployment_status: dict[str, Any] = {}
+        self._streams: dict[str, tuple[RequestStream, asyncio.Task | None]] = {}
+        self._accepting = True
+        self._idle = asyncio.Event()
+        self._poller: asyncio.Task | None = None
+
+    # ---- lifecycle --------------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._poller = asyncio.ensure_future(self._poll_forever())
+
+    @property
+    def is_running(self) -> bool:
+        """At least one replica reported recently."""
+        return bool(self.reports)
+
+    async def drain(self, timeout_s: float) -> None:
+        """As ``AsyncEngine.drain``: no new requests; in-flight ones get ``timeout_s``, then are aborted."""
+        self._accepting = False
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+        for request_id in list(self._streams):
+            self.abort(request_id)
+
+    async def shutdown(self) -> None:
+        await self.drain(0.0)
+        if self._poller is not None:
+            self._poller.cancel()
+
+    def health(self) -> dict:
+        """``/health``'s body: the replicas the ingress hears from, and the deployment as Ray Serve sees it."""
+        return {"replicas": [{"id": r.replica_id, "running": r.stats.num_running, "waiting": r.stats.num_waiting,
+                              "kv_cache_usage": r.stats.kv_cache_usage} for r in self.reports],
+                "deployment": self.deployment_status}
+
+    # ---- requests ---------------------------------------------------------------------------------------
+    async def add_request(self, request_id: str, prompt, params: SamplingParams,
+                          arrival_time: float | None = None) -> RequestStream:
+        """Tokenize here (``prompt`` may be a function of the engine, run on the frontend), then send to a
+        replica. Raises what the replica's ``AsyncEngine.add_request`` raised, EngineShuttingDownError, or
+        EngineDeadError when no replica could take it."""
+        if not self._accepting:
+            raise EngineShuttingDownError("the server is shutting down and accepts no new requests")
+        if not self.reports:  # Ray Serve would hold the request until a replica is back: answer now instead
+            raise EngineDeadError("no engine replica is running (Ray Serve is starting or replacing them)")
+        engine_prompt = prompt(self.engine) if callable(prompt) else prompt
+        if not isinstance(engine_prompt, dict):
+            text = engine_prompt if isinstance(engine_prompt, str) else None
+            ids = self.engine.encode(engine_prompt) if text is not None else list(engine_prompt)
+            engine_prompt = {"prompt": text, "prompt_token_ids": ids}
+        stream = RequestStream(request_id)
+        self._streams[request_id] = (stream, None)
+        self._idle.clear()
+        try:
+            responses = await self._send(request_id, engine_prompt, params)
+        except BaseException:
+            self._forget(request_id)
+            raise
+        task = asyncio.ensure_future(self._pump(stream, responses, engine_prompt, params))
+        self._streams[request_id] = (stream, task)
+        return stream
+
+    async def _send(self, request_id: str, prompt: dict, params: SamplingParams):
+        """Start ``generate`` on a replica and wait for its verdict; a replica lost first is retried."""
+        for attempt in range(self.retries + 1):
+            responses = self.handle.options(stream=True).generate.remote(request_id, prompt, params)
+            try:
+                kind, value = await asyncio.wait_for(responses.__anext__(), ACCEPT_TIMEOUT_S)
+            except asyncio.TimeoutError:
+                responses.cancel()
+                raise EngineDeadError(f"no replica took request {request_id} within {ACCEPT_TIMEOUT_S:.0f} s")
+            except REPLICA_LOST as exc:
+                logger.warning("request %s: replica lost before it accepted (%r); attempt %d of %d", request_id,
+                               exc, attempt + 1, self.retries + 1)
+                continue
+            except asyncio.CancelledError:
+                responses.cancel()
+                raise
+            if kind == "rejected":
+                raise value
+            return responses
+        raise EngineDeadError(f"no replica could take request {request_id} after {self.retries + 1} attempts")
+
+    async def _pump(self, stream: RequestStream, responses, prompt: dict, params: SamplingParams) -> None:
+        """Copy a replica's stream into ``stream``; retry on a new replica while nothing has been streamed."""
+        request_id = stream.request_id
+        last: RequestOutput | None = None
+        retries_left = self.retries
+        try:
+            while True:
+                try:
+                    ended = False
+                    async for item in responses:  # read to its end, so Ray Serve sees the call complete
+                        if isinstance(item, tuple):  # ("failed", error)
+                            stream.put(item[1])
+                            ended = True
+                            continue
+                        last = item
+                        stream.put(item if item.error is None else RequestFailedError(item.error))
+                        ended = item.finished
+                    if not ended:
+                        stream.put(RequestFailedError(f"the replica's stream of {request_id} ended unfinished"))
+                    return
+                except REPLICA_LOST as exc:
+                    if (last is None or last.num_generated_tokens == 0) and retries_left > 0:
+                        retries_left -= 1
+                        logger.warning("request %s: replica lost before its first token (%r); retrying",
+                                       request_id, exc)
+                        try:
+                            responses = await self._send(request_id, prompt, params)
+                        except Exception as send_exc:  # noqa: BLE001 - delivered to the stream's reader
+                            stream.put(send_exc)
+                            return
+                        continue
+                    stream.put(RequestFailedError(f"the replica serving this request died: {exc}"))
+                    return
+        except asyncio.CancelledError:  # aborted: the stream still ends, as the engine's own abort ends it
+            responses.cancel()
+            if last is None or not last.finished:
+                stream.put(aborted_output(request_id, prompt, params, last))
+        finally:
+            self._forget(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Cancel the request's stream: the replica aborts it (its blocks are freed) and the stream ends."""
+        entry = self._streams.get(request_id)
+        if entry is not None and entry[1] is not None:
+            entry[1].cancel()
+
+    async def call(self, fn: Callable[[Any], Any]) -> Any:
+        """Run ``fn`` on the frontend (tokenize, detokenize: all the ingress can answer without a replica)."""
+        return fn(self.engine)
+
+    def _forget(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+        if not self._streams:
+            self._idle.set()
+
+    # ---- replicas' reports ------------------------------------------------------------------------------
+    async def _poll_forever(self) -> None:
+        while True:
+            try:
+                await self.refresh()
+            except Exception:  # noqa: BLE001 - stale numbers for a second; the next poll tries again
+                logger.warning("could not read the replicas' reports", exc_info=True)
+            await asyncio.sleep(POLL_PERIOD_S)
+
+    async def refresh(self) -> None:
+        """Read the board and Ray Serve's view of the deployment."""
+        posted = await self.board.read.remote()
+        self.reports = sorted((r for age, r in posted if age <= REPORT_STALE_S), key=lambda r: r.replica_id)
+        self.stats = summed_stats(self.reports)
+        status = await asyncio.to_thread(serve.status)
+        deployment = status.applications[self.app_name].deployments[self.deployment_name]
+        self.deployment_status = {"status": getattr(deployment.status, "value", str(deployment.status)),
+                                  "replica_states": {str(k): v for k, v in deployment.replica_states.items()}}

@@ -1,0 +1,121 @@
+"""One conveyor engine as a Ray Serve replica, and the board where replicas post their numbers.
+
+``EngineReplica`` hosts an ``AsyncEngine`` (the engine thread, exactly as ``conveyor serve`` runs it) and its own
+``ServerMetrics``. The ingress talks to it through one streaming method, ``generate``; everything the OpenAI
+API does (validation, formatting, SSE, usage) stays in the ingress's ``conveyor.server`` code.
+
+Replicas cannot be addressed one by one through a deployment handle (the router picks), so each posts a report
+(stats snapshot, token totals, rendered Prometheus metrics) to a ``ReplicaBoard`` actor every
+``REPORT_PERIOD_S``; the ingress reads the board for ``/metrics``, ``/health`` and the status line.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+import ray
+from ray import serve
+
+from conveyor.core.outputs import SchedulerStats
+from conveyor.core.sampling_params import SamplingParams
+from conveyor.engine.args import EngineArgs
+
+logger = logging.getLogger("conveyor.distributed")
+
+REPORT_PERIOD_S = 1.0
+
+
+@dataclass(frozen=True)
+class ReplicaReport:
+    """What one replica posts: its engine's stats snapshot, token totals and rendered metrics."""
+
+    replica_id: str
+    stats: SchedulerStats
+    prompt_tokens: int
+    generation_tokens: int
+    metrics_text: bytes
+
+
+@ray.remote(num_cpus=0)
+class ReplicaBoard:
+    """The latest report of every replica, with its age (seconds since it was posted)."""
+
+    def __init__(self) -> None:
+        self._reports: dict[str, tuple[float, ReplicaReport]] = {}
+
+    def post(self, report: ReplicaReport) -> None:
+        self._reports[report.replica_id] = (time.monotonic(), report)
+
+    def read(self) -> list[tuple[float, ReplicaReport]]:
+        now = time.monotonic()
+        return [(now - t, r) for t, r in self._reports.values()]
+
+
+class EngineReplica:
+    """A Ray Serve deployment class: one ``LLMEngine`` in an ``AsyncEngine``, built from ``EngineArgs``."""
+
+    async def __init__(self, args: EngineArgs, model_name: str | None, torch_threads: int, board) -> None:
+        import torch
+
+        from conveyor.engine.async_engine import AsyncEngine
+        from conveyor.engine.llm_engine import LLMEngine
+        from conveyor.server.metrics import ServerMetrics
+
+        torch.set_num_threads(torch_threads)  # the replica's CPU share, not the machine's core count
+        self.engine = LLMEngine(args)
+        self.async_engine = AsyncEngine(self.engine)
+        self.metrics = ServerMetrics(self.async_engine, model_name or self.engine.model_info.name)
+        self.metrics.attach()
+        self.async_engine.start()
+        self.replica_id = serve.get_replica_context().replica_id.unique_id
+        self._board = board
+        self._reporter = asyncio.create_task(self._report_forever())
+
+    def info(self) -> dict:
+        """What an ingress without a model needs to know (see ``pool.EngineFrontend``)."""
+        return {"args": self.engine.args, "model_info": self.engine.model_info,
+                "max_model_len": self.engine.max_model_len,
+                "max_seqs_per_request": self.engine.max_seqs_per_request}
+
+    async def generate(self, request_id: str, prompt: dict, params: SamplingParams):
+        """Stream one request: first ``("accepted", replica id)`` or ``("rejected", error)`` (what
+        ``AsyncEngine.add_request`` raised), then every ``RequestOutput``; a request that fails on the way ends
+        with ``("failed", error)``. A cancelled stream (the client left) aborts the request."""
+        try:
+            stream = await self.async_engine.add_request(request_id, prompt, params)
+        except Exception as exc:  # noqa: BLE001 - the ingress re-raises it and maps it to a status
+            yield ("rejected", exc)
+            return
+        yield ("accepted", self.replica_id)
+        finished = False
+        try:
+            async for out in stream:
+                finished = out.finished
+                yield out
+        except Exception as exc:  # noqa: BLE001 - RequestFailedError / EngineDeadError, delivered in-band
+            finished = True
+            yield ("failed", exc)
+        finally:
+            if not finished:
+                self.async_engine.abort(request_id)
+
+    async def check_health(self) -> None:
+        """Ray Serve calls this periodically; a replica whose engine thread died is replaced."""
+        if not self.async_engine.is_running:
+            raise RuntimeError(f"the engine of replica {self.replica_id} is not running: "
+                               f"{self.async_engine.dead_error!r}")
+
+    def report(self) -> ReplicaReport:
+        return ReplicaReport(self.replica_id, self.async_engine.stats, self.metrics.total_prompt_tokens,
+                             self.metrics.total_generation_tokens, self.metrics.render())
+
+    async def _report_forever(self) -> None:
+        while True:
+            try:
+                await self._board.post.remote(self.report())
+            except Exception:  # noqa: BLE001 - a missed report only ages this replica's numbers
+                logger.warning("replica %s could not post its report", self.replica_id, exc_info=True)
+            await asyncio.sleep(REPORT_PERIOD_S)
