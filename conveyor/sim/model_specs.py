@@ -71,7 +71,7 @@ class ModelSpec:
 # The numbers are those of each model's published config.json (Hugging Face hub), copied here so the simulator
 # needs no files: name -> (hidden, layers, heads, kv heads, head_dim, intermediate, vocab, context, tied).
 _TABLE = {
-    # conveyor's embedded bench model = ../shared/bench/model.json (random weights, 40M parameters)
+    # conveyor's embedded bench model (models/embedded.py: the peers' benchmark config, random weights, 40M parameters)
     "bench-llama-40m": (512, 8, 8, 4, 64, 1408, 32000, 4096, True),
     "smollm2-135m": (576, 30, 9, 3, 64, 1536, 49152, 8192, True),  # HuggingFaceTB/SmolLM2-135M-Instruct
     "llama-3-8b": (4096, 32, 32, 8, 128, 14336, 128256, 8192, False),  # meta-llama/Meta-Llama-3-8B
