@@ -14,6 +14,7 @@ import logging
 import ray
 from ray import serve
 from ray.serve.config import RequestRouterConfig
+from ray.serve.handle import DeploymentHandle
 
 from conveyor.distributed.pool import EngineFrontend, ReplicaPool
 from conveyor.distributed.replica import EngineReplica, ReplicaBoard
@@ -52,19 +53,41 @@ def deploy(args: EngineArgs, model_name: str, num_replicas: int, router: str, cp
         max_constructor_retry_count=CONSTRUCTOR_RETRIES,
     )
     threads = max(1, int(cpus_per_replica))
-    handle = serve.run(deployment.bind(args, model_name, threads, board), name=APP_NAME, route_prefix=None)
+    serve.run(deployment.bind(args, model_name, threads, board), name=APP_NAME, route_prefix=None)
+    # Not serve.run's return value: that is this process's cached handle for the deployment, whose request router
+    # was fixed when it first routed, so a second deploy in one process with another router would keep the first.
+    handle = DeploymentHandle(DEPLOYMENT_NAME, APP_NAME)
     from conveyor.tokenizer import load_tokenizer
 
     frontend = EngineFrontend(handle.info.remote().result(), load_tokenizer(args.model))
     return ReplicaPool(handle, frontend, board, APP_NAME, DEPLOYMENT_NAME)
 
 
+class RayJoinError(RuntimeError):
+    """``--ray-address`` could not be joined; the message says what to check."""
+
+    def __init__(self, address: str, cause: BaseException) -> None:
+        super().__init__(
+            f"could not join the Ray cluster at {address} ({cause}). Check the address (the GCS port `ray start "
+            f"--head` printed, 6379 by default). A cluster started while a token existed (~/.ray/auth_token) "
+            f"requires it: set RAY_AUTH_MODE=token (Ray sends the token only when told to for an explicit "
+            f"address), or pass --ray-address auto to join the cluster `ray start` last started on this machine.")
+
+
 def start_ray(address: str | None, num_cpus: float) -> None:
-    """Join ``address``, or start a local Ray with ``num_cpus`` CPUs, no dashboard, quiet logs."""
+    """Join ``address``, or start a local Ray with ``num_cpus`` CPUs, no dashboard, quiet logs.
+
+    The local Ray is started with ``address="local"``: without it, ``ray.init`` joins whatever cluster a
+    ``ray start`` on this machine last recorded in ``/tmp/ray/ray_current_cluster`` (someone else's, or a dead
+    one whose file stayed behind), and refuses ``num_cpus`` there. Raises ``RayJoinError`` when ``address``
+    cannot be joined."""
     if address:
-        ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING)
+        try:
+            ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING)
+        except ConnectionError as exc:
+            raise RayJoinError(address, exc) from exc
     else:
-        ray.init(num_cpus=num_cpus, include_dashboard=False, logging_level=logging.WARNING)
+        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, logging_level=logging.WARNING)
     # No Serve HTTP proxy (conveyor's uvicorn is the ingress); Ray's own INFO lines stay in Ray's log files.
     serve.start(proxy_location="Disabled", logging_config={"log_level": "WARNING"})
 
@@ -79,7 +102,11 @@ def run_serve_data_parallel(ns: argparse.Namespace, args: EngineArgs) -> int:
     num_cpus = ns.data_parallel_size * ns.cpus_per_replica
     if autoscaling:
         num_cpus = autoscaling.get("max_replicas", ns.data_parallel_size) * ns.cpus_per_replica
-    start_ray(ns.ray_address, num_cpus)
+    try:
+        start_ray(ns.ray_address, num_cpus)
+    except RayJoinError as exc:
+        logger.critical("%s", exc)
+        return 1
     model_name = ns.served_model_name or args.model or None
     try:
         router_kwargs = {"imbalance_threshold": ns.router_imbalance_threshold} if ns.router == "prefix" else {}

@@ -55,7 +55,9 @@ def _add_scale_out_args(p) -> None:
     g = p.add_argument_group("scale-out on Ray Serve (needs the extra: pip install 'conveyor[ray]')")
     g.add_argument("--data-parallel-size", type=int, default=1,
                    help="engine replicas behind this one endpoint, each a Ray Serve replica (1: no Ray)")
-    g.add_argument("--ray-address", default=None, help="join this Ray cluster instead of starting a local one")
+    g.add_argument("--ray-address", default=None,
+                   help="join this Ray cluster (its GCS host:port, or auto: the one `ray start` last started on this "
+                   "machine) instead of starting a local one")
     g.add_argument("--router", choices=ROUTER_NAMES, default="prefix",
                    help="how requests pick a replica: prefix (the replica caching the prompt's head while queues "
                    "are balanced, else power of two choices), pow2, round-robin")
