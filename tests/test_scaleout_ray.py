@@ -4,8 +4,16 @@ decisions on real traffic, and a replica killed mid-load. Needs the ``ray`` extr
 from __future__ import annotations
 
 import asyncio
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
 import time
 from collections import defaultdict
+from contextlib import contextmanager
+from pathlib import Path
 from types import SimpleNamespace
 
 import httpx
@@ -29,22 +37,80 @@ pytestmark = pytest.mark.slow
 IMBALANCE = 3
 SHARED = list(range(10, 74))  # 64 tokens: four full blocks of 16
 TIMEOUT_S = 60.0
+# The test's own cluster: no token authentication (`ray start` turns it on when ~/.ray/auth_token exists, and a
+# client joining an explicit address sends the token only under RAY_AUTH_MODE=token, see launch.RayJoinError), and
+# no 30 s drain when the head is told to stop.
+HEAD_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0", "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextmanager
+def ray_head(num_cpus: int):
+    """A Ray cluster as users start one (``ray start --head``, blocking, so that ending this process ends it),
+    on loopback, in its own temp dir (it never becomes this machine's "current cluster"), without token
+    authentication whatever ~/.ray holds; yields its GCS address."""
+    port = free_port()
+    temp_dir = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's socket paths live under it
+    cmd = [str(Path(sys.executable).with_name("ray")), "start", "--head", "--block", "--node-ip-address",
+           "127.0.0.1", "--port", str(port), "--num-cpus", str(num_cpus), "--include-dashboard=false",
+           "--dashboard-port", str(free_port()), "--ray-client-server-port", str(free_port()),
+           "--temp-dir", temp_dir, "--disable-usage-stats"]
+    head = subprocess.Popen(cmd, env={**os.environ, **HEAD_ENV}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        head.terminate()  # its handler stops every process of the cluster
+        try:
+            head.wait(60)
+        except subprocess.TimeoutExpired:
+            head.kill()
+            head.wait()
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def join(address: str, timeout_s: float = 60.0) -> None:
+    """``start_ray(address)`` once the head answers (``ray start`` returns before its GCS listens)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection(("127.0.0.1", int(address.rsplit(":", 1)[1])), timeout=1):
+                break
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.25)
+    start_ray(address, num_cpus=0)
 
 
 @pytest.fixture(scope="module")
 def cluster(tiny_chat_dir):
-    start_ray(None, num_cpus=2)
+    """Two replicas on a cluster joined with ``--ray-address`` (what ``conveyor serve --ray-address`` does),
+    behind the app on a real server; on the way out, leaving the cluster must delete only conveyor's app."""
     args = EngineArgs(model=str(tiny_chat_dir), dtype=TEST_DTYPE, num_kv_blocks=256, block_size=16)
-    try:
-        pool = deploy(args, "tiny", num_replicas=2, router="prefix",
-                      router_kwargs={"imbalance_threshold": IMBALANCE, "seed": 0})
-        app = build_app(pool.engine, "tiny", log_stats_interval_s=0.0, shutdown_timeout_s=2.0, async_engine=pool,
-                        metrics=PoolMetrics(pool), health_detail=pool.health)
-        with running_server(app) as url:
-            wait_for(lambda: len(health(url)["replicas"]) == 2, "2 replicas reporting")
-            yield SimpleNamespace(url=url, pool=pool, args=args, sent=0)  # sent: requests served so far
-    finally:
-        stop_ray(joined=False)
+    with ray_head(num_cpus=2) as address:
+        join(address)
+        try:
+            pool = deploy(args, "tiny", num_replicas=2, router="prefix",
+                          router_kwargs={"imbalance_threshold": IMBALANCE, "seed": 0})
+            app = build_app(pool.engine, "tiny", log_stats_interval_s=0.0, shutdown_timeout_s=2.0,
+                            async_engine=pool, metrics=PoolMetrics(pool), health_detail=pool.health)
+            with running_server(app) as url:
+                wait_for(lambda: len(health(url)["replicas"]) == 2, "2 replicas reporting")
+                yield SimpleNamespace(url=url, pool=pool, args=args, sent=0)  # sent: requests served so far
+        finally:
+            stop_ray(joined=True)
+        start_ray(address, num_cpus=0)  # the cluster lives on, without the app
+        try:
+            assert APP_NAME not in serve.status().applications
+            assert ray.cluster_resources().get("CPU") == 2
+        finally:
+            ray.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -210,3 +276,17 @@ def test_killing_a_replica_mid_load_loses_no_request_and_the_deployment_recovers
              "the new replica to report and the dead one to age out")
     for i in range(4):
         assert client.completions.create(model="tiny", prompt=f"w{80 + i}", max_tokens=3).usage.completion_tokens == 3
+
+
+def test_round_robin_router_alternates_whatever_the_prefix(cluster):
+    """Last in the module: it redeploys the app with ``--router round-robin`` (the replicas restart)."""
+    pool = deploy(cluster.args, "tiny", num_replicas=2, router="round-robin")
+    app = build_app(pool.engine, "tiny", log_stats_interval_s=0.0, shutdown_timeout_s=2.0, async_engine=pool,
+                    metrics=PoolMetrics(pool), health_detail=pool.health)
+    with running_server(app) as url:
+        wait_for(lambda: len(health(url)["replicas"]) == 2, "the redeployed replicas reporting")
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=TIMEOUT_S)
+        for _ in range(6):  # one prompt, one at a time: the prefix router would keep all six on one replica
+            resp = client.completions.create(model="tiny", prompt=SHARED + [7], max_tokens=2)
+            assert resp.usage.completion_tokens == 2
+        assert sorted(counts_at(url, 6).values()) == [3, 3]
