@@ -20,7 +20,7 @@ from conveyor.kernels.build import BuildError, build_library
 from conveyor.kernels.cpu_features import LEVEL_FLAGS, cpu_features, kernel_level
 
 SOURCE_PATH = os.path.join(os.path.dirname(__file__), "csrc", "cpu_kernels.cpp")
-ABI_VERSION = 2
+ABI_VERSION = 3
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 SUPPORTED_HEAD_DIMS = (64, 128)
 # The attention kernel's cache layout per layer: [2 (K, V), num_blocks, num_kv_heads, block_size, head_dim]. One
@@ -54,6 +54,10 @@ class CpuKernels:
         self._amx.argtypes = [p, i64, i64, p, p, p, i64, i64, i64, i32]
         # AMX tiles: only where the CPU has them and Linux grants the tile state to this process.
         self.amx = level == "avx512bf16" and cpu_features().has_amx and lib.cvk_amx_init() == 1
+        self._set_amx_attention = lib.cvk_set_amx_attention
+        self._set_amx_attention.restype = i32
+        self._set_amx_attention.argtypes = [i32]
+        self._set_amx_attention(int(self.amx))  # records what was granted; prefill QK^T on AMX where it was
         self._bind = lib.cvk_bind_threads
         self._bind.restype = i32
         self._bind.argtypes = [p, i32]
@@ -149,6 +153,11 @@ class CpuKernels:
             block_size, scale, eps, torch.get_num_threads())
         if rc != 0:
             raise KernelError(f"cvk_llama_layers failed ({rc})")
+
+    def set_amx_attention(self, on: bool) -> bool:
+        """Run prefill attention's QK^T on AMX tiles (bfloat16; the default where AMX was granted) or on vector
+        FMAs (for tests and benchmarks that compare the two). Returns whether AMX is now used."""
+        return self._set_amx_attention(int(on)) == 1
 
     def bind_threads(self, cpus: list[int]) -> int:
         """Pin torch's OpenMP threads, one per CPU of ``cpus`` (see cvk_bind_threads); returns how many."""

@@ -550,6 +550,76 @@ void attend_one_query(const AttnArgs& a, const Item& it) {
   store_rows<T, DV>(a, it, qs, rows, O, l);
 }
 
+#if defined(CVK_AVX512BF16)
+// Prefill attention's QK^T on AMX tiles (bfloat16): set by cvk_amx_init once Linux grants the tile state, and
+// switchable (cvk_set_amx_attention) so tests and benchmarks can run both paths.
+bool g_amx_attention = false;
+
+struct alignas(64) TileConfig {
+  uint8_t palette, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+__attribute__((target("amx-tile,amx-bf16"))) inline void amx_configure(int rows0, int rows1) {
+  TileConfig cfg;
+  memset(&cfg, 0, sizeof(cfg));
+  cfg.palette = 1;
+  const int r1 = rows1 > 0 ? rows1 : 1;
+  const int rows[8] = {rows0, r1, 16, 16, rows0, rows0, r1, r1};
+  for (int t = 0; t < 8; t++) {
+    cfg.rows[t] = uint8_t(rows[t]);
+    cfg.colsb[t] = 64;
+  }
+  // GCC does not count LDTILECFG as reading the whole 64 bytes: without this barrier it dropped the rows and
+  // colsb stores of an out-of-line copy of this function (palette 1, no tile configured: SIGILL at first use).
+  __asm__ __volatile__("" : : "m"(cfg) : "memory");
+  _tile_loadconfig(&cfg);
+}
+constexpr int TILE_KEYS = 16;  // keys per AMX tile: one group must sit inside one cache block (bs % 16 == 0)
+
+// S^T[key][row] = K[key] . Q[row] for one chunk of KC = 32 keys (two groups of 16) and up to 32 rows (two
+// groups of 16): TDPBF16PS with K rows as the A operand, loaded straight from the cache (a head's rows of a
+// block are contiguous, D * 2 bytes apart), and q in VNNI pairs (qt2 [D / 2][MAX_ROWS]) as B, so the result comes
+// out in ST's own [key][row] layout and the softmax below is unchanged. kgrp[g]: the first row of key group g,
+// or null when the group has no visible key (its ST rows are not written: they are masked). Unscaled.
+// Tiles: 0, 1 = K groups; 2, 3 = q row groups; 4 + 2 g + rg = the S^T block of (key group g, row group rg).
+__attribute__((target("amx-tile,amx-bf16")))
+void amx_chunk_scores(const uint32_t* qt2, const uint16_t* k0, const uint16_t* k1, int D, bool two_row_groups,
+                      float* ST) {
+  const int64_t kstride = int64_t(D) * 2, qstride = MAX_ROWS * 4, sstride = MAX_ROWS * 4;
+  _tile_zero(4);
+  _tile_zero(5);
+  _tile_zero(6);
+  _tile_zero(7);
+  for (int db = 0; db < D / 32; db++) {
+    const uint32_t* q = qt2 + int64_t(db) * 16 * MAX_ROWS;
+    _tile_loadd(2, q, qstride);
+    if (two_row_groups) _tile_loadd(3, q + 16, qstride);
+    if (k0 != nullptr) {
+      _tile_loadd(0, k0 + db * 32, kstride);
+      _tile_dpbf16ps(4, 0, 2);
+      if (two_row_groups) _tile_dpbf16ps(5, 0, 3);
+    }
+    if (k1 != nullptr) {
+      _tile_loadd(1, k1 + db * 32, kstride);
+      _tile_dpbf16ps(6, 1, 2);
+      if (two_row_groups) _tile_dpbf16ps(7, 1, 3);
+    }
+  }
+  if (k0 != nullptr) {
+    _tile_stored(4, ST, sstride);
+    if (two_row_groups) _tile_stored(5, ST + 16, sstride);
+  }
+  if (k1 != nullptr) {
+    _tile_stored(6, ST + TILE_KEYS * MAX_ROWS, sstride);
+    if (two_row_groups) _tile_stored(7, ST + TILE_KEYS * MAX_ROWS + 16, sstride);
+  }
+}
+
+__attribute__((target("amx-tile,amx-bf16"))) inline void amx_release() { _tile_release(); }
+#endif
+
 // A tile of queries: rows r = (query q0 + r / G, head kvh * G + r % G) in vector lanes.
 template <typename T, int DV>
 void attend_tile(const AttnArgs& a, const Item& it) {
@@ -564,8 +634,14 @@ void attend_tile(const AttnArgs& a, const Item& it) {
   const int64_t* table = a.block_table + int64_t(it.req) * a.bt_stride;
   const T* kc = static_cast<const T*>(a.k_cache);
   const T* vc = static_cast<const T*>(a.v_cache);
+#if defined(CVK_AVX512BF16)
+  const bool amx = sizeof(T) == 2 && g_amx_attention && a.bs % TILE_KEYS == 0 && D % 32 == 0;
+#else
+  constexpr bool amx = false;
+#endif
 
-  alignas(64) float QT[D * MAX_ROWS];   // [d][row], scaled
+  alignas(64) float QT[D * MAX_ROWS];   // [d][row], scaled (the vector path)
+  alignas(64) uint32_t QT2[sizeof(T) == 2 ? D / 2 * MAX_ROWS : 1];  // [d pair][row], unscaled (the AMX path)
   alignas(64) float O[MAX_ROWS * D];
   alignas(64) float ST[KP * MAX_ROWS];  // scores, then probabilities: [key][row]
   alignas(64) float last[MAX_ROWS];     // row r sees keys 0 .. last[r]
@@ -579,7 +655,15 @@ void attend_tile(const AttnArgs& a, const Item& it) {
     const bool real = r < nrows;
     const int i = it.q0 + r / G, h = it.kvh * G + r % G;
     const T* src = static_cast<const T*>(a.q) + (qs + i) * a.q_stride + int64_t(h) * D;
-    for (int d = 0; d < D; d++) QT[d * MAX_ROWS + r] = real ? to_f32(src[d]) * a.scale : 0.f;
+    if (amx) {
+      for (int d = 0; d < D; d += 2) {
+        uint32_t pair = 0;
+        if (real) memcpy(&pair, src + d, 4);
+        QT2[d / 2 * MAX_ROWS + r] = pair;
+      }
+    } else {
+      for (int d = 0; d < D; d++) QT[d * MAX_ROWS + r] = real ? to_f32(src[d]) * a.scale : 0.f;
+    }
     last[r] = float(real ? ctx0 + i : ctx0);  // padding rows see key 0 only: finite, ignored
   }
   for (int r = 0; r < nrows * D; r += W) V::zero().store(O + r);
@@ -589,13 +673,33 @@ void attend_tile(const AttnArgs& a, const Item& it) {
     l[rv] = V::zero();
   }
   const V neg_inf = V::set1(-INFINITY);
+#if defined(CVK_AVX512BF16)
+  if (amx) amx_configure(16, 16);
+#endif
   for (int64_t j0 = 0; j0 < end; j0 += KC) {
     const int nk = int(std::min<int64_t>(KC, end - j0));
     const int nkp = (nk + KB - 1) / KB * KB;
-    chunk_rows<T, DV>(a, table, kc, it.kvh, j0, nk, nkp, krow, kbuf);
     chunk_rows<T, DV>(a, table, vc, it.kvh, j0, nk, 0, vrow, vbuf);
+#if defined(CVK_AVX512BF16)
+    if (amx) {
+      const uint16_t* kgrp[2] = {nullptr, nullptr};
+      for (int g = 0; g < 2; g++) {
+        const int64_t pos = j0 + g * TILE_KEYS;
+        if (pos < j0 + nk)
+          kgrp[g] = reinterpret_cast<const uint16_t*>(kc) + kv_offset(a, table, pos, it.kvh);
+      }
+      amx_chunk_scores(QT2, kgrp[0], kgrp[1], D, rv_n > 1, ST);
+      const V scale = V::set1(a.scale);
+      for (int j = 0; j < nkp; j++)
+        for (int rv = 0; rv < rv_n; rv++) {
+          float* st = ST + j * MAX_ROWS + rv * W;
+          (V::load(st) * scale).store(st);
+        }
+    }
+#endif
+    if (!amx) chunk_rows<T, DV>(a, table, kc, it.kvh, j0, nk, nkp, krow, kbuf);
     // ST[j][rows] = sum_d K[j][d] * QT[d][rows]
-    for (int jb = 0; jb < nkp; jb += KB) {
+    for (int jb = 0; !amx && jb < nkp; jb += KB) {
       V acc[KB][RV_MAX];
       for (int u = 0; u < KB; u++)
         for (int rv = 0; rv < RV_MAX; rv++) acc[u][rv] = V::zero();
@@ -653,6 +757,9 @@ void attend_tile(const AttnArgs& a, const Item& it) {
   for (int rv = 0; rv < rv_n; rv++) l[rv].store(lrow + rv * W);
   (void)mrow;
   store_rows<T, DV>(a, it, qs, nrows, O, lrow);
+#if defined(CVK_AVX512BF16)
+  if (amx) amx_release();
+#endif
 }
 
 template <typename T, int DV>
@@ -1022,25 +1129,6 @@ void skinny_gemm_impl(const T* x, int64_t x_stride, int64_t M, const T* wp, cons
 // a 16 x 16 float32 block per TDPBF16PS. Weights stream once per 32 rows of x; at decode sizes the loop is
 // bound by that stream (oneDNN's AMX kernels reach about half of it at 17-128 rows: README).
 // Tiles: 0, 1 = x rows [m0, m0+16), [m0+16, m0+32); 2, 3 = two weight column blocks; 4-7 = the four results.
-struct alignas(64) TileConfig {
-  uint8_t palette, start_row, reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
-
-__attribute__((target("amx-tile,amx-bf16"))) inline void amx_configure(int rows0, int rows1) {
-  TileConfig cfg;
-  memset(&cfg, 0, sizeof(cfg));
-  cfg.palette = 1;
-  const int r1 = rows1 > 0 ? rows1 : 1;
-  const int rows[8] = {rows0, r1, 16, 16, rows0, rows0, r1, r1};
-  for (int t = 0; t < 8; t++) {
-    cfg.rows[t] = uint8_t(rows[t]);
-    cfg.colsb[t] = 64;
-  }
-  _tile_loadconfig(&cfg);
-}
-
 __attribute__((target("amx-tile,amx-bf16")))
 void amx_gemm_bf16(const uint16_t* x, int64_t x_stride, int64_t M, const uint16_t* wp, const uint16_t* bias,
                    uint16_t* y, int64_t y_stride, int64_t N, int64_t K, int num_threads) {
@@ -1121,7 +1209,7 @@ void amx_gemm_bf16(const uint16_t* x, int64_t x_stride, int64_t M, const uint16_
 
 extern "C" {
 
-int cvk_abi_version() { return 2; }
+int cvk_abi_version() { return 3; }
 
 int cvk_vector_width() { return W; }
 
@@ -1201,8 +1289,21 @@ int cvk_bind_threads(const int* cpus, int n) {
 int cvk_amx_init() {
 #if defined(CVK_AVX512BF16) && defined(__linux__)
   constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
-  return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 1 : 0;
+  g_amx_attention = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+  return g_amx_attention ? 1 : 0;
 #else
+  return 0;
+#endif
+}
+
+// Prefill attention's QK^T on AMX (bfloat16) on or off (after cvk_amx_init granted AMX); returns the setting.
+int cvk_set_amx_attention(int on) {
+#if defined(CVK_AVX512BF16)
+  static const bool granted = g_amx_attention;  // the first call remembers what cvk_amx_init obtained
+  g_amx_attention = granted && on != 0;
+  return g_amx_attention ? 1 : 0;
+#else
+  (void)on;
   return 0;
 #endif
 }
