@@ -618,6 +618,84 @@ void amx_chunk_scores(const uint32_t* qt2, const uint16_t* k0, const uint16_t* k
 }
 
 __attribute__((target("amx-tile,amx-bf16"))) inline void amx_release() { _tile_release(); }
+
+// P^T for the AMX PV: pt[row][key] (bfloat16, 32 keys per row) from st[key][row] (float32, rows in lanes), keys
+// >= nk as 0. Sixteen rows x sixteen keys at a time: a 16 x 16 transpose in registers, then one conversion per row.
+inline void transpose_probs(const float* st, int nk, int row_groups, uint16_t* pt) {
+  for (int rg = 0; rg < row_groups; rg++)
+    for (int kb = 0; kb < 2; kb++) {
+      __m512 r[16];
+      for (int i = 0; i < 16; i++) {
+        const int j = kb * 16 + i;
+        r[i] = j < nk ? _mm512_loadu_ps(st + j * MAX_ROWS + rg * 16) : _mm512_setzero_ps();
+      }
+      __m512 t[16];
+      for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+      }
+      for (int i = 0; i < 16; i += 4)
+        for (int u = 0; u < 2; u++) {
+          r[i + u] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[i + u]), _mm512_castps_pd(t[i + 2 + u])));
+          r[i + 2 + u] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[i + u]), _mm512_castps_pd(t[i + 2 + u])));
+        }
+      // r[4q + c] now holds, in 128-bit lane L, keys 4q .. 4q + 3 of row 4L + (0, 2, 1, 3)[c]
+      for (int i = 0; i < 16; i += 8)
+        for (int u = 0; u < 4; u++) {
+          t[i + u] = _mm512_shuffle_f32x4(r[i + u], r[i + 4 + u], 0x88);
+          t[i + 4 + u] = _mm512_shuffle_f32x4(r[i + u], r[i + 4 + u], 0xdd);
+        }
+      for (int u = 0; u < 8; u++) {
+        r[u] = _mm512_shuffle_f32x4(t[u], t[u + 8], 0x88);
+        r[u + 8] = _mm512_shuffle_f32x4(t[u], t[u + 8], 0xdd);
+      }
+      // r[k] = row k's 16 keys, for rows in the order below
+      static const int row_of[16] = {0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12, 14, 13, 15};
+      for (int k = 0; k < 16; k++)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(pt + (rg * 16 + row_of[k]) * KC + kb * 16),
+                            (__m256i)_mm512_cvtneps_pbh(r[k]));
+    }
+}
+
+// V of a chunk in AMX's VNNI layout: vv[d block][key pair][16 d x 2 keys] = (v[2p][d], v[2p + 1][d]), rows
+// >= nk as zeros (a never-written slot may hold NaN, and 0 * NaN is NaN).
+template <int D>
+inline void vnni_values(const uint16_t* const* vrow, int nk, uint16_t* vv) {
+  alignas(64) static const uint16_t kInterleave[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                                                       8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  const __m512i lo = _mm512_load_si512(kInterleave);
+  const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+  for (int p = 0; p < KC / 2; p++) {
+    const uint16_t* a = 2 * p < nk ? vrow[2 * p] : nullptr;
+    const uint16_t* b = 2 * p + 1 < nk ? vrow[2 * p + 1] : nullptr;
+    for (int h = 0; h < D / 32; h++) {
+      const __m512i za = a ? _mm512_loadu_si512(a + h * 32) : _mm512_setzero_si512();
+      const __m512i zb = b ? _mm512_loadu_si512(b + h * 32) : _mm512_setzero_si512();
+      _mm512_storeu_si512(vv + ((2 * h) * (KC / 2) + p) * 32, _mm512_permutex2var_epi16(za, lo, zb));
+      _mm512_storeu_si512(vv + ((2 * h + 1) * (KC / 2) + p) * 32, _mm512_permutex2var_epi16(za, hi, zb));
+    }
+  }
+}
+
+// O[rows][D] (float32, in memory) += P V for one chunk of 32 keys on AMX: pt [32 rows][32 keys] as A, vv as B.
+// Tiles: 0, 2 = P row groups; 1 = a V block; 4, 5 = the O blocks, loaded, accumulated, stored.
+__attribute__((target("amx-tile,amx-bf16")))
+void amx_chunk_pv(const uint16_t* pt, const uint16_t* vv, int D, bool two_row_groups, float* O) {
+  const int64_t ostride = int64_t(D) * 4;
+  _tile_loadd(0, pt, KC * 2);
+  if (two_row_groups) _tile_loadd(2, pt + 16 * KC, KC * 2);
+  for (int dc = 0; dc < D / 16; dc++) {
+    _tile_loadd(1, vv + dc * (KC / 2) * 32, 64);
+    _tile_loadd(4, O + dc * 16, ostride);
+    _tile_dpbf16ps(4, 0, 1);
+    _tile_stored(4, O + dc * 16, ostride);
+    if (two_row_groups) {
+      _tile_loadd(5, O + 16 * D + dc * 16, ostride);
+      _tile_dpbf16ps(5, 2, 1);
+      _tile_stored(5, O + 16 * D + dc * 16, ostride);
+    }
+  }
+}
 #endif
 
 // A tile of queries: rows r = (query q0 + r / G, head kvh * G + r % G) in vector lanes.
@@ -642,6 +720,8 @@ void attend_tile(const AttnArgs& a, const Item& it) {
 
   alignas(64) float QT[D * MAX_ROWS];   // [d][row], scaled (the vector path)
   alignas(64) uint32_t QT2[sizeof(T) == 2 ? D / 2 * MAX_ROWS : 1];  // [d pair][row], unscaled (the AMX path)
+  alignas(64) uint16_t PT[sizeof(T) == 2 ? MAX_ROWS * KC : 1];         // AMX PV: P^T [row][key], bfloat16
+  alignas(64) uint16_t VV[sizeof(T) == 2 ? D * KC : 1];                // AMX PV: V in VNNI pairs
   alignas(64) float O[MAX_ROWS * D];
   alignas(64) float ST[KP * MAX_ROWS];  // scores, then probabilities: [key][row]
   alignas(64) float last[MAX_ROWS];     // row r sees keys 0 .. last[r]
@@ -666,7 +746,7 @@ void attend_tile(const AttnArgs& a, const Item& it) {
     }
     last[r] = float(real ? ctx0 + i : ctx0);  // padding rows see key 0 only: finite, ignored
   }
-  for (int r = 0; r < nrows * D; r += W) V::zero().store(O + r);
+  for (int r = 0; r < (amx ? MAX_ROWS : nrows) * D; r += W) V::zero().store(O + r);  // AMX: whole tiles
   V m[RV_MAX], l[RV_MAX];
   for (int rv = 0; rv < RV_MAX; rv++) {
     m[rv] = V::set1(-INFINITY);
@@ -679,7 +759,7 @@ void attend_tile(const AttnArgs& a, const Item& it) {
   for (int64_t j0 = 0; j0 < end; j0 += KC) {
     const int nk = int(std::min<int64_t>(KC, end - j0));
     const int nkp = (nk + KB - 1) / KB * KB;
-    chunk_rows<T, DV>(a, table, vc, it.kvh, j0, nk, 0, vrow, vbuf);
+    if (!amx) chunk_rows<T, DV>(a, table, vc, it.kvh, j0, nk, 0, vrow, vbuf);
 #if defined(CVK_AVX512BF16)
     if (amx) {
       const uint16_t* kgrp[2] = {nullptr, nullptr};
@@ -752,6 +832,19 @@ void attend_tile(const AttnArgs& a, const Item& it) {
         const V al = V::set1(alpha[r]);
         for (int d = 0; d < DV; d++) (V::load(O + r * D + d * W) * al).store(O + r * D + d * W);
       }
+#if defined(CVK_AVX512BF16)
+    if (amx) {
+      const uint16_t* vraw[KC];
+      int64_t offs[KC];
+      kv_offsets(a, table, j0, nk, offs);
+      const int64_t head = int64_t(it.kvh) * a.bs * D;
+      for (int j = 0; j < nk; j++) vraw[j] = reinterpret_cast<const uint16_t*>(vc) + offs[j] + head;
+      vnni_values<D>(vraw, nk, VV);
+      transpose_probs(ST, nk, rv_n, PT);
+      amx_chunk_pv(PT, VV, D, rv_n > 1, O);
+      continue;
+    }
+#endif
     pv_all<DV>(ST, MAX_ROWS, 1, nrows, vrow, nk, O);
   }
   for (int rv = 0; rv < rv_n; rv++) l[rv].store(lrow + rv * W);
