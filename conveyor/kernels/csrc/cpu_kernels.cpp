@@ -203,7 +203,8 @@ inline void from_f32(float x, uint16_t* p) {
 //  - one query (decodes): rows = the G heads; scores by dot products, 16 (8) keys at a time reduced with one
 //    transpose-add tree; the loop streams K and V from memory once, which is what bounds it.
 //  - a tile of queries (prefill chunks): rows = queries x heads, held transposed (rows in vector lanes), so
-//    QK^T, the masked online softmax and PV are all full-width vector work, GEMM-like.
+//    QK^T, the masked online softmax and PV are all full-width vector work, GEMM-like. In bfloat16 on a CPU
+//    with AMX, QK^T and PV run on tiles instead (amx_chunk_scores, amx_chunk_pv): 1.7x the vector path.
 constexpr int KC = 32;                    // keys per chunk
 constexpr int RV_MAX = 2;                 // row vectors of a tile item
 constexpr int MAX_ROWS = RV_MAX * W;      // rows of a tile item: 32 (AVX-512) / 16 (AVX2)
