@@ -1,7 +1,8 @@
 """Where an engine's time goes: wall-clock timers wrapped around the model's parts for one profiled run.
 
 Benchmark-only instrumentation (it patches the classes while the context is open): linear layers (the lm_head
-on its own), attention, norms + activation, sampling, the runner's step outside those (embedding, rope lookup,
+on its own), attention, norms + activation, the native decoder-layer stack (decode-sized steps run every layer
+in one call, so their linear/attention/norm time is counted there, as one), sampling, the runner's step outside those (embedding, rope lookup,
 input building, Python), and the engine outside the runner (scheduler, output processing).
 """
 
@@ -44,6 +45,7 @@ class StepProfile:
         from conveyor.layers.attention import cpu, native_cpu
         from conveyor.layers.linear import PackedLinear
         from conveyor.models import llama
+        from conveyor.models.native_stack import NativeLayerStack
 
         eng = self.engine
         model = eng.model
@@ -54,6 +56,7 @@ class StepProfile:
         self._wrap(cpu.CpuAttention, "forward", "attention")
         self._wrap(norms.RMSNorm, "forward", "norm+act")
         self._wrap(llama, "silu_and_mul", "norm+act")  # the name the model module calls
+        self._wrap(NativeLayerStack, "run", "layer stack")
         self._wrap(eng.executor.sampler, "sample", "sampling", per_instance=True)
         self._wrap(eng.executor, "execute", "runner", per_instance=True)
         self._wrap(eng, "step", "engine", per_instance=True)
@@ -71,7 +74,7 @@ class StepProfile:
 
     def summary(self) -> dict[str, float]:
         t = dict(self.totals)
-        parts = ("linear", "lm_head", "attention", "attention (prefill steps)", "norm+act", "sampling")
+        parts = ("linear", "lm_head", "attention", "attention (prefill steps)", "norm+act", "layer stack", "sampling")
         inside = sum(t.get(k, 0.0) for k in parts)
         out = {k: t.get(k, 0.0) for k in parts}
         out["runner other"] = t.get("runner", 0.0) - inside

@@ -5,7 +5,7 @@ Each server is started from its own command line (``{port}`` in it is replaced),
 each server in turn by the same client (``conveyor bench serve``'s), the order alternating from rate to rate so
 that neither server always runs first. The machine's load average is recorded before every replay.
 
-    python scripts/serve_sweep.py --workload W.json --rates 2,4,8,16 --out sweep.json --plot sweep.png \\
+    python scripts/serve_sweep.py --workload W.json --rates 2,4,8,16,inf --out sweep.json --plot sweep.png \\
         --server 'conveyor=conveyor serve --model M --port {port}' \\
         --server 'vllm=python vllm_cli.py serve M --port {port}'
 
@@ -77,7 +77,8 @@ def plot(result: dict, path: str) -> None:
     fig, axes = plt.subplots(1, 5, figsize=(22, 4.2))
     names = list(result["servers"])
     for i, name in enumerate(names):
-        points = [p for p in result["points"] if p["server"] == name]
+        # saturation (rate inf) has no place on a rate axis: it stays in the table and the JSON
+        points = [p for p in result["points"] if p["server"] == name and math.isfinite(p["rate"])]
         rates = [p["rate"] for p in points]
         color = f"C{i}"
         for ax, key, unit in zip(axes, ("ttft", "tpot", "itl", "e2e"), ("ms", "ms", "ms", "s")):

@@ -171,6 +171,41 @@ def test_attention_long_context_is_stable(kernels):
     torch.testing.assert_close(out, want, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("block_size", [16, 32, 8])  # 8: a key tile (16 keys) spans blocks, so no AMX
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(6, 2, 64), (9, 3, 64), (4, 2, 128), (8, 8, 64)])
+def test_prefill_attention_on_amx_tiles(kernels, block_size, heads, kv_heads, head_dim):
+    """bfloat16 prefill chunks whose QK^T runs on AMX tiles (where the CPU has them) against torch and against the
+    vector path, on a cache whose never-written slots hold NaN: AMX loads whole 16-key tiles, and keys past a
+    request's end must be masked, not merely small."""
+    if not kernels.set_amx_attention(True):
+        pytest.skip("no AMX here (or not this build level): the vector path is what runs, tested above")
+    try:
+        reqs = [(0, 70), (40, 45), (0, 1), (16, 16), (5, 9), (0, 33), (100, 3), (3, 1)]
+        qkv, k_cache, v_cache, table, qsl, seq_lens = make_step(reqs, heads, kv_heads, head_dim, block_size,
+                                                                torch.bfloat16)
+        for row, (computed, new) in zip(table, reqs):  # slots after each request's last token: unwritten
+            last_block, used = row[(computed + new - 1) // block_size], (computed + new - 1) % block_size + 1
+            k_cache[last_block, used:] = float("nan")
+            v_cache[last_block, used:] = float("nan")
+        rotary = RotaryEmbedding(head_dim, 512, 10000.0)
+        scale = head_dim ** -0.5
+        want, *_ = reference_attention(qkv, k_cache, v_cache, table, qsl, seq_lens, rotary, heads, kv_heads,
+                                       head_dim, scale)
+        outs = []
+        for amx in (True, False):
+            kernels.set_amx_attention(amx)
+            out = torch.empty(qkv.shape[0], heads * head_dim, dtype=torch.bfloat16)
+            q, k, v = split_heads(qkv.clone(), heads, kv_heads, head_dim)
+            kernels.attention(q, k, v, head_major(k_cache), head_major(v_cache), table, qsl, seq_lens,
+                              rotary.cos_sin.flatten(1).contiguous(), out.view(-1, heads, head_dim), scale)
+            assert torch.isfinite(out).all()
+            torch.testing.assert_close(out.float(), want, **TOL[torch.bfloat16])
+            outs.append(out.float())
+        torch.testing.assert_close(outs[0], outs[1], atol=2e-2, rtol=2e-2)  # the two paths agree
+    finally:
+        kernels.set_amx_attention(True)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
 @pytest.mark.parametrize("hidden", [64, 576, 517])
 def test_add_rmsnorm_matches_torch(kernels, dtype, hidden):

@@ -56,6 +56,8 @@ class EngineArgs:
     num_threads: int | None = _arg(None, "torch intra-op threads on CPU (default: all cores)")
     cpu_bind_threads: bool = _arg(True, "pin torch's threads one per CPU when they use every allowed CPU (as vLLM "
                                         "does)")
+    cpu_ids: str | None = _arg(None, "CPUs the engine computes on, e.g. '1' or '0,2-3' (default: every CPU it may "
+                                     "use); one torch thread per CPU unless --num-threads says otherwise")
 
     def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
         return SchedulerConfig(**{**self._values_of(SchedulerConfig), "max_model_len": max_model_len})
@@ -90,3 +92,17 @@ def _argparse_type(hint, default) -> dict:
     kinds = [t for t in typing.get_args(hint) if t is not type(None)] or [hint]
     assert len(kinds) == 1 and default is not MISSING, f"no command-line form for {hint}"
     return {"type": kinds[0]}
+
+
+def parse_cpu_ids(spec: str) -> list[int]:
+    """'0,2-3' -> [0, 2, 3] (the Linux cpulist format). Raises ValueError on anything else."""
+    ids: set[int] = set()
+    for part in spec.split(","):
+        lo, sep, hi = part.strip().partition("-")
+        if not lo.isdigit() or (sep and not hi.isdigit()):
+            raise ValueError(f"cpu_ids: {spec!r} is not a CPU list like '1' or '0,2-3'")
+        first, last = int(lo), int(hi) if sep else int(lo)
+        if last < first:
+            raise ValueError(f"cpu_ids: {part!r} is an empty range")
+        ids.update(range(first, last + 1))
+    return sorted(ids)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import time
 from collections.abc import Callable
 
@@ -18,7 +19,7 @@ from conveyor.core.kv_manager import KVCacheManager
 from conveyor.core.request import Request, RequestStatus
 from conveyor.core.sampling_params import SamplingParams
 from conveyor.core.scheduler import Scheduler
-from conveyor.engine.args import EngineArgs
+from conveyor.engine.args import EngineArgs, parse_cpu_ids
 from conveyor.engine.output_processor import OutputProcessor
 from conveyor.engine.outputs import RequestOutput
 from conveyor.engine.step_record import StepRecord
@@ -59,7 +60,9 @@ class LLMEngine:
         device = args.device
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
-        if device == "cpu" and args.num_threads:
+        if device == "cpu" and args.cpu_ids:
+            self._run_on_cpus(args)
+        elif device == "cpu" and args.num_threads:
             torch.set_num_threads(args.num_threads)
         self.device = device
         if shared_model is not None:  # (model, model_info, tokenizer) already loaded: see sharing_model()
@@ -227,6 +230,19 @@ class LLMEngine:
         return self.scheduler.has_unfinished_requests()
 
     # ---- the step ---------------------------------------------------------------------------------------
+    @staticmethod
+    def _run_on_cpus(args: EngineArgs) -> None:
+        """Confine this process to ``args.cpu_ids`` with one torch thread per CPU (pinned later, as always when
+        the threads match the CPUs). The server uses it to keep a CPU for its event loop (``--frontend-cpus``)."""
+        import torch
+
+        cpus = parse_cpu_ids(args.cpu_ids)
+        allowed = os.sched_getaffinity(0)
+        if not set(cpus) <= allowed:
+            raise ValueError(f"cpu_ids {args.cpu_ids!r}: this process may only use CPUs {sorted(allowed)}")
+        os.sched_setaffinity(0, cpus)
+        torch.set_num_threads(args.num_threads or len(cpus))
+
     def step(self) -> list[RequestOutput]:
         """Run one iteration: schedule, execute, update. Returns the requests that progressed."""
         start = time.monotonic()

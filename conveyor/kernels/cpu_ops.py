@@ -20,7 +20,7 @@ from conveyor.kernels.build import BuildError, build_library
 from conveyor.kernels.cpu_features import LEVEL_FLAGS, cpu_features, kernel_level
 
 SOURCE_PATH = os.path.join(os.path.dirname(__file__), "csrc", "cpu_kernels.cpp")
-ABI_VERSION = 1
+ABI_VERSION = 3
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 SUPPORTED_HEAD_DIMS = (64, 128)
 # The attention kernel's cache layout per layer: [2 (K, V), num_blocks, num_kv_heads, block_size, head_dim]. One
@@ -54,12 +54,20 @@ class CpuKernels:
         self._amx.argtypes = [p, i64, i64, p, p, p, i64, i64, i64, i32]
         # AMX tiles: only where the CPU has them and Linux grants the tile state to this process.
         self.amx = level == "avx512bf16" and cpu_features().has_amx and lib.cvk_amx_init() == 1
+        self._set_amx_attention = lib.cvk_set_amx_attention
+        self._set_amx_attention.restype = i32
+        self._set_amx_attention.argtypes = [i32]
+        self._set_amx_attention(int(self.amx))  # records what was granted; prefill QK^T on AMX where it was
         self._bind = lib.cvk_bind_threads
         self._bind.restype = i32
         self._bind.argtypes = [p, i32]
         self._silu_mul = lib.cvk_silu_mul
         self._silu_mul.restype = i32
         self._silu_mul.argtypes = [i32, p, p, i64, i64, i32]
+        self._llama_layers = lib.cvk_llama_layers
+        self._llama_layers.restype = i32
+        self._llama_layers.argtypes = [i32, i32, i64, i32, i64, i64, p, p, p, p, p, p, p, p, p, i64, p, p, i32, p,
+                                       i32, i32, i32, i32, f32, f32, i32]
         self.vector_width = lib.cvk_vector_width()
 
     @staticmethod
@@ -128,6 +136,28 @@ class CpuKernels:
                        x.shape[1], torch.get_num_threads())
         if rc != 0:
             raise KernelError(f"cvk_amx_gemm failed ({rc})")
+
+    def llama_layers(self, fields: torch.Tensor, num_layers: int, hidden: int, inter: int, x: torch.Tensor,
+                     residual: torch.Tensor, scratch: tuple[torch.Tensor, ...], block_table: torch.Tensor,
+                     query_start: torch.Tensor, seq_lens: torch.Tensor, cos_sin: torch.Tensor, num_heads: int,
+                     num_kv_heads: int, head_dim: int, block_size: int, scale: float, eps: float) -> None:
+        """A Llama-family decoder-layer stack in one call (cvk_llama_layers: its comment gives the layout of
+        ``fields``, the per-layer pointers, and of the ``scratch`` buffers h, qkv, attn, gate_up, act). ``residual``
+        holds the embeddings on entry; on return ``x`` holds the last layer's output, ``residual`` the stream."""
+        h, qkv, attn, gu, act = scratch
+        rc = self._llama_layers(
+            _DTYPE_CODES[x.dtype], int(self.amx), x.shape[0], num_layers, hidden, inter, fields.data_ptr(),
+            x.data_ptr(), residual.data_ptr(), h.data_ptr(), qkv.data_ptr(), attn.data_ptr(), gu.data_ptr(),
+            act.data_ptr(), block_table.data_ptr(), block_table.stride(0), query_start.data_ptr(),
+            seq_lens.data_ptr(), seq_lens.shape[0], cos_sin.data_ptr(), num_heads, num_kv_heads, head_dim,
+            block_size, scale, eps, torch.get_num_threads())
+        if rc != 0:
+            raise KernelError(f"cvk_llama_layers failed ({rc})")
+
+    def set_amx_attention(self, on: bool) -> bool:
+        """Run prefill attention's QK^T on AMX tiles (bfloat16; the default where AMX was granted) or on vector
+        FMAs (for tests and benchmarks that compare the two). Returns whether AMX is now used."""
+        return self._set_amx_attention(int(on)) == 1
 
     def bind_threads(self, cpus: list[int]) -> int:
         """Pin torch's OpenMP threads, one per CPU of ``cpus`` (see cvk_bind_threads); returns how many."""

@@ -3,7 +3,8 @@
 Linear weights go into oneDNN's blocked layout once (``layers.linear.prepare_linears``: the GEMM rate at
 decode and prefill shapes, in float32 and bfloat16). RMSNorm and the gated MLP's activation get the native
 CPU kernels when they built (``conveyor.kernels``), so a decoder layer's residual add + norm and its
-SiLU-and-mul are one pass each; without kernels they stay torch ops.
+SiLU-and-mul are one pass each; without kernels they stay torch ops. A Llama-family model also gets its
+decoder layers as one native call for decode-sized steps (``models.native_stack``).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import torch
 from torch import nn
 
 from conveyor.layers.linear import PackedLinear, prepare_linears
+from conveyor.models.native_stack import NativeLayerStack
 
 
 @torch.no_grad()
@@ -22,3 +24,5 @@ def prepare_for_cpu(model: nn.Module, kernels=None) -> None:
     for module in model.modules():
         if hasattr(module, "kernels") and module is not model and not isinstance(module, PackedLinear):
             module.kernels = kernels
+    if hasattr(model, "native_stack"):
+        model.native_stack = NativeLayerStack.build(model, kernels)

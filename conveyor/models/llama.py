@@ -83,10 +83,15 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+        # every layer in one native call for decode-sized steps (models.native_stack; set by prepare_for_cpu)
+        self.native_stack = None
 
     def forward(self, input_ids, positions, kv_caches, attn):
         x = self.embed_tokens(input_ids)
         rope = self.rotary.lookup(positions, fused=getattr(attn, "fuses_rope", False))  # once per step
+        if self.native_stack is not None and self.native_stack.accepts(x.shape[0], attn):
+            x, residual = self.native_stack.run(x, rope.table, kv_caches, attn)
+            return self.norm(x, residual)[0]
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
             x, residual = layer(x, residual, rope, kv_cache, attn)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 
@@ -35,6 +36,10 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--engine-in-process", action="store_true",
                    help="step the engine in a thread of the server's process instead of a process of its own "
                    "(then the engine and the event loop share one GIL)")
+    p.add_argument("--frontend-cpus", type=int, default=0,
+                   help="keep this many of the allowed CPUs for the API server and run the engine process on the "
+                   "rest (one pinned torch thread each), as vLLM's CPU backend keeps one for its frontend (0: share "
+                   "all; needs the engine in its own process)")
     p.add_argument("--uvicorn-log-level", default="info")
     _add_scale_out_args(p)
     EngineArgs.add_cli_args(p)
@@ -70,6 +75,17 @@ def _add_scale_out_args(p) -> None:
                    "replaces --data-parallel-size")
 
 
+def split_cpus(ns: argparse.Namespace, args) -> tuple[list[int], str]:
+    """``--frontend-cpus N``: (the first N allowed CPUs for this process, the rest as the engine's ``cpu_ids``)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if ns.engine_in_process or args.cpu_ids:
+        raise SystemExit("--frontend-cpus needs the engine in its own process and no --cpu-ids")
+    if not 0 < ns.frontend_cpus < len(cpus):
+        raise SystemExit(f"--frontend-cpus {ns.frontend_cpus}: this process may use {len(cpus)} CPUs {cpus}; "
+                         "keep at least one for the engine")
+    return cpus[:ns.frontend_cpus], ",".join(map(str, cpus[ns.frontend_cpus:]))
+
+
 def run_serve(ns: argparse.Namespace) -> int:
     for name, value in OMP_DEFAULTS.items():
         os.environ.setdefault(name, value)  # the engine process inherits it
@@ -86,10 +102,16 @@ def run_serve(ns: argparse.Namespace) -> int:
         from conveyor.distributed.launch import run_serve_data_parallel
 
         return run_serve_data_parallel(ns, args)
+    frontend_cpus = split_cpus(ns, args) if ns.frontend_cpus else None
+    if frontend_cpus is not None:
+        args = dataclasses.replace(args, cpu_ids=frontend_cpus[1])
     if not ns.engine_in_process:
         from conveyor.engine.core_client import EngineCoreClient
 
         engine = EngineCoreClient(args)  # the engine process starts loading the model now ...
+    if frontend_cpus is not None:
+        os.sched_setaffinity(0, frontend_cpus[0])  # after the spawn: the engine process set its own CPUs
+        logger.info("API server on CPUs %s, engine on CPUs %s", frontend_cpus[0], frontend_cpus[1])
     from conveyor.server.app import build_app  # ... while this process imports the server
     from conveyor.server.launcher import make_server
 

@@ -203,7 +203,8 @@ inline void from_f32(float x, uint16_t* p) {
 //  - one query (decodes): rows = the G heads; scores by dot products, 16 (8) keys at a time reduced with one
 //    transpose-add tree; the loop streams K and V from memory once, which is what bounds it.
 //  - a tile of queries (prefill chunks): rows = queries x heads, held transposed (rows in vector lanes), so
-//    QK^T, the masked online softmax and PV are all full-width vector work, GEMM-like.
+//    QK^T, the masked online softmax and PV are all full-width vector work, GEMM-like. In bfloat16 on a CPU
+//    with AMX, QK^T and PV run on tiles instead (amx_chunk_scores, amx_chunk_pv): 1.7x the vector path.
 constexpr int KC = 32;                    // keys per chunk
 constexpr int RV_MAX = 2;                 // row vectors of a tile item
 constexpr int MAX_ROWS = RV_MAX * W;      // rows of a tile item: 32 (AVX-512) / 16 (AVX2)
@@ -550,6 +551,154 @@ void attend_one_query(const AttnArgs& a, const Item& it) {
   store_rows<T, DV>(a, it, qs, rows, O, l);
 }
 
+#if defined(CVK_AVX512BF16)
+// Prefill attention's QK^T on AMX tiles (bfloat16): set by cvk_amx_init once Linux grants the tile state, and
+// switchable (cvk_set_amx_attention) so tests and benchmarks can run both paths.
+bool g_amx_attention = false;
+
+struct alignas(64) TileConfig {
+  uint8_t palette, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+__attribute__((target("amx-tile,amx-bf16"))) inline void amx_configure(int rows0, int rows1) {
+  TileConfig cfg;
+  memset(&cfg, 0, sizeof(cfg));
+  cfg.palette = 1;
+  const int r1 = rows1 > 0 ? rows1 : 1;
+  const int rows[8] = {rows0, r1, 16, 16, rows0, rows0, r1, r1};
+  for (int t = 0; t < 8; t++) {
+    cfg.rows[t] = uint8_t(rows[t]);
+    cfg.colsb[t] = 64;
+  }
+  // GCC does not count LDTILECFG as reading the whole 64 bytes: without this barrier it dropped the rows and
+  // colsb stores of an out-of-line copy of this function (palette 1, no tile configured: SIGILL at first use).
+  __asm__ __volatile__("" : : "m"(cfg) : "memory");
+  _tile_loadconfig(&cfg);
+}
+constexpr int TILE_KEYS = 16;  // keys per AMX tile: one group must sit inside one cache block (bs % 16 == 0)
+
+// S^T[key][row] = K[key] . Q[row] for one chunk of KC = 32 keys (two groups of 16) and up to 32 rows (two
+// groups of 16): TDPBF16PS with K rows as the A operand, loaded straight from the cache (a head's rows of a
+// block are contiguous, D * 2 bytes apart), and q in VNNI pairs (qt2 [D / 2][MAX_ROWS]) as B, so the result comes
+// out in ST's own [key][row] layout and the softmax below is unchanged. kgrp[g]: the first row of key group g,
+// or null when the group has no visible key (its ST rows are not written: they are masked). Unscaled.
+// Tiles: 0, 1 = K groups; 2, 3 = q row groups; 4 + 2 g + rg = the S^T block of (key group g, row group rg).
+__attribute__((target("amx-tile,amx-bf16")))
+void amx_chunk_scores(const uint32_t* qt2, const uint16_t* k0, const uint16_t* k1, int D, bool two_row_groups,
+                      float* ST) {
+  const int64_t kstride = int64_t(D) * 2, qstride = MAX_ROWS * 4, sstride = MAX_ROWS * 4;
+  _tile_zero(4);
+  _tile_zero(5);
+  _tile_zero(6);
+  _tile_zero(7);
+  for (int db = 0; db < D / 32; db++) {
+    const uint32_t* q = qt2 + int64_t(db) * 16 * MAX_ROWS;
+    _tile_loadd(2, q, qstride);
+    if (two_row_groups) _tile_loadd(3, q + 16, qstride);
+    if (k0 != nullptr) {
+      _tile_loadd(0, k0 + db * 32, kstride);
+      _tile_dpbf16ps(4, 0, 2);
+      if (two_row_groups) _tile_dpbf16ps(5, 0, 3);
+    }
+    if (k1 != nullptr) {
+      _tile_loadd(1, k1 + db * 32, kstride);
+      _tile_dpbf16ps(6, 1, 2);
+      if (two_row_groups) _tile_dpbf16ps(7, 1, 3);
+    }
+  }
+  if (k0 != nullptr) {
+    _tile_stored(4, ST, sstride);
+    if (two_row_groups) _tile_stored(5, ST + 16, sstride);
+  }
+  if (k1 != nullptr) {
+    _tile_stored(6, ST + TILE_KEYS * MAX_ROWS, sstride);
+    if (two_row_groups) _tile_stored(7, ST + TILE_KEYS * MAX_ROWS + 16, sstride);
+  }
+}
+
+__attribute__((target("amx-tile,amx-bf16"))) inline void amx_release() { _tile_release(); }
+
+// P^T for the AMX PV: pt[row][key] (bfloat16, 32 keys per row) from st[key][row] (float32, rows in lanes), keys
+// >= nk as 0. Sixteen rows x sixteen keys at a time: a 16 x 16 transpose in registers, then one conversion per row.
+inline void transpose_probs(const float* st, int nk, int row_groups, uint16_t* pt) {
+  for (int rg = 0; rg < row_groups; rg++)
+    for (int kb = 0; kb < 2; kb++) {
+      __m512 r[16];
+      for (int i = 0; i < 16; i++) {
+        const int j = kb * 16 + i;
+        r[i] = j < nk ? _mm512_loadu_ps(st + j * MAX_ROWS + rg * 16) : _mm512_setzero_ps();
+      }
+      __m512 t[16];
+      for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+      }
+      for (int i = 0; i < 16; i += 4)
+        for (int u = 0; u < 2; u++) {
+          r[i + u] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[i + u]), _mm512_castps_pd(t[i + 2 + u])));
+          r[i + 2 + u] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[i + u]), _mm512_castps_pd(t[i + 2 + u])));
+        }
+      // r[4q + c] now holds, in 128-bit lane L, keys 4q .. 4q + 3 of row 4L + (0, 2, 1, 3)[c]
+      for (int i = 0; i < 16; i += 8)
+        for (int u = 0; u < 4; u++) {
+          t[i + u] = _mm512_shuffle_f32x4(r[i + u], r[i + 4 + u], 0x88);
+          t[i + 4 + u] = _mm512_shuffle_f32x4(r[i + u], r[i + 4 + u], 0xdd);
+        }
+      for (int u = 0; u < 8; u++) {
+        r[u] = _mm512_shuffle_f32x4(t[u], t[u + 8], 0x88);
+        r[u + 8] = _mm512_shuffle_f32x4(t[u], t[u + 8], 0xdd);
+      }
+      // r[k] = row k's 16 keys, for rows in the order below
+      static const int row_of[16] = {0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12, 14, 13, 15};
+      for (int k = 0; k < 16; k++)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(pt + (rg * 16 + row_of[k]) * KC + kb * 16),
+                            (__m256i)_mm512_cvtneps_pbh(r[k]));
+    }
+}
+
+// V of a chunk in AMX's VNNI layout: vv[d block][key pair][16 d x 2 keys] = (v[2p][d], v[2p + 1][d]), rows
+// >= nk as zeros (a never-written slot may hold NaN, and 0 * NaN is NaN).
+template <int D>
+inline void vnni_values(const uint16_t* const* vrow, int nk, uint16_t* vv) {
+  alignas(64) static const uint16_t kInterleave[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                                                       8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  const __m512i lo = _mm512_load_si512(kInterleave);
+  const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+  for (int p = 0; p < KC / 2; p++) {
+    const uint16_t* a = 2 * p < nk ? vrow[2 * p] : nullptr;
+    const uint16_t* b = 2 * p + 1 < nk ? vrow[2 * p + 1] : nullptr;
+    for (int h = 0; h < D / 32; h++) {
+      const __m512i za = a ? _mm512_loadu_si512(a + h * 32) : _mm512_setzero_si512();
+      const __m512i zb = b ? _mm512_loadu_si512(b + h * 32) : _mm512_setzero_si512();
+      _mm512_storeu_si512(vv + ((2 * h) * (KC / 2) + p) * 32, _mm512_permutex2var_epi16(za, lo, zb));
+      _mm512_storeu_si512(vv + ((2 * h + 1) * (KC / 2) + p) * 32, _mm512_permutex2var_epi16(za, hi, zb));
+    }
+  }
+}
+
+// O[rows][D] (float32, in memory) += P V for one chunk of 32 keys on AMX: pt [32 rows][32 keys] as A, vv as B.
+// Tiles: 0, 2 = P row groups; 1 = a V block; 4, 5 = the O blocks, loaded, accumulated, stored.
+__attribute__((target("amx-tile,amx-bf16")))
+void amx_chunk_pv(const uint16_t* pt, const uint16_t* vv, int D, bool two_row_groups, float* O) {
+  const int64_t ostride = int64_t(D) * 4;
+  _tile_loadd(0, pt, KC * 2);
+  if (two_row_groups) _tile_loadd(2, pt + 16 * KC, KC * 2);
+  for (int dc = 0; dc < D / 16; dc++) {
+    _tile_loadd(1, vv + dc * (KC / 2) * 32, 64);
+    _tile_loadd(4, O + dc * 16, ostride);
+    _tile_dpbf16ps(4, 0, 1);
+    _tile_stored(4, O + dc * 16, ostride);
+    if (two_row_groups) {
+      _tile_loadd(5, O + 16 * D + dc * 16, ostride);
+      _tile_dpbf16ps(5, 2, 1);
+      _tile_stored(5, O + 16 * D + dc * 16, ostride);
+    }
+  }
+}
+#endif
+
 // A tile of queries: rows r = (query q0 + r / G, head kvh * G + r % G) in vector lanes.
 template <typename T, int DV>
 void attend_tile(const AttnArgs& a, const Item& it) {
@@ -564,8 +713,16 @@ void attend_tile(const AttnArgs& a, const Item& it) {
   const int64_t* table = a.block_table + int64_t(it.req) * a.bt_stride;
   const T* kc = static_cast<const T*>(a.k_cache);
   const T* vc = static_cast<const T*>(a.v_cache);
+#if defined(CVK_AVX512BF16)
+  const bool amx = sizeof(T) == 2 && g_amx_attention && a.bs % TILE_KEYS == 0 && D % 32 == 0;
+#else
+  constexpr bool amx = false;
+#endif
 
-  alignas(64) float QT[D * MAX_ROWS];   // [d][row], scaled
+  alignas(64) float QT[D * MAX_ROWS];   // [d][row], scaled (the vector path)
+  alignas(64) uint32_t QT2[sizeof(T) == 2 ? D / 2 * MAX_ROWS : 1];  // [d pair][row], unscaled (the AMX path)
+  alignas(64) uint16_t PT[sizeof(T) == 2 ? MAX_ROWS * KC : 1];         // AMX PV: P^T [row][key], bfloat16
+  alignas(64) uint16_t VV[sizeof(T) == 2 ? D * KC : 1];                // AMX PV: V in VNNI pairs
   alignas(64) float O[MAX_ROWS * D];
   alignas(64) float ST[KP * MAX_ROWS];  // scores, then probabilities: [key][row]
   alignas(64) float last[MAX_ROWS];     // row r sees keys 0 .. last[r]
@@ -575,27 +732,63 @@ void attend_tile(const AttnArgs& a, const Item& it) {
   const float* krow[KP];
   const float* vrow[KP];
 
+  // The item's q rows are scattered over the step's qkv buffer (a row per token, heads inside it): request them
+  // all before reading any, so their cache misses overlap (measured: the fill below took a fifth of the prefill
+  // attention time without this).
+  for (int r = 0; r < nrows; r++) {
+    const char* src = reinterpret_cast<const char*>(static_cast<const T*>(a.q) + (qs + it.q0 + r / G) * a.q_stride +
+                                                    int64_t(it.kvh * G + r % G) * D);
+    for (int b = 0; b < int(D * sizeof(T)); b += 64) _mm_prefetch(src + b, _MM_HINT_T0);
+  }
   for (int r = 0; r < MAX_ROWS; r++) {
     const bool real = r < nrows;
     const int i = it.q0 + r / G, h = it.kvh * G + r % G;
     const T* src = static_cast<const T*>(a.q) + (qs + i) * a.q_stride + int64_t(h) * D;
-    for (int d = 0; d < D; d++) QT[d * MAX_ROWS + r] = real ? to_f32(src[d]) * a.scale : 0.f;
+    if (amx) {
+      for (int d = 0; d < D; d += 2) {
+        uint32_t pair = 0;
+        if (real) memcpy(&pair, src + d, 4);
+        QT2[d / 2 * MAX_ROWS + r] = pair;
+      }
+    } else {
+      for (int d = 0; d < D; d++) QT[d * MAX_ROWS + r] = real ? to_f32(src[d]) * a.scale : 0.f;
+    }
     last[r] = float(real ? ctx0 + i : ctx0);  // padding rows see key 0 only: finite, ignored
   }
-  for (int r = 0; r < nrows * D; r += W) V::zero().store(O + r);
+  for (int r = 0; r < (amx ? MAX_ROWS : nrows) * D; r += W) V::zero().store(O + r);  // AMX: whole tiles
   V m[RV_MAX], l[RV_MAX];
   for (int rv = 0; rv < RV_MAX; rv++) {
     m[rv] = V::set1(-INFINITY);
     l[rv] = V::zero();
   }
   const V neg_inf = V::set1(-INFINITY);
+#if defined(CVK_AVX512BF16)
+  if (amx) amx_configure(16, 16);
+#endif
   for (int64_t j0 = 0; j0 < end; j0 += KC) {
     const int nk = int(std::min<int64_t>(KC, end - j0));
     const int nkp = (nk + KB - 1) / KB * KB;
-    chunk_rows<T, DV>(a, table, kc, it.kvh, j0, nk, nkp, krow, kbuf);
-    chunk_rows<T, DV>(a, table, vc, it.kvh, j0, nk, 0, vrow, vbuf);
+    if (!amx) chunk_rows<T, DV>(a, table, vc, it.kvh, j0, nk, 0, vrow, vbuf);
+#if defined(CVK_AVX512BF16)
+    if (amx) {
+      const uint16_t* kgrp[2] = {nullptr, nullptr};
+      for (int g = 0; g < 2; g++) {
+        const int64_t pos = j0 + g * TILE_KEYS;
+        if (pos < j0 + nk)
+          kgrp[g] = reinterpret_cast<const uint16_t*>(kc) + kv_offset(a, table, pos, it.kvh);
+      }
+      amx_chunk_scores(QT2, kgrp[0], kgrp[1], D, rv_n > 1, ST);
+      const V scale = V::set1(a.scale);
+      for (int j = 0; j < nkp; j++)
+        for (int rv = 0; rv < rv_n; rv++) {
+          float* st = ST + j * MAX_ROWS + rv * W;
+          (V::load(st) * scale).store(st);
+        }
+    }
+#endif
+    if (!amx) chunk_rows<T, DV>(a, table, kc, it.kvh, j0, nk, nkp, krow, kbuf);
     // ST[j][rows] = sum_d K[j][d] * QT[d][rows]
-    for (int jb = 0; jb < nkp; jb += KB) {
+    for (int jb = 0; !amx && jb < nkp; jb += KB) {
       V acc[KB][RV_MAX];
       for (int u = 0; u < KB; u++)
         for (int rv = 0; rv < RV_MAX; rv++) acc[u][rv] = V::zero();
@@ -628,17 +821,23 @@ void attend_tile(const AttnArgs& a, const Item& it) {
       }
     }
     // online softmax, a vector of rows at a time
+    // (four running maxima and sums, nkp being a multiple of KB >= 4: one chain would wait on each op's latency)
+    static_assert(KB % 4 == 0, "the softmax below takes keys four at a time");
     for (int rv = 0; rv < rv_n; rv++) {
-      V mx = m[rv];
-      for (int j = 0; j < nkp; j++) mx = V::max(mx, V::load(ST + j * MAX_ROWS + rv * W));
+      V mx4[4] = {m[rv], m[rv], m[rv], m[rv]};
+      for (int j = 0; j < nkp; j += 4)
+        for (int u = 0; u < 4; u++) mx4[u] = V::max(mx4[u], V::load(ST + (j + u) * MAX_ROWS + rv * W));
+      const V mx = V::max(V::max(mx4[0], mx4[1]), V::max(mx4[2], mx4[3]));
       const V al = V::exp(m[rv] - mx);  // 0 on the first chunk (m = -inf, mx finite)
-      V psum = V::zero();
-      for (int j = 0; j < nkp; j++) {
-        float* s = ST + j * MAX_ROWS + rv * W;
-        const V p = V::exp(V::load(s) - mx);
-        p.store(s);
-        psum = psum + p;
-      }
+      V ps4[4] = {V::zero(), V::zero(), V::zero(), V::zero()};
+      for (int j = 0; j < nkp; j += 4)
+        for (int u = 0; u < 4; u++) {
+          float* s = ST + (j + u) * MAX_ROWS + rv * W;
+          const V p = V::exp(V::load(s) - mx);
+          p.store(s);
+          ps4[u] = ps4[u] + p;
+        }
+      const V psum = (ps4[0] + ps4[1]) + (ps4[2] + ps4[3]);
       l[rv] = V::fma(l[rv], al, psum);
       m[rv] = mx;
       al.store(alpha + rv * W);
@@ -648,11 +847,27 @@ void attend_tile(const AttnArgs& a, const Item& it) {
         const V al = V::set1(alpha[r]);
         for (int d = 0; d < DV; d++) (V::load(O + r * D + d * W) * al).store(O + r * D + d * W);
       }
+#if defined(CVK_AVX512BF16)
+    if (amx) {
+      const uint16_t* vraw[KC];
+      int64_t offs[KC];
+      kv_offsets(a, table, j0, nk, offs);
+      const int64_t head = int64_t(it.kvh) * a.bs * D;
+      for (int j = 0; j < nk; j++) vraw[j] = reinterpret_cast<const uint16_t*>(vc) + offs[j] + head;
+      vnni_values<D>(vraw, nk, VV);
+      transpose_probs(ST, nk, rv_n, PT);
+      amx_chunk_pv(PT, VV, D, rv_n > 1, O);
+      continue;
+    }
+#endif
     pv_all<DV>(ST, MAX_ROWS, 1, nrows, vrow, nk, O);
   }
   for (int rv = 0; rv < rv_n; rv++) l[rv].store(lrow + rv * W);
   (void)mrow;
   store_rows<T, DV>(a, it, qs, nrows, O, lrow);
+#if defined(CVK_AVX512BF16)
+  if (amx) amx_release();
+#endif
 }
 
 template <typename T, int DV>
@@ -1022,25 +1237,6 @@ void skinny_gemm_impl(const T* x, int64_t x_stride, int64_t M, const T* wp, cons
 // a 16 x 16 float32 block per TDPBF16PS. Weights stream once per 32 rows of x; at decode sizes the loop is
 // bound by that stream (oneDNN's AMX kernels reach about half of it at 17-128 rows: README).
 // Tiles: 0, 1 = x rows [m0, m0+16), [m0+16, m0+32); 2, 3 = two weight column blocks; 4-7 = the four results.
-struct alignas(64) TileConfig {
-  uint8_t palette, start_row, reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
-
-__attribute__((target("amx-tile,amx-bf16"))) inline void amx_configure(int rows0, int rows1) {
-  TileConfig cfg;
-  memset(&cfg, 0, sizeof(cfg));
-  cfg.palette = 1;
-  const int r1 = rows1 > 0 ? rows1 : 1;
-  const int rows[8] = {rows0, r1, 16, 16, rows0, rows0, r1, r1};
-  for (int t = 0; t < 8; t++) {
-    cfg.rows[t] = uint8_t(rows[t]);
-    cfg.colsb[t] = 64;
-  }
-  _tile_loadconfig(&cfg);
-}
-
 __attribute__((target("amx-tile,amx-bf16")))
 void amx_gemm_bf16(const uint16_t* x, int64_t x_stride, int64_t M, const uint16_t* wp, const uint16_t* bias,
                    uint16_t* y, int64_t y_stride, int64_t N, int64_t K, int num_threads) {
@@ -1121,7 +1317,7 @@ void amx_gemm_bf16(const uint16_t* x, int64_t x_stride, int64_t M, const uint16_
 
 extern "C" {
 
-int cvk_abi_version() { return 1; }
+int cvk_abi_version() { return 3; }
 
 int cvk_vector_width() { return W; }
 
@@ -1201,8 +1397,21 @@ int cvk_bind_threads(const int* cpus, int n) {
 int cvk_amx_init() {
 #if defined(CVK_AVX512BF16) && defined(__linux__)
   constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
-  return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 1 : 0;
+  g_amx_attention = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+  return g_amx_attention ? 1 : 0;
 #else
+  return 0;
+#endif
+}
+
+// Prefill attention's QK^T on AMX (bfloat16) on or off (after cvk_amx_init granted AMX); returns the setting.
+int cvk_set_amx_attention(int on) {
+#if defined(CVK_AVX512BF16)
+  static const bool granted = g_amx_attention;  // the first call remembers what cvk_amx_init obtained
+  g_amx_attention = granted && on != 0;
+  return g_amx_attention ? 1 : 0;
+#else
+  (void)on;
   return 0;
 #endif
 }
@@ -1226,6 +1435,76 @@ int cvk_silu_mul(int dtype, const void* gate_up, void* out, int64_t rows, int64_
   if (dtype == 0) silu_mul_impl<float>(gate_up, out, rows, n, num_threads);
   else if (dtype == 1) silu_mul_impl<uint16_t>(gate_up, out, rows, n, num_threads);
   else return -3;
+  return 0;
+}
+
+
+// The decoder-layer stack of a Llama-family model for one step whose every linear layer runs here (decode-sized
+// batches: T rows within the skinny GEMM's range), so a step crosses from Python into native code once for all
+// layers instead of about ten times per layer (at small batches the crossings and the tensors they allocate cost
+// as much as the GEMMs). Per layer, exactly the ops of the per-layer path, in its order:
+//   h = rmsnorm(residual += x) (layer 0: h = rmsnorm(residual)); qkv = h Wqkv^T (+b); rope + KV write +
+//   attention(qkv) -> attn; x = attn Wo^T (+b); h = rmsnorm(residual += x); gu = h Wgu^T (+b);
+//   act = silu(gate) * up; x = act Wdown^T (+b)
+// so the results are bit-identical to it. On entry `residual` holds the embeddings; on return `x` holds the last
+// layer's output and `residual` the stream before it (the final norm stays in Python).
+// Per-layer pointers come as one int64 array, field-major (fields[f * L + layer]), fields in this order:
+//   0 input-norm weight, 1 qkv packed weight, 2 qkv bias (0: none), 3 o packed, 4 o bias, 5 post-norm weight,
+//   6 gate_up packed, 7 gate_up bias, 8 down packed, 9 down bias, 10 k cache, 11 v cache.
+// Scratch (dense, the step's dtype): h [T, hidden], qkv [T, (H + 2 KVH) D], attn [T, H D], gu [T, 2 inter],
+// act [T, inter]. Weights are packed as cvk_skinny_gemm takes them; bfloat16 runs its GEMMs on AMX only
+// (use_amx: the caller checked cvk_amx_init). Returns 0, or the first failing part's code (attention: -1/-2).
+enum { LW_IN_NORM, LW_QKV, LW_QKV_B, LW_O, LW_O_B, LW_POST_NORM, LW_GU, LW_GU_B, LW_DOWN, LW_DOWN_B, LW_KC, LW_VC,
+       LW_FIELDS };
+
+int cvk_llama_layers(int dtype, int use_amx, int64_t T, int L, int64_t hidden, int64_t inter,
+                     const int64_t* fields, void* x, void* residual, void* h, void* qkv, void* attn,
+                     void* gu, void* act, const int64_t* block_table, int64_t bt_stride,
+                     const int64_t* query_start, const int64_t* seq_lens, int num_reqs, const float* cos_sin, int H,
+                     int KVH, int D, int bs, float scale, float eps, int num_threads) {
+  if (T <= 0) return 0;
+  if (dtype != 0 && dtype != 1) return -3;
+#if !defined(CVK_AVX512BF16)
+  if (dtype == 1) return -2;
+#endif
+  if (dtype == 1 && (!use_amx || hidden % 32 != 0 || inter % 32 != 0 || (int64_t(H) * D) % 32 != 0)) return -3;
+  if (D > MAX_D || H % KVH != 0 || H / KVH > MAX_G || H / KVH > MAX_ROWS) return -2;
+  const int64_t es = dtype == 0 ? 4 : 2;
+  const int64_t qkv_n = int64_t(H + 2 * KVH) * D, q_n = int64_t(H) * D;
+  auto ptr = [&](int field, int layer) { return reinterpret_cast<const void*>(fields[int64_t(field) * L + layer]); };
+  auto gemm = [&](const void* in, int64_t K, int layer, int wf, int bf, void* out, int64_t N) {
+    if (dtype == 0) {
+      skinny_gemm_impl<float>(static_cast<const float*>(in), K, T, static_cast<const float*>(ptr(wf, layer)),
+                              static_cast<const float*>(ptr(bf, layer)), static_cast<float*>(out), N, N, K,
+                              num_threads);
+    } else {
+#if defined(CVK_AVX512BF16)
+      amx_gemm_bf16(static_cast<const uint16_t*>(in), K, T, static_cast<const uint16_t*>(ptr(wf, layer)),
+                    static_cast<const uint16_t*>(ptr(bf, layer)), static_cast<uint16_t*>(out), N, N, K, num_threads);
+#endif
+    }
+  };
+  auto norm = [&](const void* in, const void* w, bool add) {
+    if (dtype == 0) add_rmsnorm_impl<float>(in, hidden, residual, w, h, T, hidden, eps, add, num_threads);
+    else add_rmsnorm_impl<uint16_t>(in, hidden, residual, w, h, T, hidden, eps, add, num_threads);
+  };
+  char* qkv_c = static_cast<char*>(qkv);
+  for (int l = 0; l < L; l++) {
+    norm(l == 0 ? residual : x, ptr(LW_IN_NORM, l), l > 0);
+    gemm(h, hidden, l, LW_QKV, LW_QKV_B, qkv, qkv_n);
+    const AttnArgs a{qkv_c, qkv_n, qkv_c + q_n * es, qkv_n, qkv_c + (q_n + int64_t(KVH) * D) * es, qkv_n,
+                     ptr(LW_KC, l), ptr(LW_VC, l), block_table, bt_stride, query_start, seq_lens, attn, q_n,
+                     H, KVH, D, bs, scale};
+    const int rc = dtype == 0 ? attention_dispatch<float>(a, cos_sin, num_reqs, num_threads)
+                              : attention_dispatch<uint16_t>(a, cos_sin, num_reqs, num_threads);
+    if (rc != 0) return rc;
+    gemm(attn, q_n, l, LW_O, LW_O_B, x, hidden);
+    norm(x, ptr(LW_POST_NORM, l), true);
+    gemm(h, hidden, l, LW_GU, LW_GU_B, gu, 2 * inter);
+    if (dtype == 0) silu_mul_impl<float>(gu, act, T, inter, num_threads);
+    else silu_mul_impl<uint16_t>(gu, act, T, inter, num_threads);
+    gemm(act, inter, l, LW_DOWN, LW_DOWN_B, x, hidden);
+  }
   return 0;
 }
 

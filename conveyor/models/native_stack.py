@@ -1,0 +1,109 @@
+"""A Llama-family model's decoder layers as one native call, for steps small enough that every linear layer
+runs on the native skinny GEMMs (decode batches: up to 32 rows in float32, 96 in bfloat16 with AMX).
+
+Why: at those sizes a layer's GEMMs take tens of microseconds, and the per-layer path crosses from Python into
+native code about ten times per layer (norm, qkv, attention, o, norm, gate_up, activation, down), allocating a
+tensor each time. Measured on the bench model in bfloat16 at batch 4 (2 vCPU Xeon with AMX), that overhead was
+about as long as the GEMMs themselves. ``cvk_llama_layers`` runs the same kernels in the same order over every
+layer, so its results are bit-identical to the per-layer path (tests/test_native_stack.py checks it).
+
+``NativeLayerStack.build(model, kernels)`` returns None where it cannot apply (no kernels, a linear without its
+native packing, norms in another dtype); ``accepts(num_tokens, attn)`` says per step whether this one can.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from conveyor.layers.attention.native_cpu import NativeCpuAttention
+
+# The order of the per-layer pointer fields cvk_llama_layers reads (see its comment in csrc/cpu_kernels.cpp).
+_FIELDS = ("in_norm", "qkv", "qkv_bias", "o", "o_bias", "post_norm", "gate_up", "gate_up_bias", "down", "down_bias",
+           "k_cache", "v_cache")
+_KV_FIELDS = 2  # the last two fields: filled per KV cache, not per model
+
+
+def _ptr(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
+class NativeLayerStack:
+    """Runs ``model.layers`` for a step in one native call (see module doc). Holds only pointers into the
+    model's own tensors, so the model must outlive it (it is the model's attribute)."""
+
+    def __init__(self, model: torch.nn.Module, kernels, max_rows: int) -> None:
+        cfg = model.config
+        self.kernels, self.max_rows = kernels, max_rows
+        self.num_layers, self.hidden, self.inter = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.eps = model.layers[0].input_layernorm.eps
+        self.scale = model.layers[0].self_attn.scale
+        self.dtype = model.layers[0].input_layernorm.weight.dtype
+        rows = []
+        for layer in model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            rows.append([_ptr(layer.input_layernorm.weight), _ptr(attn.qkv_proj.skinny), _ptr(attn.qkv_proj.bias),
+                         _ptr(attn.o_proj.skinny), _ptr(attn.o_proj.bias), _ptr(layer.post_attention_layernorm.weight),
+                         _ptr(mlp.gate_up_proj.skinny), _ptr(mlp.gate_up_proj.bias), _ptr(mlp.down_proj.skinny),
+                         _ptr(mlp.down_proj.bias), 0, 0])
+        # field-major [fields, layers] int64, as the kernel indexes it
+        self._fields = torch.tensor(rows, dtype=torch.int64).t().contiguous()
+        self._kv_key: tuple[int, ...] | None = None
+
+    @classmethod
+    def build(cls, model: torch.nn.Module, kernels) -> NativeLayerStack | None:
+        """The stack for ``model`` (a Llama-family decoder with its linears packed by ``prepare_linears``), or
+        None when some part would not run natively."""
+        if kernels is None or not hasattr(model, "layers") or not len(model.layers):
+            return None
+        cfg = model.config
+        if not kernels.supports(model.layers[0].input_layernorm.weight.dtype, cfg.head_dim):
+            return None
+        max_rows = None
+        for layer in model.layers:
+            norms = (layer.input_layernorm, layer.post_attention_layernorm)
+            linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+            if any(getattr(lin, "skinny", None) is None for lin in linears):
+                return None
+            dtypes = {n.weight.dtype for n in norms} | {lin.weight.dtype for lin in linears}
+            if len(dtypes) != 1 or any(lin.bias is not None and lin.bias.dtype not in dtypes for lin in linears):
+                return None
+            rows = min(lin.max_rows for lin in linears)
+            max_rows = rows if max_rows is None else min(max_rows, rows)
+        return cls(model, kernels, max_rows) if max_rows else None
+
+    def accepts(self, num_tokens: int, attn) -> bool:
+        """Whether a step of ``num_tokens`` rows with this attention object runs here."""
+        return 0 < num_tokens <= self.max_rows and type(attn) is NativeCpuAttention
+
+    def run(self, embeddings: torch.Tensor, rope_table: torch.Tensor, kv_caches: list[torch.Tensor],
+            attn: NativeCpuAttention) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every decoder layer over ``embeddings`` [T, hidden] (consumed: it becomes the residual stream).
+        Returns (last layer's output, residual), as the per-layer loop leaves them for the final norm."""
+        self._bind_kv(kv_caches)
+        t, dt = embeddings.shape[0], embeddings.dtype
+        q_size = self.num_heads * self.head_dim
+        x = torch.empty(t, self.hidden, dtype=dt)
+        scratch = (torch.empty(t, self.hidden, dtype=dt),
+                   torch.empty(t, q_size + 2 * self.num_kv_heads * self.head_dim, dtype=dt),
+                   torch.empty(t, q_size, dtype=dt), torch.empty(t, 2 * self.inter, dtype=dt),
+                   torch.empty(t, self.inter, dtype=dt))
+        residual = embeddings.contiguous()
+        self.kernels.llama_layers(self._fields, self.num_layers, self.hidden, self.inter, x, residual, scratch,
+                                  attn.block_table, attn.query_start, attn.seq_lens, rope_table, self.num_heads,
+                                  self.num_kv_heads, self.head_dim, kv_caches[0].shape[3], self.scale, self.eps)
+        return x, residual
+
+    def _bind_kv(self, kv_caches: list[torch.Tensor]) -> None:
+        """Point the per-layer cache fields at ``kv_caches`` ([2, blocks, KVH, block_size, D] per layer)."""
+        key = tuple(cache.data_ptr() for cache in kv_caches)
+        if key == self._kv_key:
+            return
+        if len(kv_caches) != self.num_layers:
+            raise ValueError(f"{len(kv_caches)} KV caches for {self.num_layers} layers")
+        for i, cache in enumerate(kv_caches):
+            if cache.dtype != self.dtype or not cache.is_contiguous():
+                raise ValueError("the native layer stack needs contiguous KV caches in the model's dtype")
+            self._fields[len(_FIELDS) - _KV_FIELDS, i] = cache[0].data_ptr()
+            self._fields[len(_FIELDS) - 1, i] = cache[1].data_ptr()
+        self._kv_key = key

@@ -1,0 +1,91 @@
+"""The native decoder-layer stack (models.native_stack): bit-identical to the per-layer path it replaces for
+decode-sized steps, in float32 and (with AMX) bfloat16, with and without q/k/v biases, and used only where it
+applies."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from conveyor.core.sampling_params import SamplingParams
+from conveyor.engine.llm import LLM
+from conveyor.kernels import load_cpu_kernels
+from conveyor.models.native_stack import NativeLayerStack
+from tests.helpers.checkpoints import write_word_tokenizer
+
+KERNELS = load_cpu_kernels()
+pytestmark = pytest.mark.skipif(KERNELS is None, reason="no native kernels on this CPU")
+DTYPES = ["float32", pytest.param("bfloat16", marks=pytest.mark.skipif(
+    KERNELS is None or not KERNELS.amx, reason="bfloat16 linears run natively only on AMX"))]
+VOCAB = 384
+
+
+def save_model(path, cls, config):
+    """A random checkpoint whose norm weights and biases are random too (a miswired one cannot hide)."""
+    torch.manual_seed(0)
+    model = cls(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(path, safe_serialization=True)
+    write_word_tokenizer(path, VOCAB)
+    return path
+
+
+def llama(path):
+    return save_model(path, transformers.LlamaForCausalLM, transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=512, tie_word_embeddings=False))
+
+
+def qwen2(path):  # q/k/v biases
+    return save_model(path, transformers.Qwen2ForCausalLM, transformers.Qwen2Config(
+        vocab_size=VOCAB, hidden_size=128, intermediate_size=192, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=512, tie_word_embeddings=False, rope_theta=1000.0))
+
+
+def generate(llm, with_stack: bool):
+    model = llm.engine.model
+    stack = model.native_stack
+    if not with_stack:
+        model.native_stack = None
+    try:
+        prompts = [{"prompt_token_ids": [(7 * i + 3 * j) % VOCAB for j in range(5 + 9 * i)]} for i in range(10)]
+        params = SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.0, logprobs=3)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        model.native_stack = stack
+    return [(o.outputs[0].token_ids, [(lp.logprob, lp.top) for lp in o.outputs[0].logprobs]) for o in outs]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("make", [llama, qwen2])
+def test_stack_is_bit_identical_to_the_per_layer_path(tmp_path, dtype, make):
+    llm = LLM(str(make(tmp_path / "m")), dtype=dtype, enable_prefix_caching=False, detokenize=False, block_size=16)
+    stack = llm.engine.model.native_stack
+    assert isinstance(stack, NativeLayerStack) and stack.max_rows == (32 if dtype == "float32" else 96)
+    calls = []
+    run = stack.run
+    stack.run = lambda *a: calls.append(a[0].shape[0]) or run(*a)
+    try:
+        fused = generate(llm, with_stack=True)
+    finally:
+        del stack.run
+    assert calls and max(calls) <= stack.max_rows  # the decode steps went through it, the prefills did not
+    assert fused == generate(llm, with_stack=False)  # tokens and logprobs, exactly
+
+
+def test_stack_applies_only_where_every_part_runs_natively(tmp_path):
+    llm = LLM(str(llama(tmp_path / "m")), dtype="float32", enable_prefix_caching=False, detokenize=False)
+    stack = llm.engine.model.native_stack
+    from conveyor.layers.attention import CpuAttention, NativeCpuAttention
+
+    native = object.__new__(NativeCpuAttention)
+    assert stack.accepts(1, native) and stack.accepts(stack.max_rows, native)
+    assert not stack.accepts(stack.max_rows + 1, native) and not stack.accepts(0, native)
+    assert not stack.accepts(1, object.__new__(CpuAttention))  # the torch attention path keeps the layer loop
+    assert NativeLayerStack.build(llm.engine.model, None) is None
+    float64 = LLM(str(tmp_path / "m"), dtype="float64", enable_prefix_caching=False, detokenize=False)
+    assert float64.engine.model.native_stack is None  # no native kernels in float64
