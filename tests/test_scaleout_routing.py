@@ -89,3 +89,12 @@ def test_data_parallel_without_ray_names_the_extra():
             "else:\n    print('no error')\n")
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
     assert "conveyor[ray]" in out and "Ray Serve" in out, out
+
+
+def test_data_parallel_refuses_one_engines_cpu_placement():
+    for flags in (["--cpu-ids", "1"], ["--frontend-cpus", "1"]):
+        code = ("from conveyor.cli import main\n"
+                f"try:\n    main(['serve', '--data-parallel-size', '2', *{flags!r}])\nexcept SystemExit as e:\n"
+                "    print(e)\nelse:\n    print('no error')\n")
+        out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
+        assert "Ray places the replicas" in out, out

@@ -96,6 +96,9 @@ def run_serve(ns: argparse.Namespace) -> int:
         ns.model = ns.model_tag
     args = EngineArgs.from_cli_args(ns)
     if ns.data_parallel_size > 1 or ns.ray_address or ns.autoscaling_config:
+        if args.cpu_ids or ns.frontend_cpus:  # each replica would pin itself to the same CPUs
+            raise SystemExit("--cpu-ids and --frontend-cpus place one engine; with --data-parallel-size, Ray places "
+                             "the replicas (--cpus-per-replica CPUs each)")
         from conveyor.distributed import require_ray
 
         require_ray()
