@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 
@@ -15,6 +16,22 @@ from conveyor.engine.core_client import EngineCoreClient
 from conveyor.server.cli import split_cpus
 from tests.helpers.server import TEST_DTYPE
 from tests.test_serve_cli import start_server
+
+# The CPUs this test process may use, read while the tests are collected: an engine built in this process later
+# pins its OpenMP threads, the main thread among them, to one CPU each (as vLLM does), and children inherit the
+# affinity of the thread that starts them.
+ALLOWED = sorted(os.sched_getaffinity(0))
+
+
+@contextlib.contextmanager
+def on_every_allowed_cpu():
+    """Start children from a main thread that may use every allowed CPU again (restored afterwards)."""
+    saved = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, ALLOWED)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, saved)
 
 
 def test_cpu_lists_parse_as_linux_writes_them():
@@ -34,12 +51,13 @@ def allowed_cpus(pid: int) -> list[int]:
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads /proc")
 def test_engine_process_runs_on_its_cpus(tiny_llama_dir):
-    last = max(os.sched_getaffinity(0))
+    last = ALLOWED[-1]
     args = EngineArgs(model=str(tiny_llama_dir), dtype=TEST_DTYPE, num_kv_blocks=64, block_size=16, cpu_ids=str(last))
-    core = EngineCoreClient(args).wait_ready()
+    with on_every_allowed_cpu():
+        core = EngineCoreClient(args).wait_ready()
+        assert allowed_cpus(os.getpid()) == ALLOWED  # the parent is untouched
     try:
         assert allowed_cpus(core.engine.pid) == [last]
-        assert allowed_cpus(os.getpid()) == sorted(os.sched_getaffinity(0))  # this process is untouched
     finally:
         import asyncio
 
@@ -47,14 +65,14 @@ def test_engine_process_runs_on_its_cpus(tiny_llama_dir):
 
 
 def test_engine_refuses_cpus_it_may_not_use(tiny_llama_dir):
-    outside = max(os.sched_getaffinity(0)) + 1
+    outside = ALLOWED[-1] + 1
     args = EngineArgs(model=str(tiny_llama_dir), dtype=TEST_DTYPE, num_kv_blocks=64, cpu_ids=str(outside))
     with pytest.raises(Exception, match="may only use CPUs"):
         EngineCoreClient(args, startup_timeout_s=120).wait_ready()
 
 
 def test_frontend_cpus_split_keeps_one_for_the_engine():
-    cpus = sorted(os.sched_getaffinity(0))
+    cpus = sorted(os.sched_getaffinity(0))  # split_cpus reads the calling thread's CPUs, as serve's main thread
     ns = argparse.Namespace(frontend_cpus=len(cpus), engine_in_process=False)
     with pytest.raises(SystemExit, match="keep at least one"):
         split_cpus(ns, EngineArgs())
@@ -66,14 +84,15 @@ def test_frontend_cpus_split_keeps_one_for_the_engine():
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs to split")
+@pytest.mark.skipif(len(ALLOWED) < 2, reason="needs 2 CPUs to split")
 def test_serve_with_a_frontend_cpu_answers(tiny_llama_dir, tmp_path):
-    cpus = sorted(os.sched_getaffinity(0))
+    cpus = ALLOWED
     log_path = tmp_path / "serve.log"
     cmd = [sys.executable, "-m", "conveyor", "serve", "--model", str(tiny_llama_dir), "--dtype", "float32",
            "--num-kv-blocks", "64", "--frontend-cpus", "1", "--shutdown-timeout", "1"]
     with open(log_path, "w") as log:
-        proc, url = start_server(cmd, log, log_path)
+        with on_every_allowed_cpu():  # as a shell starts it
+            proc, url = start_server(cmd, log, log_path)
         try:
             body = {"model": httpx.get(url + "/v1/models").json()["data"][0]["id"], "prompt": [5, 6, 7],
                     "max_tokens": 5, "ignore_eos": True}

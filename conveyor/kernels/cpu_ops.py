@@ -114,7 +114,8 @@ class CpuKernels:
         """W [N, K] -> the skinny GEMM's layout: 16-column blocks, k-major inside (float32 [N/16, K, 16],
         bfloat16 [N/16, K/2, 16, 2]), N padded with zero columns to a multiple of 16."""
         n, k = weight.shape
-        w = torch.nn.functional.pad(weight, (0, 0, 0, (-n) % 16))
+        # (pad copies the whole weight: only when it must; the permuted copy below is the layout's one copy)
+        w = torch.nn.functional.pad(weight, (0, 0, 0, (-n) % 16)) if n % 16 else weight
         if weight.dtype == torch.bfloat16:
             return w.view(-1, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous()
         return w.view(-1, 16, k).transpose(1, 2).contiguous()
