@@ -40,6 +40,9 @@ TIMEOUT_S = 60.0
 # The test's own cluster: no token authentication (`ray start` turns it on when ~/.ray/auth_token exists, and a
 # client joining an explicit address sends the token only under RAY_AUTH_MODE=token, see launch.RayJoinError), and
 # no 30 s drain when the head is told to stop.
+# Read while the tests are collected: an engine built in this process later pins its OpenMP threads, the main
+# thread among them, to one CPU each, and children inherit the CPUs of the thread that starts them.
+ALLOWED_CPUS = sorted(os.sched_getaffinity(0))
 HEAD_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0", "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
 
 
@@ -60,8 +63,13 @@ def ray_head(num_cpus: int):
            "127.0.0.1", "--port", str(port), "--num-cpus", str(num_cpus), "--include-dashboard=false",
            "--dashboard-port", str(free_port()), "--ray-client-server-port", str(free_port()),
            "--temp-dir", temp_dir, "--disable-usage-stats"]
-    head = subprocess.Popen(cmd, env={**os.environ, **HEAD_ENV}, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    saved = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, ALLOWED_CPUS)  # the cluster (and the replicas it starts) inherits this thread's CPUs
+    try:
+        head = subprocess.Popen(cmd, env={**os.environ, **HEAD_ENV}, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+    finally:
+        os.sched_setaffinity(0, saved)
     try:
         yield f"127.0.0.1:{port}"
     finally:
