@@ -253,7 +253,7 @@ def test_bf16_rounding_matches_torch(kernels):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
-@pytest.mark.parametrize("rows", [1, 2, 5, 8, 9, 32])
+@pytest.mark.parametrize("rows", [1, 2, 5, 8, 9, 32, 41, 96])
 @pytest.mark.parametrize("out_features,in_features", [(96, 80), (1000, 512), (17, 6)])
 def test_skinny_gemm_matches_torch(kernels, dtype, rows, out_features, in_features):
     gen = torch.Generator().manual_seed(rows * 1000 + out_features)

@@ -13,8 +13,9 @@ kernels per layer shape and costs a few percent of compute at most.
 At decode sizes a GEMM is bound by how fast its weight streams from memory, and oneDNN's kernels reach only
 part of that: in float32 half, in bfloat16 on AMX about two thirds at 1-32 rows (measured: README). There the
 native kernels (conveyor/kernels) stream a second copy of the weight, packed in 16-column blocks, instead: up to
-``SKINNY_MAX_ROWS`` rows in float32 (1.3-1.5x oneDNN), up to ``AMX_MAX_ROWS`` rows in bfloat16 on CPUs with
-AMX (1.3-1.5x to 32 rows, 1.1x to 100). Without AMX, bfloat16 stays on oneDNN (avx512_bf16 dot products alone
+``SKINNY_MAX_ROWS`` rows in float32 (1.3-1.5x oneDNN to 32 rows; 1.05-1.1x at 40-96 rows, measured on a quiet
+machine on the bench model's and SmolLM2's layer shapes), up to ``AMX_MAX_ROWS`` rows in bfloat16 on CPUs with
+AMX (1.3-1.5x to 32 rows, 1.1x to 100). Those are also the steps the native layer stack takes whole. Without AMX, bfloat16 stays on oneDNN (avx512_bf16 dot products alone
 do not keep up with the stream).
 
 ``prepare_linears(model, kernels)`` swaps every ``nn.Linear`` for a ``PackedLinear``; float64 (tests) and a
@@ -31,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
-SKINNY_MAX_ROWS = 32  # float32 batches up to this many rows take the native skinny GEMM when it built
+SKINNY_MAX_ROWS = 96  # float32 batches up to this many rows take the native skinny GEMM when it built
 AMX_MAX_ROWS = 96  # bfloat16 batches up to this many rows take the native AMX GEMM where the CPU has AMX
 
 
