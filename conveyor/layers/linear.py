@@ -3,7 +3,7 @@
 ``F.linear`` on CPU hands float32 to MKL with the weight as stored, and bfloat16 to oneDNN, which reorders the
 weight on every call. oneDNN's prepacked path (``torch.ops.mkldnn._reorder_linear_weight`` once, then
 ``torch.ops.mkldnn._linear_pointwise``, as inductor's freezing pass uses them) skips both costs; measured on
-this project's CPUs in ``benchmarks/gemm.py`` (README: "Linear layers").
+this project's CPUs (the README's side-by-side section).
 
 oneDNN compiles (JITs) a kernel for every new input shape, a few milliseconds each, and caches a bounded
 number of them. A server sees every row count from 1 to the token budget, so the rows are padded up to one of
@@ -13,9 +13,11 @@ kernels per layer shape and costs a few percent of compute at most.
 At decode sizes a GEMM is bound by how fast its weight streams from memory, and oneDNN's kernels reach only
 part of that: in float32 half, in bfloat16 on AMX about two thirds at 1-32 rows (measured: README). There the
 native kernels (conveyor/kernels) stream a second copy of the weight, packed in 16-column blocks, instead: up to
-``SKINNY_MAX_ROWS`` rows in float32 (1.3-1.5x oneDNN to 32 rows; 1.05-1.1x at 40-96 rows, measured on a quiet
-machine on the bench model's and SmolLM2's layer shapes), up to ``AMX_MAX_ROWS`` rows in bfloat16 on CPUs with
-AMX (1.3-1.5x to 32 rows, 1.1x to 100). Those are also the steps the native layer stack takes whole. Without AMX, bfloat16 stays on oneDNN (avx512_bf16 dot products alone
+``SKINNY_MAX_ROWS`` rows in float32, up to ``AMX_MAX_ROWS`` rows in bfloat16 on CPUs with AMX
+(``benchmarks/gemm.py`` compares the two per row count). Float32 at 8-32 rows: 0.64-0.93x oneDNN's time; at 40-96
+rows the GEMM alone is on par (0.85-1.16x over repeated runs on this drifting machine), and what decides 96 is that
+those steps then run through the native layer stack (models/native_stack.py) whole: the bench model's workload
+took 7.8% less on the best of 4 alternated rounds than with a 32-row limit. Without AMX, bfloat16 stays on oneDNN (avx512_bf16 dot products alone
 do not keep up with the stream).
 
 ``prepare_linears(model, kernels)`` swaps every ``nn.Linear`` for a ``PackedLinear``; float64 (tests) and a

@@ -582,7 +582,7 @@ constexpr int TILE_KEYS = 16;  // keys per AMX tile: one group must sit inside o
 // S^T[key][row] = K[key] . Q[row] for one chunk of KC = 32 keys (two groups of 16) and up to 32 rows (two
 // groups of 16): TDPBF16PS with K rows as the A operand, loaded straight from the cache (a head's rows of a
 // block are contiguous, D * 2 bytes apart), and q in VNNI pairs (qt2 [D / 2][MAX_ROWS]) as B, so the result comes
-// out in ST's own [key][row] layout and the softmax below is unchanged. kgrp[g]: the first row of key group g,
+// out in ST's own [key][row] layout and the softmax below is unchanged. k0, k1: the first row of key group 0 and 1,
 // or null when the group has no visible key (its ST rows are not written: they are masked). Unscaled.
 // Tiles: 0, 1 = K groups; 2, 3 = q row groups; 4 + 2 g + rg = the S^T block of (key group g, row group rg).
 __attribute__((target("amx-tile,amx-bf16")))
