@@ -123,3 +123,31 @@ def test_padding_tokens_are_computed_but_change_nothing():
     torch.testing.assert_close(runs[0][1], runs[1][1])
     for c0, c1 in zip(runs[0][2], runs[1][2]):
         torch.testing.assert_close(c0, c1)  # pad tokens wrote nothing anywhere
+
+
+def test_draw_never_picks_a_token_of_probability_zero():
+    from conveyor.runner.sampler import CDF_BLOCK, draw_tokens
+
+    # Two blocks (the second ragged); positive weight only at 1 and at CDF_BLOCK + 3, banned (-inf) elsewhere.
+    vocab = CDF_BLOCK + 5
+    logits = torch.full((6, vocab), float("-inf"))
+    logits[:, 1] = 0.0
+    logits[:, CDF_BLOCK + 3] = 0.0
+    # u = 1.0 cannot come from torch.rand; it stands for a target rounded up onto the total
+    u = torch.tensor([[0.0], [0.25], [0.4999], [0.5], [0.999999999], [1.0]], dtype=torch.float64)
+    assert draw_tokens(logits, u).tolist() == [1, 1, 1, CDF_BLOCK + 3, CDF_BLOCK + 3, CDF_BLOCK + 3]
+
+
+def test_draw_follows_a_spread_distribution_across_blocks():
+    from conveyor.runner.sampler import draw_tokens
+
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(1, 1000, generator=gen) * 2
+    probs = logits.softmax(dim=-1)[0]
+    n = 20000
+    u = torch.rand(n, 1, dtype=torch.float64, generator=gen)
+    draws = draw_tokens(logits.expand(n, -1).clone(), u)
+    freq = torch.bincount(draws, minlength=1000).double() / n
+    top = probs.argsort(descending=True)[:5]  # the likeliest tokens, each well sampled
+    torch.testing.assert_close(freq[top], probs[top].double(), atol=0.01, rtol=0)
+    assert freq[probs < 1e-6].sum() == 0
