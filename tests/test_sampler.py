@@ -128,26 +128,67 @@ def test_padding_tokens_are_computed_but_change_nothing():
 def test_draw_never_picks_a_token_of_probability_zero():
     from conveyor.runner.sampler import CDF_BLOCK, draw_tokens
 
-    # Two blocks (the second ragged); positive weight only at 1 and at CDF_BLOCK + 3, banned (-inf) elsewhere.
+    # Two blocks (the second ragged); positive weight only at 1 and at CDF_BLOCK + 3.
     vocab = CDF_BLOCK + 5
-    logits = torch.full((6, vocab), float("-inf"))
-    logits[:, 1] = 0.0
-    logits[:, CDF_BLOCK + 3] = 0.0
+    weights = torch.zeros(6, vocab)
+    weights[:, 1] = 1.0
+    weights[:, CDF_BLOCK + 3] = 1.0
     # u = 1.0 cannot come from torch.rand; it stands for a target rounded up onto the total
     u = torch.tensor([[0.0], [0.25], [0.4999], [0.5], [0.999999999], [1.0]], dtype=torch.float64)
-    assert draw_tokens(logits, u).tolist() == [1, 1, 1, CDF_BLOCK + 3, CDF_BLOCK + 3, CDF_BLOCK + 3]
+    assert draw_tokens(weights, u).tolist() == [1, 1, 1, CDF_BLOCK + 3, CDF_BLOCK + 3, CDF_BLOCK + 3]
+
+
+def stratified(n: int) -> torch.Tensor:
+    """n evenly spaced uniforms: an inverse-CDF draw then hits each token in proportion to its probability
+    to within 1/n, so frequencies can be checked tightly without random noise."""
+    return ((torch.arange(n, dtype=torch.float64) + 0.5) / n).unsqueeze(1)
 
 
 def test_draw_follows_a_spread_distribution_across_blocks():
     from conveyor.runner.sampler import draw_tokens
 
-    gen = torch.Generator().manual_seed(3)
-    logits = torch.randn(1, 1000, generator=gen) * 2
-    probs = logits.softmax(dim=-1)[0]
+    logits = torch.randn(1, 1000, generator=torch.Generator().manual_seed(3)) * 2
+    probs = logits.softmax(dim=-1)[0].double()
     n = 20000
-    u = torch.rand(n, 1, dtype=torch.float64, generator=gen)
-    draws = draw_tokens(logits.expand(n, -1).clone(), u)
+    draws = draw_tokens((logits - logits.max()).exp().expand(n, -1).contiguous(), stratified(n))
     freq = torch.bincount(draws, minlength=1000).double() / n
-    top = probs.argsort(descending=True)[:5]  # the likeliest tokens, each well sampled
-    torch.testing.assert_close(freq[top], probs[top].double(), atol=0.01, rtol=0)
-    assert freq[probs < 1e-6].sum() == 0
+    torch.testing.assert_close(freq, probs, atol=2.0 / n, rtol=0)
+
+
+def reference_top_k_top_p(logits: torch.Tensor, top_ks: list[int], top_ps: list[float]) -> torch.Tensor:
+    """vLLM's top-k / top-p over a full sort (what the sampler did before draw_truncated): -inf outside."""
+    logits = logits.clone()
+    vocab = logits.shape[1]
+    sorted_logits, order = logits.sort(dim=-1, descending=False)
+    ks = torch.tensor([k if 0 < k < vocab else vocab for k in top_ks])
+    kth = sorted_logits.gather(1, (vocab - ks).unsqueeze(1))
+    sorted_logits.masked_fill_(sorted_logits < kth, float("-inf"))
+    cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+    outside = cum <= 1.0 - torch.tensor(top_ps).unsqueeze(1)
+    outside[:, -1] = False
+    sorted_logits.masked_fill_(outside, float("-inf"))
+    return logits.scatter_(-1, order, sorted_logits)
+
+
+@pytest.mark.parametrize("windows", ["default", "narrow", "few tokens"])  # the last two: the exact fallbacks too
+@pytest.mark.parametrize("scale", [0.05, 1.0, 4.0, 12.0])  # flat rows to peaked ones
+def test_truncated_draw_matches_a_full_sort(scale, windows, monkeypatch):
+    from conveyor.runner import sampler
+    from conveyor.runner.sampler import draw_truncated
+
+    if windows == "narrow":
+        monkeypatch.setattr(sampler, "TRUNCATION_WINDOWS", (1e-6,))
+    if windows == "few tokens":
+        monkeypatch.setattr(sampler, "WINDOW_MAX_TOKENS", 3)
+
+    vocab, n = 1000, 2000
+    cases = [(0, 0.9), (40, 1.0), (40, 0.8), (0, 0.5), (1, 1.0), (5000, 0.95), (3, 0.2)]
+    logits = torch.randn(len(cases), vocab, generator=torch.Generator().manual_seed(int(scale * 10))) * scale
+    ks, ps = [k for k, _ in cases], [p for _, p in cases]
+    expected = reference_top_k_top_p(logits, ks, ps).softmax(dim=-1).double()
+    weights = (logits - logits.amax(dim=-1, keepdim=True)).exp()
+    for i, (k, p) in enumerate(cases):
+        draws = draw_truncated(weights[i:i + 1].expand(n, -1).contiguous(), [k] * n, [p] * n, stratified(n))
+        freq = torch.bincount(draws, minlength=vocab).double() / n
+        assert (freq[expected[i] == 0] == 0).all(), f"case {(k, p)}: drew a token outside the nucleus"
+        torch.testing.assert_close(freq, expected[i], atol=2.0 / n, rtol=0)
