@@ -270,6 +270,21 @@ def test_skinny_gemm_matches_torch(kernels, dtype, rows, out_features, in_featur
         torch.testing.assert_close(out.double(), want, **tol)
 
 
+def test_skinny_gemm_float32_rows_do_not_depend_on_the_batch(kernels):
+    """Past one row tile float32 takes the k-blocked loop (x packed, W in L1-sized chunks); every output still sums
+    k in order in one accumulator, so a row's result is bitwise the same alone as in a batch of 41."""
+    gen = torch.Generator().manual_seed(5)
+    w, bias = torch.randn(1000, 700, generator=gen), torch.randn(1000, generator=gen)
+    x = torch.randn(41, 700, generator=gen)
+    packed = kernels.pack_skinny_weight(w)
+    batch = torch.empty(41, 1000)
+    kernels.skinny_linear(x, packed, bias, 1000, batch)
+    for r in (0, 8, 40):
+        alone = torch.empty(1, 1000)
+        kernels.skinny_linear(x[r:r + 1], packed, bias, 1000, alone)
+        assert torch.equal(alone[0], batch[r])
+
+
 @pytest.mark.parametrize("rows", [1, 7, 16, 17, 32, 33, 96])
 @pytest.mark.parametrize("out_features,in_features", [(96, 64), (1000, 512), (17, 32)])
 def test_amx_gemm_matches_torch(kernels, rows, out_features, in_features):
