@@ -1,7 +1,7 @@
 """``conveyor bench offline``: every request of a workload submitted at once; wall time and throughput.
 
 Reports wall time, request / output / total token throughput, and what fraction of this machine's measured
-fp32 matmul rate the run achieved (model FLOPs / wall / measured GFLOP/s), like PEERS.md reports its peers.
+matmul rate (in the run's dtype) the run achieved (model FLOPs / wall / measured GFLOP/s), like PEERS.md reports its peers.
 """
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ def _main(ns) -> int:
         run_offline(llm, warm)
     results = [run_offline(llm, workload, use_tqdm=True, keep_prefix_cache=ns.keep_prefix_cache)
                for _ in range(ns.repeats)]
-    roof = measure_roofline(llm.engine.device)
+    roof = measure_roofline(llm.engine.device, dtype=info.dtype)  # the run's own dtype: bfloat16 vs its own rate
     walls = [r.wall_s for r in results]
     best = min(results, key=lambda r: r.wall_s)
     flops = model_flops(llm.engine.model, llm.engine.model_info, best.prompt_tokens, best.output_tokens,
