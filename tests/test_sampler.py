@@ -182,7 +182,8 @@ def test_truncated_draw_matches_a_full_sort(scale, windows, monkeypatch):
         monkeypatch.setattr(sampler, "WINDOW_MAX_TOKENS", 3)
 
     vocab, n = 1000, 2000
-    cases = [(0, 0.9), (40, 1.0), (40, 0.8), (0, 0.5), (1, 1.0), (5000, 0.95), (3, 0.2)]
+    # top-k up to DIRECT_TOP_K goes straight to torch.topk; 300 and 600 go through the windows
+    cases = [(0, 0.9), (40, 1.0), (40, 0.8), (0, 0.5), (1, 1.0), (5000, 0.95), (3, 0.2), (300, 0.9), (600, 1.0)]
     logits = torch.randn(len(cases), vocab, generator=torch.Generator().manual_seed(int(scale * 10))) * scale
     ks, ps = [k for k, _ in cases], [p for _, p in cases]
     expected = reference_top_k_top_p(logits, ks, ps).softmax(dim=-1).double()

@@ -118,6 +118,7 @@ def prompt_logprobs(logits: torch.Tensor, targets: list[int], top_n: int) -> lis
 CDF_BLOCK = 256  # vocabulary entries per block of draw_tokens' first level
 TRUNCATION_WINDOWS = (8.0, 16.0)  # draw_truncated looks for the kept tokens this far (in nats) below the top one
 WINDOW_MAX_TOKENS = 4096  # and sorts at most this many tokens of a row there
+DIRECT_TOP_K = 256  # rows with a top-k up to this take torch.topk straight away (cheaper than a window pass)
 
 
 def draw_tokens(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -151,7 +152,8 @@ def draw_truncated(weights: torch.Tensor, top_ks: list[int], top_ps: list[float]
     tokens renormalised, then the most likely tokens whose mass before them is below top_p (at least one).
 
     Without a sort of the vocabulary where it can (torch's CPU sort of [100, 49152] takes ~300 ms, ten decode
-    steps): the kept tokens are looked for among those within a window below the row's top weight, found through
+    steps): a row with a top-k up to DIRECT_TOP_K takes its top-k from torch.topk (its nucleus lies inside);
+    for the others the kept tokens are looked for among those within a window below the row's top weight, found through
     the blocks of CDF_BLOCK whose largest weight reaches into it, and sorted there alone. A window settles a row
     when the row's top-k lies inside it, or (no top-k) when it holds top_p of the row's mass. Rows no window
     settles, or whose window holds more than WINDOW_MAX_TOKENS tokens (flat distributions), take torch's exact
@@ -161,15 +163,17 @@ def draw_truncated(weights: torch.Tensor, top_ks: list[int], top_ps: list[float]
     ks = torch.tensor([k if 0 < k < vocab else vocab for k in top_ks], device=dev)
     ps = torch.tensor(top_ps, dtype=torch.float64, device=dev)
     full_mass = weights.sum(dim=-1).double()  # (a float64 reduction over [100, 49152] takes 30x longer here)
-    num_blocks = -(-vocab // CDF_BLOCK)
-    padded = weights if num_blocks * CDF_BLOCK == vocab else \
-        torch.nn.functional.pad(weights, (0, num_blocks * CDF_BLOCK - vocab))
-    blocks = padded.view(rows, num_blocks, CDF_BLOCK)
-    block_max = blocks.amax(dim=-1)
     tokens = torch.empty(rows, dtype=torch.int64, device=dev)
-    pending = torch.arange(rows, device=dev)
-    wide = []
-    for window in TRUNCATION_WINDOWS:
+    direct = ks <= DIRECT_TOP_K  # a small top-k: torch.topk costs less than a window's pass
+    pending = (~direct).nonzero()[:, 0]
+    wide = [direct.nonzero()[:, 0]]
+    if len(pending):
+        num_blocks = -(-vocab // CDF_BLOCK)
+        padded = weights if num_blocks * CDF_BLOCK == vocab else \
+            torch.nn.functional.pad(weights, (0, num_blocks * CDF_BLOCK - vocab))
+        blocks = padded.view(rows, num_blocks, CDF_BLOCK)
+        block_max = blocks.amax(dim=-1)
+    for window in TRUNCATION_WINDOWS if len(pending) else ():
         threshold = math.exp(-window)
         block_row, block = (block_max[pending] >= threshold).nonzero(as_tuple=True)
         cand = blocks[pending[block_row], block]  # [S, CDF_BLOCK]: the blocks that reach into the window
