@@ -193,3 +193,17 @@ def test_truncated_draw_matches_a_full_sort(scale, windows, monkeypatch):
         freq = torch.bincount(draws, minlength=vocab).double() / n
         assert (freq[expected[i] == 0] == 0).all(), f"case {(k, p)}: drew a token outside the nucleus"
         torch.testing.assert_close(freq, expected[i], atol=2.0 / n, rtol=0)
+
+
+def test_truncated_draw_leaves_a_row_without_truncation_whole():
+    from conveyor.runner.sampler import draw_truncated
+
+    n, vocab = 2000, 300
+    logits = torch.randn(2, vocab, generator=torch.Generator().manual_seed(9))
+    weights = (logits - logits.amax(dim=-1, keepdim=True)).exp()
+    batch = weights.repeat_interleave(n, dim=0)  # rows 0..n-1: top-k 2; rows n..2n-1: no truncation
+    draws = draw_truncated(batch, [2] * n + [0] * n, [1.0] * (2 * n), torch.cat([stratified(n), stratified(n)]))
+    top2 = set(logits[0].topk(2).indices.tolist())
+    assert set(draws[:n].tolist()) <= top2
+    freq = torch.bincount(draws[n:], minlength=vocab).double() / n
+    torch.testing.assert_close(freq, logits[1].softmax(dim=-1).double(), atol=2.0 / n, rtol=0)
