@@ -2,8 +2,9 @@
 
 Order: raw logprobs (log_softmax of the model's logits, before anything below) -> penalties (repetition over
 prompt + output, presence / frequency over output) -> min_tokens (ban stop tokens) -> greedy argmax, or
-temperature -> min-p -> top-k / top-p -> an exponential race (Gumbel-max) drawn from the request's own
-generator when seeded, so a seeded request samples the same tokens whatever else is in the batch.
+temperature -> min-p -> top-k / top-p -> an inverse-CDF draw with one uniform per row (draw_tokens,
+draw_truncated: no sort of the vocabulary, no per-entry noise), the uniform from the request's own generator when
+seeded, so a seeded request samples the same tokens whatever else is in the batch.
 All results go to the host in ONE .tolist() per step. Stop conditions are the scheduler's business.
 """
 
