@@ -238,14 +238,8 @@ def draw_top_p_flat(w: torch.Tensor, ps: torch.Tensor, mass: torch.Tensor, u: to
     edge = edge.to(torch.int32)  # (comparing int32 buckets with int64 would copy them all)
     kept = w.masked_fill(bucket >= edge, 0.0)
     row, col = (bucket == edge).nonzero(as_tuple=True)  # the edge bucket's tokens: ordered exactly
-    vals = w[row, col].double()
-    order = (row.double() * 2 + (1.0 - vals)).argsort()  # by row, then largest weight first
-    row, col, vals = row[order], col[order], vals[order]
-    counts = torch.bincount(row, minlength=rows)
-    starts = counts.cumsum(0) - counts
-    inner = vals.cumsum(0)
-    before = before_edge.squeeze(1)[row] + inner - vals - torch.nn.functional.pad(inner, (1, 0))[starts][row]
-    keep = before < limit.squeeze(1)[row]
+    row, col, vals, starts, _ = _by_row_largest_first(row, col, w[row, col].double(), rows)
+    keep = before_edge.squeeze(1)[row] + _weight_before(vals, row, starts) < limit.squeeze(1)[row]
     kept[row[keep], col[keep]] = w[row[keep], col[keep]]
     return draw_tokens(kept, u)
 
@@ -256,18 +250,13 @@ def _draw_from_candidates(row, col, vals, ks, ps, full_mass, u, settled, vocab, 
     Returns one token per settled row, in row order."""
     dev = vals.device
     num_rows = len(settled)
-    if not presorted:
-        order = (row.double() * 2 + (1.0 - vals)).argsort()  # by row, then largest weight first (weights <= 1)
-        row, col, vals = row[order], col[order], vals[order]
-    counts = torch.bincount(row, minlength=num_rows)
-    starts = counts.cumsum(0) - counts
+    row, col, vals, starts, counts = _by_row_largest_first(row, col, vals, num_rows, presorted)
     rank = torch.arange(len(row), device=dev) - starts[row]
     vals = vals * (rank < ks[row])  # top-k
     k_mass = torch.zeros(num_rows, dtype=torch.float64, device=dev).index_add_(0, row, vals)
     norm = torch.where(ks < vocab, k_mass, full_mass)  # top-k renormalises over its own tokens
-    cum = vals.cumsum(0)
-    before = cum - vals - torch.nn.functional.pad(cum, (1, 0))[starts][row]  # the row's weight ranked before
-    vals = vals * (before < ps[row] * norm[row])  # top-p (the first entry is always kept: nothing before it)
+    # top-p (the first entry is always kept: nothing before it)
+    vals = vals * (_weight_before(vals, row, starts) < ps[row] * norm[row])
     cum = vals.cumsum(0)
     row_start = torch.nn.functional.pad(cum, (1, 0))[starts]
     kept_mass = torch.zeros(num_rows, dtype=torch.float64, device=dev).index_add_(0, row, vals)
@@ -280,6 +269,22 @@ def _draw_from_candidates(row, col, vals, ks, ps, full_mass, u, settled, vocab, 
             j -= 1
         pos[i] = j
     return col[pos]
+
+
+def _by_row_largest_first(row, col, vals, num_rows, presorted=False):
+    """Entries (row, col, weight <= 1) ordered by row, then largest weight first (``presorted``: already so);
+    returns them with each row's first position and count."""
+    if not presorted:
+        order = (row.double() * 2 + (1.0 - vals)).argsort()  # one sort: rows apart by 2, weights within 1
+        row, col, vals = row[order], col[order], vals[order]
+    counts = torch.bincount(row, minlength=num_rows)
+    return row, col, vals, counts.cumsum(0) - counts, counts
+
+
+def _weight_before(vals: torch.Tensor, row: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
+    """For entries ordered as _by_row_largest_first leaves them: the weight of the same row's entries before each."""
+    cum = vals.cumsum(0)
+    return cum - vals - torch.nn.functional.pad(cum, (1, 0))[starts][row]
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
