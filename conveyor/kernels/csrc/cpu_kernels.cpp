@@ -1390,6 +1390,10 @@ void amx_gemm_bf16(const uint16_t* x, int64_t x_stride, int64_t M, const uint16_
     for (int64_t p = 0; p < npairs; p++) {
       const uint16_t* w0 = wp + 2 * p * block_elems;
       const uint16_t* w1 = 2 * p + 1 < nblocks ? w0 + block_elems : w0;
+      // The next pair's weights, asked for into L2 while this pair's first row group runs (at the rate this
+      // one consumes its own), so only a layer's first pair waits on memory.
+      const char* next = p + 1 < npairs ? reinterpret_cast<const char*>(wp + 2 * (p + 1) * block_elems) : nullptr;
+      const int64_t next_bytes = std::min<int64_t>(2, nblocks - 2 * (p + 1)) * block_elems * 2;
       for (int64_t m0 = 0; m0 < M; m0 += 32) {
         const int r0 = int(std::min<int64_t>(16, M - m0)), r1 = int(std::max<int64_t>(0, std::min<int64_t>(16, M - m0 - 16)));
         if (r0 != rows0 || r1 != rows1) {
@@ -1407,6 +1411,11 @@ void amx_gemm_bf16(const uint16_t* x, int64_t x_stride, int64_t M, const uint16_
           _tile_zero(7);
         }
         for (int64_t k = 0; k < K; k += 32) {
+          if (m0 == 0 && next) {
+            // this k step reads 2 x 1 KB of its pair: prefetch 2 KB of the next pair's (both blocks in order)
+            const int64_t off = k * NBLK * 4;
+            for (int64_t b = off; b < std::min(off + 2048, next_bytes); b += 64) _mm_prefetch(next + b, _MM_HINT_T1);
+          }
           _tile_loadd(0, xa + k, xs);
           _tile_loadd(2, w0 + k * NBLK, 64);
           _tile_loadd(3, w1 + k * NBLK, 64);
