@@ -1198,7 +1198,8 @@ inline void skinny_tile_bf16(const uint16_t* x, int64_t x_stride, const uint16_t
 }
 
 template <typename T>
-void skinny_store(const float* acc, int R, const T* bias, int64_t n0, int64_t N, T* y, int64_t y_stride) {
+void skinny_store(const float* acc, int R, const T* bias, int64_t n0, int64_t N, T* y, int64_t y_stride,
+                  int acc_stride = 32) {
   const int nc = int(std::min<int64_t>(32, N - n0));
 #if defined(CVK_AVX512) || defined(CVK_AVX512BF16)
   if constexpr (sizeof(T) == 4) {  // float32: two masked vector stores per row (a scalar loop costs ~10% at 96 rows)
@@ -1209,8 +1210,8 @@ void skinny_store(const float* acc, int R, const T* bias, int64_t n0, int64_t N,
     const __m512 b1 = b ? _mm512_maskz_loadu_ps(m1, b + n0 + 16) : _mm512_setzero_ps();
     for (int r = 0; r < R; r++) {
       float* out = reinterpret_cast<float*>(y) + r * y_stride + n0;
-      _mm512_mask_storeu_ps(out, m0, _mm512_add_ps(_mm512_loadu_ps(acc + r * 32), b0));
-      _mm512_mask_storeu_ps(out + 16, m1, _mm512_add_ps(_mm512_loadu_ps(acc + r * 32 + 16), b1));
+      _mm512_mask_storeu_ps(out, m0, _mm512_add_ps(_mm512_loadu_ps(acc + r * acc_stride), b0));
+      _mm512_mask_storeu_ps(out + 16, m1, _mm512_add_ps(_mm512_loadu_ps(acc + r * acc_stride + 16), b1));
     }
     return;
   }
@@ -1218,101 +1219,120 @@ void skinny_store(const float* acc, int R, const T* bias, int64_t n0, int64_t N,
   for (int r = 0; r < R; r++)
     for (int c = 0; c < nc; c++) {
       const float b = bias ? to_f32(bias[n0 + c]) : 0.f;
-      from_f32(acc[r * 32 + c] + b, y + r * y_stride + n0 + c);
+      from_f32(acc[r * acc_stride + c] + b, y + r * y_stride + n0 + c);
     }
 }
 
 #if defined(CVK_AVX512) || defined(CVK_AVX512BF16)
 // float32 past one row tile (M > SK_ROWS), where the GEMM turns compute-bound. The one-tile loop above re-reads a
 // column pair's W (2 x K x 64 B: 64-180 KB, past L1) from L2 for every row tile and keeps 8 row pointers live,
-// which spills them; here K is split into chunks whose W (2 x SK_KC x 64 B = 16 KB) stays in L1 while every row
-// tile passes over it, the next chunk's W is prefetched during the first tile's pass, and x is packed once per call
-// k-major per tile (xp[tile][k][SK_ROWS]: one pointer, eight broadcasts at fixed offsets). Each output still sums
+// which spills them; here K is split into chunks whose W (2 or 4 blocks x SK_KC x 64 B = 16 or 32 KB) stays in L1 while
+// every row tile passes over it, the next chunk's W is prefetched during the first tile's pass, and x is packed once per call
+// k-major per tile (xp[tile][k][rows]: one pointer, a broadcast per row at fixed offsets). Each output still sums
 // k = 0 .. K-1 in order in one float32 accumulator (stored and reloaded between chunks, which is exact), so results
 // are bit-identical to the one-tile loop. Measured (alternated A/B in one process, bench model shapes incl. lm_head,
 // 2 threads, a noisy machine): 16 rows 111 -> 121 GFLOP/s, 48 rows 119 -> 131, 96 rows 121 -> 128 (best of 8);
 // the chunk size (64/128/256) made no difference beyond the noise.
 constexpr int64_t SK_KC = 128;
 
-template <int R>
-inline void skinny_tile_f32_packed(const float* xp, const float* wp0, const float* wp1, int64_t kc, float* acc,
-                                   bool first, const float* pf0, const float* pf1) {
-  __m512 a0[R], a1[R];
-  for (int r = 0; r < R; r++) {
-    a0[r] = first ? _mm512_setzero_ps() : _mm512_load_ps(acc + r * 32);
-    a1[r] = first ? _mm512_setzero_ps() : _mm512_load_ps(acc + r * 32 + 16);
-  }
+// One row tile (R <= TR rows, x packed [k][TR]) x NB column blocks over kc values of k, accumulating into
+// acc [R][NB * 16] (zeroed first on the first chunk). pf: the next chunk's blocks, prefetched a line per k.
+template <int NB, int TR, int R>
+inline void skinny_tile_f32_packed(const float* xp, const float* const* w, int64_t kc, float* acc, bool first,
+                                   const float* const* pf) {
+  __m512 a[R][NB];
+  for (int r = 0; r < R; r++)
+    for (int b = 0; b < NB; b++) a[r][b] = first ? _mm512_setzero_ps() : _mm512_load_ps(acc + (r * NB + b) * 16);
   for (int64_t k = 0; k < kc; k++) {
-    const __m512 w0 = _mm512_loadu_ps(wp0 + k * NBLK), w1 = _mm512_loadu_ps(wp1 + k * NBLK);
-    if (pf0) {  // the next chunk's W, a chunk ahead (hardware prefetch alone leaves the first tile waiting on it)
-      _mm_prefetch(reinterpret_cast<const char*>(pf0 + k * NBLK), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(pf1 + k * NBLK), _MM_HINT_T0);
-    }
+    __m512 wv[NB];
+    for (int b = 0; b < NB; b++) wv[b] = _mm512_loadu_ps(w[b] + k * NBLK);
+    if (pf)  // the next chunk's W, a chunk ahead (hardware prefetch alone leaves the first tile waiting on it)
+      for (int b = 0; b < NB; b++) _mm_prefetch(reinterpret_cast<const char*>(pf[b] + k * NBLK), _MM_HINT_T0);
     for (int r = 0; r < R; r++) {
-      const __m512 xv = _mm512_set1_ps(xp[k * SK_ROWS + r]);
-      a0[r] = _mm512_fmadd_ps(xv, w0, a0[r]);
-      a1[r] = _mm512_fmadd_ps(xv, w1, a1[r]);
+      const __m512 xv = _mm512_set1_ps(xp[k * TR + r]);
+      for (int b = 0; b < NB; b++) a[r][b] = _mm512_fmadd_ps(xv, wv[b], a[r][b]);
     }
   }
-  for (int r = 0; r < R; r++) {
-    _mm512_store_ps(acc + r * 32, a0[r]);
-    _mm512_store_ps(acc + r * 32 + 16, a1[r]);
-  }
+  for (int r = 0; r < R; r++)
+    for (int b = 0; b < NB; b++) _mm512_store_ps(acc + (r * NB + b) * 16, a[r][b]);
 }
 
-void skinny_gemm_f32_blocked(const float* x, int64_t x_stride, int64_t M, const float* wp, const float* bias, float* y,
-                             int64_t y_stride, int64_t N, int64_t K, int threads) {
-  const int64_t nblocks = (N + NBLK - 1) / NBLK, npairs = (nblocks + 1) / 2, block_elems = K * NBLK;
-  const int64_t tiles = (M + SK_ROWS - 1) / SK_ROWS;
+// The k-chunked loop over units of NB column blocks (NB x 16 outputs) and row tiles of TR rows.
+template <int NB, int TR>
+void skinny_gemm_f32_units(const float* x, int64_t x_stride, int64_t M, const float* wp, const float* bias, float* y,
+                           int64_t y_stride, int64_t N, int64_t K, int threads) {
+  const int64_t nblocks = (N + NBLK - 1) / NBLK, nunits = (nblocks + NB - 1) / NB, block_elems = K * NBLK;
+  const int64_t tiles = (M + TR - 1) / TR;
   static thread_local std::vector<float> packed_x;  // the calling thread's: shared by the team below
-  packed_x.resize(size_t(tiles * K * SK_ROWS));
+  packed_x.resize(size_t(tiles * K * TR));
   float* xp = packed_x.data();
 #pragma omp parallel num_threads(threads)
   {
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < tiles; t++) {
-      const int64_t rows = std::min<int64_t>(SK_ROWS, M - t * SK_ROWS);
-      float* dst = xp + t * K * SK_ROWS;
+      const int64_t rows = std::min<int64_t>(TR, M - t * TR);
+      float* dst = xp + t * K * TR;
       for (int64_t r = 0; r < rows; r++) {
-        const float* src = x + (t * SK_ROWS + r) * x_stride;
-        for (int64_t k = 0; k < K; k++) dst[k * SK_ROWS + r] = src[k];
+        const float* src = x + (t * TR + r) * x_stride;
+        for (int64_t k = 0; k < K; k++) dst[k * TR + r] = src[k];
       }
     }  // (implicit barrier: every tile is packed before any is read)
     static thread_local std::vector<float, AlignedAlloc<float>> acc_buf;
-    acc_buf.resize(size_t(tiles * SK_ROWS * 32));
+    acc_buf.resize(size_t(tiles * TR * NB * 16));
     float* acc = acc_buf.data();
 #pragma omp for schedule(static)
-    for (int64_t p = 0; p < npairs; p++) {
-      const float* w0 = wp + 2 * p * block_elems;
-      const float* w1 = 2 * p + 1 < nblocks ? w0 + block_elems : w0;  // an odd last block pairs with itself
+    for (int64_t u = 0; u < nunits; u++) {
+      const float* w[NB];
+      for (int b = 0; b < NB; b++)  // blocks past the last repeat it (computed, never stored)
+        w[b] = wp + std::min(NB * u + b, nblocks - 1) * block_elems;
       for (int64_t k0 = 0; k0 < K; k0 += SK_KC) {
         const int64_t kc = std::min(SK_KC, K - k0);
+        const float* wk[NB];
+        const float* pf[NB];
+        bool have_pf = false;
+        for (int b = 0; b < NB; b++) wk[b] = w[b] + k0 * NBLK;
+        if (k0 + SK_KC < K) {
+          for (int b = 0; b < NB; b++) pf[b] = w[b] + (k0 + SK_KC) * NBLK;
+          have_pf = true;
+        } else if (NB * (u + 1) < nblocks) {
+          for (int b = 0; b < NB; b++) pf[b] = wp + std::min(NB * (u + 1) + b, nblocks - 1) * block_elems;
+          have_pf = true;
+        }
         for (int64_t t = 0; t < tiles; t++) {
-          const float* xt = xp + (t * K + k0) * SK_ROWS;
-          float* at = acc + t * SK_ROWS * 32;
+          const float* xt = xp + (t * K + k0) * TR;
+          float* at = acc + t * TR * NB * 16;
+          const float* const* p = t == 0 && have_pf ? pf : nullptr;
           const bool first = k0 == 0;
-          const float *pf0 = nullptr, *pf1 = nullptr;
-          if (t == 0) {
-            if (k0 + SK_KC < K) pf0 = w0 + (k0 + SK_KC) * NBLK, pf1 = w1 + (k0 + SK_KC) * NBLK;
-            else if (2 * p + 2 < nblocks) pf0 = wp + (2 * p + 2) * block_elems, pf1 = pf0 + block_elems;
-          }
-          switch (std::min<int64_t>(SK_ROWS, M - t * SK_ROWS)) {
-            case 1: skinny_tile_f32_packed<1>(xt, w0 + k0 * NBLK, w1 + k0 * NBLK, kc, at, first, pf0, pf1); break;
-            case 2: skinny_tile_f32_packed<2>(xt, w0 + k0 * NBLK, w1 + k0 * NBLK, kc, at, first, pf0, pf1); break;
-            case 3: skinny_tile_f32_packed<3>(xt, w0 + k0 * NBLK, w1 + k0 * NBLK, kc, at, first, pf0, pf1); break;
-            case 4: skinny_tile_f32_packed<4>(xt, w0 + k0 * NBLK, w1 + k0 * NBLK, kc, at, first, pf0, pf1); break;
-            case 5: skinny_tile_f32_packed<5>(xt, w0 + k0 * NBLK, w1 + k0 * NBLK, kc, at, first, pf0, pf1); break;
-            case 6: skinny_tile_f32_packed<6>(xt, w0 + k0 * NBLK, w1 + k0 * NBLK, kc, at, first, pf0, pf1); break;
-            case 7: skinny_tile_f32_packed<7>(xt, w0 + k0 * NBLK, w1 + k0 * NBLK, kc, at, first, pf0, pf1); break;
-            default: skinny_tile_f32_packed<8>(xt, w0 + k0 * NBLK, w1 + k0 * NBLK, kc, at, first, pf0, pf1); break;
+          switch (std::min<int64_t>(TR, M - t * TR)) {
+#define CVK_UNIT_CASE(RR) \
+  case RR: if constexpr (RR <= TR) skinny_tile_f32_packed<NB, TR, RR>(xt, wk, kc, at, first, p); break;
+            CVK_UNIT_CASE(1) CVK_UNIT_CASE(2) CVK_UNIT_CASE(3) CVK_UNIT_CASE(4) CVK_UNIT_CASE(5) CVK_UNIT_CASE(6)
+            CVK_UNIT_CASE(7) CVK_UNIT_CASE(8)
+#undef CVK_UNIT_CASE
+            default: break;
           }
         }
       }
       for (int64_t t = 0; t < tiles; t++)
-        skinny_store<float>(acc + t * SK_ROWS * 32, int(std::min<int64_t>(SK_ROWS, M - t * SK_ROWS)), bias,
-                            2 * p * NBLK, N, y + t * SK_ROWS * y_stride, y_stride);
+        for (int h = 0; h < NB / 2; h++)
+          if (NB * u * NBLK + 32 * h < N)
+            skinny_store<float>(acc + t * TR * NB * 16 + h * 32, int(std::min<int64_t>(TR, M - t * TR)), bias,
+                                NB * u * NBLK + 32 * h, N, y + t * TR * y_stride, y_stride, NB * 16);
     }
   }
+}
+
+void skinny_gemm_f32_blocked(const float* x, int64_t x_stride, int64_t M, const float* wp, const float* bias, float* y,
+                             int64_t y_stride, int64_t N, int64_t K, int threads) {
+  // Units of four blocks (6 rows x 64 columns: 24 accumulators, 10 loads per 24 FMAs instead of 10 per 16) from
+  // 40 rows, where the 6-row tiles pad little; with enough units that the threads get even shares (within 1/16).
+  // Alternated A/B, bench model shapes + lm_head, 2 threads: 40 rows 10.74 -> 10.60 ms, 64 rows 17.21 -> 16.37,
+  // 86 rows 22.98 -> 21.83; at 9-16 rows they were slower (4.66 -> 5.16 ms at 16), so those keep the pairs.
+  const int64_t nblocks = (N + NBLK - 1) / NBLK, quads = (nblocks + 3) / 4;
+  if (M >= 40 && quads >= 4 * threads && (quads + threads - 1) / threads * threads * 15 <= quads * 16)
+    skinny_gemm_f32_units<4, 6>(x, x_stride, M, wp, bias, y, y_stride, N, K, threads);
+  else
+    skinny_gemm_f32_units<2, SK_ROWS>(x, x_stride, M, wp, bias, y, y_stride, N, K, threads);
 }
 #endif
 
