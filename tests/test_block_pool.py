@@ -46,6 +46,19 @@ def test_freed_tail_blocks_are_evicted_first():
     assert n == 4 and [b.block_id for b in hits] == [0, 1]
 
 
+def test_a_free_unhashed_block_is_handed_out_before_a_cached_one_is_evicted():
+    kv = KVCacheManager(num_blocks=2, block_size=2)
+    a, x = _req("a", [1, 2]), _req("x", [7])  # a fills (and caches) a block; x's block stays partial
+    kv.allocate_slots(a, 2)
+    kv.allocate_slots(x, 1)
+    kv.free(a)
+    kv.free(x)  # freed after a's cached block, yet it goes first: it holds nothing to reuse
+    assert kv.allocate_slots(_req("b", [5]), 1) is not None
+    hits, n = kv.get_computed_blocks(_req("c", [1, 2, 3]))
+    assert n == 2 and kv.pool.num_evictions == 0
+    kv.check_invariants()
+
+
 def test_hit_on_free_cached_block_counts_against_room():
     kv = KVCacheManager(num_blocks=2, block_size=2)
     a = _req("a", [1, 2, 3])

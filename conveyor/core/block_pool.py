@@ -1,9 +1,13 @@
 """The pool of fixed-size KV blocks: ref counts, the LRU free list, and the prefix-cache hash table.
 
 Ordering rule (what gets evicted first): the free list is kept in eviction order, head first. A block whose
-ref count drops to zero is appended at the tail; allocation pops from the head, dropping the block's hash if it
-carried one. Requests free their blocks tail-first (reverse block-table order), so a freed chain's *tail* blocks
-sit nearer the head and are evicted before its prefix, which other requests are the likeliest to share.
+ref count drops to zero is appended at the tail if it carries a hash (a cached full block: least recently freed
+is evicted first); allocation pops from the head, dropping the block's hash if it carried one. Requests free
+their blocks tail-first (reverse block-table order), so a freed chain's *tail* blocks sit nearer the head and are
+evicted before its prefix, which other requests are the likeliest to share. A block without a hash holds nothing
+a later request can reuse, so it goes to the *head* instead: it is handed out before any cached block is evicted,
+and the blocks in use stay the recently used ones (their memory already committed and likely still in the CPU's
+cache) instead of walking the whole KV cache.
 A cache hit on a free block unlinks it from the middle of the list in O(1) (intrusive doubly linked list).
 """
 
@@ -53,7 +57,7 @@ class KVBlock:
 
 
 class FreeBlockList:
-    """Doubly linked list of free blocks in eviction order; O(1) pop-front, append and remove."""
+    """Doubly linked list of free blocks in eviction order; O(1) pop-front, append at either end, remove."""
 
     def __init__(self, blocks: Iterable[KVBlock]) -> None:
         self.head = KVBlock(-1)  # sentinels keep the pointer surgery branch-free
@@ -68,6 +72,13 @@ class FreeBlockList:
         assert last is not None
         last.next_free, block.prev_free = block, last
         block.next_free, self.tail.prev_free = self.tail, block
+        self.num_free += 1
+
+    def appendleft(self, block: KVBlock) -> None:
+        first = self.head.next_free
+        assert first is not None
+        first.prev_free, block.next_free = block, first
+        block.prev_free, self.head.next_free = self.head, block
         self.num_free += 1
 
     def remove(self, block: KVBlock) -> None:
@@ -136,12 +147,16 @@ class BlockPool:
             block.ref_cnt += 1
 
     def free(self, blocks_in_eviction_order: Iterable[KVBlock]) -> None:
-        """Drop one reference each; blocks reaching zero join the free list tail in the given order."""
+        """Drop one reference each; blocks reaching zero join the free list: cached ones at the tail in the given
+        order, unhashed ones at the head (reused first: see the module's ordering rule)."""
         for block in blocks_in_eviction_order:
             assert block.ref_cnt > 0, f"{block} freed twice"
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                self.free_list.append(block)
+                if block.block_hash is None:
+                    self.free_list.appendleft(block)
+                else:
+                    self.free_list.append(block)
 
     def cache_full_block(self, block: KVBlock, block_hash: BlockHash) -> None:
         """Make a full block findable by its hash (first writer wins; a duplicate stays unhashed)."""
