@@ -1226,11 +1226,11 @@ void skinny_store(const float* acc, int R, const T* bias, int64_t n0, int64_t N,
 #if defined(CVK_AVX512) || defined(CVK_AVX512BF16)
 // float32 past one row tile (M > SK_ROWS), where the GEMM turns compute-bound. The one-tile loop above re-reads a
 // column pair's W (2 x K x 64 B: 64-180 KB, past L1) from L2 for every row tile and keeps 8 row pointers live,
-// which spills them; here K is split into chunks whose W (2 or 4 blocks x SK_KC x 64 B = 16 or 32 KB) stays in L1 while
-// every row tile passes over it, the next chunk's W is prefetched during the first tile's pass, and x is packed once per call
-// k-major per tile (xp[tile][k][rows]: one pointer, a broadcast per row at fixed offsets). Each output still sums
-// k = 0 .. K-1 in order in one float32 accumulator (stored and reloaded between chunks, which is exact), so results
-// are bit-identical to the one-tile loop. Measured (alternated A/B in one process, bench model shapes incl. lm_head,
+// which spills them; here K is split into chunks whose W (2 or 4 blocks x SK_KC x 64 B = 16 or 32 KB) stays in
+// L1 while every row tile passes over it, the next chunk's W is prefetched during the first tile's pass, and x is
+// packed once per call k-major per tile (xp[tile][k][rows]: one pointer, a broadcast per row at fixed offsets).
+// Each output still sums k = 0 .. K-1 in order in one float32 accumulator (stored and reloaded between chunks,
+// which is exact), so results are bit-identical to the one-tile loop. Measured (alternated A/B in one process, bench model shapes incl. lm_head,
 // 2 threads, a noisy machine): 16 rows 111 -> 121 GFLOP/s, 48 rows 119 -> 131, 96 rows 121 -> 128 (best of 8);
 // the chunk size (64/128/256) made no difference beyond the noise.
 constexpr int64_t SK_KC = 128;
