@@ -68,17 +68,17 @@ class FreeBlockList:
             self.append(block)
 
     def append(self, block: KVBlock) -> None:
-        last = self.tail.prev_free
-        assert last is not None
-        last.next_free, block.prev_free = block, last
-        block.next_free, self.tail.prev_free = self.tail, block
-        self.num_free += 1
+        assert self.tail.prev_free is not None
+        self._link(block, self.tail.prev_free, self.tail)
 
     def appendleft(self, block: KVBlock) -> None:
-        first = self.head.next_free
-        assert first is not None
-        first.prev_free, block.next_free = block, first
-        block.prev_free, self.head.next_free = self.head, block
+        assert self.head.next_free is not None
+        self._link(block, self.head, self.head.next_free)
+
+    def _link(self, block: KVBlock, before: KVBlock, after: KVBlock) -> None:
+        """Insert ``block`` between the adjacent ``before`` and ``after``."""
+        before.next_free, block.prev_free = block, before
+        block.next_free, after.prev_free = after, block
         self.num_free += 1
 
     def remove(self, block: KVBlock) -> None:
