@@ -130,10 +130,8 @@ def draw_tokens(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     first index where a cumulative sum grows has a positive weight, and a target rounded onto an edge steps back
     to the last positive weight before it."""
     rows, vocab = weights.shape
-    num_blocks = -(-vocab // CDF_BLOCK)
-    padded = weights if num_blocks * CDF_BLOCK == vocab else \
-        torch.nn.functional.pad(weights, (0, num_blocks * CDF_BLOCK - vocab))
-    blocks = padded.view(rows, num_blocks, CDF_BLOCK)
+    blocks = _cdf_blocks(weights)
+    num_blocks = blocks.shape[1]
     block_cdf = blocks.sum(dim=-1).double().cumsum_(dim=-1)  # [R, num_blocks]
     target = u * block_cdf[:, -1:]
     block = torch.searchsorted(block_cdf, target, right=True).clamp_(max=num_blocks - 1)
@@ -145,6 +143,16 @@ def draw_tokens(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         positive = (weights[r, :int(tokens[r]) + 1] > 0).nonzero()
         tokens[r] = positive[-1] if len(positive) else (weights[r] > 0).nonzero()[0]
     return tokens.squeeze(1)
+
+
+def _cdf_blocks(weights: torch.Tensor) -> torch.Tensor:
+    """``weights`` [R, V] as [R, ceil(V / CDF_BLOCK), CDF_BLOCK]: a view, or a zero-padded copy when CDF_BLOCK
+    does not divide V."""
+    rows, vocab = weights.shape
+    num_blocks = -(-vocab // CDF_BLOCK)
+    padded = weights if num_blocks * CDF_BLOCK == vocab else \
+        torch.nn.functional.pad(weights, (0, num_blocks * CDF_BLOCK - vocab))
+    return padded.view(rows, num_blocks, CDF_BLOCK)
 
 
 def draw_truncated(weights: torch.Tensor, top_ks: list[int], top_ps: list[float], u: torch.Tensor) -> torch.Tensor:
@@ -171,10 +179,7 @@ def draw_truncated(weights: torch.Tensor, top_ks: list[int], top_ps: list[float]
     pending = (~direct & ~untruncated).nonzero()[:, 0]
     wide = [direct.nonzero()[:, 0]]
     if len(pending):
-        num_blocks = -(-vocab // CDF_BLOCK)
-        padded = weights if num_blocks * CDF_BLOCK == vocab else \
-            torch.nn.functional.pad(weights, (0, num_blocks * CDF_BLOCK - vocab))
-        blocks = padded.view(rows, num_blocks, CDF_BLOCK)
+        blocks = _cdf_blocks(weights)
         block_max = blocks.amax(dim=-1)
     for window in TRUNCATION_WINDOWS if len(pending) else ():
         threshold = math.exp(-window)
