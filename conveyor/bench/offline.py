@@ -1,7 +1,8 @@
 """``conveyor bench offline``: every request of a workload submitted at once; wall time and throughput.
 
 Reports wall time, request / output / total token throughput, and what fraction of this machine's measured
-matmul rate (in the run's dtype) the run achieved (model FLOPs / wall / measured GFLOP/s), like PEERS.md reports its peers.
+matmul rate (in the run's dtype) the run achieved (model FLOPs / wall / measured GFLOP/s), like PEERS.md reports
+its peers.
 """
 
 from __future__ import annotations
