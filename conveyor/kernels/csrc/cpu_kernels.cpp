@@ -88,6 +88,7 @@ struct V {
   friend V operator/(V a, V b) { return {_mm512_div_ps(a.v, b.v)}; }
   static V fma(V a, V b, V c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }  // a * b + c
   static V max(V a, V b) { return {_mm512_max_ps(a.v, b.v)}; }
+  static bool any_ne(V a, V b) { return _mm512_cmp_ps_mask(a.v, b.v, _CMP_NEQ_UQ) != 0; }
   static V rcp(V a) {  // 1 / a to ~23 bits: a 14-bit estimate and one Newton step (no slow division)
     __m512 r = _mm512_rcp14_ps(a.v);
     return {_mm512_mul_ps(r, _mm512_fnmadd_ps(a.v, r, _mm512_set1_ps(2.0f)))};
@@ -152,6 +153,7 @@ struct V {
   friend V operator/(V a, V b) { return {_mm256_div_ps(a.v, b.v)}; }
   static V fma(V a, V b, V c) { return {_mm256_fmadd_ps(a.v, b.v, c.v)}; }
   static V max(V a, V b) { return {_mm256_max_ps(a.v, b.v)}; }
+  static bool any_ne(V a, V b) { return _mm256_movemask_ps(_mm256_cmp_ps(a.v, b.v, _CMP_NEQ_UQ)) != 0; }
   static V rcp(V a) {  // 1 / a to ~22 bits: a 12-bit estimate and one Newton step
     __m256 r = _mm256_rcp_ps(a.v);
     return {_mm256_mul_ps(r, _mm256_fnmadd_ps(a.v, r, _mm256_set1_ps(2.0f)))};
@@ -640,6 +642,32 @@ void amx_chunk_scores(const uint32_t* qt2, const uint16_t* k0, const uint16_t* k
 
 __attribute__((target("amx-tile,amx-bf16"))) inline void amx_release() { _tile_release(); }
 
+// Transpose 16 x 16 32-bit values in registers: on entry r[i] = row i; on return r[k] = column kTransposedCol[k]
+// (the last step leaves columns in this order; callers index by it instead of paying for a final permute).
+constexpr int kTransposedCol[16] = {0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12, 14, 13, 15};
+inline void transpose16x16(__m512 r[16]) {
+  __m512 t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4)
+    for (int u = 0; u < 2; u++) {
+      r[i + u] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[i + u]), _mm512_castps_pd(t[i + 2 + u])));
+      r[i + 2 + u] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[i + u]), _mm512_castps_pd(t[i + 2 + u])));
+    }
+  // r[4q + c] now holds, in 128-bit lane L, elements 4q .. 4q + 3 of row 4L + (0, 2, 1, 3)[c]
+  for (int i = 0; i < 16; i += 8)
+    for (int u = 0; u < 4; u++) {
+      t[i + u] = _mm512_shuffle_f32x4(r[i + u], r[i + 4 + u], 0x88);
+      t[i + 4 + u] = _mm512_shuffle_f32x4(r[i + u], r[i + 4 + u], 0xdd);
+    }
+  for (int u = 0; u < 8; u++) {
+    r[u] = _mm512_shuffle_f32x4(t[u], t[u + 8], 0x88);
+    r[u + 8] = _mm512_shuffle_f32x4(t[u], t[u + 8], 0xdd);
+  }
+}
+
 // P^T for the AMX PV: pt[row][key] (bfloat16, 32 keys per row) from st[key][row] (float32, rows in lanes), keys
 // >= nk as 0. Sixteen rows x sixteen keys at a time: a 16 x 16 transpose in registers, then one conversion per row.
 inline void transpose_probs(const float* st, int nk, int row_groups, uint16_t* pt) {
@@ -650,31 +678,27 @@ inline void transpose_probs(const float* st, int nk, int row_groups, uint16_t* p
         const int j = kb * 16 + i;
         r[i] = j < nk ? _mm512_loadu_ps(st + j * MAX_ROWS + rg * 16) : _mm512_setzero_ps();
       }
-      __m512 t[16];
-      for (int i = 0; i < 16; i += 2) {
-        t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
-        t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
-      }
-      for (int i = 0; i < 16; i += 4)
-        for (int u = 0; u < 2; u++) {
-          r[i + u] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[i + u]), _mm512_castps_pd(t[i + 2 + u])));
-          r[i + 2 + u] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[i + u]), _mm512_castps_pd(t[i + 2 + u])));
-        }
-      // r[4q + c] now holds, in 128-bit lane L, keys 4q .. 4q + 3 of row 4L + (0, 2, 1, 3)[c]
-      for (int i = 0; i < 16; i += 8)
-        for (int u = 0; u < 4; u++) {
-          t[i + u] = _mm512_shuffle_f32x4(r[i + u], r[i + 4 + u], 0x88);
-          t[i + 4 + u] = _mm512_shuffle_f32x4(r[i + u], r[i + 4 + u], 0xdd);
-        }
-      for (int u = 0; u < 8; u++) {
-        r[u] = _mm512_shuffle_f32x4(t[u], t[u + 8], 0x88);
-        r[u + 8] = _mm512_shuffle_f32x4(t[u], t[u + 8], 0xdd);
-      }
-      // r[k] = row k's 16 keys, for rows in the order below
-      static const int row_of[16] = {0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12, 14, 13, 15};
+      transpose16x16(r);
       for (int k = 0; k < 16; k++)
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(pt + (rg * 16 + row_of[k]) * KC + kb * 16),
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(pt + (rg * 16 + kTransposedCol[k]) * KC + kb * 16),
                             (__m256i)_mm512_cvtneps_pbh(r[k]));
+    }
+}
+
+// q of a tile item in AMX's VNNI pair layout: qt2[d pair][row] = (q[row][2 p], q[row][2 p + 1]) for MAX_ROWS rows,
+// rows >= nrows as zeros. Sixteen rows x sixteen pairs at a time, transposed in registers (a scalar fill of the
+// 1024 pairs took 7% of the prefill attention samples).
+template <int D>
+inline void vnni_queries(const uint16_t* const* qrow, int nrows, uint32_t* qt2) {
+  for (int rg = 0; rg < MAX_ROWS / 16; rg++)
+    for (int pb = 0; pb < D / 32; pb++) {
+      __m512 r[16];
+      for (int i = 0; i < 16; i++) {
+        const int row = rg * 16 + i;
+        r[i] = row < nrows ? _mm512_castsi512_ps(_mm512_loadu_si512(qrow[row] + pb * 32)) : _mm512_setzero_ps();
+      }
+      transpose16x16(r);
+      for (int k = 0; k < 16; k++) _mm512_storeu_ps(qt2 + (pb * 16 + kTransposedCol[k]) * MAX_ROWS + rg * 16, r[k]);
     }
 }
 
@@ -719,6 +743,41 @@ void amx_chunk_pv(const uint16_t* pt, const uint16_t* vv, int D, bool two_row_gr
 }
 #endif
 
+// The online softmax of one chunk of a tile item, rows in vector lanes: ST[key][row] holds the chunk's scores
+// (times `scale`: the AMX path's come unscaled, so m stays in their units and the scale goes into the exponent,
+// one FMA; scale > 0, so the maximum is the same either way) and gets the probabilities; m, l: the rows' running
+// maxima and sums; alpha: each row's rescale factor for O. Returns whether any row's maximum moved (else every
+// alpha is exp(0) = 1 exactly and O needs no rescale). Not inlined: inside attend_tile its constants took
+// registers from the QK^T loop, which then spilled its accumulators (float32 prefill 45% slower, measured).
+__attribute__((noinline)) bool chunk_softmax(float* ST, int nkp, int rv_n, float scale, V* m, V* l, float* alpha) {
+  // four running maxima and sums, nkp being a multiple of KB >= 4: one chain would wait on each op's latency
+  static_assert(KB % 4 == 0, "the softmax below takes keys four at a time");
+  const V sc = V::set1(scale);
+  bool moved = false;
+  for (int rv = 0; rv < rv_n; rv++) {
+    V mx4[4] = {m[rv], m[rv], m[rv], m[rv]};
+    for (int j = 0; j < nkp; j += 4)
+      for (int u = 0; u < 4; u++) mx4[u] = V::max(mx4[u], V::load(ST + (j + u) * MAX_ROWS + rv * W));
+    const V mx = V::max(V::max(mx4[0], mx4[1]), V::max(mx4[2], mx4[3]));
+    const V al = V::exp((m[rv] - mx) * sc);  // 0 on the first chunk (m = -inf, mx finite)
+    const V neg_mx = V::zero() - mx * sc;
+    V ps4[4] = {V::zero(), V::zero(), V::zero(), V::zero()};
+    for (int j = 0; j < nkp; j += 4)
+      for (int u = 0; u < 4; u++) {
+        float* s = ST + (j + u) * MAX_ROWS + rv * W;
+        const V p = V::exp(V::fma(V::load(s), sc, neg_mx));
+        p.store(s);
+        ps4[u] = ps4[u] + p;
+      }
+    const V psum = (ps4[0] + ps4[1]) + (ps4[2] + ps4[3]);
+    l[rv] = V::fma(l[rv], al, psum);
+    moved = moved || V::any_ne(m[rv], mx);
+    m[rv] = mx;
+    al.store(alpha + rv * W);
+  }
+  return moved;
+}
+
 // A tile of queries: rows r = (query q0 + r / G, head kvh * G + r % G) in vector lanes.
 template <typename T, int DV>
 void attend_tile(const AttnArgs& a, const Item& it) {
@@ -760,21 +819,19 @@ void attend_tile(const AttnArgs& a, const Item& it) {
                                                     int64_t(it.kvh * G + r % G) * D);
     for (int b = 0; b < int(D * sizeof(T)); b += 64) _mm_prefetch(src + b, _MM_HINT_T0);
   }
+  const T* qsrc[MAX_ROWS];
   for (int r = 0; r < MAX_ROWS; r++) {
     const bool real = r < nrows;
     const int i = it.q0 + r / G, h = it.kvh * G + r % G;
-    const T* src = static_cast<const T*>(a.q) + (qs + i) * a.q_stride + int64_t(h) * D;
-    if (amx) {
-      for (int d = 0; d < D; d += 2) {
-        uint32_t pair = 0;
-        if (real) memcpy(&pair, src + d, 4);
-        QT2[d / 2 * MAX_ROWS + r] = pair;
-      }
-    } else {
-      for (int d = 0; d < D; d++) QT[d * MAX_ROWS + r] = real ? to_f32(src[d]) * a.scale : 0.f;
-    }
+    qsrc[r] = static_cast<const T*>(a.q) + (qs + i) * a.q_stride + int64_t(h) * D;
+    if (!amx)
+      for (int d = 0; d < D; d++) QT[d * MAX_ROWS + r] = real ? to_f32(qsrc[r][d]) * a.scale : 0.f;
     last[r] = float(real ? ctx0 + i : ctx0);  // padding rows see key 0 only: finite, ignored
   }
+#if defined(CVK_AVX512BF16)
+  if constexpr (sizeof(T) == 2 && D % 32 == 0)
+    if (amx) vnni_queries<D>(reinterpret_cast<const uint16_t* const*>(qsrc), nrows, QT2);
+#endif
   for (int r = 0; r < (amx ? MAX_ROWS : nrows) * D; r += W) V::zero().store(O + r);  // AMX: whole tiles
   V m[RV_MAX], l[RV_MAX];
   for (int rv = 0; rv < RV_MAX; rv++) {
@@ -797,13 +854,7 @@ void attend_tile(const AttnArgs& a, const Item& it) {
         if (pos < j0 + nk)
           kgrp[g] = reinterpret_cast<const uint16_t*>(kc) + kv_offset(a, table, pos, it.kvh);
       }
-      amx_chunk_scores(QT2, kgrp[0], kgrp[1], D, rv_n > 1, ST);
-      const V scale = V::set1(a.scale);
-      for (int j = 0; j < nkp; j++)
-        for (int rv = 0; rv < rv_n; rv++) {
-          float* st = ST + j * MAX_ROWS + rv * W;
-          (V::load(st) * scale).store(st);
-        }
+      amx_chunk_scores(QT2, kgrp[0], kgrp[1], D, rv_n > 1, ST);  // unscaled: the softmax applies the scale
     }
 #endif
     if (!amx) chunk_rows<T, DV>(a, table, kc, it.kvh, j0, nk, nkp, krow, kbuf);
@@ -840,29 +891,9 @@ void attend_tile(const AttnArgs& a, const Item& it) {
         }
       }
     }
-    // online softmax, a vector of rows at a time
-    // (four running maxima and sums, nkp being a multiple of KB >= 4: one chain would wait on each op's latency)
-    static_assert(KB % 4 == 0, "the softmax below takes keys four at a time");
-    for (int rv = 0; rv < rv_n; rv++) {
-      V mx4[4] = {m[rv], m[rv], m[rv], m[rv]};
-      for (int j = 0; j < nkp; j += 4)
-        for (int u = 0; u < 4; u++) mx4[u] = V::max(mx4[u], V::load(ST + (j + u) * MAX_ROWS + rv * W));
-      const V mx = V::max(V::max(mx4[0], mx4[1]), V::max(mx4[2], mx4[3]));
-      const V al = V::exp(m[rv] - mx);  // 0 on the first chunk (m = -inf, mx finite)
-      V ps4[4] = {V::zero(), V::zero(), V::zero(), V::zero()};
-      for (int j = 0; j < nkp; j += 4)
-        for (int u = 0; u < 4; u++) {
-          float* s = ST + (j + u) * MAX_ROWS + rv * W;
-          const V p = V::exp(V::load(s) - mx);
-          p.store(s);
-          ps4[u] = ps4[u] + p;
-        }
-      const V psum = (ps4[0] + ps4[1]) + (ps4[2] + ps4[3]);
-      l[rv] = V::fma(l[rv], al, psum);
-      m[rv] = mx;
-      al.store(alpha + rv * W);
-    }
-    if (j0 > 0)
+    // online softmax (the AMX scores come unscaled; the vector path's q is pre-scaled)
+    const bool rescale = chunk_softmax(ST, nkp, rv_n, amx ? a.scale : 1.f, m, l, alpha);
+    if (j0 > 0 && rescale)
       for (int r = 0; r < nrows; r++) {
         const V al = V::set1(alpha[r]);
         for (int d = 0; d < DV; d++) (V::load(O + r * D + d * W) * al).store(O + r * D + d * W);
