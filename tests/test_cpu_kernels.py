@@ -238,6 +238,27 @@ def test_silu_mul_matches_torch(kernels, dtype, n):
     torch.testing.assert_close(out.float(), want, **TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("n", [49152, 1000, 37, 5])
+def test_argmax_rows_matches_numpy(kernels, dtype, n):
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(12, n + 3, generator=g).to(dtype)[:, :n]  # strided rows: a row stride past its width
+    x[1, :] = 0.0
+    x[1, n // 2] = x[1, n - 1] = 5.0                          # a tie: the first maximum wins
+    x[2, :] = float("-inf")                                   # all -inf: index 0
+    x[3, n - 1] = float("inf")                                # the maximum in the scalar tail (n % 16)
+    x[4, n // 3] = float("nan")
+    x[4, n - 1] = float("nan")                                # NaN counts as the maximum, the first NaN wins
+    x[5, :] = x[5, :].abs().neg()
+    x[5, n - 1] = -0.0                                        # -0.0 and 0.0 are equal maxima
+    x[5, 0] = 0.0
+    want = torch.from_numpy(x.float().numpy().argmax(axis=-1))
+    got = kernels.argmax_rows(x)
+    assert got.dtype == torch.int64
+    assert got.tolist() == want.tolist()
+    assert got[1].item() == n // 2 and got[2].item() == 0 and got[4].item() == n // 3 and got[5].item() == 0
+
+
 def test_bf16_rounding_matches_torch(kernels):
     """The kernels round float32 to bfloat16 to nearest even, as torch does; inf and NaN survive. The residual
     add of two bfloat16 values is exact in float32, so its stored result shows the rounding alone."""

@@ -31,6 +31,19 @@ def test_greedy_is_argmax_and_top_k_1_is_greedy():
     assert ids == logits.argmax(-1).tolist()
 
 
+def test_greedy_bfloat16_logits_pick_what_their_float32_copy_picks():
+    # Plain greedy rows take the argmax in the logits' own dtype (native kernel for bfloat16): the same ids as
+    # the full path, which converts to float32 first; min_tokens still bans EOS on that path.
+    logits = (torch.randn(6, 3001, generator=torch.Generator().manual_seed(4)) * 3).to(torch.bfloat16)
+    logits[0, 7] = logits[0, 9] = logits[0].max() + 1  # a tie (exact in bfloat16): the first one wins
+    logits[1, EOS] = 100.0
+    want = logits.float().argmax(-1).tolist()
+    ids, lps = Sampler([EOS]).sample(logits.clone(), [req(i, temperature=0.0) for i in range(6)])
+    assert ids == want and ids[0] == 7 and ids[1] == EOS and lps == [None] * 6
+    ids, _ = Sampler([EOS]).sample(logits.clone(), [req(i, temperature=0.0, min_tokens=2) for i in range(6)])
+    assert ids[1] != EOS and ids[0] == 7
+
+
 def test_seed_reproducible_regardless_of_batch():
     logits = logits_for(3)
     alone = Sampler([EOS], seed=1).sample(logits[1:2].clone(), [req(1, temperature=1.0, seed=42)])[0]

@@ -20,7 +20,7 @@ from conveyor.kernels.build import BuildError, build_library
 from conveyor.kernels.cpu_features import LEVEL_FLAGS, cpu_features, kernel_level
 
 SOURCE_PATH = os.path.join(os.path.dirname(__file__), "csrc", "cpu_kernels.cpp")
-ABI_VERSION = 3
+ABI_VERSION = 4
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 SUPPORTED_HEAD_DIMS = (64, 128)
 # The attention kernel's cache layout per layer: [2 (K, V), num_blocks, num_kv_heads, block_size, head_dim]. One
@@ -64,6 +64,9 @@ class CpuKernels:
         self._silu_mul = lib.cvk_silu_mul
         self._silu_mul.restype = i32
         self._silu_mul.argtypes = [i32, p, p, i64, i64, i32]
+        self._argmax_rows = lib.cvk_argmax_rows
+        self._argmax_rows.restype = i32
+        self._argmax_rows.argtypes = [i32, p, i64, i64, i64, p, i32]
         self._llama_layers = lib.cvk_llama_layers
         self._llama_layers.restype = i32
         self._llama_layers.argtypes = [i32, i32, i64, i32, i64, i64, p, p, p, p, p, p, p, p, p, i64, p, p, i32, p,
@@ -164,6 +167,19 @@ class CpuKernels:
         """Pin torch's OpenMP threads, one per CPU of ``cpus`` (see cvk_bind_threads); returns how many."""
         arr = (ctypes.c_int * len(cpus))(*cpus)
         return self._bind(ctypes.cast(arr, ctypes.c_void_p), len(cpus))
+
+    def argmax_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """The index of each row's first maximum of x [rows, n] (unit stride inside a row), as int64 [rows];
+        a NaN counts as the maximum (numpy's argmax). bfloat16 rows are read as they are: no float32 copy."""
+        rows, n = x.shape
+        if x.stride(1) != 1:
+            raise KernelError(f"argmax_rows: rows must be dense, got strides {x.stride()}")
+        out = torch.empty(rows, dtype=torch.int64)
+        rc = self._argmax_rows(_DTYPE_CODES[x.dtype], x.data_ptr(), x.stride(0), rows, n, out.data_ptr(),
+                               torch.get_num_threads())
+        if rc != 0:
+            raise KernelError(f"cvk_argmax_rows failed ({rc})")
+        return out
 
     def silu_mul(self, gate_up: torch.Tensor, out: torch.Tensor) -> None:
         """out [rows, n] = silu(gate_up[:, :n]) * gate_up[:, n:] (gate_up contiguous [rows, 2n])."""

@@ -27,6 +27,11 @@ class Sampler:
     def sample(self, logits: torch.Tensor, reqs: list[RequestState]) -> tuple[list[int], list[TokenLogprobs | None]]:
         """logits [R, V] (one row per request in ``reqs``) -> (token ids, logprobs or None per request)."""
         params = [r.params for r in reqs]
+        if all(p.greedy and p.logprobs is None and not p.has_penalties for p in params) and not any(
+                r.num_output_tokens < r.params.min_tokens for r in reqs):
+            # Plain greedy rows (the common case) need only the argmax, which reads the logits in their own
+            # dtype: no float32 copy (for bfloat16 logits of 86 x 49152, 1.4 -> 0.7 ms).
+            return argmax_rows(logits).tolist(), [None] * len(reqs)
         logits = logits.float()
         lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         raw_logprobs = torch.log_softmax(logits[lp_rows], dim=-1) if lp_rows else None
@@ -294,7 +299,15 @@ def _weight_before(vals: torch.Tensor, row: torch.Tensor, starts: torch.Tensor) 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """Row-wise argmax (first maximum). On CPU numpy's SIMD argmax is ~7x faster than torch's (0.6 vs 4.3 ms
-    for [100, 32000] here)."""
+    for [100, 32000] here); bfloat16 rows go to the native kernel when it is built (torch's bfloat16 argmax is
+    slower still), else through a float32 copy (exact) to numpy."""
+    if x.device.type == "cpu" and x.dtype == torch.bfloat16 and x.stride(-1) == 1:
+        from conveyor.kernels import load_cpu_kernels
+
+        kernels = load_cpu_kernels()
+        if kernels is not None:
+            return kernels.argmax_rows(x)
+        x = x.float()
     if x.device.type == "cpu" and x.dtype == torch.float32:
         return torch.from_numpy(x.numpy().argmax(axis=-1))
     return x.argmax(dim=-1)

@@ -89,6 +89,11 @@ struct V {
   static V fma(V a, V b, V c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }  // a * b + c
   static V max(V a, V b) { return {_mm512_max_ps(a.v, b.v)}; }
   static bool any_ne(V a, V b) { return _mm512_cmp_ps_mask(a.v, b.v, _CMP_NEQ_UQ) != 0; }
+  static int first_eq(V a, V b) {  // the first lane where a == b, or -1
+    const unsigned m = _mm512_cmp_ps_mask(a.v, b.v, _CMP_EQ_OQ);
+    return m ? __builtin_ctz(m) : -1;
+  }
+  static bool any_nan(V a) { return _mm512_cmp_ps_mask(a.v, a.v, _CMP_UNORD_Q) != 0; }
   static V rcp(V a) {  // 1 / a to ~23 bits: a 14-bit estimate and one Newton step (no slow division)
     __m512 r = _mm512_rcp14_ps(a.v);
     return {_mm512_mul_ps(r, _mm512_fnmadd_ps(a.v, r, _mm512_set1_ps(2.0f)))};
@@ -154,6 +159,11 @@ struct V {
   static V fma(V a, V b, V c) { return {_mm256_fmadd_ps(a.v, b.v, c.v)}; }
   static V max(V a, V b) { return {_mm256_max_ps(a.v, b.v)}; }
   static bool any_ne(V a, V b) { return _mm256_movemask_ps(_mm256_cmp_ps(a.v, b.v, _CMP_NEQ_UQ)) != 0; }
+  static int first_eq(V a, V b) {  // the first lane where a == b, or -1
+    const unsigned m = unsigned(_mm256_movemask_ps(_mm256_cmp_ps(a.v, b.v, _CMP_EQ_OQ)));
+    return m ? __builtin_ctz(m) : -1;
+  }
+  static bool any_nan(V a) { return _mm256_movemask_ps(_mm256_cmp_ps(a.v, a.v, _CMP_UNORD_Q)) != 0; }
   static V rcp(V a) {  // 1 / a to ~22 bits: a 12-bit estimate and one Newton step
     __m256 r = _mm256_rcp_ps(a.v);
     return {_mm256_mul_ps(r, _mm256_fnmadd_ps(a.v, r, _mm256_set1_ps(2.0f)))};
@@ -1124,6 +1134,48 @@ void silu_mul_impl(const void* gu, void* out, int64_t rows, int64_t n, int num_t
 
 
 // ---------------------------------------------------------------------------------------------------------
+// Row-wise argmax for greedy sampling, straight from the logits' dtype (bfloat16 logits need no float32 copy:
+// the conversion is exact, so the order is the same). The first maximum wins; a NaN counts as the maximum and
+// the first NaN wins (numpy's argmax, which the float32 path uses). Two passes over a row (in cache after the
+// first): the maximum, then the first lane equal to it.
+template <typename T>
+int64_t argmax_row(const T* x, int64_t n) {
+  const int64_t nv = n / W * W;
+  V mx = V::set1(-INFINITY);
+  bool nan = false;
+  for (int64_t i = 0; i < nv; i += W) {
+    const V v = V::load(x + i);
+    nan = nan || V::any_nan(v);
+    mx = V::max(mx, v);
+  }
+  float best = nv > 0 ? mx.hmax() : -INFINITY;
+  for (int64_t i = nv; i < n; i++) {
+    const float v = to_f32(x[i]);
+    nan = nan || v != v;
+    best = std::max(best, v);
+  }
+  if (nan) {
+    for (int64_t i = 0; i < n; i++)
+      if (to_f32(x[i]) != to_f32(x[i])) return i;
+  }
+  const V b = V::set1(best);
+  for (int64_t i = 0; i < nv; i += W) {
+    const int lane = V::first_eq(V::load(x + i), b);
+    if (lane >= 0) return i + lane;
+  }
+  for (int64_t i = nv; i < n; i++)
+    if (to_f32(x[i]) == best) return i;
+  return 0;  // a row of -inf only: index 0, as numpy
+}
+
+template <typename T>
+void argmax_rows_impl(const void* x, int64_t x_stride, int64_t rows, int64_t n, int64_t* out, int num_threads) {
+  const int threads = rows * n < (1 << 16) ? 1 : std::max(1, num_threads);
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t r = 0; r < rows; r++) out[r] = argmax_row<T>(static_cast<const T*>(x) + r * x_stride, n);
+}
+
+// ---------------------------------------------------------------------------------------------------------
 // Skinny GEMM for decode-sized batches: y[M, N] = x[M, K] W^T (+ bias), M small, W streamed once from a packed
 // layout: blocks of 16 output columns, k-major inside a block, so each block is one sequential read:
 //   float32:  Wp[N / 16][K][16]
@@ -1516,7 +1568,7 @@ void amx_gemm_bf16(const uint16_t* x, int64_t x_stride, int64_t M, const uint16_
 
 extern "C" {
 
-int cvk_abi_version() { return 3; }
+int cvk_abi_version() { return 4; }
 
 int cvk_vector_width() { return W; }
 
@@ -1627,6 +1679,15 @@ int cvk_amx_gemm(const void* x, int64_t x_stride, int64_t M, const void* packed,
 #else
   return -2;
 #endif
+}
+
+// out[r] <- the index of the first maximum of row r of x [rows, n] (row stride x_stride elements).
+int cvk_argmax_rows(int dtype, const void* x, int64_t x_stride, int64_t rows, int64_t n, int64_t* out,
+                    int num_threads) {
+  if (dtype == 0) argmax_rows_impl<float>(x, x_stride, rows, n, out, num_threads);
+  else if (dtype == 1) argmax_rows_impl<uint16_t>(x, x_stride, rows, n, out, num_threads);
+  else return -3;
+  return 0;
 }
 
 // out [rows, n] <- silu(gate_up[:, :n]) * gate_up[:, n:].
