@@ -25,6 +25,21 @@
 
 namespace {
 
+// Runs `body` on a team of `threads` OpenMP threads, or, when called from inside a parallel region (the
+// decoder-layer stack opens one per step: cvk_llama_layers), on that region's team, every thread of which
+// calls it. The kernels' loops are orphaned `omp for`s, so they share out over whichever team runs them, and
+// each ends with the loop's barrier. One region per step instead of one per kernel call: a fork/join cost
+// several times a barrier here, and a step of SmolLM2 made about 150 of them.
+template <class Body>
+inline void on_team(int threads, Body&& body) {
+  if (omp_in_parallel()) {
+    body();
+  } else {
+#pragma omp parallel num_threads(threads)
+    body();
+  }
+}
+
 // 64-byte aligned storage for std::vector (aligned vector loads and stores of per-thread scratch).
 template <typename T>
 struct AlignedAlloc {
@@ -994,6 +1009,7 @@ int attention_impl(const AttnArgs& a, const float* cos_sin, int num_reqs, int nu
     const int n = int(a.query_start[r + 1] - a.query_start[r]);
     n_items += n == 1 ? (a.KVH + heads_per_item - 1) / heads_per_item : a.KVH * ((n + tq - 1) / tq);
   }
+  // (On a team, every thread builds the same list for itself: a few microseconds, and nothing to share.)
   Item* items = static_cast<Item*>(malloc(sizeof(Item) * size_t(std::max(n_items, 1))));
   int* req_of_token = static_cast<int*>(malloc(sizeof(int) * size_t(std::max<int64_t>(T_total, 1))));
   if (items == nullptr || req_of_token == nullptr) {
@@ -1023,8 +1039,7 @@ int attention_impl(const AttnArgs& a, const float* cos_sin, int num_reqs, int nu
   int64_t work = 0;
   for (int i = 0; i < n_items; i++) work += items[i].cost;
   const int threads = work * a.D < 32768 ? 1 : std::max(1, num_threads);
-#pragma omp parallel num_threads(threads)
-  {
+  on_team(threads, [&] {
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < T_total; t++) {
       const int r = req_of_token[t];
@@ -1035,7 +1050,7 @@ int attention_impl(const AttnArgs& a, const float* cos_sin, int num_reqs, int nu
     // the implicit barrier above: every new K/V row is in the cache before any item reads it
 #pragma omp for schedule(dynamic, 1)
     for (int i = 0; i < n_items; i++) attend_item<T, DV>(a, items[i]);
-  }
+  });
   free(items);
   free(req_of_token);
   return 0;
@@ -1103,10 +1118,12 @@ template <typename T>
 void add_rmsnorm_impl(const void* x, int64_t x_stride, void* res, const void* w, void* out, int64_t rows,
                       int64_t n, float eps, bool add, int num_threads) {
   const int threads = rows * n < (1 << 15) ? 1 : std::max(1, num_threads);
-#pragma omp parallel for num_threads(threads) schedule(static)
-  for (int64_t r = 0; r < rows; r++)
-    add_rmsnorm_row<T>(static_cast<const T*>(x) + r * x_stride, static_cast<T*>(res) + r * n,
-                       static_cast<const T*>(w), static_cast<T*>(out) + r * n, n, eps, add);
+  on_team(threads, [&] {
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; r++)
+      add_rmsnorm_row<T>(static_cast<const T*>(x) + r * x_stride, static_cast<T*>(res) + r * n,
+                         static_cast<const T*>(w), static_cast<T*>(out) + r * n, n, eps, add);
+  });
 }
 
 // SwiGLU on a fused gate_up projection: out[r, i] = silu(gate[r, i]) * up[r, i].
@@ -1114,22 +1131,24 @@ template <typename T>
 void silu_mul_impl(const void* gu, void* out, int64_t rows, int64_t n, int num_threads) {
   const int threads = rows * n < (1 << 15) ? 1 : std::max(1, num_threads);
   const int64_t nv = n / W * W;
-#pragma omp parallel for num_threads(threads) schedule(static)
-  for (int64_t r = 0; r < rows; r++) {
-    const T* g = static_cast<const T*>(gu) + r * 2 * n;
-    const T* u = g + n;
-    T* o = static_cast<T*>(out) + r * n;
-    const V one = V::set1(1.f);
-    for (int64_t i = 0; i < nv; i += W) {
-      V x = V::load(g + i);
-      V s = x * V::rcp(one + V::exp(V::zero() - x));
-      (s * V::load(u + i)).store(o + i);
+  on_team(threads, [&] {
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+      const T* g = static_cast<const T*>(gu) + r * 2 * n;
+      const T* u = g + n;
+      T* o = static_cast<T*>(out) + r * n;
+      const V one = V::set1(1.f);
+      for (int64_t i = 0; i < nv; i += W) {
+        V x = V::load(g + i);
+        V s = x * V::rcp(one + V::exp(V::zero() - x));
+        (s * V::load(u + i)).store(o + i);
+      }
+      for (int64_t i = nv; i < n; i++) {
+        const float x = to_f32(g[i]);
+        from_f32(x / (1.f + expf(-x)) * to_f32(u[i]), o + i);
+      }
     }
-    for (int64_t i = nv; i < n; i++) {
-      const float x = to_f32(g[i]);
-      from_f32(x / (1.f + expf(-x)) * to_f32(u[i]), o + i);
-    }
-  }
+  });
 }
 
 
@@ -1346,11 +1365,16 @@ void skinny_gemm_f32_units(const float* x, int64_t x_stride, int64_t M, const fl
                            int64_t y_stride, int64_t N, int64_t K, int threads) {
   const int64_t nblocks = (N + NBLK - 1) / NBLK, nunits = (nblocks + NB - 1) / NB, block_elems = K * NBLK;
   const int64_t tiles = (M + TR - 1) / TR;
-  static thread_local std::vector<float> packed_x;  // the calling thread's: shared by the team below
-  packed_x.resize(size_t(tiles * K * TR));
-  float* xp = packed_x.data();
-#pragma omp parallel num_threads(threads)
-  {
+  on_team(threads, [&] {
+    // x packed once, into one thread's buffer that the whole team reads (a team's threads are its own, so
+    // two engines calling from two threads never share one)
+    static thread_local std::vector<float> packed_x;
+    float* xp;
+#pragma omp single copyprivate(xp)
+    {
+      packed_x.resize(size_t(tiles * K * TR));
+      xp = packed_x.data();
+    }
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < tiles; t++) {
       const int64_t rows = std::min<int64_t>(TR, M - t * TR);
@@ -1402,7 +1426,7 @@ void skinny_gemm_f32_units(const float* x, int64_t x_stride, int64_t M, const fl
             skinny_store<float>(acc + t * TR * NB * 16 + h * 32, int(std::min<int64_t>(TR, M - t * TR)), bias,
                                 NB * u * NBLK + 32 * h, N, y + t * TR * y_stride, y_stride, NB * 16);
     }
-  }
+  });
 }
 
 void skinny_gemm_f32_blocked(const float* x, int64_t x_stride, int64_t M, const float* wp, const float* bias, float* y,
@@ -1436,7 +1460,8 @@ void skinny_gemm_impl(const T* x, int64_t x_stride, int64_t M, const T* wp, cons
     }
   }
 #endif
-#pragma omp parallel for num_threads(threads) schedule(static)
+  on_team(threads, [&] {
+#pragma omp for schedule(static)
   for (int64_t p = 0; p < npairs; p++) {
     alignas(64) float acc[SK_ROWS * 32];
     const T* w0 = wp + 2 * p * block_elems;
@@ -1468,7 +1493,7 @@ void skinny_gemm_impl(const T* x, int64_t x_stride, int64_t M, const T* wp, cons
 #undef CVK_SKINNY_CASE
       skinny_store<T>(acc, R, bias, 2 * p * NBLK, N, y + m0 * y_stride, y_stride);
     }
-  }
+  }  });
 }
 
 
@@ -1485,8 +1510,8 @@ void amx_gemm_bf16(const uint16_t* x, int64_t x_stride, int64_t M, const uint16_
   const int64_t nblocks = (N + NBLK - 1) / NBLK, npairs = (nblocks + 1) / 2;
   const int64_t block_elems = K * NBLK;
   const int threads = npairs < 4 ? 1 : std::max(1, num_threads);
-#pragma omp parallel num_threads(threads)
-  {
+  // (the lambda is a function of its own: it needs the AMX target too)
+  on_team(threads, [&]() __attribute__((target("amx-tile,amx-bf16"))) {
     alignas(64) float c[4][16 * 16];
     int rows0 = -1, rows1 = -1;
 #pragma omp for schedule(static)
@@ -1560,7 +1585,7 @@ void amx_gemm_bf16(const uint16_t* x, int64_t x_stride, int64_t M, const uint16_
       }
     }
     if (rows0 >= 0) _tile_release();
-  }
+  });
 }
 #endif
 
@@ -1749,15 +1774,23 @@ int cvk_llama_layers(int dtype, int use_amx, int64_t T, int L, int64_t hidden, i
     else add_rmsnorm_impl<uint16_t>(in, hidden, residual, w, h, T, hidden, eps, add, num_threads);
   };
   char* qkv_c = static_cast<char*>(qkv);
+  int rc = 0;
+  // One parallel region for the whole stack: every kernel below runs on its team (on_team), separated by the
+  // barriers of their loops, instead of forking and joining a team per call.
+#pragma omp parallel num_threads(std::max(1, num_threads))
   for (int l = 0; l < L; l++) {
     norm(l == 0 ? residual : x, ptr(LW_IN_NORM, l), l > 0);
     gemm(h, hidden, l, LW_QKV, LW_QKV_B, qkv, qkv_n);
     const AttnArgs a{qkv_c, qkv_n, qkv_c + q_n * es, qkv_n, qkv_c + (q_n + int64_t(KVH) * D) * es, qkv_n,
                      ptr(LW_KC, l), ptr(LW_VC, l), block_table, bt_stride, query_start, seq_lens, attn, q_n,
                      H, KVH, D, bs, scale};
-    const int rc = dtype == 0 ? attention_dispatch<float>(a, cos_sin, num_reqs, num_threads)
-                              : attention_dispatch<uint16_t>(a, cos_sin, num_reqs, num_threads);
-    if (rc != 0) return rc;
+    const int arc = dtype == 0 ? attention_dispatch<float>(a, cos_sin, num_reqs, num_threads)
+                               : attention_dispatch<uint16_t>(a, cos_sin, num_reqs, num_threads);
+    if (arc != 0) {  // the same on every thread (the inputs decide it), so the team stops together
+#pragma omp atomic write
+      rc = arc;
+      break;
+    }
     gemm(attn, q_n, l, LW_O, LW_O_B, x, hidden);
     norm(x, ptr(LW_POST_NORM, l), true);
     gemm(h, hidden, l, LW_GU, LW_GU_B, gu, 2 * inter);
@@ -1765,7 +1798,7 @@ int cvk_llama_layers(int dtype, int use_amx, int64_t T, int L, int64_t hidden, i
     else silu_mul_impl<uint16_t>(gu, act, T, inter, num_threads);
     gemm(act, inter, l, LW_DOWN, LW_DOWN_B, x, hidden);
   }
-  return 0;
+  return rc;
 }
 
 }  // extern "C"
