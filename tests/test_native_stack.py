@@ -40,6 +40,12 @@ def llama(path):
         num_key_value_heads=1, max_position_embeddings=512, tie_word_embeddings=False))
 
 
+def llama_mlp_bias(path):  # gate_up and down biases (the bfloat16 stack forms silu(gate) * up in the GEMM)
+    return save_model(path, transformers.LlamaForCausalLM, transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=128, intermediate_size=320, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=512, tie_word_embeddings=False, mlp_bias=True))
+
+
 def qwen2(path):  # q/k/v biases
     return save_model(path, transformers.Qwen2ForCausalLM, transformers.Qwen2Config(
         vocab_size=VOCAB, hidden_size=128, intermediate_size=192, num_hidden_layers=2, num_attention_heads=2,
@@ -52,7 +58,8 @@ def generate(llm, with_stack: bool):
     if not with_stack:
         model.native_stack = None
     try:
-        prompts = [{"prompt_token_ids": [(7 * i + 3 * j) % VOCAB for j in range(5 + 9 * i)]} for i in range(10)]
+        # 20 requests: decode steps of up to 20 rows, so the second 16-row group of a tile is used too
+        prompts = [{"prompt_token_ids": [(7 * i + 3 * j) % VOCAB for j in range(5 + 9 * i)]} for i in range(20)]
         params = SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.0, logprobs=3)
         outs = llm.generate(prompts, params, use_tqdm=False)
     finally:
@@ -61,7 +68,7 @@ def generate(llm, with_stack: bool):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("make", [llama, qwen2])
+@pytest.mark.parametrize("make", [llama, llama_mlp_bias, qwen2])
 def test_stack_is_bit_identical_to_the_per_layer_path(tmp_path, dtype, make):
     llm = LLM(str(make(tmp_path / "m")), dtype=dtype, enable_prefix_caching=False, detokenize=False, block_size=16)
     stack = llm.engine.model.native_stack

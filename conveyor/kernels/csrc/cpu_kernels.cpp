@@ -1504,10 +1504,15 @@ void skinny_gemm_impl(const T* x, int64_t x_stride, int64_t M, const T* wp, cons
 // a 16 x 16 float32 block per TDPBF16PS. Weights stream once per 32 rows of x; at decode sizes the loop is
 // bound by that stream (oneDNN's AMX kernels reach about half of it at 17-128 rows: README).
 // Tiles: 0, 1 = x rows [m0, m0+16), [m0+16, m0+32); 2, 3 = two weight column blocks; 4-7 = the four results.
+// swiglu: the packed weight is a fused gate_up projection (2 N columns, gate then up) and y [M, N] gets
+// silu(gate) * up. A unit is then gate block b with its up block (N / 16 blocks on), so the product is formed
+// in the epilogue from the two results rounded to bfloat16 as a plain gate_up GEMM stores them, in
+// silu_mul_impl's arithmetic: bit-identical to the two calls, without the [M, 2 N] round trip or their
+// barrier. Needs N % 16 == 0.
 __attribute__((target("amx-tile,amx-bf16")))
 void amx_gemm_bf16(const uint16_t* x, int64_t x_stride, int64_t M, const uint16_t* wp, const uint16_t* bias,
-                   uint16_t* y, int64_t y_stride, int64_t N, int64_t K, int num_threads) {
-  const int64_t nblocks = (N + NBLK - 1) / NBLK, npairs = (nblocks + 1) / 2;
+                   uint16_t* y, int64_t y_stride, int64_t N, int64_t K, int num_threads, bool swiglu = false) {
+  const int64_t nblocks = (N + NBLK - 1) / NBLK, npairs = swiglu ? nblocks : (nblocks + 1) / 2;
   const int64_t block_elems = K * NBLK;
   const int threads = npairs < 4 ? 1 : std::max(1, num_threads);
   // (the lambda is a function of its own: it needs the AMX target too)
@@ -1516,12 +1521,14 @@ void amx_gemm_bf16(const uint16_t* x, int64_t x_stride, int64_t M, const uint16_
     int rows0 = -1, rows1 = -1;
 #pragma omp for schedule(static)
     for (int64_t p = 0; p < npairs; p++) {
-      const uint16_t* w0 = wp + 2 * p * block_elems;
-      const uint16_t* w1 = 2 * p + 1 < nblocks ? w0 + block_elems : w0;
+      const uint16_t* w0 = wp + (swiglu ? p : 2 * p) * block_elems;
+      const uint16_t* w1 = swiglu ? w0 + nblocks * block_elems : 2 * p + 1 < nblocks ? w0 + block_elems : w0;
       // The next pair's weights, asked for into L2 while this pair's first row group runs (at the rate this
-      // one consumes its own), so only a layer's first pair waits on memory.
-      const char* next = p + 1 < npairs ? reinterpret_cast<const char*>(wp + 2 * (p + 1) * block_elems) : nullptr;
-      const int64_t next_bytes = std::min<int64_t>(2, nblocks - 2 * (p + 1)) * block_elems * 2;
+      // one consumes its own), so only a layer's first pair waits on memory. (Plain: the two blocks follow
+      // each other; swiglu: 1 KB of each of the two per k step.)
+      const char* next = p + 1 < npairs ? reinterpret_cast<const char*>(w0 + (swiglu ? 1 : 2) * block_elems) : nullptr;
+      const int64_t next_bytes = swiglu ? 1024 * (K / 32) : std::min<int64_t>(2, nblocks - 2 * (p + 1)) * block_elems * 2;
+      const int64_t twin = nblocks * block_elems * 2;  // bytes from a gate block to its up block
       for (int64_t m0 = 0; m0 < M; m0 += 32) {
         const int r0 = int(std::min<int64_t>(16, M - m0)), r1 = int(std::max<int64_t>(0, std::min<int64_t>(16, M - m0 - 16)));
         if (r0 != rows0 || r1 != rows1) {
@@ -1541,8 +1548,15 @@ void amx_gemm_bf16(const uint16_t* x, int64_t x_stride, int64_t M, const uint16_
         for (int64_t k = 0; k < K; k += 32) {
           if (m0 == 0 && next) {
             // this k step reads 2 x 1 KB of its pair: prefetch 2 KB of the next pair's (both blocks in order)
-            const int64_t off = k * NBLK * 4;
-            for (int64_t b = off; b < std::min(off + 2048, next_bytes); b += 64) _mm_prefetch(next + b, _MM_HINT_T1);
+            if (swiglu) {
+              for (int64_t b = k * NBLK * 2; b < k * NBLK * 2 + 1024; b += 64) {
+                _mm_prefetch(next + b, _MM_HINT_T1);
+                _mm_prefetch(next + twin + b, _MM_HINT_T1);
+              }
+            } else {
+              const int64_t off = k * NBLK * 4;
+              for (int64_t b = off; b < std::min(off + 2048, next_bytes); b += 64) _mm_prefetch(next + b, _MM_HINT_T1);
+            }
           }
           _tile_loadd(0, xa + k, xs);
           _tile_loadd(2, w0 + k * NBLK, 64);
@@ -1560,6 +1574,25 @@ void amx_gemm_bf16(const uint16_t* x, int64_t x_stride, int64_t M, const uint16_
         if (r1) {
           _tile_stored(6, c[2], 64);
           _tile_stored(7, c[3], 64);
+        }
+        if (swiglu) {
+          const int64_t n0 = p * NBLK;
+          const V one = V::set1(1.f);
+          alignas(64) uint16_t gb[16], ub[16];
+          for (int half = 0; half < 2; half++)
+            for (int r = 0; r < (half ? r1 : r0); r++) {
+              V g = V::load(c[2 * half] + r * 16), u = V::load(c[2 * half + 1] + r * 16);
+              if (bias) {
+                g = g + V::load(bias + n0);
+                u = u + V::load(bias + N + n0);
+              }
+              g.store(gb);  // rounded to bfloat16, as the gate_up output would hold them
+              u.store(ub);
+              g = V::load(gb);
+              const V sg = g * V::rcp(one + V::exp(V::zero() - g));
+              (sg * V::load(ub)).store(y + (m0 + 16 * half + r) * y_stride + n0);
+            }
+          continue;
         }
         const int64_t n0 = 2 * p * NBLK;
         const int nc = int(std::min<int64_t>(32, N - n0));
@@ -1793,9 +1826,16 @@ int cvk_llama_layers(int dtype, int use_amx, int64_t T, int L, int64_t hidden, i
     }
     gemm(attn, q_n, l, LW_O, LW_O_B, x, hidden);
     norm(x, ptr(LW_POST_NORM, l), true);
-    gemm(h, hidden, l, LW_GU, LW_GU_B, gu, 2 * inter);
-    if (dtype == 0) silu_mul_impl<float>(gu, act, T, inter, num_threads);
-    else silu_mul_impl<uint16_t>(gu, act, T, inter, num_threads);
+    if (dtype == 0) {
+      gemm(h, hidden, l, LW_GU, LW_GU_B, gu, 2 * inter);
+      silu_mul_impl<float>(gu, act, T, inter, num_threads);
+    } else {
+#if defined(CVK_AVX512BF16)
+      amx_gemm_bf16(static_cast<const uint16_t*>(h), hidden, T, static_cast<const uint16_t*>(ptr(LW_GU, l)),
+                    static_cast<const uint16_t*>(ptr(LW_GU_B, l)), static_cast<uint16_t*>(act), inter, inter, hidden,
+                    num_threads, /*swiglu=*/true);
+#endif
+    }
     gemm(act, inter, l, LW_DOWN, LW_DOWN_B, x, hidden);
   }
   return rc;
