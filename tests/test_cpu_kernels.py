@@ -112,6 +112,7 @@ def split_heads(qkv, heads, kv_heads, head_dim):
 
 MIXES = {
     "decodes": [(c, 1) for c in (0, 1, 15, 16, 17, 31, 32, 33, 64, 100, 300)],
+    "few_decodes": [(5, 1), (40, 1)],  # fewer decodes than threads want items: a request's kv heads split
     "prefills": [(0, 1), (0, 7), (0, 33), (0, 70)],
     "chunks_with_context": [(16, 16), (5, 9), (31, 2), (40, 45)],
     "mixed": [(40, 1), (3, 1), (100, 1), (0, 20), (17, 5), (64, 30)],

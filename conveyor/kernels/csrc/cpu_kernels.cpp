@@ -970,21 +970,24 @@ inline void rope_head(T* x, const float* cs, int D) {
   }
 }
 
-// Token t at `pos`: rotate its q and k heads in place (when cos_sin is given), store its k and v in the cache.
+// Token t at `pos`: rotate its q and k heads in place (when cos_sin is given), store its k and v in the cache;
+// for kv heads [h0, h1) and their query heads (default: all).
 template <typename T>
-void rope_and_store(const AttnArgs& a, const int64_t* table, int64_t t, int64_t pos, const float* cos_sin) {
-  const int D = a.D;
+void rope_and_store(const AttnArgs& a, const int64_t* table, int64_t t, int64_t pos, const float* cos_sin,
+                    int h0 = 0, int h1 = -1) {
+  const int D = a.D, G = a.H / a.KVH;
+  if (h1 < 0) h1 = a.KVH;
   T* q = static_cast<T*>(a.q) + t * a.q_stride;
   T* k = static_cast<T*>(a.k) + t * a.k_stride;
   const T* v = static_cast<const T*>(a.v) + t * a.v_stride;
   if (cos_sin != nullptr) {
     const float* cs = cos_sin + pos * D;  // [cos(half), sin(half)]
-    for (int h = 0; h < a.H; h++) rope_head(q + int64_t(h) * D, cs, D);
-    for (int h = 0; h < a.KVH; h++) rope_head(k + int64_t(h) * D, cs, D);
+    for (int h = h0 * G; h < h1 * G; h++) rope_head(q + int64_t(h) * D, cs, D);
+    for (int h = h0; h < h1; h++) rope_head(k + int64_t(h) * D, cs, D);
   }
   T* kc = static_cast<T*>(const_cast<void*>(a.k_cache));
   T* vc = static_cast<T*>(const_cast<void*>(a.v_cache));
-  for (int h = 0; h < a.KVH; h++) {
+  for (int h = h0; h < h1; h++) {
     const int64_t off = kv_offset(a, table, pos, h);
     memcpy(kc + off, k + int64_t(h) * D, sizeof(T) * D);
     memcpy(vc + off, v + int64_t(h) * D, sizeof(T) * D);
@@ -1039,17 +1042,29 @@ int attention_impl(const AttnArgs& a, const float* cos_sin, int num_reqs, int nu
   int64_t work = 0;
   for (int i = 0; i < n_items; i++) work += items[i].cost;
   const int threads = work * a.D < 32768 ? 1 : std::max(1, num_threads);
+  // When every request decodes one token, an item's new K/V row and q heads are its own (items split a
+  // request by kv heads only): the item ropes and stores them itself, right before it reads them, and the
+  // step needs no separate pass and barrier for it.
+  const bool item_ropes = num_one == num_reqs;
   on_team(threads, [&] {
+    if (!item_ropes) {
 #pragma omp for schedule(static)
-    for (int64_t t = 0; t < T_total; t++) {
-      const int r = req_of_token[t];
-      const int64_t n = a.query_start[r + 1] - a.query_start[r];
-      const int64_t pos = a.seq_lens[r] - n + (t - a.query_start[r]);
-      rope_and_store<T>(a, a.block_table + r * a.bt_stride, t, pos, cos_sin);
+      for (int64_t t = 0; t < T_total; t++) {
+        const int r = req_of_token[t];
+        const int64_t n = a.query_start[r + 1] - a.query_start[r];
+        const int64_t pos = a.seq_lens[r] - n + (t - a.query_start[r]);
+        rope_and_store<T>(a, a.block_table + r * a.bt_stride, t, pos, cos_sin);
+      }
+      // the implicit barrier above: every new K/V row is in the cache before any item reads it
     }
-    // the implicit barrier above: every new K/V row is in the cache before any item reads it
 #pragma omp for schedule(dynamic, 1)
-    for (int i = 0; i < n_items; i++) attend_item<T, DV>(a, items[i]);
+    for (int i = 0; i < n_items; i++) {
+      const Item& it = items[i];
+      if (item_ropes)
+        rope_and_store<T>(a, a.block_table + it.req * a.bt_stride, a.query_start[it.req], a.seq_lens[it.req] - 1,
+                          cos_sin, it.kvh, it.kvh_end);
+      attend_item<T, DV>(a, it);
+    }
   });
   free(items);
   free(req_of_token);
