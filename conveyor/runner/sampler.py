@@ -27,8 +27,8 @@ class Sampler:
     def sample(self, logits: torch.Tensor, reqs: list[RequestState]) -> tuple[list[int], list[TokenLogprobs | None]]:
         """logits [R, V] (one row per request in ``reqs``) -> (token ids, logprobs or None per request)."""
         params = [r.params for r in reqs]
-        if all(p.greedy and p.logprobs is None and not p.has_penalties for p in params) and not any(
-                r.num_output_tokens < r.params.min_tokens for r in reqs):
+        below_min_tokens = [i for i, r in enumerate(reqs) if r.num_output_tokens < r.params.min_tokens]
+        if not below_min_tokens and all(p.greedy and p.logprobs is None and not p.has_penalties for p in params):
             # Plain greedy rows (the common case) need only the argmax, which reads the logits in their own
             # dtype: no float32 copy (for bfloat16 logits of 86 x 49152, 1.4 -> 0.7 ms).
             return argmax_rows(logits).tolist(), [None] * len(reqs)
@@ -40,9 +40,8 @@ class Sampler:
         if penalised:
             apply_penalties(logits, [reqs[i] for i in penalised], penalised)
         vocab = logits.shape[1]
-        banned = [(i, self._stop_ids(r, vocab)) for i, r in enumerate(reqs)
-                  if r.num_output_tokens < r.params.min_tokens]
-        for i, ids in banned:
+        for i in below_min_tokens:
+            ids = self._stop_ids(reqs[i], vocab)
             if ids:
                 logits[i, ids] = float("-inf")
 

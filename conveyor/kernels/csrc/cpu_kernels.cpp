@@ -1542,8 +1542,7 @@ void amx_gemm_bf16(const uint16_t* x, int64_t x_stride, int64_t M, const uint16_
       // one consumes its own), so only a layer's first pair waits on memory. (Plain: the two blocks follow
       // each other; swiglu: 1 KB of each of the two per k step.)
       const char* next = p + 1 < npairs ? reinterpret_cast<const char*>(w0 + (swiglu ? 1 : 2) * block_elems) : nullptr;
-      const int64_t next_bytes = swiglu ? 1024 * (K / 32) : std::min<int64_t>(2, nblocks - 2 * (p + 1)) * block_elems * 2;
-      const int64_t twin = nblocks * block_elems * 2;  // bytes from a gate block to its up block
+      const int64_t twin = nblocks * block_elems * 2;  // swiglu: bytes from a gate block to its up block
       for (int64_t m0 = 0; m0 < M; m0 += 32) {
         const int r0 = int(std::min<int64_t>(16, M - m0)), r1 = int(std::max<int64_t>(0, std::min<int64_t>(16, M - m0 - 16)));
         if (r0 != rows0 || r1 != rows1) {
@@ -1570,6 +1569,7 @@ void amx_gemm_bf16(const uint16_t* x, int64_t x_stride, int64_t M, const uint16_
               }
             } else {
               const int64_t off = k * NBLK * 4;
+              const int64_t next_bytes = std::min<int64_t>(2, nblocks - 2 * (p + 1)) * block_elems * 2;
               for (int64_t b = off; b < std::min(off + 2048, next_bytes); b += 64) _mm_prefetch(next + b, _MM_HINT_T1);
             }
           }
