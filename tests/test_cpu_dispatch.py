@@ -157,21 +157,35 @@ def test_packed_linear_torch_fallback_is_the_same_layer():
 
 
 _PIN_SCRIPT = """
-import json, os, sys
+import json, os, sys, threading
 import torch
-from conveyor.kernels.cpu_ops import bind_threads_to_cores, load_cpu_kernels
+from conveyor.kernels.cpu_ops import load_cpu_kernels, plan_core_binding
 cpus = sorted(os.sched_getaffinity(0))
 torch.set_num_threads(int(sys.argv[1]))
-said = bind_threads_to_cores(load_cpu_kernels())
-print(json.dumps({"cpus": cpus, "said": said, "main": sorted(os.sched_getaffinity(0))}))
+binding, said = plan_core_binding(load_cpu_kernels())
+inside = []
+def step():  # what a step sees, twice: the pool is pinned at the first, the thread re-pinned at the second
+    for _ in range(2):
+        with binding.pinned():
+            inside.append(sorted(os.sched_getaffinity(0)))
+if binding is not None:
+    step()
+late = []  # a thread started after the steps: it inherits the main thread's mask
+t = threading.Thread(target=lambda: late.append(sorted(os.sched_getaffinity(0)))); t.start(); t.join()
+other = []  # steps run from another thread: its own pool is pinned, its mask restored after
+if binding is not None:
+    t = threading.Thread(target=lambda: (step(), other.append(sorted(os.sched_getaffinity(0))))); t.start(); t.join()
+print(json.dumps({"cpus": cpus, "said": said, "main": sorted(os.sched_getaffinity(0)), "inside": inside,
+                  "late": late[0], "other": other}))
 """
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="Linux only")
 @pytest.mark.parametrize("threads", ["all", 1])
-def test_threads_pinned_one_per_cpu_only_when_they_use_every_cpu(threads):
-    """In a child process (pinning is per process): as many threads as allowed CPUs -> each pinned to one, the
-    main thread (thread 0 of the pool) to the first; fewer threads -> left alone."""
+def test_threads_pinned_one_per_cpu_only_while_a_step_runs(threads):
+    """In a child process (pinning is per process): as many threads as allowed CPUs -> inside a step the stepping
+    thread (thread 0 of its pool) is pinned to the first CPU, and after it its mask is back, so threads started
+    later are not confined to that CPU; fewer threads -> left alone."""
     cpus = sorted(os.sched_getaffinity(0))
     n = len(cpus) if threads == "all" else 1
     if n < 2 and threads == "all":
@@ -179,8 +193,42 @@ def test_threads_pinned_one_per_cpu_only_when_they_use_every_cpu(threads):
     out = subprocess.run([sys.executable, "-c", _PIN_SCRIPT, str(n)], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["main"] == cpus and got["late"] == cpus
     if threads == "all" and "no native kernels" not in got["said"]:
-        assert got["said"] == f"{n} threads pinned to CPUs {cpus}"
-        assert got["main"] == [cpus[0]]
+        assert got["said"] == f"{n} threads pinned one per CPU of {cpus} while a step runs"
+        assert got["inside"] == [[cpus[0]]] * 4 and got["other"] == [cpus]
     else:
-        assert got["said"].startswith("threads not pinned") and got["main"] == cpus
+        assert got["said"].startswith("threads not pinned") and got["inside"] == []
+
+
+_ENGINE_PIN_SCRIPT = """
+import json, os, sys, threading
+import torch
+from conveyor import LLM, SamplingParams
+cpus = sorted(os.sched_getaffinity(0))
+torch.set_num_threads(len(cpus))
+llm = LLM(sys.argv[1], dtype="float32", enable_prefix_caching=False, detokenize=False)
+prompts = [{"prompt_token_ids": [(7 * i + j) % 300 + 3 for j in range(9 + 5 * i)]} for i in range(6)]
+params = SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.0)
+ids = lambda: [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+main_ids = ids()
+seen = {}
+def from_thread():
+    seen["mask"] = sorted(os.sched_getaffinity(0))
+    seen["ids"] = ids()
+t = threading.Thread(target=from_thread); t.start(); t.join()
+print(json.dumps({"cpus": cpus, "main": sorted(os.sched_getaffinity(0)), "thread": seen["mask"],
+                  "same": seen["ids"] == main_ids}))
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="Linux only")
+def test_an_engine_leaves_its_callers_cpu_mask_alone(tiny_llama_dir):
+    """Building and running an LLM (in a child process: pinning is per process) leaves the calling thread's CPU
+    mask as it was, so a thread started afterwards may use every CPU (it inherits the mask; a pinned-for-good
+    caller confined it, and an LLM run from it, to one CPU) and gets the same tokens."""
+    out = subprocess.run([sys.executable, "-c", _ENGINE_PIN_SCRIPT, str(tiny_llama_dir)], capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["main"] == got["cpus"] and got["thread"] == got["cpus"] and got["same"]

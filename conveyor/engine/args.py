@@ -54,8 +54,8 @@ class EngineArgs:
     debug_invariants: bool = _arg(False, "check the scheduler's and KV cache's invariants after every step")
     detokenize: bool = field(default=True, metadata={"cli": False})  # benchmarks turn it off: ids in, ids out
     num_threads: int | None = _arg(None, "torch intra-op threads on CPU (default: all cores)")
-    cpu_bind_threads: bool = _arg(True, "pin torch's threads one per CPU when they use every allowed CPU (as vLLM "
-                                        "does)")
+    cpu_bind_threads: bool = _arg(True, "pin torch's threads one per CPU while a step runs, when they use every "
+                                        "allowed CPU (as vLLM does)")
     cpu_ids: str | None = _arg(None, "CPUs the engine computes on, e.g. '1' or '0,2-3' (default: every CPU it may "
                                      "use); one torch thread per CPU unless --num-threads says otherwise")
 

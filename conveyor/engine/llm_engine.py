@@ -7,6 +7,7 @@ a stop string ended. The engine is the layer that reads the clock (``time.monoto
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
@@ -95,11 +96,15 @@ class LLMEngine:
             self.model, self.model_info, num_blocks=num_blocks, block_size=cache.block_size, device=device,
             attention_backend=args.attention_backend, seed=args.seed,  # --seed seeds sampling too, as in vLLM
         )
+        self._pinned = contextlib.nullcontext  # a step's thread binding (CPU: see CoreBinding)
         if device == "cpu" and args.cpu_bind_threads:
             from conveyor.kernels import load_cpu_kernels
-            from conveyor.kernels.cpu_ops import bind_threads_to_cores
+            from conveyor.kernels.cpu_ops import plan_core_binding
 
-            logger.info("CPU: %s", bind_threads_to_cores(load_cpu_kernels()))
+            binding, said = plan_core_binding(load_cpu_kernels())
+            logger.info("CPU: %s", said)
+            if binding is not None:
+                self._pinned = binding.pinned
         self.output_processor = OutputProcessor(self.tokenizer, detokenize=args.detokenize)
         self.step_listeners: list[Callable[[StepRecord], None]] = []
         self._ids = itertools.count()
@@ -250,7 +255,8 @@ class LLMEngine:
         if sched_out.is_empty:
             return []
         record = StepRecord.before(start, sched_out, self.scheduler) if self.step_listeners else None
-        model_out = self.executor.execute(sched_out)
+        with self._pinned():
+            model_out = self.executor.execute(sched_out)
         now = time.monotonic()
         updates = self.scheduler.update(sched_out, model_out, now)
         processed = self.output_processor.process(updates, now, model_out.prompt_logprobs)
