@@ -1344,27 +1344,43 @@ void skinny_store(const float* acc, int R, const T* bias, int64_t n0, int64_t N,
 // float32 past one row tile (M > SK_ROWS), where the GEMM turns compute-bound. The one-tile loop above re-reads a
 // column pair's W (2 x K x 64 B: 64-180 KB, past L1) from L2 for every row tile and keeps 8 row pointers live,
 // which spills them; here K is split into chunks whose W (2 or 4 blocks x SK_KC x 64 B = 16 or 32 KB) stays in
-// L1 while every row tile passes over it, the next chunk's W is prefetched during the first tile's pass, and x is
-// packed once per call k-major per tile (xp[tile][k][rows]: one pointer, a broadcast per row at fixed offsets).
+// L1 while every row tile passes over it, the thread's next unit of W is prefetched over this unit's passes
+// (UnitPrefetch), and x is packed once per call k-major per tile (xp[tile][k][rows]: one pointer, a broadcast per
+// row at fixed offsets).
 // Each output still sums k = 0 .. K-1 in order in one float32 accumulator (stored and reloaded between chunks,
 // which is exact), so results are bit-identical to the one-tile loop. Measured (alternated A/B in one process, bench model shapes incl. lm_head,
 // 2 threads, a noisy machine): 16 rows 111 -> 121 GFLOP/s, 48 rows 119 -> 131, 96 rows 121 -> 128 (best of 8);
 // the chunk size (64/128/256) made no difference beyond the noise.
 constexpr int64_t SK_KC = 128;
 
+// Streams the weights of a thread's next unit (its NB blocks: one contiguous run of lines) towards L1 while the
+// current unit computes, a few lines per k step at the rate that spreads the whole run over the unit's passes
+// (row tiles x K steps). Asking for the next chunk of the same unit during the first tile's pass only, as this
+// loop did before, bunched the requests into a quarter of the time at 32 rows, and the later passes, served
+// from L1, left memory idle: DRAM-resident weights (30 SmolLM2 layers + lm_head, alternated A/B, best of 8)
+// 32 rows 44.3 -> 35.0 ms, 48 rows 59.2 -> 48.3, 86 rows 95.6 -> 82.8.
+struct UnitPrefetch {
+  const char* next = nullptr;  // null: the thread has no next unit
+  int64_t line = 0, lines = 0;
+  uint32_t acc = 0, rate = 0;  // lines per k step, 16.16 fixed point
+  inline void step() {
+    for (acc += rate; acc >= 65536u; acc -= 65536u, line++)
+      if (line < lines) _mm_prefetch(next + line * 64, _MM_HINT_T1);
+  }
+};
+
 // One row tile (R <= TR rows, x packed [k][TR]) x NB column blocks over kc values of k, accumulating into
-// acc [R][NB * 16] (zeroed first on the first chunk). pf: the next chunk's blocks, prefetched a line per k.
+// acc [R][NB * 16] (zeroed first on the first chunk). pf: the next unit's weights, a step of it per k.
 template <int NB, int TR, int R>
 inline void skinny_tile_f32_packed(const float* xp, const float* const* w, int64_t kc, float* acc, bool first,
-                                   const float* const* pf) {
+                                   UnitPrefetch& pf) {
   __m512 a[R][NB];
   for (int r = 0; r < R; r++)
     for (int b = 0; b < NB; b++) a[r][b] = first ? _mm512_setzero_ps() : _mm512_load_ps(acc + (r * NB + b) * 16);
   for (int64_t k = 0; k < kc; k++) {
     __m512 wv[NB];
     for (int b = 0; b < NB; b++) wv[b] = _mm512_loadu_ps(w[b] + k * NBLK);
-    if (pf)  // the next chunk's W, a chunk ahead (hardware prefetch alone leaves the first tile waiting on it)
-      for (int b = 0; b < NB; b++) _mm_prefetch(reinterpret_cast<const char*>(pf[b] + k * NBLK), _MM_HINT_T0);
+    if (pf.next) pf.step();
     for (int r = 0; r < R; r++) {
       const __m512 xv = _mm512_set1_ps(xp[k * TR + r]);
       for (int b = 0; b < NB; b++) a[r][b] = _mm512_fmadd_ps(xv, wv[b], a[r][b]);
@@ -1402,32 +1418,32 @@ void skinny_gemm_f32_units(const float* x, int64_t x_stride, int64_t M, const fl
     static thread_local std::vector<float, AlignedAlloc<float>> acc_buf;
     acc_buf.resize(size_t(tiles * TR * NB * 16));
     float* acc = acc_buf.data();
-#pragma omp for schedule(static)
-    for (int64_t u = 0; u < nunits; u++) {
+    // One contiguous range of units per thread (schedule(static), made explicit: the prefetch must know which
+    // unit this thread takes next).
+    const int nt = omp_get_num_threads(), tid = omp_get_thread_num();
+    const int64_t u_end = nunits * (tid + 1) / nt;
+    for (int64_t u = nunits * tid / nt; u < u_end; u++) {
       const float* w[NB];
       for (int b = 0; b < NB; b++)  // blocks past the last repeat it (computed, never stored)
         w[b] = wp + std::min(NB * u + b, nblocks - 1) * block_elems;
+      UnitPrefetch pf;
+      if (u + 1 < u_end) {  // a unit's blocks are adjacent in the packed layout: one run of K lines per block
+        const int64_t next_blocks = std::min<int64_t>(NB, nblocks - NB * (u + 1));
+        pf.next = reinterpret_cast<const char*>(wp + NB * (u + 1) * block_elems);
+        pf.lines = next_blocks * K;
+        pf.rate = uint32_t(next_blocks * 65536 / tiles);
+      }
       for (int64_t k0 = 0; k0 < K; k0 += SK_KC) {
         const int64_t kc = std::min(SK_KC, K - k0);
         const float* wk[NB];
-        const float* pf[NB];
-        bool have_pf = false;
         for (int b = 0; b < NB; b++) wk[b] = w[b] + k0 * NBLK;
-        if (k0 + SK_KC < K) {
-          for (int b = 0; b < NB; b++) pf[b] = w[b] + (k0 + SK_KC) * NBLK;
-          have_pf = true;
-        } else if (NB * (u + 1) < nblocks) {
-          for (int b = 0; b < NB; b++) pf[b] = wp + std::min(NB * (u + 1) + b, nblocks - 1) * block_elems;
-          have_pf = true;
-        }
         for (int64_t t = 0; t < tiles; t++) {
           const float* xt = xp + (t * K + k0) * TR;
           float* at = acc + t * TR * NB * 16;
-          const float* const* p = t == 0 && have_pf ? pf : nullptr;
           const bool first = k0 == 0;
           switch (std::min<int64_t>(TR, M - t * TR)) {
 #define CVK_UNIT_CASE(RR) \
-  case RR: if constexpr (RR <= TR) skinny_tile_f32_packed<NB, TR, RR>(xt, wk, kc, at, first, p); break;
+  case RR: if constexpr (RR <= TR) skinny_tile_f32_packed<NB, TR, RR>(xt, wk, kc, at, first, pf); break;
             CVK_UNIT_CASE(1) CVK_UNIT_CASE(2) CVK_UNIT_CASE(3) CVK_UNIT_CASE(4) CVK_UNIT_CASE(5) CVK_UNIT_CASE(6)
             CVK_UNIT_CASE(7) CVK_UNIT_CASE(8)
 #undef CVK_UNIT_CASE
@@ -1441,6 +1457,8 @@ void skinny_gemm_f32_units(const float* x, int64_t x_stride, int64_t M, const fl
             skinny_store<float>(acc + t * TR * NB * 16 + h * 32, int(std::min<int64_t>(TR, M - t * TR)), bias,
                                 NB * u * NBLK + 32 * h, N, y + t * TR * y_stride, y_stride, NB * 16);
     }
+#pragma omp barrier
+    // (the loop's own barrier, which its omp for had: inside the layer stack the next phase reads y)
   });
 }
 
