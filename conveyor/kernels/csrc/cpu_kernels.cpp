@@ -326,8 +326,9 @@ inline void chunk_rows(const AttnArgs& a, const int64_t* table, const T* base, i
 // time from inside this chunk's loops: `step()` once per inner iteration, `per` lines each, so the requests
 // spread over the chunk's compute. Asking for them in bursts (V into L1 before the scores, the next K into L2)
 // stalled the core on full fill buffers (perf: a third of the kernel's samples on those prefetches) and left
-// memory idle while it computed. Alternated A/B (ab_attn.py, 30 SmolLM2 layers from DRAM, bfloat16): 86
-// requests x 190 / 500 keys 33.65 / 80.14 -> 28.90 / 64.80 ms, 16 x 500 16.80 -> 13.03.
+// memory idle while it computed. Alternated A/B (30 SmolLM2 layers, caches from DRAM, best of 10), requests x
+// keys: bfloat16 86 x 190 / 500 31.41 / 80.52 -> 26.12 / 70.84 ms, 16 x 500 14.18 -> 11.79; float32 86 x 190 / 500
+// 42.09 / 108.25 -> 36.74 / 93.39. Into L1 (T0) did no better.
 struct LineCursor {
   static constexpr int kMaxLines = 2 * KC * MAX_D * 4 / 64;  // K and V rows of a chunk, float32 at MAX_D
   const char* lines[kMaxLines];
@@ -1383,12 +1384,13 @@ void skinny_store(const float* acc, int R, const T* bias, int64_t n0, int64_t N,
 // the chunk size (64/128/256) made no difference beyond the noise.
 constexpr int64_t SK_KC = 128;
 
-// Streams the weights of a thread's next unit (its NB blocks: one contiguous run of lines) towards L1 while the
+// Streams the weights of a thread's next unit (its NB blocks: one contiguous run of lines) into L2 while the
 // current unit computes, a few lines per k step at the rate that spreads the whole run over the unit's passes
 // (row tiles x K steps). Asking for the next chunk of the same unit during the first tile's pass only, as this
 // loop did before, bunched the requests into a quarter of the time at 32 rows, and the later passes, served
 // from L1, left memory idle: DRAM-resident weights (30 SmolLM2 layers + lm_head, alternated A/B, best of 8)
-// 32 rows 44.3 -> 35.0 ms, 48 rows 59.2 -> 48.3, 86 rows 95.6 -> 82.8.
+// 16 rows 30.4 -> 27.4 ms, 32 rows 44.3 -> 34.1, 48 rows 59.7 -> 49.3, 86 rows 96.2 -> 85.1. Into L1 (T0) it
+// evicted the chunk the later tiles re-read (9 rows 22% slower).
 struct UnitPrefetch {
   const char* next = nullptr;  // null: the thread has no next unit
   int64_t line = 0, lines = 0;
