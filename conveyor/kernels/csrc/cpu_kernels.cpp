@@ -1595,6 +1595,7 @@ void amx_gemm_bf16(const uint16_t* x, int64_t x_stride, int64_t M, const uint16_
       // each other; swiglu: 1 KB of each of the two per k step.)
       const char* next = p + 1 < npairs ? reinterpret_cast<const char*>(w0 + (swiglu ? 1 : 2) * block_elems) : nullptr;
       const int64_t twin = nblocks * block_elems * 2;  // swiglu: bytes from a gate block to its up block
+      const int64_t groups = (M + 31) / 32;            // row groups of 32 x rows: the prefetch is shared out over them
       for (int64_t m0 = 0; m0 < M; m0 += 32) {
         const int r0 = int(std::min<int64_t>(16, M - m0)), r1 = int(std::max<int64_t>(0, std::min<int64_t>(16, M - m0 - 16)));
         if (r0 != rows0 || r1 != rows1) {
@@ -1602,6 +1603,7 @@ void amx_gemm_bf16(const uint16_t* x, int64_t x_stride, int64_t M, const uint16_
           rows0 = r0;
           rows1 = r1;
         }
+        const int64_t g = m0 / 32;  // this row group's share of the next pair's lines
         const uint16_t* xa = x + m0 * x_stride;
         const uint16_t* xb = xa + 16 * x_stride;
         const int64_t xs = x_stride * 2;
@@ -1615,7 +1617,6 @@ void amx_gemm_bf16(const uint16_t* x, int64_t x_stride, int64_t M, const uint16_
           if (next) {
             // this k step reads 2 x 1 KB of its pair: 2 KB of the next pair's (both blocks in order) are asked
             // for over the pair's row groups, this one taking lines g, g + groups, ...
-            const int64_t groups = (M + 31) / 32, g = m0 / 32;
             if (swiglu) {
               for (int64_t b = k * NBLK * 2 + 64 * g; b < k * NBLK * 2 + 1024; b += 64 * groups) {
                 _mm_prefetch(next + b, _MM_HINT_T1);
