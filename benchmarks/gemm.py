@@ -5,8 +5,9 @@
 
 For each row count, one "layer set" (the given in x out shapes: by default SmolLM2-135M's qkv, o, gate_up and down)
 is run through ``PackedLinear`` forced onto the native kernel and through oneDNN's prepacked path, alternated
-(best of 5, twice each), and prints ms per set, GFLOP/s and the ratio. This is what ``SKINNY_MAX_ROWS`` and
-``AMX_MAX_ROWS`` in ``conveyor/layers/linear.py`` were chosen from. bfloat16 runs natively only on AMX.
+(best of 5, twice each), and prints ms per set, GFLOP/s and the ratio. This is where ``SKINNY_MAX_ROWS`` and
+``AMX_MAX_ROWS`` in ``conveyor/layers/linear.py`` started from (the GEMM alone; the limits themselves were set on
+whole decode steps, where the native layer stack saves more than the GEMM). bfloat16 runs natively only on AMX.
 """
 
 from __future__ import annotations

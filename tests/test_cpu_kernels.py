@@ -275,7 +275,7 @@ def test_bf16_rounding_matches_torch(kernels):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
-@pytest.mark.parametrize("rows", [1, 2, 5, 8, 9, 32, 41, 96])
+@pytest.mark.parametrize("rows", [1, 2, 5, 8, 9, 32, 41, 96, 113, 128])
 @pytest.mark.parametrize("out_features,in_features", [(96, 80), (1000, 512), (17, 6)])
 def test_skinny_gemm_matches_torch(kernels, dtype, rows, out_features, in_features):
     gen = torch.Generator().manual_seed(rows * 1000 + out_features)
@@ -307,7 +307,7 @@ def test_skinny_gemm_float32_rows_do_not_depend_on_the_batch(kernels):
         assert torch.equal(alone[0], batch[r])
 
 
-@pytest.mark.parametrize("rows", [1, 7, 16, 17, 32, 33, 96])
+@pytest.mark.parametrize("rows", [1, 7, 16, 17, 32, 33, 96, 128])
 @pytest.mark.parametrize("out_features,in_features", [(96, 64), (1000, 512), (17, 32)])
 def test_amx_gemm_matches_torch(kernels, rows, out_features, in_features):
     """bfloat16 on AMX tiles, where the CPU has them (rows crossing the 16-row tile and 32-row pair edges)."""

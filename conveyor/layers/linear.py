@@ -15,9 +15,12 @@ part of that: in float32 half, in bfloat16 on AMX about two thirds at 1-32 rows 
 native kernels (conveyor/kernels) stream a second copy of the weight, packed in 16-column blocks, instead: up to
 ``SKINNY_MAX_ROWS`` rows in float32, up to ``AMX_MAX_ROWS`` rows in bfloat16 on CPUs with AMX
 (``benchmarks/gemm.py`` compares the two per row count). Float32 at 8-32 rows: 0.64-0.93x oneDNN's time; at 40-96
-rows the GEMM alone is on par (0.85-1.16x over repeated runs on this drifting machine), and what decides 96 is that
-those steps then run through the native layer stack (models/native_stack.py) whole: the bench model's workload
-took 7.8% less on the best of 4 alternated rounds than with a 32-row limit. Without AMX, bfloat16 stays on oneDNN (avx512_bf16 dot products alone
+rows the GEMM alone is on par (0.85-1.16x over repeated runs on this drifting machine), and what decides the
+limit is that those steps then run through the native layer stack (models/native_stack.py) whole: the bench
+model's workload took 7.8% less on the best of 4 alternated rounds with 96 rows than with 32, and whole decode
+steps of 100-128 rows took 7-18% less (bench model and SmolLM2 float32, SmolLM2 bfloat16 on AMX; best of 8,
+alternated in one engine) with 128 than with 96. At 192-256 rows the gain shrank to 0-8% and turned mixed,
+so the limit stops at 128 (which also bounds the packed-x scratch). Without AMX, bfloat16 stays on oneDNN (avx512_bf16 dot products alone
 do not keep up with the stream).
 
 ``prepare_linears(model, kernels)`` swaps every ``nn.Linear`` for a ``PackedLinear``; float64 (tests) and a
@@ -34,8 +37,9 @@ import torch.nn.functional as F
 from torch import nn
 
 ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
-SKINNY_MAX_ROWS = 96  # float32 batches up to this many rows take the native skinny GEMM when it built
-AMX_MAX_ROWS = 96  # bfloat16 batches up to this many rows take the native AMX GEMM where the CPU has AMX
+SKINNY_MAX_ROWS = 128  # float32 batches up to this many rows take the native skinny GEMM (AVX-512 builds)
+SKINNY_MAX_ROWS_AVX2 = 96  # the same on AVX2 builds (no k-blocked loop there; 128 not measured on such a CPU)
+AMX_MAX_ROWS = 128  # bfloat16 batches up to this many rows take the native AMX GEMM where the CPU has AMX
 
 
 def padded_rows(m: int) -> int:
@@ -81,7 +85,7 @@ class PackedLinear(nn.Module):
         self.kernels, self.skinny, self.max_rows = None, None, 0
         if kernels is not None and weight.device.type == "cpu":
             if weight.dtype == torch.float32:
-                self.max_rows = SKINNY_MAX_ROWS
+                self.max_rows = SKINNY_MAX_ROWS_AVX2 if kernels.level == "avx2" else SKINNY_MAX_ROWS
             elif weight.dtype == torch.bfloat16 and kernels.amx and self.in_features % 32 == 0:
                 self.max_rows = AMX_MAX_ROWS
             if self.max_rows:

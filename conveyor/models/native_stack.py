@@ -1,5 +1,6 @@
 """A Llama-family model's decoder layers as one native call, for steps small enough that every linear layer
-runs on the native skinny GEMMs (decode batches: up to 96 rows, in float32 anywhere, in bfloat16 with AMX).
+runs on the native skinny GEMMs (decode batches: up to 128 rows, 96 on AVX2, in float32 anywhere, in bfloat16
+with AMX).
 
 Why: at those sizes a layer's GEMMs take tens of microseconds, and the per-layer path crosses from Python into
 native code about ten times per layer (norm, qkv, attention, o, norm, gate_up, activation, down), allocating a
