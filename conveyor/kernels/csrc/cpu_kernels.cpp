@@ -1252,9 +1252,9 @@ constexpr int SK_ROWS = W == 16 ? 8 : 2;  // rows of x per register tile (AVX2 h
 
 // The two blocks' lines SK_AHEAD k steps (4 KB) ahead, into L2: at one row tile (M <= SK_ROWS) the loop is bound
 // by the weight stream, and the hardware prefetcher alone, two streams a block apart, left bandwidth unused
-// (bandwidth probe /tmp/s/bw.c, 2 threads: 21.6 GB/s plain, 25-29 with a 4-8 KB software prefetch). Measured
-// (30 SmolLM2 layers + lm_head from DRAM, alternated, best of 8): 1 row 25.8 -> 23.0 ms, 3 rows 31.3 -> 24.7,
-// 8 rows 30.9 -> 24.5 (32 and 128 steps ahead: within 3%). Past a block's end it asks for the next block's
+// (a sequential-read probe, 2 threads: 21.6 GB/s plain, 25-29 with a 4-8 KB software prefetch). Measured (30
+// SmolLM2 layers + lm_head from DRAM, alternated, best of 8): 1/2/5/8 rows 22.9/26.0/30.0/32.8 -> 20.8/21.3/
+// 24.2/24.7 ms (32 and 128 steps ahead: within 3% of 64). Past a block's end it asks for the next block's
 // first lines, which this thread reads next under the static schedule.
 constexpr int64_t SK_AHEAD = 64;
 inline void skinny_prefetch_ahead(const float* wp0, const float* wp1, int64_t k) {
