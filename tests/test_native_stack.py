@@ -11,6 +11,7 @@ import transformers
 from conveyor.core.sampling_params import SamplingParams
 from conveyor.engine.llm import LLM
 from conveyor.kernels import load_cpu_kernels
+from conveyor.layers.linear import AMX_MAX_ROWS, SKINNY_MAX_ROWS, SKINNY_MAX_ROWS_AVX2
 from conveyor.models.native_stack import NativeLayerStack
 from tests.helpers.checkpoints import write_word_tokenizer
 
@@ -72,7 +73,9 @@ def generate(llm, with_stack: bool):
 def test_stack_is_bit_identical_to_the_per_layer_path(tmp_path, dtype, make):
     llm = LLM(str(make(tmp_path / "m")), dtype=dtype, enable_prefix_caching=False, detokenize=False, block_size=16)
     stack = llm.engine.model.native_stack
-    assert isinstance(stack, NativeLayerStack) and stack.max_rows == (96 if stack.kernels.level == "avx2" else 128)
+    assert isinstance(stack, NativeLayerStack)
+    f32_rows = SKINNY_MAX_ROWS_AVX2 if stack.kernels.level == "avx2" else SKINNY_MAX_ROWS
+    assert stack.max_rows == (f32_rows if dtype == "float32" else AMX_MAX_ROWS)
     calls = []
     run = stack.run
     stack.run = lambda *a: calls.append(a[0].shape[0]) or run(*a)

@@ -20,8 +20,8 @@ limit is that those steps then run through the native layer stack (models/native
 model's workload took 7.8% less on the best of 4 alternated rounds with 96 rows than with 32, and whole decode
 steps of 100-128 rows took 7-33% less on the best of 8 (6-16% on the median; bench model and SmolLM2 float32,
 SmolLM2 bfloat16 on AMX, alternated in one engine) with 128 than with 96. At 192-256 rows it ranged from 15% less
-to 16% more, so the limit stops at 128 (which also bounds the packed-x scratch). Without AMX, bfloat16 stays on oneDNN (avx512_bf16 dot products alone
-do not keep up with the stream).
+to 16% more, so the limit stops at 128 (which also bounds the packed-x scratch). Without AMX, bfloat16 stays on
+oneDNN (avx512_bf16 dot products alone do not keep up with the stream).
 
 ``prepare_linears(model, kernels)`` swaps every ``nn.Linear`` for a ``PackedLinear``; float64 (tests) and a
 torch build without the oneDNN ops keep ``F.linear`` on a column-major copy of the weight (faster for skinny
