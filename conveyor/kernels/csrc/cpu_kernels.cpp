@@ -1588,6 +1588,12 @@ void skinny_gemm_impl(const T* x, int64_t x_stride, int64_t M, const T* wp, cons
 // in the epilogue from the two results rounded to bfloat16 as a plain gate_up GEMM stores them, in
 // silu_mul_impl's arithmetic: bit-identical to the two calls, without the [M, 2 N] round trip or their
 // barrier. Needs N % 16 == 0.
+// Row count up to which amx_gemm_bf16 asks for the next pair's weights itself (see there). 30 SmolLM2 layers +
+// lm_head from DRAM, alternated in one process (best of 6), ms at 33 / 48 / 64 / 96 / 112 / 128 rows: 18.1 /
+// 20.5 / 22.9 / 23.5 / 35.5 / 36.0 with the prefetch, 15.6 / 16.9 / 17.7 / 22.1 / 28.0 / 30.5 without; at 17-32
+// rows the same; the whole SmolLM2 bfloat16 workload 12.62 -> 12.14 s (best of 4 alternated pairs).
+constexpr int64_t AMX_PREFETCH_ROWS = 32;
+
 __attribute__((target("amx-tile,amx-bf16")))
 void amx_gemm_bf16(const uint16_t* x, int64_t x_stride, int64_t M, const uint16_t* wp, const uint16_t* bias,
                    uint16_t* y, int64_t y_stride, int64_t N, int64_t K, int num_threads, bool swiglu = false) {
@@ -1604,10 +1610,14 @@ void amx_gemm_bf16(const uint16_t* x, int64_t x_stride, int64_t M, const uint16_
       const uint16_t* w1 = swiglu ? w0 + nblocks * block_elems : 2 * p + 1 < nblocks ? w0 + block_elems : w0;
       // The next pair's weights, asked for into L2 while this pair runs, spread over all its row groups (group
       // g of G takes every G-th line of a k step's share: asked for in the first group only, at 86-96 rows the
-      // requests came in a third of the pair's time: 44.3 -> 41.3 ms for 30 SmolLM2 layers + lm_head at 86 rows
-      // from DRAM, alternated), so only a layer's first pair waits on memory. (Plain: the two blocks follow
-      // each other; swiglu: 1 KB of each of the two per k step.)
-      const char* next = p + 1 < npairs ? reinterpret_cast<const char*>(w0 + (swiglu ? 1 : 2) * block_elems) : nullptr;
+      // requests came in a third of the pair's time), so only a layer's first pair waits on memory. (Plain: the
+      // two blocks follow each other; swiglu: 1 KB of each of the two per k step. At the present limit there is
+      // one group; the share-out keeps the loop right for a higher one.) Only up to AMX_PREFETCH_ROWS
+      // rows: with more, the tile loads of the x rows (and of the pair's weights for the later groups) miss L1
+      // too, and the prefetches queued behind them for the line fill buffers stalled the loop (perf, 64 rows: a
+      // third of the samples on them); the hardware prefetcher alone streamed the weights faster.
+      const char* next = p + 1 < npairs && M <= AMX_PREFETCH_ROWS
+                             ? reinterpret_cast<const char*>(w0 + (swiglu ? 1 : 2) * block_elems) : nullptr;
       const int64_t twin = nblocks * block_elems * 2;  // swiglu: bytes from a gate block to its up block
       const int64_t groups = (M + 31) / 32;            // row groups of 32 x rows: the prefetch is shared out over them
       for (int64_t m0 = 0; m0 < M; m0 += 32) {
