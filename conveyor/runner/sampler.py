@@ -297,15 +297,17 @@ def _weight_before(vals: torch.Tensor, row: torch.Tensor, starts: torch.Tensor) 
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
-    """Row-wise argmax (first maximum). On CPU numpy's SIMD argmax is ~7x faster than torch's (0.6 vs 4.3 ms
-    for [100, 32000] here); bfloat16 rows go to the native kernel when it is built (torch's bfloat16 argmax is
-    slower still), else through a float32 copy (exact) to numpy."""
-    if x.device.type == "cpu" and x.dtype == torch.bfloat16 and x.stride(-1) == 1:
+    """Row-wise argmax (first maximum). On CPU the native kernel when it is built (it splits the rows over the
+    threads: float32 [86, 32000] 0.25 ms against numpy's 0.49, 2 threads, Xeon with AVX-512; it reads bfloat16
+    rows as they are), else numpy's SIMD argmax, ~7x faster than torch's (0.6 vs 4.3 ms for [100, 32000]),
+    bfloat16 through a float32 copy (exact). Both take a NaN as the maximum, as numpy does."""
+    if x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float32) and x.stride(-1) == 1:
         from conveyor.kernels import load_cpu_kernels
 
         kernels = load_cpu_kernels()
         if kernels is not None:
             return kernels.argmax_rows(x)
+    if x.device.type == "cpu" and x.dtype == torch.bfloat16:
         x = x.float()
     if x.device.type == "cpu" and x.dtype == torch.float32:
         return torch.from_numpy(x.numpy().argmax(axis=-1))
