@@ -535,7 +535,7 @@ void attend_one_query(const AttnArgs& a, const Item& it) {
       {
         // cursor steps: the scores' keys x rows (float32) or keys (bfloat16: stepping once per (row, key) cost
         // more than it hid; 30 SmolLM2 layers, 86 requests x 300 keys from DRAM, alternated: 40.3-40.8 ->
-        // 37.9-38.8 ms; the same change in float32 was 5% slower), then PV's keys (or key pairs)
+        // 37.9-38.8 ms; the same change in float32 was 5-7% slower), then PV's keys (or key pairs)
         const int steps = (kDpbf16 ? KP : G * KP) + (kDpbf16 ? KP / 2 : KP);
         pfc.per = std::max(1, (pfc.n + steps - 1) / steps);
       }
@@ -1580,23 +1580,24 @@ void skinny_gemm_impl(const T* x, int64_t x_stride, int64_t M, const T* wp, cons
 
 
 #if defined(CVK_AVX512BF16)
+// Row count up to which amx_gemm_bf16 (below) asks for the next pair's weights itself. 30 SmolLM2 layers +
+// lm_head from DRAM, alternated in one process (best of 6), ms at 33 / 48 / 64 / 96 / 112 / 128 rows: 18.1 /
+// 20.5 / 22.9 / 23.5 / 35.5 / 36.0 with the prefetch, 15.6 / 16.9 / 17.7 / 22.1 / 28.0 / 30.5 without; at 17-32
+// rows the same; the whole SmolLM2 bfloat16 workload 12.62 -> 12.14 s (best of 4 alternated pairs).
+constexpr int64_t AMX_PREFETCH_ROWS = 32;
+
 // ---------------------------------------------------------------------------------------------------------
 // AMX (Sapphire Rapids and later): the same skinny GEMM in bfloat16 on tile registers. A tile of 16 x's rows x
 // 32 k against a tile of the packed weight (16 k-pairs x 16 columns: the layout above, so one 1 KB load) gives
-// a 16 x 16 float32 block per TDPBF16PS. Weights stream once per 32 rows of x; at decode sizes the loop is
-// bound by that stream (oneDNN's AMX kernels reach about half of it at 17-128 rows: README).
+// a 16 x 16 float32 block per TDPBF16PS. Weights stream once per 32 rows of x; up to 32 rows the loop is bound
+// by that stream (oneDNN's AMX kernels reach about half of it at 17-128 rows: README); above, each pass re-reads
+// its x rows from L2 for every pair of column blocks, and that traffic grows with the rows.
 // Tiles: 0, 1 = x rows [m0, m0+16), [m0+16, m0+32); 2, 3 = two weight column blocks; 4-7 = the four results.
 // swiglu: the packed weight is a fused gate_up projection (2 N columns, gate then up) and y [M, N] gets
 // silu(gate) * up. A unit is then gate block b with its up block (N / 16 blocks on), so the product is formed
 // in the epilogue from the two results rounded to bfloat16 as a plain gate_up GEMM stores them, in
 // silu_mul_impl's arithmetic: bit-identical to the two calls, without the [M, 2 N] round trip or their
 // barrier. Needs N % 16 == 0.
-// Row count up to which amx_gemm_bf16 asks for the next pair's weights itself (see there). 30 SmolLM2 layers +
-// lm_head from DRAM, alternated in one process (best of 6), ms at 33 / 48 / 64 / 96 / 112 / 128 rows: 18.1 /
-// 20.5 / 22.9 / 23.5 / 35.5 / 36.0 with the prefetch, 15.6 / 16.9 / 17.7 / 22.1 / 28.0 / 30.5 without; at 17-32
-// rows the same; the whole SmolLM2 bfloat16 workload 12.62 -> 12.14 s (best of 4 alternated pairs).
-constexpr int64_t AMX_PREFETCH_ROWS = 32;
-
 __attribute__((target("amx-tile,amx-bf16")))
 void amx_gemm_bf16(const uint16_t* x, int64_t x_stride, int64_t M, const uint16_t* wp, const uint16_t* bias,
                    uint16_t* y, int64_t y_stride, int64_t N, int64_t K, int num_threads, bool swiglu = false) {
