@@ -536,7 +536,7 @@ void attend_one_query(const AttnArgs& a, const Item& it) {
         // cursor steps: the scores' keys x rows (float32) or keys (bfloat16: stepping once per (row, key) cost
         // more than it hid; 30 SmolLM2 layers, 86 requests x 300 keys from DRAM, alternated: 40.3-40.8 ->
         // 37.9-38.8 ms; the same change in float32 was 5-7% slower), then PV's keys (or key pairs)
-        const int steps = (kDpbf16 ? KP : G * KP) + (kDpbf16 ? KP / 2 : KP);
+        const int steps = kDpbf16 ? KP + KP / 2 : G * KP + KP;
         pfc.per = std::max(1, (pfc.n + steps - 1) / steps);
       }
       if constexpr (kDpbf16) {
@@ -1616,7 +1616,9 @@ void amx_gemm_bf16(const uint16_t* x, int64_t x_stride, int64_t M, const uint16_
       // g of G takes every G-th line of a k step's share: asked for in the first group only, at 86-96 rows the
       // requests came in a third of the pair's time), so only a layer's first pair waits on memory. (Plain: the
       // two blocks follow each other; swiglu: 1 KB of each of the two per k step. At the present limit there is
-      // one group; the share-out keeps the loop right for a higher one.) Only up to AMX_PREFETCH_ROWS
+      // one group, but the share-out stays: written without it, with a constant stride, the kernel ran 8-12%
+      // slower at 8-32 rows in either order of an alternated A/B, its prefetch and tile loops alike in the
+      // disassembly: code placement, most likely.) Only up to AMX_PREFETCH_ROWS
       // rows: with more, the tile loads of the x rows (and of the pair's weights for the later groups) miss L1
       // too, and the prefetches queued behind them for the line fill buffers stalled the loop (perf, 64 rows: a
       // third of the samples on them); the hardware prefetcher alone streamed the weights faster.
