@@ -41,6 +41,8 @@ def add_serve_parser(sub) -> None:
                    "rest (one pinned torch thread each), as vLLM's CPU backend keeps one for its frontend (0: share "
                    "all; needs the engine in its own process)")
     p.add_argument("--uvicorn-log-level", default="info")
+    p.add_argument("--uvicorn-loop", choices=("auto", "uvloop", "asyncio"), default="auto",
+                   help="the server's event loop: auto takes uvloop when it is installed (uvicorn's rule)")
     _add_scale_out_args(p)
     EngineArgs.add_cli_args(p)
     p.set_defaults(func=run_serve)
@@ -136,7 +138,8 @@ def run_serve(ns: argparse.Namespace) -> int:
                 args.policy, "in this process" if ns.engine_in_process else f"in process {view.pid}")
     app = build_app(engine, ns.served_model_name or info.name, ns.api_key,
                     0.0 if ns.disable_log_stats else ns.log_stats_interval, ns.shutdown_timeout, ns.max_n)
-    server = make_server(app, ns.host, ns.port, ns.uvicorn_log_level, ns.timeout_keep_alive, ns.timeout_headers)
+    server = make_server(app, ns.host, ns.port, ns.uvicorn_log_level, ns.timeout_keep_alive, ns.timeout_headers,
+                         loop=ns.uvicorn_loop)
     try:
         server.run()
     except KeyboardInterrupt:

@@ -104,13 +104,16 @@ def header_timeout_protocol(timeout_s: float) -> type[H11Protocol]:
 
 
 def make_server(app: FastAPI, host: str, port: int, log_level: str = "info", timeout_keep_alive: float = 5.0,
-                timeout_headers: float = 10.0, exit_on_engine_death: bool = True) -> GracefulServer:
+                timeout_headers: float = 10.0, exit_on_engine_death: bool = True,
+                loop: str = "auto") -> GracefulServer:
     """A uvicorn server for ``app``; ``.run()`` blocks (signal handling only in the main thread).
 
     ``timeout_keep_alive``: seconds an idle keep-alive connection stays open after a response (uvicorn's);
-    ``timeout_headers``: seconds a client has to send a request's headers (see ``header_timeout_protocol``).
+    ``timeout_headers``: seconds a client has to send a request's headers (see ``header_timeout_protocol``);
+    ``loop``: uvicorn's event loop, ``auto`` (uvloop when installed, as users get it), ``uvloop`` or ``asyncio``.
     """
     timeout = app.state.shutdown_timeout_s
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_keep_alive=timeout_keep_alive,
-                            timeout_graceful_shutdown=timeout + SHUTDOWN_FLUSH_S, http=header_timeout_protocol(timeout_headers))
+                            timeout_graceful_shutdown=timeout + SHUTDOWN_FLUSH_S, http=header_timeout_protocol(timeout_headers),
+                            loop=loop)
     return GracefulServer(config, exit_on_engine_death)
