@@ -113,7 +113,8 @@ class ModelOutput:
 
 @dataclass(slots=True)
 class RequestUpdate:
-    """What one step did to one request: the token it produced and whether that finished it (and why)."""
+    """What one step did to one request: the token it produced and whether that finished it (and why), with the
+    request's counters as of this step (the output side reports them; it never reads the ``Request``)."""
 
     request_id: str
     new_token_id: int
@@ -121,6 +122,9 @@ class RequestUpdate:
     finished: bool
     finish_reason: str | None = None  # "stop" | "length" when finished
     stop_reason: int | None = None  # the stop token id that finished it, if one did
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache served at its first admission
+    num_preemptions: int = 0
+    first_scheduled: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

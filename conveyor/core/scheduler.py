@@ -209,7 +209,9 @@ class Scheduler:
                     self.running.remove(request)
                     self._retire(request)
             updates.append(RequestUpdate(rid, token, model_out.logprobs.get(rid), stop is not None,
-                                         request.finish_reason, stop.stop_reason if stop else None))
+                                         request.finish_reason, stop.stop_reason if stop else None,
+                                         request.num_cached_prompt_tokens, request.num_preemptions,
+                                         request.times.first_scheduled))
         return updates
 
     # ---- checks -----------------------------------------------------------------------------------------

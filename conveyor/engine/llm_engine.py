@@ -21,6 +21,7 @@ from conveyor.core.request import Request, RequestStatus
 from conveyor.core.sampling_params import SamplingParams
 from conveyor.core.scheduler import Scheduler
 from conveyor.engine.args import EngineArgs, parse_cpu_ids
+from conveyor.engine.core_step import CoreOutput, CoreStepOutput, child_requests
 from conveyor.engine.output_processor import OutputProcessor
 from conveyor.engine.outputs import RequestOutput
 from conveyor.engine.step_record import StepRecord
@@ -197,39 +198,38 @@ class LLMEngine:
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.output_processor.parents:
             raise ValueError(f"request id {request_id!r} is already in use")
-        self._check_queue_room(params.n)
         text, token_ids = self.tokenize_prompt(prompt)
-        self.validate_prompt(token_ids, params)
         now = time.monotonic() if arrival_time is None else arrival_time
-        eos = tuple(self.model_info.eos_token_ids)
-        if params.n == 1:
-            children = [Request(request_id, token_ids, params, eos, self.max_model_len, now)]
-        else:
-            children = [
-                Request(f"{i}_{request_id}", token_ids, params.for_child(i), eos, self.max_model_len, now,
-                        share_prefix=True)
-                for i in range(params.n)
-            ]
-        self.output_processor.add(request_id, text, children, now)
-        for child in children:
-            self.scheduler.add_request(child)
+        children = self.add_core_request(request_id, token_ids, params, now)
+        self.output_processor.add(request_id, text, token_ids, children, now)
         return request_id
 
-    def abort_request(self, request_id: str) -> RequestOutput | None:
-        """Abort every completion of a request; its blocks are free when this returns."""
-        now = time.monotonic()
-        for child_id in self.output_processor.child_ids(request_id):
-            self.scheduler.finish_request(child_id, RequestStatus.FINISHED_ABORTED, now)
-        return self.output_processor.abort(request_id, now)
+    def add_core_request(self, request_id: str, token_ids: list[int], params: SamplingParams,
+                         arrival: float) -> list[tuple[str, SamplingParams]]:
+        """The scheduler's half of ``add_request`` (what the engine core process runs): check, then queue the
+        request's (child) requests; returns their (id, params). Raises ValueError or QueueFullError."""
+        self._check_queue_room(params.n)
+        self.validate_prompt(token_ids, params)
+        children = child_requests(request_id, params)
+        if any(child_id in self.scheduler.requests for child_id, _ in children):
+            raise ValueError(f"request id {request_id!r} is already in use")
+        eos = tuple(self.model_info.eos_token_ids)
+        for child_id, child_params in children:
+            self.scheduler.add_request(Request(child_id, token_ids, child_params, eos, self.max_model_len, arrival,
+                                               share_prefix=params.n > 1))
+        return children
 
-    def _fail_request(self, request_id: str, why: str) -> RequestOutput | None:
-        """Defence in depth: a request whose per-request work failed inside the step ends alone, with an error;
-        the step loop and every other request go on."""
-        logger.error("request %s failed and was aborted: %s", request_id, why)
-        out = self.abort_request(request_id)
-        if out is not None:
-            out.error = why
-        return out
+    def finish_requests(self, child_ids: list[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
+        """End these (child) requests in the scheduler (no-op for finished ones); their blocks are free when this
+        returns. The output side decided it (a stop string, an abort, a failure) and keeps its own state."""
+        now = time.monotonic()
+        for child_id in child_ids:
+            self.scheduler.finish_request(child_id, status, now)
+
+    def abort_request(self, request_id: str, error: str | None = None) -> RequestOutput | None:
+        """Abort every completion of a request; its blocks are free when this returns."""
+        self.finish_requests(self.output_processor.child_ids(request_id))
+        return self.output_processor.abort(request_id, time.monotonic(), error)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -249,35 +249,44 @@ class LLMEngine:
         torch.set_num_threads(args.num_threads or len(cpus))
 
     def step(self) -> list[RequestOutput]:
-        """Run one iteration: schedule, execute, update. Returns the requests that progressed."""
+        """Run one iteration: schedule, execute, update, then output processing. Returns the requests that
+        progressed."""
+        core = self.core_step()
+        if core is None:
+            return []
+        processed = self.output_processor.process(core)
+        # A stop string ended these: the output layer decides, the core applies.
+        self.finish_requests(processed.stopped, RequestStatus.FINISHED_STOPPED)
+        outputs = processed.request_outputs
+        if processed.failed:
+            outputs = [o for o in outputs if o.request_id not in processed.failed]
+            for request_id, why in processed.failed.items():
+                logger.error("request %s failed and was aborted: %s", request_id, why)
+                if (out := self.abort_request(request_id, why)) is not None:
+                    outputs.append(out)
+        return outputs
+
+    def core_step(self) -> CoreStepOutput | None:
+        """The engine core's half of ``step()``: schedule, execute, update; each sampled token as a
+        ``CoreOutput`` (None when nothing was scheduled). What the engine core process runs and sends."""
         start = time.monotonic()
         sched_out = self.scheduler.schedule(start)
         if sched_out.is_empty:
-            return []
+            return None
         record = StepRecord.before(start, sched_out, self.scheduler) if self.step_listeners else None
         with self._pinned():
             model_out = self.executor.execute(sched_out)
         now = time.monotonic()
-        updates = self.scheduler.update(sched_out, model_out, now)
-        processed = self.output_processor.process(updates, now, model_out.prompt_logprobs)
-        for request_id in processed.stopped:  # a stop string ended it: the output layer decides, the core applies
-            self.scheduler.finish_request(request_id, RequestStatus.FINISHED_STOPPED, now)
-        outputs = processed.request_outputs
-        failures = dict(processed.failed)
-        for child_id, why in model_out.failed.items():
-            parent = self.output_processor.parent_id(child_id)
-            if parent is not None:
-                failures.setdefault(parent, why)
-        if failures:
-            outputs = [o for o in outputs if o.request_id not in failures]
-            outputs += [out for rid, why in failures.items() if (out := self._fail_request(rid, why)) is not None]
+        outputs = [CoreOutput(u.request_id, u.new_token_id, u.logprobs, u.finish_reason if u.finished else None,
+                              u.stop_reason, u.num_cached_tokens, u.num_preemptions, u.first_scheduled)
+                   for u in self.scheduler.update(sched_out, model_out, now)]
         if self.args.debug_invariants:
             self.scheduler.check_invariants()
         if record is not None:
             record.finish(now, self.scheduler)
             for listener in self.step_listeners:
                 listener(record)
-        return outputs
+        return CoreStepOutput(now, outputs, model_out.prompt_logprobs, model_out.failed)
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached block hash (benchmarks: a repeat must not reuse the previous run's prompts)."""

@@ -1,27 +1,35 @@
-"""Turns the scheduler's per-step ``RequestUpdate``s into user-facing ``RequestOutput``s.
+"""Turns the engine core's per-step ``CoreStepOutput`` into user-facing ``RequestOutput``s.
 
 It owns what core does not: detokenization, stop strings, the grouping of an ``n > 1`` request's completions,
 and the per-token timestamps latency metrics need. It never changes the core's state: what a stop string ended,
-and what it could not process, are decisions it hands back (``ProcessedOutputs``) for the engine to apply. (It
-reads the core ``Request``s it was given, for their timestamps and counts.)
+and what it could not process, are decisions it hands back (``ProcessedOutputs``) for its owner to apply (the
+``LLMEngine`` in its own process, or the API process's ``EngineCoreClient``, which sends them to the engine core
+process). It reads nothing of the scheduler: the counters it reports travel in the ``CoreOutput``s.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from conveyor.core.outputs import PromptLogprobs, RequestUpdate
-from conveyor.core.request import Request
+from conveyor.core.sampling_params import SamplingParams
+from conveyor.engine.core_step import CoreOutput, CoreStepOutput
 from conveyor.engine.detokenizer import IncrementalDetokenizer
 from conveyor.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 
 
 @dataclass
 class _Child:
+    """One completion's output state, and the core's counters for it as of its latest ``CoreOutput``."""
+
     parent: "_Parent"
-    request: Request
+    request_id: str
     completion: CompletionOutput
     detok: IncrementalDetokenizer | None
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    last_token: float | None = None
 
 
 @dataclass
@@ -50,8 +58,8 @@ class _Parent:
 
 @dataclass
 class ProcessedOutputs:
-    """One step's outputs, the (child) requests a stop string ended (the engine finishes them), and the
-    requests whose output could not be processed (parent id -> why; the engine fails them)."""
+    """One step's outputs, the (child) requests a stop string ended (the owner finishes them in the scheduler),
+    and the requests whose output could not be processed (parent id -> why; the owner fails them)."""
 
     request_outputs: list[RequestOutput] = field(default_factory=list)
     stopped: list[str] = field(default_factory=list)
@@ -59,30 +67,36 @@ class ProcessedOutputs:
 
 
 class OutputProcessor:
-    """Per-request output state, keyed by the scheduler's (child) request ids."""
+    """Per-request output state, keyed by the scheduler's (child) request ids.
+
+    ``num_late_tokens`` counts tokens that arrived for a completion already ended here (a stop string or an abort
+    ended it, and the core computed more before it heard): the price of deciding those outside the core.
+    """
 
     def __init__(self, tokenizer, detokenize: bool = True) -> None:
         self.tokenizer = tokenizer
         self.detokenize = detokenize
         self.children: dict[str, _Child] = {}
         self.parents: dict[str, _Parent] = {}
+        self.num_late_tokens = 0
 
-    def add(self, request_id: str, prompt: str | None, requests: list[Request], arrival: float) -> None:
-        parent = _Parent(request_id, prompt, requests[0].prompt_token_ids, [], RequestMetrics(arrival))
-        if requests[0].sampling_params.prompt_logprobs is not None:
+    def add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+            children: list[tuple[str, SamplingParams]], arrival: float) -> None:
+        """Start tracking a request: its (child id, params) pairs, as ``core_step.child_requests`` makes them."""
+        parent = _Parent(request_id, prompt, prompt_token_ids, [], RequestMetrics(arrival))
+        if children[0][1].prompt_logprobs is not None:
             parent.prompt_logprobs = [None]
-        for index, req in enumerate(requests):
-            params = req.sampling_params
+        for index, (child_id, params) in enumerate(children):
             detok = None
             if self.detokenize:
                 detok = IncrementalDetokenizer(
-                    self.tokenizer, req.prompt_token_ids, params.stop, params.include_stop_str_in_output,
+                    self.tokenizer, prompt_token_ids, params.stop, params.include_stop_str_in_output,
                     params.skip_special_tokens,
                 )
             completion = CompletionOutput(index, logprobs=[] if params.logprobs is not None else None)
-            child = _Child(parent, req, completion, detok)
+            child = _Child(parent, child_id, completion, detok)
             parent.children.append(child)
-            self.children[req.request_id] = child
+            self.children[child_id] = child
         self.parents[request_id] = parent
 
     def parent_id(self, child_id: str) -> str | None:
@@ -91,23 +105,33 @@ class OutputProcessor:
 
     def child_ids(self, request_id: str) -> list[str]:
         parent = self.parents.get(request_id)
-        return [c.request.request_id for c in parent.children] if parent else []
+        return [c.request_id for c in parent.children] if parent else []
 
-    def process(self, updates: list[RequestUpdate], now: float,
-                prompt_logprobs: dict[str, PromptLogprobs] | None = None) -> ProcessedOutputs:
-        for req_id, chunk in (prompt_logprobs or {}).items():  # before the updates: outputs carry them
+    def unfinished_child_ids(self, request_id: str) -> list[str]:
+        parent = self.parents.get(request_id)
+        return [c.request_id for c in parent.children if not c.completion.finished] if parent else []
+
+    def process(self, step: CoreStepOutput) -> ProcessedOutputs:
+        for req_id, chunk in step.prompt_logprobs.items():  # before the updates: outputs carry them
             child = self.children.get(req_id)
             if child is not None and child.parent.prompt_logprobs is not None:
                 child.parent.add_prompt_logprobs(chunk)
         touched: dict[str, _Parent] = {}
         stopped: list[str] = []
         failed: dict[str, str] = {}
-        for update in updates:
+        for child_id, why in step.failed.items():
+            parent_id = self.parent_id(child_id)
+            if parent_id is not None:
+                failed.setdefault(parent_id, why)
+        for update in step.outputs:
             child = self.children.get(update.request_id)
-            if child is None or child.parent.request_id in failed:
+            if child is None or child.completion.finished:
+                self.num_late_tokens += 1
+                continue
+            if child.parent.request_id in failed:
                 continue
             try:
-                stop_hit = self._apply(child, update, now)
+                stop_hit = self._apply(child, update, step.time)
             except Exception as exc:  # noqa: BLE001 - one request's detokenizer must not stop the step
                 failed[child.parent.request_id] = f"could not detokenize its output: {exc!r}"
                 touched.pop(child.parent.request_id, None)
@@ -115,12 +139,16 @@ class OutputProcessor:
             if stop_hit:
                 stopped.append(update.request_id)
             touched[child.parent.request_id] = child.parent
-        return ProcessedOutputs(self._collect(touched, now), stopped, failed)
+        return ProcessedOutputs(self._collect(touched, step.time), stopped, failed)
 
-    def _apply(self, child: _Child, update: RequestUpdate, now: float) -> bool:
+    def _apply(self, child: _Child, update: CoreOutput, now: float) -> bool:
         """Add the update to its completion; True when a stop string ended a request the scheduler still runs."""
-        comp, req = child.completion, child.request
-        assert update.new_token_id is not None
+        comp = child.completion
+        child.num_cached_tokens, child.num_preemptions = update.num_cached_tokens, update.num_preemptions
+        child.first_scheduled = update.first_scheduled
+        if child.first_token is None:
+            child.first_token = now
+        child.last_token = now
         comp.token_ids.append(update.new_token_id)
         comp.token_times.append(now)
         if update.logprobs is not None and comp.logprobs is not None:
@@ -130,40 +158,43 @@ class OutputProcessor:
         if child.detok is not None:
             stop_str = child.detok.add_token(update.new_token_id)
             comp.text = child.detok.text
-        if update.finished:
+        if update.finish_reason is not None:
             comp.finish_reason, comp.stop_reason = update.finish_reason, update.stop_reason
         elif stop_str is not None:
             comp.finish_reason, comp.stop_reason = "stop", stop_str
         if comp.finished:
-            comp.num_preemptions = req.num_preemptions
-        return stop_str is not None and not update.finished
+            comp.num_preemptions = child.num_preemptions
+        return stop_str is not None and update.finish_reason is None
 
-    def abort(self, request_id: str, now: float) -> RequestOutput | None:
-        """Mark every unfinished completion of a request aborted (the scheduler side is the caller's job)."""
+    def abort(self, request_id: str, now: float, error: str | None = None) -> RequestOutput | None:
+        """Mark every unfinished completion of a request aborted (the scheduler side is the caller's job);
+        ``error``: the request failed (the server reports it as an error, not as an answer)."""
         parent = self.parents.get(request_id)
         if parent is None:
             return None
         for child in parent.children:
             if not child.completion.finished:
                 child.completion.finish_reason = "abort"
-        return self._collect({request_id: parent}, now)[0]
+        out = self._collect({request_id: parent}, now)[0]
+        out.error = error
+        return out
 
     def _collect(self, touched: dict[str, _Parent], now: float) -> list[RequestOutput]:
         outputs = []
         for parent in touched.values():
-            m, reqs = parent.metrics, [c.request for c in parent.children]
-            firsts = [r.times.first_scheduled for r in reqs if r.times.first_scheduled is not None]
+            m, kids = parent.metrics, parent.children
+            firsts = [c.first_scheduled for c in kids if c.first_scheduled is not None]
             m.first_scheduled_time = min(firsts) if firsts else None
-            tokens = [r.times.first_token for r in reqs if r.times.first_token is not None]
+            tokens = [c.first_token for c in kids if c.first_token is not None]
             m.first_token_time = min(tokens) if tokens else None
-            m.last_token_time = max((r.times.last_token or 0.0) for r in reqs) or None
-            m.num_cached_tokens = max(r.num_cached_prompt_tokens for r in reqs)
-            m.num_preemptions = sum(r.num_preemptions for r in reqs)
+            m.last_token_time = max((c.last_token or 0.0) for c in kids) or None
+            m.num_cached_tokens = max(c.num_cached_tokens for c in kids)
+            m.num_preemptions = sum(c.num_preemptions for c in kids)
             out = parent.output()
             if out.finished:
                 m.finished_time = now
                 del self.parents[parent.request_id]
                 for child in parent.children:
-                    self.children.pop(child.request.request_id, None)
+                    self.children.pop(child.request_id, None)
             outputs.append(out)
         return outputs

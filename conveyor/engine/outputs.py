@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from conveyor.core.outputs import TokenLogprobs
 
@@ -70,3 +70,14 @@ class RequestOutput:
     @property
     def num_generated_tokens(self) -> int:
         return sum(len(o.token_ids) for o in self.outputs)
+
+
+def snapshot(out: RequestOutput) -> RequestOutput:
+    """A copy whose lists the owner may go on appending to while a reader holds it (a stream's consumer reads an
+    output at its own pace, while the output processor goes on)."""
+    outputs = [
+        replace(c, token_ids=list(c.token_ids), token_times=list(c.token_times),
+                logprobs=None if c.logprobs is None else list(c.logprobs))
+        for c in out.outputs
+    ]
+    return replace(out, outputs=outputs, metrics=replace(out.metrics))

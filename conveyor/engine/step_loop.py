@@ -4,13 +4,16 @@ lives: a thread of the server (``AsyncEngine``) or a process of its own (``engin
 Commands arrive on a ``queue.SimpleQueue``: ``STOP``; a plain ``fn(engine)``; or ``(fn, future)``, whose result
 or exception goes to the future (anything with ``concurrent.futures.Future``'s ``set_running_or_notify_cancel``,
 ``set_result`` and ``set_exception``). Commands run only between steps, so an abort frees its blocks before the
-next step, and each step's outputs are handed to ``publish`` at once, in one call.
+next step, and each step's outputs are handed to ``publish`` at once, in one call. What a step is: the whole
+``engine.step`` (outputs processed: the thread), or ``engine.core_step`` (tokens only: the engine core process,
+whose outputs the API process processes).
 """
 
 from __future__ import annotations
 
 import queue
 from collections.abc import Callable
+from typing import Any
 
 from conveyor.core.outputs import SchedulerStats
 from conveyor.engine.llm_engine import LLMEngine
@@ -26,15 +29,16 @@ STOP = object()
 class StepLoop:
     """``run()`` returns when a ``STOP`` command arrives; it raises what kills the engine (the caller reports it).
 
-    ``publish(outputs)`` gets every step's outputs (and an abort's); ``on_stats(stats)`` the scheduler's snapshot
-    after every step and every command; ``on_iteration()`` (optional) after each round of commands and step, so a
-    caller that batches what the callbacks gave (the engine core process) sends it once per step.
+    ``publish(outputs)`` gets every step's non-empty outputs (and an abort's); ``on_stats(stats)`` the scheduler's
+    snapshot after every step and every command; ``on_iteration()`` (optional) after each round of commands and
+    step, so a caller that batches what the callbacks gave (the engine core process) sends it once per step.
     """
 
     def __init__(self, engine: LLMEngine, commands: queue.SimpleQueue,
-                 publish: Callable[[list[RequestOutput]], None], on_stats: Callable[[SchedulerStats], None],
-                 on_iteration: Callable[[], None] | None = None) -> None:
+                 publish: Callable[[Any], None], on_stats: Callable[[SchedulerStats], None],
+                 on_iteration: Callable[[], None] | None = None, step: Callable[[], Any] | None = None) -> None:
         self.engine = engine
+        self.step = step or engine.step
         self.commands = commands
         self.publish = publish
         self.on_stats = on_stats
@@ -56,7 +60,7 @@ class StepLoop:
                 return
             idle_wait = 0.0
             if engine.has_unfinished_requests():
-                outputs = engine.step()
+                outputs = self.step()
                 if outputs:
                     self.publish(outputs)
                 elif not engine.scheduler.num_running:
