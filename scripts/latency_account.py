@@ -135,28 +135,25 @@ def instrument(engine: LLMEngine, app, probe: Probe) -> None:
 
 def instrument_process(app, probe: Probe) -> None:
     """The engine in its own process: its step records (start, end of execute) come with each message; the
-    server side stamps the loop's wake-up, the end of receiving + unpickling, and the end of delivery."""
+    server side stamps the loop's wake-up (the receiver thread's hand-off runs) and the end of output processing
+    and delivery."""
     core = app.state.async_engine
     records: list = []
     core.engine.step_listeners.append(records.append)
-    on_readable, handle = core._on_readable, core._handle
-
-    def readable_wrapper():
-        probe.wake = time.monotonic()
-        on_readable()
+    handle = core._handle
 
     def handle_wrapper(message):
-        t = time.monotonic()
+        t = probe.wake = time.monotonic()
         records.clear()
         handle(message)
         done = time.monotonic()
-        if message.outputs and records:
+        if message.step is not None and message.step.outputs and records:
             last = records[-1]
             probe.steps.append({"start": last.start, "end": last.end, "wake": probe.wake, "received": t,
                                 "delivered": t, "deliver_s": done - t, "prefill": last.num_prefill_tokens,
-                                "decode": last.num_decode_tokens, "num_outputs": len(message.outputs)})
+                                "decode": last.num_decode_tokens, "num_outputs": len(message.step.outputs)})
 
-    core._on_readable, core._handle = readable_wrapper, handle_wrapper
+    core._handle = handle_wrapper
     core.output_listeners.append(lambda out: out.finished and probe.token_times.__setitem__(
         out.request_id.rsplit("-", 1)[0], list(out.outputs[0].token_times)))
     time_sse(probe)
@@ -230,11 +227,12 @@ def py_spy_split(raw_path: str) -> dict:
         ("engine", [("execute", "model forward (executor.execute)"), ("schedule (", "schedule"),
                     ("update (conveyor/core", "scheduler.update"), ("add_token", "detokenization"),
                     ("process (conveyor/engine/output_processor", "output processing"),
-                    ("_publish", "hand-off (snapshot / delta encoding)"), ("_flush", "send (pickle, pipe)"),
+                    ("_publish", "hand-off (snapshot)"), ("_write", "send (msgpack, socket)"),
                     ("make_stats", "stats snapshot"), ("_run_commands", "waiting for / running commands"),
                     ("step (", "step: other")]),
         ("loop", [("sse (", "SSE encoding"), ("dumps", "JSON"), ("_deliver", "delivery"),
-                  ("_recv", "receive step message"), ("decode (conveyor/engine/output_delta", "decode deltas"),
+                  ("_receive_forever", "receive step message"),
+                  ("process (conveyor/engine/output_processor", "output processing"),
                   ("select (selectors", "idle (epoll)"), ("h11", "HTTP (h11)"),
                   ("serving_", "handlers"), ("starlette", "starlette/fastapi"), ("uvicorn", "uvicorn"),
                   ("asyncio", "asyncio")]),

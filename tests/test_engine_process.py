@@ -5,21 +5,24 @@ the server; output deltas rebuild exactly what the engine produced."""
 from __future__ import annotations
 
 import multiprocessing
-import random
 import shutil
 import threading
 import time
 
 import httpx
+import msgspec
 import openai
 import pytest
+import zmq
 
 from conveyor import SamplingParams
 from conveyor.engine.args import EngineArgs
 from conveyor.engine.core_client import EngineCoreClient
+from conveyor.core.request import RequestStatus
+from conveyor.engine import ipc
 from conveyor.engine.core_proc import serve_engine
-from conveyor.engine.output_delta import DeltaDecoder, DeltaEncoder, snapshot
-from conveyor.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from conveyor.engine.core_step import CoreStepOutput
+from conveyor.engine.output_processor import OutputProcessor
 from conveyor.server.app import build_app
 from tests.helpers.server import TEST_DTYPE, make_engine, running_server
 
@@ -94,25 +97,33 @@ def test_an_engine_that_raises_says_so_and_stops(tiny_llama_dir):
     def crash():
         raise RuntimeError("injected engine fault")
 
-    engine.step = crash
-    server_end, engine_end = multiprocessing.Pipe()
+    engine.core_step = crash
+    endpoints = ipc.Endpoints.fresh()
+    context = zmq.Context()
+    to_engine = ipc.make_socket(context, zmq.PUSH, endpoints.input, bind=True)
+    from_engine = ipc.make_socket(context, zmq.PULL, endpoints.output, bind=True)
+    api_end, engine_end = multiprocessing.Pipe()
     result = []
-    thread = threading.Thread(target=lambda: result.append(serve_engine(engine, engine_end)))
+    thread = threading.Thread(target=lambda: result.append(serve_engine(engine, engine_end, endpoints)))
     thread.start()
-    server_end.send(("call", 0, _add_one))
-    kinds = []
-    while server_end.poll(30):
-        kind, payload = server_end.recv()
-        kinds.append(kind)
-        if kind == "dead":
-            assert "injected engine fault" in payload
-            break
-    thread.join(30)
-    assert kinds[-1] == "dead" and result == [1]
-
-
-def _add_one(engine):
-    engine.add_request("a", {"prompt_token_ids": PROMPT_IDS}, SamplingParams(max_tokens=3))
+    try:
+        add = ipc.AddRequest(0, "a", PROMPT_IDS, SamplingParams(max_tokens=3), time.monotonic())
+        to_engine.send(msgspec.msgpack.encode(add))
+        decoder, messages = ipc.message_decoder(), []
+        while from_engine.poll(30_000):
+            messages.append(decoder.decode(from_engine.recv()))
+            if messages[-1].dead is not None:
+                break
+        thread.join(30)
+        assert [r.call_id for m in messages for r in m.replies] == [0]  # the add was answered first
+        assert messages[-1].dead is not None and "injected engine fault" in messages[-1].dead
+        assert result == [1]
+    finally:
+        to_engine.close(linger=0)
+        from_engine.close(linger=0)
+        context.term()
+        endpoints.remove()
+        api_end.close()
 
 
 @pytest.mark.slow
@@ -128,28 +139,45 @@ def test_an_engine_that_cannot_load_its_model_is_an_error_at_once(tiny_llama_dir
     assert str(in_its_own.value) == str(in_process.value) and "safetensors" in str(in_its_own.value)
 
 
-@pytest.mark.parametrize("seed", range(5))
-def test_deltas_rebuild_every_cumulative_output(seed):
-    rng = random.Random(seed)
-    out = RequestOutput("r", "p", [1, 2, 3], [CompletionOutput(0, logprobs=[]), CompletionOutput(1)],
-                        RequestMetrics(0.0))
-    encoder, decoder = DeltaEncoder(), DeltaDecoder()
-    for step in range(30):
-        for c in out.outputs:
-            if c.finished:
-                continue
-            c.token_ids.append(rng.randrange(100))
-            c.token_times.append(float(step))
-            if c.logprobs is not None:
-                c.logprobs.append(("lp", step))
-            c.text += rng.choice(["a", "bc", "", " d"])
-            if rng.random() < 0.2:  # a stop string found: the text's tail is cut
-                c.text = c.text[: rng.randrange(len(c.text) + 1)]
-            if step == 29 or rng.random() < 0.05:
-                c.finish_reason = "stop"
-        out.metrics.last_token_time = float(step)
-        out.finished = all(c.finished for c in out.outputs)
-        rebuilt = decoder.decode(encoder.encode(snapshot(out)))
-        assert rebuilt == out
-        if out.finished:
-            break
+@pytest.mark.slow
+def test_the_core_steps_sent_over_the_pipe_give_what_an_engine_in_this_process_gives(tiny_chat_dir):
+    # The engine core process's path without the process: core_step() -> msgpack -> this process's
+    # OutputProcessor (stop strings sent back as finishes), against LLMEngine.step(): the same outputs.
+    local = make_engine(tiny_chat_dir)
+    local.add_request("probe", {"prompt_token_ids": [9, 10, 11]}, SamplingParams(temperature=0.0, max_tokens=12,
+                                                                                    ignore_eos=True))
+    probe = None
+    while local.has_unfinished_requests():
+        probe = next((o for o in local.step() if o.finished), probe)
+    stop_word = probe.outputs[0].text.split()[3]  # a stop string its greedy text meets after a few tokens
+    requests = [
+        ("plain", [5, 6, 7, 8], SamplingParams(temperature=0.0, max_tokens=12)),
+        ("stop", [9, 10, 11], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, stop=[stop_word])),
+        ("n3", [12, 13], SamplingParams(n=3, temperature=1.0, seed=4, max_tokens=10, logprobs=2)),
+        ("scored", [20, 21, 22, 23], SamplingParams(temperature=0.0, max_tokens=5, prompt_logprobs=1)),
+    ]
+    core = make_engine(tiny_chat_dir)
+    processor = OutputProcessor(core.tokenizer)
+    decoder = msgspec.msgpack.Decoder(CoreStepOutput)
+    for rid, ids, params in requests:
+        local.add_request(rid, {"prompt_token_ids": ids}, params, arrival_time=0.0)
+        children = core.add_core_request(rid, ids, params, 0.0)
+        processor.add(rid, None, ids, children, 0.0)
+    expected, got = {}, {}
+    while local.has_unfinished_requests():
+        expected.update((o.request_id, o) for o in local.step() if o.finished)
+    while core.has_unfinished_requests():
+        step = core.core_step()
+        if step is None:
+            continue
+        processed = processor.process(decoder.decode(msgspec.msgpack.encode(step)))
+        core.finish_requests(processed.stopped, RequestStatus.FINISHED_STOPPED)
+        got.update((o.request_id, o) for o in processed.request_outputs if o.finished)
+    assert set(got) == set(expected) == {rid for rid, _, _ in requests}
+    for rid in expected:
+        a, b = expected[rid], got[rid]
+        assert [(c.text, c.token_ids, c.finish_reason, c.stop_reason, c.logprobs) for c in a.outputs] == \
+               [(c.text, c.token_ids, c.finish_reason, c.stop_reason, c.logprobs) for c in b.outputs]
+        assert a.prompt_logprobs == b.prompt_logprobs
+    assert got["stop"].outputs[0].finish_reason == "stop" and got["stop"].outputs[0].stop_reason == stop_word
+    assert processor.num_late_tokens == 0 and not processor.parents and core.kv_manager.usage() == 0.0

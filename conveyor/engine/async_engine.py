@@ -27,8 +27,7 @@ from conveyor.engine.engine_client import (  # noqa: F401 - the errors and strea
     EngineClient, EngineDeadError, EngineShuttingDownError, RequestFailedError, RequestStream,
 )
 from conveyor.engine.llm_engine import LLMEngine
-from conveyor.engine.output_delta import snapshot
-from conveyor.engine.outputs import RequestOutput
+from conveyor.engine.outputs import RequestOutput, snapshot
 from conveyor.engine.step_loop import STOP, StepLoop
 
 logger = logging.getLogger("conveyor.engine")

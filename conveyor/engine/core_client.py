@@ -1,38 +1,58 @@
-"""``EngineCoreClient``: the server's end of an engine core running in its own process (``engine.core_proc``).
+"""``EngineCoreClient``: the API process's end of an engine core running in its own process (``engine.core_proc``).
 
 It starts the process (spawn: a fresh interpreter, so no torch thread pool is inherited half-initialised), waits
-for it to be ready, and then lives on the event loop: the pipe is registered with ``loop.add_reader``, so the loop
-wakes once per message (one per engine step) and delivers every stream's output of that step in one go. Prompts
-are prepared (tokenized, chat-rendered, length-checked) here, with a copy of the engine's tokenizer that came with
-its "ready" message (so this process need not import torch to load one).
+for it to be ready, and then serves the event loop with three threads of its own, so that the loop never touches
+a socket or waits on one:
 
-If the process dies (it raised, or was killed), every in-flight stream and pending call gets
-``EngineDeadError`` and the ``on_dead`` callbacks run: the server then exits with status 1, as with a crashed
-engine thread.
+    sender thread:   queue <- the loop's requests (add, finish, call, stop) -> encode -> PUSH socket
+    receiver thread: PULL socket -> decode -> loop.call_soon_threadsafe(handle)
+    watcher thread:  waits for the engine process to exit -> the loop declares the engine dead
+
+Output processing happens here, on the loop, as in vLLM v1's ``AsyncLLM``: the engine core sends each step's
+sampled tokens (``CoreStepOutput``), and this process's ``OutputProcessor`` detokenizes them, checks stop strings
+(a hit sends ``FinishRequests(..., "stop")`` to the core) and delivers every stream's output of the step in one go.
+Prompts are prepared (tokenized, chat-rendered, length-checked) here too, off the loop, with a copy of the
+engine's tokenizer that came with its "ready" message (so this process need not import torch to load one).
+
+The engine is dead when its process has exited, and only then (or when it said so in its last message): every
+in-flight stream and pending call gets ``EngineDeadError`` and the ``on_dead`` callbacks run (the server then
+exits with status 1, as with a crashed engine thread).
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import itertools
 import logging
 import multiprocessing
+import multiprocessing.connection
+import pickle
+import queue
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
+import zmq
+
 from conveyor.core.outputs import SchedulerStats
+from conveyor.engine import ipc
 from conveyor.engine.args import EngineArgs
-from conveyor.engine.core_proc import EngineInfo, StepMessage, add_request_command, run_engine_core
+from conveyor.engine.core_proc import EngineInfo, run_engine_core
+from conveyor.engine.core_step import CoreStepOutput, child_requests
 from conveyor.engine.engine_client import EngineClient, EngineDeadError
-from conveyor.engine.llm_engine import encode_text
-from conveyor.engine.output_delta import DeltaDecoder
+from conveyor.engine.llm_engine import LLMEngine
+from conveyor.engine.output_processor import OutputProcessor
+from conveyor.engine.outputs import RequestOutput, snapshot
 
 logger = logging.getLogger("conveyor.engine")
 
 STARTUP_TIMEOUT_S = 600.0  # a big checkpoint on a slow disk; a failure is reported as soon as it happens
 STOP_TIMEOUT_S = 30.0  # shutdown: how long the process may take to finish its step and exit before it is killed
+RECEIVE_POLL_MS = 100  # how often the receiver thread looks up from its socket to see whether it should stop
+# The engine process has exited: how long its last message (why it died) may take to be handled first.
+EXIT_GRACE_S = 0.5
 
 
 class EngineView:
@@ -50,8 +70,9 @@ class EngineView:
         self.random_weights = info.random_weights
         self.step_listeners: list[Callable] = []  # called on the event loop with each step's ``StepRecord``
 
-    def encode(self, text: str, add_special_tokens: bool = True, field: str = "prompt") -> list[int]:
-        return encode_text(self.tokenizer, text, add_special_tokens, field)
+    # The engine's own prompt handling; they read only ``.tokenizer``.
+    encode = LLMEngine.encode
+    tokenize_prompt = LLMEngine.tokenize_prompt
 
 
 class EngineCoreClient(EngineClient):
@@ -63,19 +84,27 @@ class EngineCoreClient(EngineClient):
     """
 
     def __init__(self, args: EngineArgs, startup_timeout_s: float = STARTUP_TIMEOUT_S) -> None:
+        self._endpoints = ipc.Endpoints.fresh()
+        self._zmq = zmq.Context()
+        # Bound before the process starts, so its connects find them; each then belongs to one thread.
+        self._input = ipc.make_socket(self._zmq, zmq.PUSH, self._endpoints.input, bind=True)
+        self._output = ipc.make_socket(self._zmq, zmq.PULL, self._endpoints.output, bind=True)
         context = multiprocessing.get_context("spawn")
         self._conn, child_conn = context.Pipe()
-        self._proc = context.Process(target=run_engine_core, args=(args, child_conn), name="conveyor-engine-core",
-                                     daemon=True)
+        self._proc = context.Process(target=run_engine_core, args=(args, child_conn, self._endpoints),
+                                     name="conveyor-engine-core", daemon=True)
         self._proc.start()
         child_conn.close()
         self._args, self._startup_timeout_s, self._started = args, startup_timeout_s, time.monotonic()
         super().__init__(SchedulerStats())  # the engine's own stats arrive with "ready"
-        self._decoder = DeltaDecoder()
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._threads: list[threading.Thread] = []
+        self._closing = threading.Event()
         self._calls: dict[int, asyncio.Future] = {}
         self._call_ids = itertools.count()
         self._stopping = False
         self.engine: EngineView | None = None
+        self.output_processor: OutputProcessor | None = None
 
     def wait_ready(self) -> EngineCoreClient:
         """Block until the engine process is ready; raise what building the engine raised there (or
@@ -85,6 +114,7 @@ class EngineCoreClient(EngineClient):
                 info = self._wait_ready(self._startup_timeout_s - (time.monotonic() - self._started))
             except BaseException:
                 self._proc.kill()
+                self._close_sockets()
                 raise
             self.stats = info.stats
             tokenizer = info.tokenizer
@@ -93,6 +123,7 @@ class EngineCoreClient(EngineClient):
 
                 tokenizer = load_tokenizer(self._args.model)
             self.engine = EngineView(self._args, tokenizer, info)
+            self.output_processor = OutputProcessor(tokenizer, detokenize=self._args.detokenize)
         return self
 
     def _wait_ready(self, timeout_s: float) -> EngineInfo:
@@ -113,10 +144,14 @@ class EngineCoreClient(EngineClient):
 
     # ---- lifecycle --------------------------------------------------------------------------------------
     def start(self) -> None:
-        """Start reading the process's messages on the running event loop."""
+        """Start the sender, receiver and watcher threads for the running event loop."""
         self.wait_ready()
         self._start_loop_side()
-        self._loop.add_reader(self._conn.fileno(), self._on_readable)
+        for target, name in ((self._send_forever, "sender"), (self._receive_forever, "receiver"),
+                             (self._watch_process, "watcher")):
+            thread = threading.Thread(target=target, name=f"conveyor-client-{name}", daemon=True)
+            thread.start()
+            self._threads.append(thread)
 
     @property
     def is_running(self) -> bool:
@@ -129,84 +164,159 @@ class EngineCoreClient(EngineClient):
             self.abort(request_id)
         if self.dead_error is None and not self._stopping:
             self._stopping = True
-            try:
-                self._conn.send(("stop",))
-            except OSError:
-                pass
+            self._outbox.put(ipc.Shutdown())
         await asyncio.to_thread(self._proc.join, STOP_TIMEOUT_S)
         if self._proc.is_alive():
             logger.warning("the engine core process did not stop within %.0f s: killing it", STOP_TIMEOUT_S)
             self._proc.kill()
             await asyncio.to_thread(self._proc.join, 5.0)
-        self._close_pipe()
+        await asyncio.to_thread(self._close_sockets)
+
+    def _close_sockets(self) -> None:
+        """Stop the threads (each closes its own socket), then the context; remove the socket files."""
+        self._closing.set()
+        self._outbox.put(None)
+        for thread in self._threads:
+            if thread.name != "conveyor-client-watcher":
+                thread.join(ipc.LINGER_S + 1.0)
+        if not self._threads:  # never started: the sockets are still this thread's
+            self._input.close(linger=0)
+            self._output.close(linger=0)
+        self._zmq.term()
+        self._endpoints.remove()
+        self._conn.close()
 
     # ---- requests ---------------------------------------------------------------------------------------
     async def _add(self, request_id: str, prompt, params, arrival: float) -> None:
-        prompt = prompt(self.engine) if callable(prompt) else prompt  # tokenize here, not in the engine's step
-        await self.call(functools.partial(add_request_command, request_id, prompt, params, arrival))
+        if callable(prompt):  # tokenizing a long prompt takes a while: never on the event loop
+            prompt = await asyncio.to_thread(prompt, self.engine)
+        text, token_ids = self.engine.tokenize_prompt(prompt)
+        processor = self.output_processor
+        if request_id in processor.parents:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        processor.add(request_id, text, token_ids, child_requests(request_id, params), arrival)
+        try:
+            await self._request(lambda call_id: ipc.AddRequest(call_id, request_id, token_ids, params, arrival))
+        except asyncio.CancelledError:
+            raise  # add_request aborts it: it may have been admitted
+        except BaseException:
+            processor.abort(request_id, time.monotonic())  # refused: forget its output state
+            raise
 
     def abort(self, request_id: str) -> None:
-        """Abort a request (no-op when finished); its blocks are free before the next step runs."""
-        if request_id in self._streams and self.is_running:
-            try:
-                self._conn.send(("abort", request_id))
-            except OSError:
-                pass  # the process is gone: its end of the pipe reports that
+        """Abort a request (no-op when finished): its stream ends now with finish_reason "abort", and its blocks
+        are free before the engine's next step."""
+        if request_id not in self._streams or not self.is_running:
+            return
+        children = self.output_processor.unfinished_child_ids(request_id)
+        out = self.output_processor.abort(request_id, time.monotonic())
+        if children:
+            self._outbox.put(ipc.FinishRequests(children, "abort"))
+        if out is not None:
+            self._emit([out])
 
     async def tokenizer_call(self, fn: Callable[[Any], Any]) -> Any:
-        return fn(self.engine)  # the server's own tokenizer: no round trip to the engine process
+        return await asyncio.to_thread(fn, self.engine)  # the server's own tokenizer: no round trip to the engine
 
     async def call(self, fn: Callable[[Any], Any]) -> Any:
         """Run ``fn(engine)`` in the engine process between steps and return its result (or raise its error)."""
+        payload = pickle.dumps(fn, protocol=pickle.HIGHEST_PROTOCOL)
+        return await self._request(lambda call_id: ipc.UtilityCall(call_id, payload))
+
+    async def _request(self, make: Callable[[int], ipc.AddRequest | ipc.UtilityCall]) -> Any:
         if not self.is_running:
             raise EngineDeadError(f"the engine is not running: {self.dead_error!r}")
         call_id = next(self._call_ids)
         future = self._loop.create_future()
         self._calls[call_id] = future
+        self._outbox.put(make(call_id))
         try:
-            self._conn.send(("call", call_id, fn))
-        except OSError as exc:
+            return ipc.reply_value(await future)
+        finally:
             self._calls.pop(call_id, None)
-            raise EngineDeadError(f"the engine is not running: {exc!r}") from exc
-        return await future
+
+    # ---- threads ----------------------------------------------------------------------------------------
+    def _send_forever(self) -> None:
+        encoder = msgspec.msgpack.Encoder()
+        try:
+            while (request := self._outbox.get()) is not None:
+                self._input.send(encoder.encode(request))
+        except zmq.ZMQError as exc:
+            if not self._closing.is_set():
+                logger.error("could not send to the engine core process: %s", exc)
+        finally:
+            self._input.close(linger=0)
+
+    def _receive_forever(self) -> None:
+        decoder = ipc.message_decoder()
+        try:
+            while not self._closing.is_set():
+                if not self._output.poll(RECEIVE_POLL_MS):
+                    continue
+                message = decoder.decode(self._output.recv())
+                self._loop.call_soon_threadsafe(self._handle, message)
+        except zmq.ZMQError as exc:
+            if not self._closing.is_set():
+                logger.error("could not read from the engine core process: %s", exc)
+        except RuntimeError:  # the event loop is closed: nobody is left to tell
+            pass
+        finally:
+            self._output.close(linger=0)
+
+    def _watch_process(self) -> None:
+        multiprocessing.connection.wait([self._proc.sentinel])
+        try:
+            self._loop.call_soon_threadsafe(self._on_process_exit)
+        except RuntimeError:  # the event loop is closed
+            pass
 
     # ---- event loop side --------------------------------------------------------------------------------
-    def _on_readable(self) -> None:
-        try:
-            while self._conn.poll():
-                kind, payload = self._conn.recv()
-                if kind == "step":
-                    self._handle(payload)
-                elif kind == "dead":
-                    self._died(f"the engine core raised: {payload}")
-                    return
-        except (EOFError, OSError):
-            if self._stopping:
-                self._close_pipe()
-            else:
-                self._died(None)
+    def _on_process_exit(self) -> None:
+        if not self._stopping:  # let a last message saying why be handled first
+            self._loop.call_later(EXIT_GRACE_S, self._died, None)
 
-    def _handle(self, message: StepMessage) -> None:
+    def _handle(self, message: ipc.EngineMessage) -> None:
         if message.stats is not None:
             self.stats = message.stats
         for record in message.records:
             for listener in self.engine.step_listeners:
                 listener(record)
-        for call_id, ok, value in message.replies:
-            future = self._calls.pop(call_id, None)
+        for reply in message.replies:
+            future = self._calls.get(reply.call_id)
             if future is not None and not future.done():
-                future.set_result(value) if ok else future.set_exception(value)
-        if message.outputs:
-            batch = [self._decoder.decode(delta) for delta in message.outputs]
-            for out in batch:
-                for listener in self.output_listeners:
-                    listener(out)
-            self._deliver(batch)
+                future.set_result(reply)
+        if message.step is not None:
+            self._process(message.step)
+        if message.dead is not None:
+            self._died(f"the engine core raised: {message.dead}")
+
+    def _process(self, step: CoreStepOutput) -> None:
+        """One step's tokens through the output processor; what it decided goes back to the core."""
+        processor = self.output_processor
+        processed = processor.process(step)
+        if processed.stopped:
+            self._outbox.put(ipc.FinishRequests(processed.stopped, "stop"))
+        outputs = processed.request_outputs
+        if processed.failed:
+            outputs = [o for o in outputs if o.request_id not in processed.failed]
+            for request_id, why in processed.failed.items():
+                logger.error("request %s failed and was aborted: %s", request_id, why)
+                children = processor.unfinished_child_ids(request_id)
+                if children:
+                    self._outbox.put(ipc.FinishRequests(children, "abort"))
+                if (out := processor.abort(request_id, step.time, why)) is not None:
+                    outputs.append(out)
+        self._emit(outputs)
+
+    def _emit(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            for listener in self.output_listeners:
+                listener(out)
+        self._deliver([snapshot(out) for out in outputs])
 
     def _died(self, why: str | None) -> None:
-        if self.dead_error is not None:
+        if self.dead_error is not None or self._stopping:
             return
-        self._close_pipe()
         self._proc.join(1.0)
         if why is None:
             why = f"the engine core process (pid {self._proc.pid}) exited with code {self._proc.exitcode}"
@@ -219,9 +329,3 @@ class EngineCoreClient(EngineClient):
             if not future.done():
                 future.set_exception(error)
         self._deliver_error(error, cause)
-
-    def _close_pipe(self) -> None:
-        if not self._conn.closed:
-            if self._loop is not None:
-                self._loop.remove_reader(self._conn.fileno())
-            self._conn.close()

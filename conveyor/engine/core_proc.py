@@ -1,23 +1,26 @@
-"""The engine core in a process of its own (what ``conveyor serve`` runs), as vLLM v1 runs its EngineCore.
+"""The engine core in a process of its own (what ``conveyor serve`` runs), as vLLM v1 runs its ``EngineCoreProc``.
 
 Why a process: in one process the step loop and the event loop (HTTP, JSON, SSE) take turns on one GIL, and every
 torch op of a step gives the GIL up and must win it back; a busy event loop then stretches the step. Here the
-engine owns its interpreter and talks to the server over one pipe (``multiprocessing.Pipe``):
+engine owns its interpreter, runs only the core of each step (schedule, execute, update: ``core_step``) and sends
+the sampled tokens; the API process detokenizes, checks stop strings and streams (``core_client``). The two talk
+over ``engine.ipc``'s sockets, each with a thread of its own here, so decoding requests and encoding outputs
+overlap the step:
 
-    server process (event loop)                        engine core process
-    ("call", id, fn) / ("abort", id) / ("stop",) -->   reader thread -> command queue
-                                                       StepLoop: [commands] -> step() -> ...
-    loop.add_reader wakes once per message <--------   ("step", StepMessage): every output of the step as a delta,
-                                                       the command replies, step records, the stats snapshot
+    input thread:  PULL socket -> decode -> command queue
+    main thread:   StepLoop: [commands] -> core_step() -> one EngineMessage per round -> bounded outbox
+    output thread: outbox -> encode -> PUSH socket
 
-At most one message per round of commands and step. The process ignores SIGINT and SIGTERM (the server drains
-and then says "stop"); it exits when told, when the pipe closes (the server is gone), or, after sending
-("dead", why), when the engine raises.
+The outbox holds at most ``OUTBOX_STEPS`` messages: an API process that falls behind makes the step loop wait
+instead of letting its queue grow without bound. The process ignores SIGINT and SIGTERM (the server drains, then
+sends ``Shutdown``); it exits when told, when the API process is gone (the start-up pipe closes), or, after a last
+message saying why, when the engine raises.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import pickle
@@ -27,18 +30,25 @@ import sys
 import threading
 import traceback
 import types
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+import zmq
+
 from conveyor.core.outputs import SchedulerStats
+from conveyor.core.request import RequestStatus
+from conveyor.engine import ipc
 from conveyor.engine.args import EngineArgs
+from conveyor.engine.core_step import CoreStepOutput
 from conveyor.engine.llm_engine import LLMEngine
-from conveyor.engine.output_delta import DeltaEncoder, OutputDelta
-from conveyor.engine.outputs import RequestOutput
 from conveyor.engine.step_loop import STOP, StepLoop
 from conveyor.engine.step_record import StepRecord
 
 logger = logging.getLogger("conveyor.engine")
+
+OUTBOX_STEPS = 64  # messages the output thread may hold back before the step loop waits for the API process
+DEAD_FLUSH_S = 5.0  # a crashing engine: how long its last message may take to leave
 
 
 @dataclass
@@ -57,24 +67,6 @@ class EngineInfo:
     random_weights: bool  # the embedded bench model: the server warns that its output is noise
 
 
-@dataclass
-class StepMessage:
-    """Everything one round of commands and step produced, in one message."""
-
-    outputs: list[OutputDelta] = field(default_factory=list)
-    replies: list[tuple[int, bool, Any]] = field(default_factory=list)  # (call id, ok, result or exception)
-    records: list[StepRecord] = field(default_factory=list)
-    stats: SchedulerStats | None = None
-
-    def __bool__(self) -> bool:
-        return bool(self.outputs or self.replies or self.records or self.stats is not None)
-
-
-def add_request_command(request_id: str, prompt, params, arrival: float, engine: LLMEngine) -> None:
-    """The add command (picklable as a ``functools.partial``; the engine comes last)."""
-    engine.add_request(request_id, prompt, params, arrival)
-
-
 class _Reply:
     """The future-like end of a call: its result goes into the message being filled when the call runs."""
 
@@ -85,52 +77,89 @@ class _Reply:
         return True
 
     def set_result(self, value) -> None:
-        self.core.message.replies.append((self.call_id, True, value))
+        self.core.message.replies.append(ipc.result_reply(self.call_id, value))
 
     def set_exception(self, exc: BaseException) -> None:
-        self.core.message.replies.append((self.call_id, False, exc))
+        self.core.message.replies.append(ipc.error_reply(self.call_id, exc))
+
+
+def _add(request: ipc.AddRequest, engine: LLMEngine) -> None:
+    engine.add_core_request(request.request_id, request.prompt_token_ids, request.params, request.arrival)
+
+
+_FINISH_STATUS = {"abort": RequestStatus.FINISHED_ABORTED, "stop": RequestStatus.FINISHED_STOPPED}
 
 
 class EngineCore:
-    """Runs the ``StepLoop`` on commands read from ``conn`` and sends one ``StepMessage`` per round."""
+    """Runs the ``StepLoop`` on requests from the input socket and sends one ``EngineMessage`` per round."""
 
-    def __init__(self, engine: LLMEngine, conn) -> None:
+    def __init__(self, engine: LLMEngine, endpoints: ipc.Endpoints, context: zmq.Context) -> None:
         self.engine = engine
-        self.conn = conn
         self.commands: queue.SimpleQueue = queue.SimpleQueue()
-        self.message = StepMessage()
-        self.encoder = DeltaEncoder()
+        self.message = ipc.EngineMessage()
         self._last_stats: SchedulerStats | None = None
+        self._outbox: queue.Queue = queue.Queue(maxsize=OUTBOX_STEPS)
+        self._input = ipc.make_socket(context, zmq.PULL, endpoints.input, bind=False)
+        self._output = ipc.make_socket(context, zmq.PUSH, endpoints.output, bind=False)
+        self._writer = threading.Thread(target=self._write, name="conveyor-engine-output", daemon=True)
         engine.step_listeners.append(self._on_step)
-        self.loop = StepLoop(engine, self.commands, self._publish, self._on_stats, self._flush)
+        self.loop = StepLoop(engine, self.commands, self._publish, self._on_stats, self._flush, step=engine.core_step)
 
     def run(self) -> None:
-        threading.Thread(target=self._read, name="conveyor-engine-reader", daemon=True).start()
-        self.loop.run()
-        self._flush()
+        """Serve until ``Shutdown`` (or the API process is gone); raises what kills the engine, after sending
+        the reason."""
+        threading.Thread(target=self._read, name="conveyor-engine-input", daemon=True).start()
+        self._writer.start()
+        try:
+            self.loop.run()
+            self._flush()
+        except BaseException as exc:
+            self.message.dead = f"{exc!r}\n{traceback.format_exc()}"
+            self._flush(timeout=DEAD_FLUSH_S)
+            raise
+        finally:
+            try:
+                self._outbox.put(None, timeout=DEAD_FLUSH_S)
+            except queue.Full:
+                pass
+            self._writer.join(DEAD_FLUSH_S)
 
     def _read(self) -> None:
-        """Pipe -> command queue, so the server's sends never wait for a step to end."""
+        """Input socket -> command queue, so the API process's sends never wait for a step to end."""
+        decoder = ipc.request_decoder()
         while True:
             try:
-                msg = self.conn.recv()
-            except (EOFError, OSError):
-                self.commands.put(STOP)  # the server is gone
+                request = decoder.decode(self._input.recv())
+            except zmq.ZMQError:  # the context is closing (ETERM): the socket is this thread's to close
+                self._input.close()
                 return
-            kind = msg[0]
-            if kind == "call":
-                _, call_id, fn = msg
-                self.commands.put((fn, _Reply(self, call_id)))
-            elif kind == "abort":
-                request_id = msg[1]
-                self.commands.put(lambda e: self.loop.abort(e, request_id))
+            except msgspec.DecodeError as exc:  # not from our client: say so, never guess
+                logger.error("dropped a message that is not an engine request: %s", exc)
+                continue
+            if isinstance(request, ipc.AddRequest):
+                self.commands.put((functools.partial(_add, request), _Reply(self, request.call_id)))
+            elif isinstance(request, ipc.FinishRequests):
+                status = _FINISH_STATUS[request.reason]
+                self.commands.put(functools.partial(LLMEngine.finish_requests, child_ids=request.request_ids,
+                                                    status=status))
+            elif isinstance(request, ipc.UtilityCall):
+                self.commands.put((functools.partial(_call, request.fn), _Reply(self, request.call_id)))
             else:
                 self.commands.put(STOP)
-                return
+
+    def _write(self) -> None:
+        encoder = msgspec.msgpack.Encoder()
+        try:
+            while (message := self._outbox.get()) is not None:
+                self._output.send(encoder.encode(message))
+        except zmq.ZMQError as exc:
+            logger.error("could not send to the API process: %s", exc)
+        finally:
+            self._output.close()  # what it still holds leaves before the context's term() returns (linger)
 
     # ---- StepLoop callbacks (engine loop thread) ----------------------------------------------------------
-    def _publish(self, outputs: list[RequestOutput]) -> None:
-        self.message.outputs.extend(self.encoder.encode(out) for out in outputs)
+    def _publish(self, step: CoreStepOutput) -> None:
+        self.message.step = step  # one step per round
 
     def _on_stats(self, stats: SchedulerStats) -> None:
         if stats != self._last_stats:
@@ -140,18 +169,13 @@ class EngineCore:
         record.num_scheduled_tokens = {}  # the slot timeline stays with offline benchmarks
         self.message.records.append(record)
 
-    def _flush(self) -> None:
-        message, self.message = self.message, StepMessage()
-        if not message:
-            return
-        try:
-            data = pickle.dumps(("step", message), protocol=pickle.HIGHEST_PROTOCOL)
-        except Exception:  # noqa: BLE001 - a call returned something that cannot travel: say so, to its caller
-            message.replies = [(i, ok if _picklable(v) else False, v if _picklable(v) else
-                                RuntimeError(f"the call's result cannot be sent: {v!r}"[:500]))
-                               for i, ok, v in message.replies]
-            data = pickle.dumps(("step", message), protocol=pickle.HIGHEST_PROTOCOL)
-        self.conn.send_bytes(data)
+    def _flush(self, timeout: float | None = None) -> None:
+        message, self.message = self.message, ipc.EngineMessage()
+        if message:
+            try:
+                self._outbox.put(message, timeout=timeout)  # waits while the API process is OUTBOX_STEPS behind
+            except queue.Full:
+                logger.error("the API process takes no messages: dropped the last one")
 
 
 def _picklable(value) -> bool:
@@ -162,9 +186,23 @@ def _picklable(value) -> bool:
         return False
 
 
-def run_engine_core(args: EngineArgs, conn) -> None:
-    """The engine core process's entry point: build the engine, say ("ready", EngineInfo), serve commands."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server owns shutdown: it drains, then sends "stop"
+def _call(fn: bytes, engine: LLMEngine):
+    return pickle.loads(fn)(engine)
+
+
+def _watch_parent(conn, commands: queue.SimpleQueue) -> None:
+    """The start-up pipe carries nothing after "ready": it closes when the API process is gone, however it went."""
+    try:
+        conn.recv()
+    except (EOFError, OSError):
+        pass
+    commands.put(STOP)
+
+
+def run_engine_core(args: EngineArgs, conn, endpoints: ipc.Endpoints) -> None:
+    """The engine core process's entry point: build the engine, say ("ready", EngineInfo) on the start-up pipe,
+    then serve the sockets at ``endpoints``."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server owns shutdown: it drains, then sends Shutdown
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s[core]: %(message)s")
     try:
@@ -180,18 +218,21 @@ def run_engine_core(args: EngineArgs, conn) -> None:
                                    engine.load_time_s, engine.init_time_s,
                                    engine.tokenizer if _picklable(engine.tokenizer) else None,
                                    engine.model_info.name == EMBEDDED_NAME)))
-    sys.exit(serve_engine(engine, conn))
+    sys.exit(serve_engine(engine, conn, endpoints))
 
 
-def serve_engine(engine: LLMEngine, conn) -> int:
-    """Serve commands from ``conn`` until told to stop (0) or the engine raises (1, after ("dead", why))."""
+def serve_engine(engine: LLMEngine, conn, endpoints: ipc.Endpoints) -> int:
+    """Serve the API process at ``endpoints`` until told to stop, or until ``conn`` (the start-up pipe) closes
+    (0), or the engine raises (1, after a last message saying why)."""
+    context = zmq.Context()
+    core = EngineCore(engine, endpoints, context)
+    threading.Thread(target=_watch_parent, args=(conn, core.commands), name="conveyor-engine-parent",
+                     daemon=True).start()
     try:
-        EngineCore(engine, conn).run()
+        core.run()
         return 0
-    except BaseException as exc:  # noqa: BLE001 - a crashed engine must fail every waiting client
+    except BaseException:  # noqa: BLE001 - a crashed engine must fail every waiting client
         logger.exception("the engine core crashed")
-        try:
-            conn.send(("dead", f"{exc!r}\n{traceback.format_exc()}"))
-        except OSError:
-            pass
         return 1
+    finally:
+        context.term()  # after the threads closed their sockets, and what the output socket held has left

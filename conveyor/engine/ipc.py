@@ -1,0 +1,160 @@
+"""The engine pipe: typed msgpack frames (``msgspec``) over two ZeroMQ sockets, as vLLM v1's ``EngineCoreClient``
+and ``EngineCoreProc`` talk.
+
+    API process                                                    engine core process
+    sender thread    --PUSH  ipc://.../input   PULL-->  input thread -> command queue -> step loop
+    receiver thread  <--PULL ipc://.../output  PUSH--   output thread <- bounded queue <- step loop
+
+A ZeroMQ message arrives whole or not at all, so no read can tear and no write can leave half a frame behind,
+whatever the event loop does with file descriptors. Every socket is used by one thread only, in blocking mode;
+the event loop never touches a socket. The API process binds both sockets (it outlives the engine) and the engine
+connects. Liveness is never read from the sockets: the API process watches the engine process itself.
+
+What crosses, and nothing else (``EngineRequest`` one way, ``EngineMessage`` the other):
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import tempfile
+
+import msgspec
+import zmq
+
+from conveyor.core.outputs import SchedulerStats
+from conveyor.core.sampling_params import SamplingParams
+from conveyor.engine.core_step import CoreStepOutput
+from conveyor.engine.step_record import StepRecord
+
+
+# ---- API process -> engine core ---------------------------------------------------------------------------
+class AddRequest(msgspec.Struct, tag="add", array_like=True):
+    """Queue a request whose prompt the API process has tokenized and checked; answered by a ``Reply``."""
+
+    call_id: int
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival: float
+
+
+class FinishRequests(msgspec.Struct, tag="finish", array_like=True):
+    """End these (child) requests in the scheduler: ``reason`` "abort" (a client left, a failure) or "stop" (the
+    API process's stop-string check ended them)."""
+
+    request_ids: list[str]
+    reason: str
+
+
+class UtilityCall(msgspec.Struct, tag="call", array_like=True):
+    """Run a picklable ``fn(engine)`` between steps (tests, benchmarks, tools); answered by a ``Reply``."""
+
+    call_id: int
+    fn: bytes  # pickle of a module-level function, a functools.partial or an operator getter of one
+
+
+class Shutdown(msgspec.Struct, tag="stop", array_like=True):
+    """Finish the current step, send what it produced, exit 0."""
+
+
+EngineRequest = AddRequest | FinishRequests | UtilityCall | Shutdown
+
+
+# ---- engine core -> API process ---------------------------------------------------------------------------
+class Reply(msgspec.Struct, array_like=True):
+    """The answer to an ``AddRequest`` or ``UtilityCall``: ``error`` is (exception class name, message), or
+    the result as a pickle (None for an add)."""
+
+    call_id: int
+    error: tuple[str, str] | None = None
+    result: bytes | None = None
+
+
+class EngineMessage(msgspec.Struct, array_like=True):
+    """One round of commands and step: the step's tokens, the command replies, the step records, the stats
+    snapshot (when it changed), and, last of all from a crashing engine, why it died."""
+
+    step: CoreStepOutput | None = None
+    replies: list[Reply] = []
+    records: list[StepRecord] = []
+    stats: SchedulerStats | None = None
+    dead: str | None = None
+
+    def __bool__(self) -> bool:
+        return bool(self.step or self.replies or self.records or self.stats is not None or self.dead)
+
+
+# Exceptions a reply may carry, rebuilt as themselves on the API side (anything else is a RuntimeError).
+def _error_types() -> dict[str, type[BaseException]]:
+    from conveyor.engine.llm_engine import QueueFullError
+
+    return {t.__name__: t for t in (ValueError, QueueFullError, KeyError, TypeError, RuntimeError)}
+
+
+def error_reply(call_id: int, exc: BaseException) -> Reply:
+    return Reply(call_id, (type(exc).__name__, str(exc)[:10_000]))
+
+
+def result_reply(call_id: int, value) -> Reply:
+    if value is None:
+        return Reply(call_id)
+    try:
+        return Reply(call_id, result=pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL))
+    except Exception as exc:  # noqa: BLE001 - a call returned something that cannot travel: say so, to its caller
+        return Reply(call_id, ("RuntimeError", f"the call's result cannot be sent: {exc!r}"[:500]))
+
+
+def reply_value(reply: Reply):
+    """The call's result, or raise its error (as the engine raised it, when its type is a known one)."""
+    if reply.error is not None:
+        name, message = reply.error
+        raise _error_types().get(name, RuntimeError)(message)
+    return None if reply.result is None else pickle.loads(reply.result)
+
+
+# ---- sockets ----------------------------------------------------------------------------------------------
+LINGER_S = 5.0  # at close, how long a socket may go on delivering what it has queued (a dead peer: dropped then)
+
+class Endpoints(msgspec.Struct):
+    """The two socket addresses, in a private directory of the API process."""
+
+    input: str
+    output: str
+
+    @classmethod
+    def fresh(cls) -> Endpoints:
+        where = tempfile.mkdtemp(prefix="conveyor-ipc-")
+        return cls(f"ipc://{where}/input", f"ipc://{where}/output")
+
+    def remove(self) -> None:
+        for address in (self.input, self.output):
+            path = address.removeprefix("ipc://")
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+        try:
+            os.rmdir(os.path.dirname(self.input.removeprefix("ipc://")))
+        except OSError:
+            pass
+
+
+def make_socket(context: zmq.Context, kind: int, address: str, bind: bool) -> zmq.Socket:
+    """A blocking socket with no message limit (the bounded queue in front of the engine's output socket is the
+    back-pressure) that drops nothing it has queued for up to ``LINGER_S`` at close."""
+    sock = context.socket(kind)
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.setsockopt(zmq.RCVHWM, 0)
+    sock.setsockopt(zmq.LINGER, int(LINGER_S * 1000))
+    sock.bind(address) if bind else sock.connect(address)
+    return sock
+
+
+# One encoder or decoder per thread that uses it (each keeps buffers of its own).
+def request_decoder() -> msgspec.msgpack.Decoder:
+    return msgspec.msgpack.Decoder(EngineRequest)
+
+
+def message_decoder() -> msgspec.msgpack.Decoder:
+    return msgspec.msgpack.Decoder(EngineMessage)
