@@ -4,6 +4,7 @@ the server; output deltas rebuild exactly what the engine produced."""
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import shutil
 import threading
@@ -98,32 +99,64 @@ def test_an_engine_that_raises_says_so_and_stops(tiny_llama_dir):
         raise RuntimeError("injected engine fault")
 
     engine.core_step = crash
-    endpoints = ipc.Endpoints.fresh()
-    context = zmq.Context()
-    to_engine = ipc.make_socket(context, zmq.PUSH, endpoints.input, bind=True)
-    from_engine = ipc.make_socket(context, zmq.PULL, endpoints.output, bind=True)
-    api_end, engine_end = multiprocessing.Pipe()
-    result = []
-    thread = threading.Thread(target=lambda: result.append(serve_engine(engine, engine_end, endpoints)))
-    thread.start()
-    try:
-        add = ipc.AddRequest(0, "a", PROMPT_IDS, SamplingParams(max_tokens=3), time.monotonic())
-        to_engine.send(msgspec.msgpack.encode(add))
+    with engine_core_on_sockets(engine) as (send, from_engine, result):
+        send(ipc.AddRequest(0, "a", PROMPT_IDS, SamplingParams(max_tokens=3), time.monotonic()))
         decoder, messages = ipc.message_decoder(), []
         while from_engine.poll(30_000):
             messages.append(decoder.decode(from_engine.recv()))
             if messages[-1].dead is not None:
                 break
-        thread.join(30)
-        assert [r.call_id for m in messages for r in m.replies] == [0]  # the add was answered first
-        assert messages[-1].dead is not None and "injected engine fault" in messages[-1].dead
-        assert result == [1]
+        assert wait_until(lambda: result == [1])
+    assert [r.call_id for m in messages for r in m.replies] == [0]  # the add was answered first
+    assert messages[-1].dead is not None and "injected engine fault" in messages[-1].dead
+
+
+@contextlib.contextmanager
+def engine_core_on_sockets(engine):
+    """``serve_engine`` in a thread, with this test as its API process: (send a request, the output socket)."""
+    endpoints = ipc.Endpoints.fresh()
+    context = zmq.Context()
+    to_engine = ipc.make_socket(context, zmq.PUSH, endpoints.input, bind=True)
+    from_engine = ipc.make_socket(context, zmq.PULL, endpoints.output, bind=True, hwm=ipc.OUTPUT_HWM)
+    api_end, engine_end = multiprocessing.Pipe()
+    result = []
+    thread = threading.Thread(target=lambda: result.append(serve_engine(engine, engine_end, endpoints)))
+    thread.start()
+    try:
+        yield (lambda request: to_engine.send(msgspec.msgpack.encode(request))), from_engine, result
     finally:
+        if thread.is_alive():
+            to_engine.send(msgspec.msgpack.encode(ipc.Shutdown()))
+        while thread.is_alive():  # drain, so the engine's last messages can leave
+            if from_engine.poll(100):
+                from_engine.recv()
         to_engine.close(linger=0)
         from_engine.close(linger=0)
         context.term()
         endpoints.remove()
         api_end.close()
+
+
+@pytest.mark.slow
+def test_an_api_side_that_stops_reading_makes_the_engine_wait(tiny_llama_dir):
+    # Back-pressure: nothing on the output path grows without bound. While nobody reads, the engine steps only
+    # until the bounded queues are full; once read again, it goes on and finishes.
+    engine = make_engine(tiny_llama_dir)
+    with engine_core_on_sockets(engine) as (send, from_engine, _):
+        for i in range(4):
+            send(ipc.AddRequest(i, f"r{i}", PROMPT_IDS, SamplingParams(max_tokens=400, ignore_eos=True),
+                                time.monotonic()))
+        assert wait_until(lambda: engine.scheduler.num_steps > 0)
+        steps = -1
+        while steps != engine.scheduler.num_steps:  # stalls within a few seconds (fast steps, small queues)
+            steps = engine.scheduler.num_steps
+            time.sleep(1.0)
+        assert steps < 400, "the engine ran every step although nobody read its output"
+        decoder, finished = ipc.message_decoder(), set()
+        while len(finished) < 4 and from_engine.poll(30_000):
+            step = decoder.decode(from_engine.recv()).step
+            finished |= {o.request_id for o in (step.outputs if step else []) if o.finish_reason is not None}
+        assert finished == {"r0", "r1", "r2", "r3"} and engine.scheduler.num_steps >= 400
 
 
 @pytest.mark.slow

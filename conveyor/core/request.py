@@ -97,7 +97,7 @@ class Request:
     num_cached_prompt_tokens: int = 0  # prefix-cache hit at the first admission
     times: RequestTimes = field(default_factory=RequestTimes)
     # Block hashes of this request's full blocks, computed lazily by the KV manager (prefix caching).
-    block_hashes: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.times.arrival = self.arrival_time

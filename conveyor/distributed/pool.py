@@ -143,7 +143,8 @@ class ReplicaPool:
             raise EngineShuttingDownError("the server is shutting down and accepts no new requests")
         if not self.reports:  # Ray Serve would hold the request until a replica is back: answer now instead
             raise EngineDeadError("no engine replica is running (Ray Serve is starting or replacing them)")
-        engine_prompt = prompt(self.engine) if callable(prompt) else prompt
+        # Tokenizing a long prompt takes a while: never on the event loop.
+        engine_prompt = await asyncio.to_thread(prompt, self.engine) if callable(prompt) else prompt
         if not isinstance(engine_prompt, dict):
             text = engine_prompt if isinstance(engine_prompt, str) else None
             ids = self.engine.encode(engine_prompt) if text is not None else list(engine_prompt)

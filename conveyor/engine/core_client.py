@@ -5,7 +5,7 @@ for it to be ready, and then serves the event loop with three threads of its own
 a socket or waits on one:
 
     sender thread:   queue <- the loop's requests (add, finish, call, stop) -> encode -> PUSH socket
-    receiver thread: PULL socket -> decode -> loop.call_soon_threadsafe(handle)
+    receiver thread: PULL socket -> decode -> loop.call_soon_threadsafe(handle), at most OUTPUT_HWM unhandled
     watcher thread:  waits for the engine process to exit -> the loop declares the engine dead
 
 Output processing happens here, on the loop, as in vLLM v1's ``AsyncLLM``: the engine core sends each step's
@@ -50,7 +50,7 @@ logger = logging.getLogger("conveyor.engine")
 
 STARTUP_TIMEOUT_S = 600.0  # a big checkpoint on a slow disk; a failure is reported as soon as it happens
 STOP_TIMEOUT_S = 30.0  # shutdown: how long the process may take to finish its step and exit before it is killed
-RECEIVE_POLL_MS = 100  # how often the receiver thread looks up from its socket to see whether it should stop
+POLL_MS = 100  # how often the sender and receiver threads look up from their sockets to see whether they should stop
 # The engine process has exited: how long its last message (why it died) may take to be handled first.
 EXIT_GRACE_S = 0.5
 
@@ -88,7 +88,9 @@ class EngineCoreClient(EngineClient):
         self._zmq = zmq.Context()
         # Bound before the process starts, so its connects find them; each then belongs to one thread.
         self._input = ipc.make_socket(self._zmq, zmq.PUSH, self._endpoints.input, bind=True)
-        self._output = ipc.make_socket(self._zmq, zmq.PULL, self._endpoints.output, bind=True)
+        self._output = ipc.make_socket(self._zmq, zmq.PULL, self._endpoints.output, bind=True, hwm=ipc.OUTPUT_HWM)
+        # Messages handed to the event loop and not yet handled: the receiver waits at OUTPUT_HWM (back-pressure).
+        self._unhandled = threading.BoundedSemaphore(ipc.OUTPUT_HWM)
         context = multiprocessing.get_context("spawn")
         self._conn, child_conn = context.Pipe()
         self._proc = context.Process(target=run_engine_core, args=(args, child_conn, self._endpoints),
@@ -240,7 +242,11 @@ class EngineCoreClient(EngineClient):
         encoder = msgspec.msgpack.Encoder()
         try:
             while (request := self._outbox.get()) is not None:
-                self._input.send(encoder.encode(request))
+                frame = encoder.encode(request)
+                while not self._input.poll(POLL_MS, zmq.POLLOUT):  # no engine connected (it is gone)
+                    if self._closing.is_set():
+                        return
+                self._input.send(frame, zmq.NOBLOCK)
         except zmq.ZMQError as exc:
             if not self._closing.is_set():
                 logger.error("could not send to the engine core process: %s", exc)
@@ -251,7 +257,10 @@ class EngineCoreClient(EngineClient):
         decoder = ipc.message_decoder()
         try:
             while not self._closing.is_set():
-                if not self._output.poll(RECEIVE_POLL_MS):
+                if not self._unhandled.acquire(timeout=POLL_MS / 1000):
+                    continue
+                if not self._output.poll(POLL_MS):
+                    self._unhandled.release()
                     continue
                 message = decoder.decode(self._output.recv())
                 self._loop.call_soon_threadsafe(self._handle, message)
@@ -276,6 +285,12 @@ class EngineCoreClient(EngineClient):
             self._loop.call_later(EXIT_GRACE_S, self._died, None)
 
     def _handle(self, message: ipc.EngineMessage) -> None:
+        try:
+            self._handle_message(message)
+        finally:
+            self._unhandled.release()
+
+    def _handle_message(self, message: ipc.EngineMessage) -> None:
         if message.stats is not None:
             self.stats = message.stats
         for record in message.records:

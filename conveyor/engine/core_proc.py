@@ -28,6 +28,7 @@ import queue
 import signal
 import sys
 import threading
+import time
 import traceback
 import types
 from dataclasses import dataclass
@@ -47,8 +48,9 @@ from conveyor.engine.step_record import StepRecord
 
 logger = logging.getLogger("conveyor.engine")
 
-OUTBOX_STEPS = 64  # messages the output thread may hold back before the step loop waits for the API process
+OUTBOX_STEPS = ipc.OUTPUT_HWM  # messages the output thread may hold before the step loop waits for the API side
 DEAD_FLUSH_S = 5.0  # a crashing engine: how long its last message may take to leave
+POLL_MS = 100  # how often a wait on the output path looks up to see whether the API process is gone
 
 
 @dataclass
@@ -99,8 +101,9 @@ class EngineCore:
         self.message = ipc.EngineMessage()
         self._last_stats: SchedulerStats | None = None
         self._outbox: queue.Queue = queue.Queue(maxsize=OUTBOX_STEPS)
+        self.parent_gone = threading.Event()  # then nobody reads: nothing may wait for the output path
         self._input = ipc.make_socket(context, zmq.PULL, endpoints.input, bind=False)
-        self._output = ipc.make_socket(context, zmq.PUSH, endpoints.output, bind=False)
+        self._output = ipc.make_socket(context, zmq.PUSH, endpoints.output, bind=False, hwm=ipc.OUTPUT_HWM)
         self._writer = threading.Thread(target=self._write, name="conveyor-engine-output", daemon=True)
         engine.step_listeners.append(self._on_step)
         self.loop = StepLoop(engine, self.commands, self._publish, self._on_stats, self._flush, step=engine.core_step)
@@ -118,11 +121,7 @@ class EngineCore:
             self._flush(timeout=DEAD_FLUSH_S)
             raise
         finally:
-            try:
-                self._outbox.put(None, timeout=DEAD_FLUSH_S)
-            except queue.Full:
-                pass
-            self._writer.join(DEAD_FLUSH_S)
+            self._stop_writer()
 
     def _read(self) -> None:
         """Input socket -> command queue, so the API process's sends never wait for a step to end."""
@@ -151,11 +150,16 @@ class EngineCore:
         encoder = msgspec.msgpack.Encoder()
         try:
             while (message := self._outbox.get()) is not None:
-                self._output.send(encoder.encode(message))
+                frame = encoder.encode(message)
+                while not self._output.poll(POLL_MS, zmq.POLLOUT):  # the API process is that far behind
+                    if self.parent_gone.is_set():
+                        return
+                self._output.send(frame, zmq.NOBLOCK)
         except zmq.ZMQError as exc:
             logger.error("could not send to the API process: %s", exc)
         finally:
-            self._output.close()  # what it still holds leaves before the context's term() returns (linger)
+            # What it still holds leaves before the context's term() returns (linger), unless nobody would read it.
+            self._output.close(linger=0 if self.parent_gone.is_set() else None)
 
     # ---- StepLoop callbacks (engine loop thread) ----------------------------------------------------------
     def _publish(self, step: CoreStepOutput) -> None:
@@ -172,10 +176,30 @@ class EngineCore:
     def _flush(self, timeout: float | None = None) -> None:
         message, self.message = self.message, ipc.EngineMessage()
         if message:
+            self._put(message, timeout)
+
+    def _stop_writer(self) -> None:
+        """The writer sends what the outbox holds, then stops (at once, dropping it, if the API process is gone)."""
+        self._put(None, timeout=DEAD_FLUSH_S)
+        if self._writer.is_alive() and self.parent_gone.is_set():
+            while True:
+                try:
+                    self._outbox.get_nowait()
+                except queue.Empty:
+                    break
+            self._outbox.put_nowait(None)
+        self._writer.join(DEAD_FLUSH_S)
+
+    def _put(self, message: ipc.EngineMessage | None, timeout: float | None = None) -> None:
+        """Into the outbox; waits while the API process is OUTBOX_STEPS behind, unless it is gone (or for longer
+        than ``timeout``): then the message is dropped, since nobody would read it."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self.parent_gone.is_set() and (deadline is None or time.monotonic() < deadline):
             try:
-                self._outbox.put(message, timeout=timeout)  # waits while the API process is OUTBOX_STEPS behind
+                self._outbox.put(message, timeout=POLL_MS / 1000)
+                return
             except queue.Full:
-                logger.error("the API process takes no messages: dropped the last one")
+                pass
 
 
 def _picklable(value) -> bool:
@@ -190,13 +214,14 @@ def _call(fn: bytes, engine: LLMEngine):
     return pickle.loads(fn)(engine)
 
 
-def _watch_parent(conn, commands: queue.SimpleQueue) -> None:
+def _watch_parent(conn, core: EngineCore) -> None:
     """The start-up pipe carries nothing after "ready": it closes when the API process is gone, however it went."""
     try:
         conn.recv()
     except (EOFError, OSError):
         pass
-    commands.put(STOP)
+    core.parent_gone.set()
+    core.commands.put(STOP)
 
 
 def run_engine_core(args: EngineArgs, conn, endpoints: ipc.Endpoints) -> None:
@@ -226,7 +251,7 @@ def serve_engine(engine: LLMEngine, conn, endpoints: ipc.Endpoints) -> int:
     (0), or the engine raises (1, after a last message saying why)."""
     context = zmq.Context()
     core = EngineCore(engine, endpoints, context)
-    threading.Thread(target=_watch_parent, args=(conn, core.commands), name="conveyor-engine-parent",
+    threading.Thread(target=_watch_parent, args=(conn, core), name="conveyor-engine-parent",
                      daemon=True).start()
     try:
         core.run()

@@ -8,7 +8,8 @@ and ``EngineCoreProc`` talk.
 A ZeroMQ message arrives whole or not at all, so no read can tear and no write can leave half a frame behind,
 whatever the event loop does with file descriptors. Every socket is used by one thread only, in blocking mode;
 the event loop never touches a socket. The API process binds both sockets (it outlives the engine) and the engine
-connects. Liveness is never read from the sockets: the API process watches the engine process itself.
+connects. Liveness is never read from the sockets: the API process watches the engine process itself. Every
+queue on the output path is bounded (``OUTPUT_HWM``), so the output path has back-pressure end to end.
 
 What crosses, and nothing else (``EngineRequest`` one way, ``EngineMessage`` the other):
 """
@@ -140,12 +141,19 @@ class Endpoints(msgspec.Struct):
             pass
 
 
-def make_socket(context: zmq.Context, kind: int, address: str, bind: bool) -> zmq.Socket:
-    """A blocking socket with no message limit (the bounded queue in front of the engine's output socket is the
-    back-pressure) that drops nothing it has queued for up to ``LINGER_S`` at close."""
+# Messages the output direction may hold in ZeroMQ's queues on each side. With the engine's bounded outbox and the
+# API process's bounded hand-off to its event loop, an API process that falls behind makes the engine's step loop
+# wait instead of letting a queue anywhere grow without bound. The input direction has no limit: the engine's
+# input thread takes everything at once, and what it holds is bounded by the server's own admission limits.
+OUTPUT_HWM = 16
+
+
+def make_socket(context: zmq.Context, kind: int, address: str, bind: bool, hwm: int = 0) -> zmq.Socket:
+    """A blocking socket holding at most ``hwm`` messages (0: no limit) that drops nothing it has queued for up to
+    ``LINGER_S`` at close."""
     sock = context.socket(kind)
-    sock.setsockopt(zmq.SNDHWM, 0)
-    sock.setsockopt(zmq.RCVHWM, 0)
+    sock.setsockopt(zmq.SNDHWM, hwm)
+    sock.setsockopt(zmq.RCVHWM, hwm)
     sock.setsockopt(zmq.LINGER, int(LINGER_S * 1000))
     sock.bind(address) if bind else sock.connect(address)
     return sock
