@@ -19,7 +19,9 @@ from conveyor.engine.async_engine import AsyncEngine
 from conveyor.engine.core_client import EngineCoreClient
 from conveyor.engine.engine_client import EngineClient
 from conveyor.engine.llm_engine import LLMEngine
+from conveyor.server.body_limit import BodyLimitMiddleware
 from conveyor.server.errors import APIError, bad_request, from_engine_error, install_error_handlers
+from conveyor.server.limits import DEFAULT_MAX_REQUEST_BODY_BYTES
 from conveyor.server.metrics import ServerMetrics, log_stats_forever
 from conveyor.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from conveyor.server.serving_chat import create_chat_completion, messages_as_dicts, render_chat
@@ -50,14 +52,18 @@ class APIKeyMiddleware:
 def build_app(engine: LLMEngine | EngineClient, served_model_name: str | None = None, api_key: str | None = None,
               log_stats_interval_s: float = 5.0, shutdown_timeout_s: float = 30.0, max_n: int = 128,
               async_engine: EngineClient | None = None, metrics: ServerMetrics | None = None,
-              health_detail: Callable[[], dict] | None = None) -> FastAPI:
+              health_detail: Callable[[], dict] | None = None,
+              max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES) -> FastAPI:
     """An OpenAI-compatible app serving ``engine``'s model: an ``LLMEngine`` (stepped in a thread of this process,
     ``AsyncEngine``) or an ``EngineClient`` (``EngineCoreClient``: the engine in its own process). The engine runs
-    for the app's lifespan. ``max_n`` bounds ``n`` (and ``best_of``) per request: 128, as OpenAI's API does.
+    for the app's lifespan. ``max_n`` bounds ``n`` (and ``best_of``) per request: 128, as OpenAI's API does;
+    a body over ``max_request_body_bytes`` is 413 (``body_limit.py``).
 
     Scale-out (``conveyor.distributed``) passes its own ``async_engine`` (the same interface over a pool of
     replicas; ``engine`` is then a frontend with the tokenizer and limits), its ``metrics`` and a
     ``health_detail`` that ``/health`` answers with."""
+    if max_request_body_bytes < 1:
+        raise ValueError(f"max_request_body_bytes must be >= 1, got {max_request_body_bytes}")
     if async_engine is None:
         if isinstance(engine, EngineCoreClient):
             engine.wait_ready()
@@ -92,6 +98,7 @@ def build_app(engine: LLMEngine | EngineClient, served_model_name: str | None = 
     install_error_handlers(app)
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_body_bytes)  # outermost: before anything reads
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request):

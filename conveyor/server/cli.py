@@ -10,8 +10,16 @@ import os
 logger = logging.getLogger("conveyor.server")
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def add_serve_parser(sub) -> None:
     from conveyor.engine.args import EngineArgs
+    from conveyor.server.limits import DEFAULT_MAX_REQUEST_BODY_BYTES
 
     p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
     p.add_argument("model_tag", nargs="?", default=None, help="model name, GGUF file or directory (same as --model)")
@@ -28,6 +36,9 @@ def add_serve_parser(sub) -> None:
                    help="on SIGINT/SIGTERM, seconds in-flight requests may take to finish before they are aborted")
     p.add_argument("--max-n", type=int, default=128,
                    help="the largest n (and best_of) one request may ask for (OpenAI's limit is 128); larger is 400")
+    p.add_argument("--max-request-body-bytes", type=_positive_int, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+                   help="the largest request body the server reads; larger is 413, before the rest is read (default "
+                   "4 MiB: a 128K-token prompt is under 1 MB)")
     p.add_argument("--timeout-keep-alive", type=float, default=5.0,
                    help="seconds an idle keep-alive connection stays open after a response (uvicorn's)")
     p.add_argument("--timeout-headers", type=float, default=10.0,
@@ -137,7 +148,8 @@ def run_serve(ns: argparse.Namespace) -> int:
                 view.load_time_s, view.init_time_s, view.num_kv_blocks, args.block_size, view.max_model_len,
                 args.policy, "in this process" if ns.engine_in_process else f"in process {view.pid}")
     app = build_app(engine, ns.served_model_name or info.name, ns.api_key,
-                    0.0 if ns.disable_log_stats else ns.log_stats_interval, ns.shutdown_timeout, ns.max_n)
+                    0.0 if ns.disable_log_stats else ns.log_stats_interval, ns.shutdown_timeout, ns.max_n,
+                    max_request_body_bytes=ns.max_request_body_bytes)
     server = make_server(app, ns.host, ns.port, ns.uvicorn_log_level, ns.timeout_keep_alive, ns.timeout_headers,
                          loop=ns.uvicorn_loop)
     try:

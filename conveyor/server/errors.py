@@ -23,8 +23,9 @@ logger = logging.getLogger("conveyor.server")
 RETRY_AFTER_S = 1  # what a full queue asks clients to wait; one second is many engine steps
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-          405: "invalid_request_error", 413: "invalid_request_error", 422: "invalid_request_error",
-          429: "rate_limit_error", 500: "internal_server_error", 503: "service_unavailable"}
+          405: "invalid_request_error", 413: "invalid_request_error", 415: "invalid_request_error",
+          422: "invalid_request_error", 429: "rate_limit_error", 500: "internal_server_error",
+          503: "service_unavailable"}
 
 
 class APIError(Exception):
