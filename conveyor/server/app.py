@@ -21,7 +21,7 @@ from conveyor.engine.engine_client import EngineClient
 from conveyor.engine.llm_engine import LLMEngine
 from conveyor.server.body_limit import BodyLimitMiddleware
 from conveyor.server.errors import APIError, bad_request, from_engine_error, install_error_handlers
-from conveyor.server.limits import DEFAULT_MAX_REQUEST_BODY_BYTES
+from conveyor.server.limits import DEFAULT_MAX_REQUEST_BODY_BYTES, DEFAULT_MAX_SEQS_PER_REQUEST, max_token_chars
 from conveyor.server.metrics import ServerMetrics, log_stats_forever
 from conveyor.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from conveyor.server.serving_chat import create_chat_completion, messages_as_dicts, render_chat
@@ -53,17 +53,19 @@ def build_app(engine: LLMEngine | EngineClient, served_model_name: str | None = 
               log_stats_interval_s: float = 5.0, shutdown_timeout_s: float = 30.0, max_n: int = 128,
               async_engine: EngineClient | None = None, metrics: ServerMetrics | None = None,
               health_detail: Callable[[], dict] | None = None,
-              max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES) -> FastAPI:
+              max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
+              max_seqs_per_request: int = DEFAULT_MAX_SEQS_PER_REQUEST) -> FastAPI:
     """An OpenAI-compatible app serving ``engine``'s model: an ``LLMEngine`` (stepped in a thread of this process,
     ``AsyncEngine``) or an ``EngineClient`` (``EngineCoreClient``: the engine in its own process). The engine runs
     for the app's lifespan. ``max_n`` bounds ``n`` (and ``best_of``) per request: 128, as OpenAI's API does;
-    a body over ``max_request_body_bytes`` is 413 (``body_limit.py``).
+    ``max_seqs_per_request`` bounds prompts x n; a body over ``max_request_body_bytes`` is 413 (``body_limit.py``).
 
     Scale-out (``conveyor.distributed``) passes its own ``async_engine`` (the same interface over a pool of
     replicas; ``engine`` is then a frontend with the tokenizer and limits), its ``metrics`` and a
     ``health_detail`` that ``/health`` answers with."""
-    if max_request_body_bytes < 1:
-        raise ValueError(f"max_request_body_bytes must be >= 1, got {max_request_body_bytes}")
+    if max_request_body_bytes < 1 or max_seqs_per_request < 1:
+        raise ValueError(f"max_request_body_bytes and max_seqs_per_request must be >= 1, got "
+                         f"{max_request_body_bytes} and {max_seqs_per_request}")
     if async_engine is None:
         if isinstance(engine, EngineCoreClient):
             engine.wait_ready()
@@ -73,8 +75,9 @@ def build_app(engine: LLMEngine | EngineClient, served_model_name: str | None = 
     if metrics is None:
         metrics = ServerMetrics(async_engine, model_name)
         metrics.attach()
-    ctx = ServingContext(async_engine, model_name, engine.max_model_len, max_n)
     tokenizer = engine.tokenizer
+    ctx = ServingContext(async_engine, model_name, engine.max_model_len, max_n, max_seqs_per_request,
+                         max_token_chars(tokenizer))
     created = int(time.time())
 
     @contextlib.asynccontextmanager

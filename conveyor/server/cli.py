@@ -19,7 +19,7 @@ def _positive_int(text: str) -> int:
 
 def add_serve_parser(sub) -> None:
     from conveyor.engine.args import EngineArgs
-    from conveyor.server.limits import DEFAULT_MAX_REQUEST_BODY_BYTES
+    from conveyor.server.limits import DEFAULT_MAX_REQUEST_BODY_BYTES, DEFAULT_MAX_SEQS_PER_REQUEST
 
     p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
     p.add_argument("model_tag", nargs="?", default=None, help="model name, GGUF file or directory (same as --model)")
@@ -36,6 +36,9 @@ def add_serve_parser(sub) -> None:
                    help="on SIGINT/SIGTERM, seconds in-flight requests may take to finish before they are aborted")
     p.add_argument("--max-n", type=int, default=128,
                    help="the largest n (and best_of) one request may ask for (OpenAI's limit is 128); larger is 400")
+    p.add_argument("--max-seqs-per-request", type=_positive_int, default=DEFAULT_MAX_SEQS_PER_REQUEST,
+                   help="the most sequences (prompts x n) one request may ask for; more is 400 (default: the "
+                   "default --max-num-seqs, one full batch)")
     p.add_argument("--max-request-body-bytes", type=_positive_int, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
                    help="the largest request body the server reads; larger is 413, before the rest is read (default "
                    "4 MiB: a 128K-token prompt is under 1 MB)")
@@ -149,7 +152,7 @@ def run_serve(ns: argparse.Namespace) -> int:
                 args.policy, "in this process" if ns.engine_in_process else f"in process {view.pid}")
     app = build_app(engine, ns.served_model_name or info.name, ns.api_key,
                     0.0 if ns.disable_log_stats else ns.log_stats_interval, ns.shutdown_timeout, ns.max_n,
-                    max_request_body_bytes=ns.max_request_body_bytes)
+                    max_request_body_bytes=ns.max_request_body_bytes, max_seqs_per_request=ns.max_seqs_per_request)
     server = make_server(app, ns.host, ns.port, ns.uvicorn_log_level, ns.timeout_keep_alive, ns.timeout_headers,
                          loop=ns.uvicorn_loop)
     try:

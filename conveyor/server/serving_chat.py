@@ -65,6 +65,9 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: Request, ctx:
     params = ctx.sampling_params(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
     ctx.check_size(params, 1)
     messages = messages_as_dicts(body.messages)
+    # The template adds its own markup around the messages and keeps their text, so the text alone bounds the
+    # prompt from below.
+    ctx.check_prompt_chars(sum(len(m["content"]) for m in messages), "messages", "the messages' text")
 
     def prepare(engine) -> dict:  # engine thread
         ids = render_chat(engine, messages, body.add_generation_prompt, body.add_special_tokens)

@@ -17,6 +17,7 @@ from conveyor.engine.engine_client import EngineClient, RequestStream
 from conveyor.engine.llm_engine import LLMEngine
 from conveyor.engine.outputs import CompletionOutput, RequestOutput
 from conveyor.server.errors import APIError, bad_request, from_engine_error, from_value_error
+from conveyor.server.limits import DEFAULT_MAX_SEQS_PER_REQUEST, check_stop
 from conveyor.server.protocol import SamplingFields
 
 logger = logging.getLogger("conveyor.server")
@@ -51,25 +52,53 @@ def usage(outputs: list[RequestOutput], prompt_only: bool = False) -> dict:
 
 
 class ServingContext:
-    """The served model and its engine, as the handlers see them."""
+    """The served model and its engine, as the handlers see them.
 
-    def __init__(self, async_engine: EngineClient, model_name: str, max_model_len: int, max_n: int = 128) -> None:
+    ``max_seqs_per_request`` bounds prompts x n of one request (``--max-seqs-per-request``);
+    ``max_token_chars`` is the most characters one token stands for (``limits.max_token_chars``; None: no bound
+    is known, and prompts are not checked by their length in characters)."""
+
+    def __init__(self, async_engine: EngineClient, model_name: str, max_model_len: int, max_n: int = 128,
+                 max_seqs_per_request: int = DEFAULT_MAX_SEQS_PER_REQUEST, max_token_chars: int | None = None) -> None:
         self.engine = async_engine
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.max_n = max_n
-        self.max_seqs_per_request = async_engine.engine.max_seqs_per_request  # config: fixed for the run
+        self.max_seqs_per_request = max_seqs_per_request
+        self.admission_cap = async_engine.engine.max_seqs_per_request  # the queue bound's; fixed for the run
+        self.max_token_chars = max_token_chars
 
     def check_size(self, params: SamplingParams, num_prompts: int) -> None:
-        """400 for a request bigger than this server serves: ``n`` over ``--max-n``, or more sequences than the
-        queue bound could ever admit (a 503 would send a retrying client round forever)."""
+        """400 for a request bigger than this server serves: ``n`` over ``--max-n``, prompts x n over
+        ``--max-seqs-per-request``, or more sequences than the queue bound could ever admit (a 503 would send a
+        retrying client round forever). ``param`` names ``n``, unless n is 1 and the prompt batch alone is too big."""
         if params.n > self.max_n:
             raise bad_request(f"n must be <= {self.max_n} on this server (--max-n), got {params.n}", "n")
-        cap = self.max_seqs_per_request
-        if cap is not None and params.n * num_prompts > cap:
+        num_seqs, param = params.n * num_prompts, "prompt" if params.n == 1 else "n"
+        if num_seqs > self.max_seqs_per_request:
             raise bad_request(
-                f"n x prompts is {params.n * num_prompts}, more than this server can ever admit at once ({cap}: "
-                f"--max-num-seqs plus --max-num-queued-reqs)", "n")
+                f"prompts x n is {num_prompts} x {params.n} = {num_seqs} sequences, more than the "
+                f"{self.max_seqs_per_request} one request may ask for on this server (--max-seqs-per-request)", param)
+        cap = self.admission_cap
+        if cap is not None and num_seqs > cap:
+            raise bad_request(
+                f"n x prompts is {num_seqs}, more than this server can ever admit at once ({cap}: "
+                f"--max-num-seqs plus --max-num-queued-reqs)", param)
+
+    def check_prompt_chars(self, num_chars: int, param: str, what: str) -> None:
+        """400 for a text prompt that cannot fit in the context whatever its tokens, before it is tokenized.
+
+        The rule: no token stands for more than ``max_token_chars`` characters, so a text of more than
+        ``max_model_len * max_token_chars`` characters needs more than ``max_model_len`` tokens, more than the
+        context holds. (A prompt under that length may still be too long; the token count decides then.)"""
+        if self.max_token_chars is None:
+            return
+        limit = self.max_model_len * self.max_token_chars
+        if num_chars > limit:
+            raise bad_request(
+                f"{what} has {num_chars} characters: more than {limit} ({self.max_model_len} tokens of context x "
+                f"{self.max_token_chars}, the most characters one token of this model stands for), so it cannot "
+                "fit in this model's context; shorten it", param)
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
@@ -84,9 +113,11 @@ class ServingContext:
         if body.stream_options is not None and not body.stream:
             raise bad_request("stream_options can only be set when stream is true", "stream_options")
         try:
-            return body.sampling_params(max_tokens, logprobs)
+            params = body.sampling_params(max_tokens, logprobs)
+            check_stop(params.stop, params.stop_token_ids)
         except ValueError as exc:
             raise from_value_error(exc) from exc
+        return params
 
     async def submit(self, request_id: str, prompts: list[Prepare], params: SamplingParams) -> list[RequestStream]:
         """Queue one engine request per prompt (ids ``{request_id}-{i}``); all or nothing."""

@@ -134,8 +134,12 @@ async def create_completion(body: CompletionRequest, raw: Request, ctx: ServingC
     except ValueError as exc:
         raise from_value_error(exc) from exc
     echo = _Echo(body, prompt_only)
-    prompts = [_prepare(p, max_tokens, body.add_special_tokens) for p in _prompts(body.prompt)]
-    ctx.check_size(params, len(prompts))
+    given = _prompts(body.prompt)
+    ctx.check_size(params, len(given))
+    for i, p in enumerate(given):
+        if isinstance(p, str):
+            ctx.check_prompt_chars(len(p), "prompt", "prompt" if len(given) == 1 else f"prompt {i}")
+    prompts = [_prepare(p, max_tokens, body.add_special_tokens) for p in given]
     request_id = new_id("cmpl")
     created = int(time.time())
     streams = await ctx.submit(request_id, prompts, params)
