@@ -1,16 +1,99 @@
 """Request bodies of the OpenAI-compatible API (and vLLM's extras), as pydantic models.
 
-Unknown fields are ignored, as vLLM does, so clients that send newer OpenAI fields keep working. Value checks
-live in ``SamplingParams`` (one source of truth); pydantic only checks types.
+Unknown fields are ignored, as vLLM does, so clients that send newer OpenAI fields keep working (``user``,
+``metadata``, ``store``, ``service_tier``, ...), except the fields in ``REFUSED_FIELDS``: features conveyor does not
+implement, which a client sends expecting them to change the answer. Value checks live in ``SamplingParams`` (one
+source of truth); pydantic only checks types.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 from conveyor.core.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class Refused:
+    """A request field conveyor does not implement: 400 "<name> is not supported" (``param``: the name) unless it
+    is absent or holds one of ``accepts``, the values that ask for nothing (clients that fill in every default
+    send them). ``endpoint``: "completions" or "chat" when only that endpoint refuses it."""
+
+    name: str  # dotted for a nested field
+    accepts: tuple = (None,)
+    endpoint: str | None = None
+    note: str = ""  # what is served instead, for the message
+
+    @property
+    def message(self) -> str:
+        return f"{self.name} is not supported" + (f" ({self.note})" if self.note else "")
+
+
+# Each of these, ignored, would answer 200 with something other than what the client asked for, and the client
+# could not tell. Harmless unknown fields stay ignored.
+REFUSED_FIELDS: tuple[Refused, ...] = (
+    # Constrained decoding (vLLM's guided_* and structured_outputs, OpenAI's response_format): ignored, the
+    # client gets unconstrained text that it will parse as JSON, a regex match or one of its choices.
+    *(Refused(name) for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                                 "guided_decoding_backend", "guided_whitespace_pattern", "structural_tag",
+                                 "structured_outputs")),
+    Refused("response_format", (None, {}, {"type": "text"}), note='only {"type": "text"} is served'),
+    # Limits on the vocabulary and edits of the logits: ignored, the output holds tokens the client excluded or
+    # lacks the bias it asked for. allowed_token_ids is refused even empty (vLLM refuses [] too).
+    Refused("allowed_token_ids"), Refused("bad_words", (None, [])), Refused("logit_bias", (None, {})),
+    Refused("logits_processors", (None, [])), Refused("vllm_xargs", (None, {})),
+    # Stopping on repeated patterns (vLLM): ignored, a looping generation runs to max_tokens.
+    *(Refused(name, (None, 0)) for name in ("max_repetition_pattern_size", "min_repetition_pattern_size",
+                                            "repetition_min_count")),
+    # Another input than the prompt as given: truncation (even a nonsense value such as -5: the client meant
+    # something) would change what the model sees and the usage; embeddings replace the tokens; a suffix asks
+    # for fill-in-the-middle.
+    Refused("truncate_prompt_tokens"), Refused("prompt_embeds"), Refused("suffix", (None, "")),
+    # What the chat template would be given: another template, extra variables (enable_thinking, ...), RAG
+    # documents, the last message left open. Ignored, the model sees another prompt than the one asked for.
+    Refused("chat_template", endpoint="chat"), Refused("chat_template_kwargs", (None, {}), "chat"),
+    Refused("documents", (None, []), "chat"), Refused("continue_final_message", (None, False), "chat"),
+    # Served on /v1/completions only: chat's echo is vLLM's "prepend the last message", a different feature.
+    Refused("echo", (None, False), "chat"), Refused("prompt_logprobs", endpoint="chat"),
+    # Tool and function calling: the client waits for a call and gets text. tool_choice other than "none" means
+    # "call a tool" (OpenAI refuses it without tools); parallel_tool_calls is harmless once tools are refused.
+    Refused("tools", (None, [])), Refused("tool_choice", (None, "none"), "chat"),
+    Refused("functions", (None, []), "chat"), Refused("function_call", (None, "none"), "chat"),
+    # Decoding that is not sampling.
+    Refused("use_beam_search", (None, False)),
+    # Parts of the answer conveyor does not produce: the client would read fields that are not there, or tokens
+    # in another form than it asked for.
+    Refused("stream_options.continuous_usage_stats", (None, False)),
+    Refused("return_tokens_as_token_ids", (None, False)), Refused("return_token_ids", (None, False)),
+    Refused("spaces_between_special_tokens", (None, True)),
+    Refused("audio", endpoint="chat"), Refused("modalities", (None, ["text"]), "chat"),
+    Refused("web_search_options", endpoint="chat"),
+    # Scheduling and cache requests: priority scheduling, a salted prefix cache (an isolation promise between
+    # tenants: ignoring it would be a silent security downgrade), KV transfer between engines.
+    Refused("priority", (None, 0)), Refused("cache_salt"), Refused("kv_transfer_params", (None, {})),
+)
+
+_LAX_BOOLS = {"0": False, "off": False, "f": False, "false": False, "n": False, "no": False,
+              "1": True, "on": True, "t": True, "true": True, "y": True, "yes": True}  # what pydantic coerces
+
+
+def refused_field(data: dict, endpoint: str) -> Refused | None:
+    """The first field of a request body (the parsed JSON) that ``REFUSED_FIELDS`` refuses on ``endpoint``."""
+    for field in REFUSED_FIELDS:
+        if field.endpoint not in (None, endpoint):
+            continue
+        value: Any = data
+        for part in field.name.split("."):
+            value = value.get(part) if isinstance(value, dict) else None
+        flag = any(isinstance(ok, (bool, int)) for ok in field.accepts)
+        if flag and isinstance(value, str) and value.strip().lower() in _LAX_BOOLS:
+            value = _LAX_BOOLS[value.strip().lower()]
+        if value not in field.accepts:  # == as in JSON: 0 asks for what false does
+            return field
+    return None
 
 
 class StreamOptions(BaseModel):
@@ -22,6 +105,8 @@ class SamplingFields(BaseModel):
     """Fields shared by completions and chat completions: OpenAI's, then the extras vLLM accepts."""
 
     model_config = ConfigDict(extra="ignore")
+    endpoint: ClassVar[str] = ""  # "completions" / "chat": which entries of REFUSED_FIELDS apply
+    _refused: Refused | None = PrivateAttr(default=None)
 
     model: str | None = None
     n: int = 1
@@ -65,10 +150,25 @@ class SamplingFields(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def refused(self) -> Refused | None:
+        """The first field of the body that this server refuses rather than ignores (``REFUSED_FIELDS``)."""
+        return self._refused
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _find_refused(cls, data, handler):
+        # The raw body: most refused fields are not declared, and pydantic drops undeclared fields.
+        body = handler(data)
+        if isinstance(data, dict):
+            body._refused = refused_field(data, cls.endpoint)
+        return body
+
 
 class CompletionRequest(SamplingFields):
     """POST /v1/completions. ``prompt``: text, token ids, or a batch of either."""
 
+    endpoint: ClassVar[str] = "completions"
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = None
@@ -90,6 +190,7 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(SamplingFields):
     """POST /v1/chat/completions."""
 
+    endpoint: ClassVar[str] = "chat"
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None

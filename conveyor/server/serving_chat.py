@@ -52,10 +52,6 @@ def _logprobs(tokenizer, entries: list[TokenLogprobs]) -> dict:
 
 async def create_chat_completion(body: ChatCompletionRequest, raw: Request, ctx: ServingContext, tokenizer):
     ctx.check_model(body.model)
-    if body.tools:
-        raise bad_request("tools are not supported", "tools")
-    if body.response_format and body.response_format.get("type") not in (None, "text"):
-        raise bad_request("only response_format {\"type\": \"text\"} is supported", "response_format")
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
     if body.top_logprobs is not None and not 0 <= body.top_logprobs <= MAX_LOGPROBS:

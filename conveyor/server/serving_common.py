@@ -108,8 +108,8 @@ class ServingContext:
     def sampling_params(self, body: SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """The checks every generation endpoint makes after its own, and the request's ``SamplingParams``
         (APIError 400 when bad)."""
-        if body.logit_bias:
-            raise bad_request("logit_bias is not supported", "logit_bias")
+        if body.refused is not None:
+            raise bad_request(body.refused.message, body.refused.name)
         if body.stream_options is not None and not body.stream:
             raise bad_request("stream_options can only be set when stream is true", "stream_options")
         try:

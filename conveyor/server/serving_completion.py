@@ -118,8 +118,6 @@ class _Echo:
 
 async def create_completion(body: CompletionRequest, raw: Request, ctx: ServingContext, tokenizer):
     ctx.check_model(body.model)
-    if body.suffix:
-        raise bad_request("suffix is not supported", "suffix")
     if body.best_of is not None and body.best_of != body.n:
         raise bad_request("best_of other than n is not supported", "best_of")
     prompt_only = body.echo and body.max_tokens == 0  # score the prompt, generate nothing
