@@ -2,8 +2,9 @@
 
 Every case runs against a real uvicorn on 127.0.0.1. After each bad-input case the server must still be healthy
 and serve an ordinary request: a case that breaks the engine shows up even when its own answer looks fine.
-The cases reproduce the reliability probe of 2026-11-30 (``docs/reliability.md``) on the tiny test model
-(vocabulary 384, context 512).
+The cases reproduce the reliability probe of 2026-11-30 (``docs/reliability.md``) and the stop, batch and
+unsupported-field cases of the second probe (2026-12-01) on the tiny test model (vocabulary 384, context 512);
+``tests/test_edge_bounds.py`` covers those bounds in full.
 """
 
 from __future__ import annotations
@@ -131,7 +132,10 @@ CASES = [
     ("stop as int", "POST", C, c(stop=5), 400, "stop"),
     ("stop empty string", "POST", C, c(stop=""), 400, "stop"),
     ("stop list with an int", "POST", C, c(stop=["w3", 4]), 400, "stop"),
-    ("stop 1000 strings", "POST", C, c(stop=[f"x{i}" for i in range(1000)]), 200, None),
+    ("stop 64 strings", "POST", C, c(stop=[f"x{i}" for i in range(64)]), 200, None),
+    ("stop 1000 strings (over 64)", "POST", C, c(stop=[f"x{i}" for i in range(1000)]), 400, "stop"),
+    ("stop string of 1 MB", "POST", C, c(stop=["s" * 2**20]), 400, "stop"),
+    ("stop_token_ids 5000 ids (over 1024)", "POST", C, c(stop_token_ids=[7] * 5000), 400, "stop_token_ids"),
     ("stop with NUL", "POST", C, c(stop=["\u0000"]), 200, None),
     ("stop_token_ids [-1]", "POST", C, c(stop_token_ids=[-1]), 400, "stop_token_ids"),
     ("stop_token_ids [10**30]", "POST", C, c(stop_token_ids=[10**30]), 400, "stop_token_ids"),
@@ -158,7 +162,10 @@ CASES = [
     ("prompt missing", "POST", C, {"max_tokens": 2}, 400, "prompt"),
     ("prompt null", "POST", C, c(prompt=None), 400, "prompt"),
     ("prompt object", "POST", C, c(prompt={"a": 1}), 400, "prompt"),
-    ("batch of 1000 prompts", "POST", C, c(prompt=["w1"] * 1000, max_tokens=1), 200, None),
+    ("batch of 256 prompts", "POST", C, c(prompt=["w1"] * 256, max_tokens=1), 200, None),
+    ("batch of 1000 prompts (over --max-seqs-per-request)", "POST", C, c(prompt=["w1"] * 1000, max_tokens=1), 400,
+     "prompt"),
+    ("64 prompts x n=128", "POST", C, c(prompt=["w1"] * 64, n=128, max_tokens=1), 400, "n"),
     ("unicode / emoji prompt", "POST", C, c(prompt="héllo 🚀 世界"), 200, None),
     ("NUL bytes in the prompt", "POST", C, c(prompt="w1\u0000w2"), 200, None),
     ("lone surrogate (raw JSON)", "POST", C, raw('{"prompt": "\\ud800", "max_tokens": 2}'), 400, "prompt"),
@@ -166,7 +173,7 @@ CASES = [
      raw('{"messages": [{"role": "user", "content": "\\udfff"}], "max_tokens": 2}'), 400, "messages"),
     ("tokenize lone surrogate (raw JSON)", "POST", TOK, raw('{"prompt": "a\\ud800"}'), 400, "prompt"),
     ("stop lone surrogate (raw JSON)", "POST", C, raw('{"prompt": "w1", "max_tokens": 2, "stop": ["\\ud800"]}'),
-     200, None),
+     400, "stop"),
     # -- chat messages
     ("messages: role missing", "POST", CHAT, chat(messages=[{"content": "w1"}]), 400, "messages"),
     ("messages: role tool", "POST", CHAT, chat(messages=[{"role": "tool", "content": "w1"}]), 200, None),
@@ -191,6 +198,13 @@ CASES = [
     ("unknown model chat", "POST", CHAT, chat(model="gpt-4"), 404, "model"),
     ("model omitted", "POST", C, c(), 200, None),
     ("unknown extra fields", "POST", C, c(frobnicate=True, user="u"), 200, None),
+    ("guided_json (not supported)", "POST", C, c(guided_json={"type": "object"}), 400, "guided_json"),
+    ("allowed_token_ids [] (not supported)", "POST", C, c(allowed_token_ids=[]), 400, "allowed_token_ids"),
+    ("truncate_prompt_tokens -5 (not supported)", "POST", C, c(truncate_prompt_tokens=-5), 400,
+     "truncate_prompt_tokens"),
+    ("bad_words (not supported)", "POST", C, c(bad_words=["w3"]), 400, "bad_words"),
+    ("chat tool_choice required without tools", "POST", CHAT, chat(tool_choice="required"), 400, "tool_choice"),
+    ("suffix", "POST", C, c(suffix="w3"), 400, "suffix"),
     ("echo true", "POST", C, c(echo=True), 200, None),
     ("echo, max_tokens 0", "POST", C, c(echo=True, max_tokens=0, logprobs=1), 200, None),
     ("prompt_logprobs 21", "POST", C, c(prompt_logprobs=21), 400, "prompt_logprobs"),

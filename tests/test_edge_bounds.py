@@ -1,0 +1,477 @@
+"""Bounds at the edge of the server (issue 24, items 4-6; review defects D-5 to D-8): the request body's size and
+encoding, a text prompt too long for the context refused before it is tokenized, sequences per request, stop
+conditions, and the vLLM fields conveyor does not implement refused instead of silently dropped.
+
+The server tests run a real uvicorn on 127.0.0.1 serving the tiny Llama with a byte-level tokenizer (every
+character of a text costs tokens, as with the real models' tokenizers). After every refused request the server
+must still answer ``/health`` and an ordinary completion.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import json
+import socket
+import time
+from types import SimpleNamespace
+
+import httpx
+import openai
+import pytest
+
+from conveyor.server.app import build_app
+from conveyor.server.body_limit import BodyLimitMiddleware
+from conveyor.server.limits import (
+    DEFAULT_MAX_REQUEST_BODY_BYTES, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, max_token_chars,
+)
+from conveyor.server.protocol import REFUSED_FIELDS
+from tests.helpers.checkpoints import save_tiny_llama
+from tests.helpers.server import CHAT_TEMPLATE, make_engine, running_server
+
+SLOW = pytest.mark.slow  # a real (tiny) model and server: run by CI, skipped by -m "not slow"
+C, CHAT = "/v1/completions", "/v1/chat/completions"
+MSG = [{"role": "user", "content": "hi there"}]
+MAX_MODEL_LEN = 512  # the tiny Llama's
+SPECIALS = ["<unk>", "<s>", "</s>", "<pad>"]
+
+
+def write_byte_tokenizer(path, chat_template: str) -> None:
+    """A byte-level BPE tokenizer (specials, then the 256 byte symbols, no merges): each byte of the text is one
+    token, as in GPT-2's family with its merges taken away."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {tok: i for i, tok in enumerate(SPECIALS)}
+    for symbol in sorted(pre_tokenizers.ByteLevel.alphabet()):
+        vocab[symbol] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(SPECIALS)
+    tok.save(str(path / "tokenizer.json"))
+    config = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "pad_token": "<pad>",
+              "chat_template": chat_template}
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+
+
+@pytest.fixture(scope="module")
+def byte_chat_dir(tmp_path_factory):
+    path = save_tiny_llama(tmp_path_factory.mktemp("tiny-bytes"))
+    write_byte_tokenizer(path, CHAT_TEMPLATE)
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(byte_chat_dir):
+    """The server with build_app's defaults; ``encoded`` holds the length of every text the tokenizer was asked
+    to encode since the app was built."""
+    engine = make_engine(byte_chat_dir)
+    app = build_app(engine, "tiny", log_stats_interval_s=0.0, shutdown_timeout_s=2.0)
+    encoded: list[int] = []
+    tokenizer, encode = engine.tokenizer, engine.tokenizer.encode
+
+    def spy(text, add_special_tokens=True):
+        encoded.append(len(text))
+        return encode(text, add_special_tokens=add_special_tokens)
+
+    tokenizer.encode = spy
+    with running_server(app) as url:
+        yield SimpleNamespace(url=url, encoded=encoded, chars_limit=MAX_MODEL_LEN * max_token_chars(tokenizer))
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+
+
+def assert_still_serves(url: str) -> None:
+    assert httpx.get(url + "/health").status_code == 200
+    ok = httpx.post(url + C, json={"prompt": "hello", "max_tokens": 2}, timeout=60)
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1
+
+
+def assert_error(resp: httpx.Response, status: int, param: str | None) -> dict:
+    assert resp.status_code == status, resp.text[:300]
+    error = resp.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["param"] == param, error
+    return error
+
+
+def raw_exchange(url: str, head: bytes, chunks=(), timeout: float = 10.0) -> bytes:
+    """Send a request head and ``chunks`` over a socket that stays open, then read one answer (b"" if none
+    comes within ``timeout``)."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=timeout) as sock:
+        try:
+            sock.sendall(head)
+            for chunk in chunks:
+                sock.sendall(chunk)
+        except OSError:  # closed after its answer
+            pass
+        answer = b""
+        try:
+            while b"\r\n\r\n" not in answer or len(answer.split(b"\r\n\r\n", 1)[1]) < _content_length(answer):
+                data = sock.recv(65536)
+                if not data:
+                    break
+                answer += data
+        except (ConnectionResetError, socket.timeout):
+            pass
+    return answer
+
+
+def _content_length(answer: bytes) -> int:
+    for line in answer.split(b"\r\n\r\n", 1)[0].split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            return int(value)
+    return 0
+
+
+def _status_and_error(answer: bytes) -> tuple[int, dict, bytes]:
+    head, _, body = answer.partition(b"\r\n\r\n")
+    return int(head.split(b" ")[1]), json.loads(body)["error"], head.lower()
+
+
+# ---- the request body: 413 over the cap, 415 compressed ---------------------------------------------------
+def _completion_head(extra: bytes) -> bytes:
+    return b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n" + extra + b"\r\n"
+
+
+@SLOW
+def test_a_declared_length_over_the_cap_is_413_before_any_body_is_sent(server):
+    head = _completion_head(b"Content-Length: %d\r\n" % (DEFAULT_MAX_REQUEST_BODY_BYTES + 1))
+    start = time.monotonic()
+    answer = raw_exchange(server.url, head)  # no body at all: a server that waited for it would time out
+    assert answer, "no answer: the server waits for a body it should have refused"
+    status, error, headers = _status_and_error(answer)
+    assert status == 413 and error["code"] == "request_too_large" and error["type"] == "invalid_request_error"
+    assert b"connection: close" in headers and time.monotonic() - start < 5
+    assert_still_serves(server.url)
+
+
+@SLOW
+def test_a_body_over_the_cap_is_413_and_one_at_the_cap_is_read(server):
+    over = b'{"prompt": "' + b"a" * DEFAULT_MAX_REQUEST_BODY_BYTES + b'"}'
+    resp = httpx.post(server.url + C, content=over, headers={"content-type": "application/json"}, timeout=60)
+    assert "over this server's limit" in assert_error(resp, 413, None)["message"]
+    padding = DEFAULT_MAX_REQUEST_BODY_BYTES - len(b'{"prompt": "", "max_tokens": 1}')
+    at_cap = b'{"prompt": "' + b"a" * padding + b'", "max_tokens": 1}'
+    assert len(at_cap) == DEFAULT_MAX_REQUEST_BODY_BYTES
+    resp = httpx.post(server.url + C, content=at_cap, headers={"content-type": "application/json"}, timeout=60)
+    assert_error(resp, 400, "prompt")  # read and parsed: too long a prompt, not too big a body
+    assert_still_serves(server.url)
+
+
+@SLOW
+def test_a_chunked_body_over_the_cap_is_413_as_soon_as_the_cap_is_crossed(server):
+    def body():  # a generator: httpx sends it chunked, without Content-Length
+        yield b'{"prompt": "'
+        for _ in range(2 * DEFAULT_MAX_REQUEST_BODY_BYTES // 65536):
+            yield b"a" * 65536
+        yield b'"}'
+
+    resp = httpx.post(server.url + C, content=body(), headers={"content-type": "application/json"}, timeout=60)
+    assert "content-length" not in resp.request.headers and resp.request.headers["transfer-encoding"] == "chunked"
+    assert_error(resp, 413, None)
+    # Over a raw socket, a body that never ends: the answer comes once the bytes that arrived cross the cap (a
+    # server that waited for the end of the body would never answer).
+    chunk = b"a" * 65536
+    head = _completion_head(b"Transfer-Encoding: chunked\r\n")
+    chunks = [b"%x\r\n%s\r\n" % (len(chunk), chunk)] * (DEFAULT_MAX_REQUEST_BODY_BYTES // len(chunk) + 2)
+    answer = raw_exchange(server.url, head, chunks)
+    assert answer, "no answer: the server waits for the end of a body already over the cap"
+    assert _status_and_error(answer)[0] == 413
+    assert_still_serves(server.url)
+
+
+@SLOW
+def test_a_gzip_body_is_415_not_misread(server):
+    body = gzip.compress(json.dumps({"prompt": "hello", "max_tokens": 2}).encode())
+    for encoding in ("gzip", "deflate, identity", "br"):
+        resp = httpx.post(server.url + C, content=body, timeout=60,
+                          headers={"content-type": "application/json", "content-encoding": encoding})
+        assert "not supported" in assert_error(resp, 415, None)["message"]
+    plain = httpx.post(server.url + C, json={"prompt": "hello", "max_tokens": 2}, headers={
+        "content-encoding": "identity"}, timeout=60)
+    assert plain.status_code == 200
+    assert_still_serves(server.url)
+
+
+@SLOW
+def test_the_official_client_gets_413_for_a_huge_prompt(client, server):
+    with pytest.raises(openai.APIStatusError) as info:
+        client.completions.create(model="tiny", prompt="a" * (DEFAULT_MAX_REQUEST_BODY_BYTES + 1), max_tokens=1)
+    assert info.value.status_code == 413
+    assert_still_serves(server.url)
+
+
+def test_responses_pass_through_the_body_limit_unbuffered():
+    """SSE streams: each message the app sends reaches the server before the app sends the next."""
+    events: list = []
+
+    async def app(scope, receive, send):
+        await receive()
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        for i in range(3):
+            await send({"type": "http.response.body", "body": b"data: %d\n\n" % i, "more_body": True})
+            events.append(("app sent", i))
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def receive():
+        return {"type": "http.request", "body": b"{}", "more_body": False}
+
+    async def send(message):
+        events.append(("server got", message.get("body")))
+
+    asyncio.run(BodyLimitMiddleware(app, 10)({"type": "http", "headers": []}, receive, send))
+    assert events[1:7] == [("server got", b"data: 0\n\n"), ("app sent", 0), ("server got", b"data: 1\n\n"),
+                           ("app sent", 1), ("server got", b"data: 2\n\n"), ("app sent", 2)]
+
+
+def test_the_body_limit_hands_the_app_no_more_than_the_cap():
+    """A client that sends on and on: the app is handed at most the cap, then a disconnect; the client gets one
+    413 and nothing of what the app answers to the disconnect."""
+    pulled, seen, sent = [], [], []
+
+    async def app(scope, receive, send):
+        while True:
+            message = await receive()
+            seen.append(message["type"])
+            if message["type"] == "http.disconnect" or not message.get("more_body"):
+                break
+        await send({"type": "http.response.start", "status": 400, "headers": []})  # what a framework does
+        await send({"type": "http.response.body", "body": b"bad body"})
+
+    async def receive():  # "forever": 100 chunks, so that a limit that does not count fails instead of hanging
+        pulled.append(1000)
+        return {"type": "http.request", "body": b"x" * 1000, "more_body": len(pulled) < 100}
+
+    async def send(message):
+        sent.append(message)
+
+    asyncio.run(BodyLimitMiddleware(app, 10_000)({"type": "http", "headers": []}, receive, send))
+    assert sum(pulled) == 11_000  # the chunk that crossed the cap is the last one read
+    assert seen == ["http.request"] * 10 + ["http.disconnect"]
+    assert [m["type"] for m in sent] == ["http.response.start", "http.response.body"]
+    assert sent[0]["status"] == 413 and (b"connection", b"close") in sent[0]["headers"]
+
+
+# ---- a text prompt too long for the context, refused by its length ----------------------------------------
+def test_max_token_chars_of_the_byte_word_and_embedded_tokenizers(byte_chat_dir, tiny_chat_dir):
+    from conveyor.tokenizer import ByteTokenizer, load_tokenizer
+
+    assert max_token_chars(load_tokenizer(str(byte_chat_dir))) == len("<unk>") + 1
+    assert max_token_chars(ByteTokenizer()) == 7 + 1  # its pseudo-words: 3 syllables of 2 letters after a space
+    # The tests' word tokenizer folds any run of whitespace into nothing and any unknown word into one <unk>:
+    # no number of characters is certain to exceed the context, so there is no bound (and no check).
+    assert max_token_chars(load_tokenizer(str(tiny_chat_dir))) is None
+
+
+@SLOW
+def test_max_token_chars_of_smollm2_bounds_real_text():
+    from conveyor.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(None)  # SmolLM2-135M-Instruct's byte-level BPE
+    bound = max_token_chars(tokenizer)
+    assert bound is not None and 16 < bound < 200  # its longest tokens are runs of spaces, '#' and '-'
+    for text in (" " * 5000, "#" * 5000, "-" * 5000, "The quick brown fox. " * 200, "\n" * 3000 + "x" * 3000):
+        assert len(text) <= bound * len(tokenizer.encode(text, add_special_tokens=False))
+
+
+@SLOW
+def test_a_prompt_longer_than_the_context_can_hold_is_400_without_tokenizing(server, client):
+    limit = server.chars_limit
+    cases = [(C, {"prompt": "a" * (limit + 1), "max_tokens": 1}, "prompt"),
+             (C, {"prompt": ["hello", "a" * (limit + 1)], "max_tokens": 1}, "prompt"),
+             (C, {"prompt": "a" * (DEFAULT_MAX_REQUEST_BODY_BYTES - 100), "max_tokens": 1}, "prompt"),
+             (CHAT, {"messages": [{"role": "user", "content": "a" * (limit // 2)},
+                                  {"role": "user", "content": "b" * (limit // 2 + 1)}]}, "messages")]
+    for path, body, param in cases:
+        server.encoded.clear()
+        start = time.monotonic()
+        resp = httpx.post(server.url + path, json=body, timeout=60)
+        assert "characters" in assert_error(resp, 400, param)["message"]
+        assert server.encoded == [], "the prompt reached the tokenizer"
+        assert time.monotonic() - start < 10
+        assert_still_serves(server.url)
+    server.encoded.clear()
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model="tiny", prompt="a" * (limit + 1), max_tokens=1)
+    assert info.value.param == "prompt" and server.encoded == []
+    # At the bound the prompt might fit, so it is tokenized; its token count refuses it.
+    resp = httpx.post(server.url + C, json={"prompt": "a" * limit, "max_tokens": 1}, timeout=60)
+    assert "characters" not in assert_error(resp, 400, "prompt")["message"] and limit in server.encoded
+    assert_still_serves(server.url)
+
+
+# ---- sequences per request --------------------------------------------------------------------------------
+@SLOW
+@pytest.mark.parametrize("prompts,n,status,param", [
+    (257, 1, 400, "prompt"), (10_000, 1, 400, "prompt"), (64, 128, 400, "n"), (3, 100, 400, "n"),
+    (1, 129, 400, "n"), (2, 128, 200, None), (256, 1, 200, None)])
+def test_prompts_times_n_is_bounded(server, prompts, n, status, param):
+    resp = httpx.post(server.url + C, json={"prompt": ["hi"] * prompts, "n": n, "max_tokens": 1}, timeout=120)
+    if status == 200:
+        assert resp.status_code == 200 and len(resp.json()["choices"]) == prompts * n
+    else:
+        assert_error(resp, status, param)
+    assert_still_serves(server.url)
+
+
+def test_the_serve_flags_parse_and_refuse_nonsense():
+    import argparse
+
+    from conveyor.server.cli import add_serve_parser
+
+    parser = argparse.ArgumentParser()
+    add_serve_parser(parser.add_subparsers())
+    ns = parser.parse_args(["serve"])
+    assert ns.max_request_body_bytes == DEFAULT_MAX_REQUEST_BODY_BYTES == 4 * 1024 * 1024
+    assert ns.max_seqs_per_request == 256
+    ns = parser.parse_args(["serve", "--max-request-body-bytes", "1000", "--max-seqs-per-request", "8"])
+    assert (ns.max_request_body_bytes, ns.max_seqs_per_request) == (1000, 8)
+    for flag in ("--max-request-body-bytes", "--max-seqs-per-request"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["serve", flag, "0"])
+
+
+# ---- stop conditions ----------------------------------------------------------------------------------------
+STOPS = [
+    ("too many stop strings", {"stop": [f"x{i}" for i in range(MAX_STOP_STRINGS + 1)]}, "stop"),
+    ("a stop string too long", {"stop": ["s" * (MAX_STOP_STRING_CHARS + 1)]}, "stop"),
+    ("a 1 MB stop string", {"stop": "s" * 2**20}, "stop"),
+    ("too many stop_token_ids", {"stop_token_ids": [7] * (MAX_STOP_TOKEN_IDS + 1)}, "stop_token_ids"),
+]
+
+
+@SLOW
+@pytest.mark.parametrize("path", [C, CHAT])
+@pytest.mark.parametrize("name,fields,param", STOPS, ids=[s[0] for s in STOPS])
+def test_stop_conditions_beyond_the_bounds_are_400(server, path, name, fields, param):
+    base = {"prompt": "hello"} if path == C else {"messages": MSG}
+    resp = httpx.post(server.url + path, json={**base, "max_tokens": 2, **fields}, timeout=60)
+    assert_error(resp, 400, param)
+    assert_still_serves(server.url)
+
+
+@SLOW
+def test_stop_conditions_at_the_bounds_are_served(server):
+    fields = {"stop": ["s" * MAX_STOP_STRING_CHARS] + [f"x{i}" for i in range(MAX_STOP_STRINGS - 1)],
+              "stop_token_ids": [7] * MAX_STOP_TOKEN_IDS}
+    resp = httpx.post(server.url + C, json={"prompt": "hello", "max_tokens": 2, **fields}, timeout=60)
+    assert resp.status_code == 200, resp.text[:300]
+
+
+@SLOW
+@pytest.mark.parametrize("path", [C, CHAT])
+def test_a_lone_surrogate_in_stop_is_400(server, path):
+    base = '"prompt": "hello"' if path == C else '"messages": [{"role": "user", "content": "hi"}]'
+    for stop in ('"\\ud800"', '["ok", "a\\udfff"]'):
+        resp = httpx.post(server.url + path, content=f'{{{base}, "max_tokens": 2, "stop": {stop}}}'.encode(),
+                          headers={"content-type": "application/json"}, timeout=60)
+        assert "not valid Unicode" in assert_error(resp, 400, "stop")["message"]
+    assert_still_serves(server.url)
+
+
+# ---- fields conveyor does not implement: 400, not silently dropped ----------------------------------------
+REFUSED = [  # (endpoint, fields): each must be answered 400 "<field> is not supported", param = the field
+    *((C, {name: value}) for name, value in (
+        ("guided_json", {"type": "object"}), ("guided_regex", "a+"), ("guided_choice", ["yes", "no"]),
+        ("guided_grammar", "root ::= 'a'"), ("guided_decoding_backend", "xgrammar"),
+        ("guided_whitespace_pattern", " *"), ("structured_outputs", {"json": {"type": "object"}}),
+        ("structural_tag", "{}"), ("response_format", {"type": "json_object"}), ("allowed_token_ids", []),
+        ("allowed_token_ids", [5, 6]), ("truncate_prompt_tokens", -5), ("truncate_prompt_tokens", 4),
+        ("bad_words", ["hello"]), ("logit_bias", {"5": 1.0}), ("logits_processors", ["my.Processor"]),
+        ("vllm_xargs", {"x": 1}), ("prompt_embeds", "AAAA"), ("suffix", "end"), ("use_beam_search", True),
+        ("return_tokens_as_token_ids", True), ("return_token_ids", True), ("spaces_between_special_tokens", False),
+        ("priority", 1), ("cache_salt", "salt"), ("kv_transfer_params", {"do_remote_decode": True}),
+        ("max_repetition_pattern_size", 4), ("tools", [{"type": "function", "function": {"name": "f"}}]))),
+    *((CHAT, {name: value}) for name, value in (
+        ("guided_json", {"type": "object"}), ("guided_choice", ["yes"]), ("structured_outputs", {"regex": "a"}),
+        ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
+        ("allowed_token_ids", []), ("truncate_prompt_tokens", -5), ("bad_words", ["x"]),
+        ("logits_processors", ["my.Processor"]), ("continue_final_message", True), ("echo", True),
+        ("echo", "true"), ("prompt_logprobs", 1), ("chat_template", "{{ messages }}"),
+        ("chat_template_kwargs", {"enable_thinking": False}), ("documents", [{"title": "a", "text": "b"}]),
+        ("tool_choice", "required"), ("tool_choice", "auto"),
+        ("tool_choice", {"type": "function", "function": {"name": "f"}}),
+        ("functions", [{"name": "f", "parameters": {}}]), ("function_call", "auto"),
+        ("tools", [{"type": "function", "function": {"name": "f"}}]), ("audio", {"voice": "alloy"}),
+        ("modalities", ["text", "audio"]), ("web_search_options", {}))),
+]
+
+
+def _refused_id(case) -> str:
+    path, fields = case
+    return ("chat " if path == CHAT else "") + ",".join(f"{k}={v!r}"[:40] for k, v in fields.items())
+
+
+@SLOW
+@pytest.mark.parametrize("path,fields", REFUSED, ids=[_refused_id(c) for c in REFUSED])
+def test_an_unimplemented_field_is_400_not_ignored(server, path, fields):
+    base = {"prompt": "hello"} if path == C else {"messages": MSG}
+    (name,) = fields
+    resp = httpx.post(server.url + path, json={**base, "max_tokens": 2, **fields}, timeout=60)
+    assert assert_error(resp, 400, name)["message"].startswith(f"{name} is not supported")
+    assert_still_serves(server.url)
+
+
+@SLOW
+@pytest.mark.parametrize("path", [C, CHAT])
+def test_continuous_usage_stats_is_400_when_asked_for(server, path):
+    base = {"prompt": "hello"} if path == C else {"messages": MSG}
+    on = {**base, "max_tokens": 2, "stream": True, "stream_options": {"include_usage": True,
+                                                                      "continuous_usage_stats": True}}
+    assert_error(httpx.post(server.url + path, json=on, timeout=60), 400, "stream_options.continuous_usage_stats")
+    off = {**on, "stream_options": {"include_usage": True, "continuous_usage_stats": False}}
+    resp = httpx.post(server.url + path, json=off, timeout=60)
+    assert resp.status_code == 200 and resp.text.rstrip().endswith("data: [DONE]")
+    assert_still_serves(server.url)
+
+
+@SLOW
+def test_the_official_client_gets_400_for_an_unimplemented_extra(client):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="tiny", messages=MSG, max_tokens=2,
+                                       extra_body={"guided_choice": ["yes", "no"]})
+    assert info.value.param == "guided_choice"
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="tiny", messages=MSG, max_tokens=2, tool_choice="required")
+    assert info.value.param == "tool_choice"
+
+
+@SLOW
+def test_fields_real_clients_send_stay_accepted(server, client):
+    """What the OpenAI SDK, LangChain and LiteLLM send routinely, and the values of refused fields that ask for
+    nothing (clients that fill in every default send them): 200."""
+    harmless = {"user": "u-1", "metadata": {"k": "v"}, "store": False, "service_tier": "auto", "seed": 3, "n": 2,
+                "parallel_tool_calls": True, "tool_choice": "none", "response_format": {"type": "text"},
+                "logit_bias": {}, "bad_words": [], "tools": [], "continue_final_message": False, "echo": False,
+                "priority": 0, "spaces_between_special_tokens": True, "use_beam_search": False,
+                "request_id": "r-1", "reasoning_effort": "low", "length_penalty": 1.0, "guided_json": None,
+                "truncate_prompt_tokens": None, "frobnicate": 1, "prediction": {"type": "content", "content": "x"},
+                "safety_identifier": "s", "prompt_cache_key": "k", "mm_processor_kwargs": {}}
+    resp = httpx.post(server.url + CHAT, json={"messages": MSG, "max_tokens": 2, **harmless}, timeout=60)
+    assert resp.status_code == 200 and len(resp.json()["choices"]) == 2, resp.text[:300]
+    completion = {k: v for k, v in harmless.items() if k not in ("continue_final_message", "tool_choice")}
+    resp = httpx.post(server.url + C, json={"prompt": "hello", "max_tokens": 2, **completion, "echo": True},
+                      timeout=60)
+    assert resp.status_code == 200, resp.text[:300]
+    stream = client.chat.completions.create(model="tiny", messages=MSG, max_tokens=2, stream=True, user="u",
+                                            stream_options={"include_usage": True}, seed=1, n=1,
+                                            metadata={"a": "b"}, store=False, service_tier="auto")
+    chunks = list(stream)
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens >= 1
+
+
+def test_every_field_the_review_names_is_refused_in_one_place():
+    names = {f.name for f in REFUSED_FIELDS}
+    assert names >= {"guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
+                     "guided_whitespace_pattern", "structured_outputs", "allowed_token_ids",
+                     "truncate_prompt_tokens", "bad_words", "logits_processors", "prompt_embeds",
+                     "continue_final_message", "echo", "stream_options.continuous_usage_stats", "tool_choice",
+                     "functions", "function_call", "tools", "logit_bias", "response_format", "suffix"}
+    assert len(names) == len(REFUSED_FIELDS)  # one entry per field
+    covered = {name for _, fields in REFUSED for name in fields} | {"stream_options.continuous_usage_stats"}
+    assert names - covered <= {"min_repetition_pattern_size", "repetition_min_count"}  # a server test for each
