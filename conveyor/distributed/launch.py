@@ -120,8 +120,10 @@ def run_serve_data_parallel(ns: argparse.Namespace, args: EngineArgs) -> int:
         logger.info("%d replica(s) of %s on Ray Serve, router %s", ns.data_parallel_size, model_name, ns.router)
         app = build_app(pool.engine, model_name, ns.api_key, 0.0 if ns.disable_log_stats else ns.log_stats_interval,
                         ns.shutdown_timeout, ns.max_n, async_engine=pool, metrics=PoolMetrics(pool),
-                        health_detail=pool.health)
-        server = make_server(app, ns.host, ns.port, ns.uvicorn_log_level, ns.timeout_keep_alive, ns.timeout_headers)
+                        health_detail=pool.health, max_request_body_bytes=ns.max_request_body_bytes,
+                        max_seqs_per_request=ns.max_seqs_per_request)
+        server = make_server(app, ns.host, ns.port, ns.uvicorn_log_level, ns.timeout_keep_alive, ns.timeout_headers,
+                             loop=ns.uvicorn_loop)
         server.run()
     finally:
         stop_ray(joined=bool(ns.ray_address))
