@@ -1,7 +1,7 @@
 """Load and fault drivers against ``conveyor serve`` run as a user runs it: a subprocess on 127.0.0.1, stopped by
 PID, with a check that none of its processes outlives it. Used by tests/test_load_faults.py and scripts/soak.py.
 
-- ``start_serve`` / ``serving``: the subprocess (engine process or ``--engine-in-process``, uvloop or asyncio),
+- ``start_serve``: the subprocess (engine process or ``--engine-in-process``, uvloop or asyncio),
   its log, its descendants (the engine core, multiprocessing's resource tracker), their RSS;
 - ``SSEStream``: one streaming request read event by event (open, read until k chunks, close, read to the end),
   so a test can hold many streams past their first chunk and then act (close them all, SIGTERM, kill -9);
@@ -27,7 +27,6 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -115,13 +114,20 @@ class Served:
 
     def rss_mb(self) -> float:
         """RSS of the server and all its descendants, MB."""
-        total = 0
+        return sum(self.rss_by_process().values())
+
+    def rss_by_process(self) -> dict[str, float]:
+        """RSS in MB of the server (the API process), of the engine core process (the multiprocessing spawn
+        child; absent with --engine-in-process) and of the other descendants together (the resource tracker)."""
+        out = {"server": 0.0, "engine": 0.0, "other": 0.0}
         for p in [psutil.Process(self.pid), *self.descendants()]:
             try:
-                total += p.memory_info().rss
+                cmdline = " ".join(p.cmdline())
+                key = "server" if p.pid == self.pid else "engine" if "multiprocessing.spawn" in cmdline else "other"
+                out[key] += p.memory_info().rss / 2**20
             except psutil.Error:
                 pass
-        return total / 2**20
+        return {k: round(v, 1) for k, v in out.items()}
 
     def survivors(self, wait_s: float = 10.0) -> list[str]:
         """Descendants ever seen that are still alive after up to ``wait_s``; each is killed (by pid)."""
@@ -200,17 +206,6 @@ def start_serve(model: str, log_path: Path, *, in_process: bool = False, loop: s
         raise
 
 
-@contextmanager
-def serving(model: str, log_path: Path, **kwargs):
-    """``start_serve`` ... stop by PID; raises if a descendant outlived the server (after killing it)."""
-    served = start_serve(model, log_path, **kwargs)
-    try:
-        yield served
-    finally:
-        _, left = served.stop()
-        assert not left, f"processes outlived conveyor serve: {left}"
-
-
 # The server closes a keep-alive connection idle for --timeout-keep-alive (5 s). httpx's own expiry is 5 s too,
 # so a request sent on a pooled connection just as the server closes it fails with ReadError before any answer
 # (the keep-alive race every HTTP/1.1 client has; the official clients retry it). These clients, which retry
@@ -224,14 +219,17 @@ def client_limits(connections: int) -> httpx.Limits:
 
 
 # ---- metrics -----------------------------------------------------------------------------------------------
-def gauges(url: str, timeout: float = 10.0) -> dict[str, float]:
-    text = httpx.get(url + "/metrics", timeout=timeout).text
+def parse_gauges(text: str) -> dict[str, float]:
     values = dict.fromkeys(GAUGES, 0.0)
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if sample.name in GAUGES:
                 values[sample.name] += sample.value
     return values
+
+
+def gauges(url: str, timeout: float = 10.0) -> dict[str, float]:
+    return parse_gauges(httpx.get(url + "/metrics", timeout=timeout).text)
 
 
 def counter(url: str, name: str, **labels) -> float:
@@ -264,13 +262,7 @@ def idle(values: dict[str, float]) -> bool:
 
 
 async def async_gauges(client: httpx.AsyncClient) -> dict[str, float]:
-    resp = await client.get("/metrics", timeout=10)
-    values = dict.fromkeys(GAUGES, 0.0)
-    for family in text_string_to_metric_families(resp.text):
-        for sample in family.samples:
-            if sample.name in GAUGES:
-                values[sample.name] += sample.value
-    return values
+    return parse_gauges((await client.get("/metrics", timeout=10)).text)
 
 
 # ---- one streaming request ---------------------------------------------------------------------------------
@@ -354,14 +346,6 @@ class SSEStream:
         if self._resp is not None and not self.eof:
             self.eof = True
             await self._resp.aclose()
-
-    def text(self, index: int = 0) -> str:
-        out = []
-        for event in self.events:
-            for choice in event.get("choices") or []:
-                if choice["index"] == index:
-                    out.append(choice.get("text") or (choice.get("delta") or {}).get("content") or "")
-        return "".join(out)
 
     def complete(self, n: int, reasons: set[str] = FINISH_REASONS) -> bool:
         """Ended well: 200, no in-band error, every one of ``n`` choices has a finish_reason in ``reasons``,
@@ -586,9 +570,10 @@ async def run_clients(url: str, model: str, *, clients: int, duration_s: float |
     ``duration_s`` has passed or ``num_requests`` have been sent in all (whichever comes first). A fraction
     ``disconnect_fraction`` of the streams hangs up after 1-4 chunks; a fraction ``abandon_fraction`` of all
     requests is sent non-streaming and abandoned by a 50 ms client timeout; a fraction ``openai_fraction`` of
-    the other non-streaming completions goes through the official ``openai`` client. Bounded: requests in
-    flight when the time is up get ``drain_timeout_s`` more, then are cancelled and counted as client
-    exceptions."""
+    the other non-streaming completions goes through the official ``openai`` client. ``on_progress`` is called
+    with the number of requests finished so far. Bounded: requests in flight when the time is up get
+    ``drain_timeout_s`` more, then are cancelled and counted as client exceptions; a refused connection (the
+    server is gone) stops every client."""
     assert duration_s is not None or num_requests is not None
     rng = random.Random(seed)
     tally = Tally()
@@ -596,6 +581,7 @@ async def run_clients(url: str, model: str, *, clients: int, duration_s: float |
     timeout = httpx.Timeout(request_timeout_s, connect=30.0)
     stop_at = time.monotonic() + duration_s if duration_s is not None else float("inf")
     budget = iter(range(num_requests)) if num_requests is not None else itertools.count()
+    finished = itertools.count(1)
     openai_client = None
     if openai_fraction > 0:
         import openai
@@ -605,7 +591,7 @@ async def run_clients(url: str, model: str, *, clients: int, duration_s: float |
                                            http_client=httpx.AsyncClient(limits=client_limits(clients + 8)))
     async with httpx.AsyncClient(base_url=url, timeout=timeout, limits=limits) as client:
         async def worker(wrng: random.Random) -> None:
-            for i in budget:
+            for _ in budget:
                 if time.monotonic() >= stop_at or tally.server_gone:
                     return
                 abandon = wrng.random() < abandon_fraction
@@ -615,7 +601,7 @@ async def run_clients(url: str, model: str, *, clients: int, duration_s: float |
                 await one_request(client, path, body, n, tally, cut_after=cut, openai_client=via,
                                   abandon_after_s=0.05 if abandon else None)
                 if on_progress is not None:
-                    on_progress(i + 1)
+                    on_progress(next(finished))
 
         tasks = [asyncio.ensure_future(worker(random.Random(rng.random()))) for _ in range(clients)]
         cap = (duration_s or 0) + drain_timeout_s if duration_s is not None else None
