@@ -35,6 +35,7 @@ class GracefulServer(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, exit_on_engine_death: bool = True) -> None:
         super().__init__(config)
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._drain_task: asyncio.Future | None = None
         self.engine_died = False
         if exit_on_engine_death:
             config.app.state.async_engine.on_dead.append(self._on_engine_dead)
@@ -49,8 +50,13 @@ class GracefulServer(uvicorn.Server):
             timeout = app.state.shutdown_timeout_s
             logger.info("shutting down: refusing new requests; in-flight ones get %.0f s to finish", timeout)
             engine = app.state.async_engine
-            self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(engine.drain(timeout)))
+            self._loop.call_soon_threadsafe(self._start_drain, engine, timeout)
         super().handle_exit(sig, frame)
+
+    def _start_drain(self, engine, timeout: float) -> None:
+        # The loop holds tasks only weakly: without this reference the drain could be collected mid-wait, and its
+        # deadline's aborts would never come (the streams then hang until uvicorn's own timeout cuts them).
+        self._drain_task = asyncio.ensure_future(engine.drain(timeout))
 
     def _on_engine_dead(self, exc: BaseException) -> None:  # on the event loop
         logger.critical("the engine died (%r): shutting the server down with exit status 1", exc)
