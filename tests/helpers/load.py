@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
-import psutil  # a dependency of accelerate (the test extra)
+import psutil  # in the test extra
 from prometheus_client.parser import text_string_to_metric_families
 
 RUNNING = "conveyor:num_requests_running"
