@@ -4,15 +4,14 @@ Why a process: in one process the step loop and the event loop (HTTP, JSON, SSE)
 torch op of a step gives the GIL up and must win it back; a busy event loop then stretches the step. Here the
 engine owns its interpreter, runs only the core of each step (schedule, execute, update: ``core_step``) and sends
 the sampled tokens; the API process detokenizes, checks stop strings and streams (``core_client``). The two talk
-over ``engine.ipc``'s sockets, each with a thread of its own here, so decoding requests and encoding outputs
-overlap the step:
+over ``engine.ipc``'s sockets; requests are read by a thread of their own, so the API process's sends never wait
+for a step:
 
     input thread:  PULL socket -> decode -> command queue
-    main thread:   StepLoop: [commands] -> core_step() -> one EngineMessage per round -> bounded outbox
-    output thread: outbox -> encode -> PUSH socket
+    main thread:   StepLoop: [commands] -> core_step() -> one EngineMessage per round -> encode -> PUSH socket
 
-The outbox holds at most ``OUTBOX_STEPS`` messages: an API process that falls behind makes the step loop wait
-instead of letting its queue grow without bound. The process ignores SIGINT and SIGTERM (the server drains, then
+The output socket holds at most ``ipc.OUTPUT_HWM`` messages: an API process that falls behind makes the step loop
+wait instead of letting a queue grow without bound. The process ignores SIGINT and SIGTERM (the server drains, then
 sends ``Shutdown``); it exits when told, when the API process is gone (the start-up pipe closes), or, after a last
 message saying why, when the engine raises.
 """
@@ -48,8 +47,7 @@ from conveyor.engine.step_record import StepRecord
 
 logger = logging.getLogger("conveyor.engine")
 
-OUTBOX_STEPS = ipc.OUTPUT_HWM  # messages the output thread may hold before the step loop waits for the API side
-DEAD_FLUSH_S = 5.0  # a crashing engine: how long its last message may take to leave
+DEAD_FLUSH_S = 5.0  # a crashing engine: how long its last message may wait for room
 POLL_MS = 100  # how often a wait on the output path looks up to see whether the API process is gone
 
 
@@ -100,11 +98,10 @@ class EngineCore:
         self.commands: queue.SimpleQueue = queue.SimpleQueue()
         self.message = ipc.EngineMessage()
         self._last_stats: SchedulerStats | None = None
-        self._outbox: queue.Queue = queue.Queue(maxsize=OUTBOX_STEPS)
         self.parent_gone = threading.Event()  # then nobody reads: nothing may wait for the output path
         self._input = ipc.make_socket(context, zmq.PULL, endpoints.input, bind=False)
         self._output = ipc.make_socket(context, zmq.PUSH, endpoints.output, bind=False, hwm=ipc.OUTPUT_HWM)
-        self._writer = threading.Thread(target=self._write, name="conveyor-engine-output", daemon=True)
+        self._encoder = msgspec.msgpack.Encoder()
         engine.step_listeners.append(self._on_step)
         self.loop = StepLoop(engine, self.commands, self._publish, self._on_stats, self._flush, step=engine.core_step)
 
@@ -112,7 +109,6 @@ class EngineCore:
         """Serve until ``Shutdown`` (or the API process is gone); raises what kills the engine, after sending
         the reason."""
         threading.Thread(target=self._read, name="conveyor-engine-input", daemon=True).start()
-        self._writer.start()
         try:
             self.loop.run()
             self._flush()
@@ -121,7 +117,9 @@ class EngineCore:
             self._flush(timeout=DEAD_FLUSH_S)
             raise
         finally:
-            self._stop_writer()
+            # What the socket still holds leaves before the context's term() returns (linger), unless nobody
+            # would read it.
+            self._output.close(linger=0 if self.parent_gone.is_set() else None)
 
     def _read(self) -> None:
         """Input socket -> command queue, so the API process's sends never wait for a step to end."""
@@ -146,21 +144,6 @@ class EngineCore:
             else:
                 self.commands.put(STOP)
 
-    def _write(self) -> None:
-        encoder = msgspec.msgpack.Encoder()
-        try:
-            while (message := self._outbox.get()) is not None:
-                frame = encoder.encode(message)
-                while not self._output.poll(POLL_MS, zmq.POLLOUT):  # the API process is that far behind
-                    if self.parent_gone.is_set():
-                        return
-                self._output.send(frame, zmq.NOBLOCK)
-        except zmq.ZMQError as exc:
-            logger.error("could not send to the API process: %s", exc)
-        finally:
-            # What it still holds leaves before the context's term() returns (linger), unless nobody would read it.
-            self._output.close(linger=0 if self.parent_gone.is_set() else None)
-
     # ---- StepLoop callbacks (engine loop thread) ----------------------------------------------------------
     def _publish(self, step: CoreStepOutput) -> None:
         self.message.step = step  # one step per round
@@ -174,32 +157,21 @@ class EngineCore:
         self.message.records.append(record)
 
     def _flush(self, timeout: float | None = None) -> None:
+        """Send the round's message from the step loop's own thread. (An output thread, as vLLM has, to overlap
+        encoding with the next step cost more than it saved: encoding a step is tens of microseconds, and handing
+        the GIL to another thread and back about 1 ms a step, 10% of a batch-1 decode step.) Waits while the API
+        process is OUTPUT_HWM messages behind (back-pressure), unless it is gone, or for longer than ``timeout``:
+        then the message is dropped, since nobody would read it."""
         message, self.message = self.message, ipc.EngineMessage()
-        if message:
-            self._put(message, timeout)
-
-    def _stop_writer(self) -> None:
-        """The writer sends what the outbox holds, then stops (at once, dropping it, if the API process is gone)."""
-        self._put(None, timeout=DEAD_FLUSH_S)
-        if self._writer.is_alive() and self.parent_gone.is_set():
-            while True:
-                try:
-                    self._outbox.get_nowait()
-                except queue.Empty:
-                    break
-            self._outbox.put_nowait(None)
-        self._writer.join(DEAD_FLUSH_S)
-
-    def _put(self, message: ipc.EngineMessage | None, timeout: float | None = None) -> None:
-        """Into the outbox; waits while the API process is OUTBOX_STEPS behind, unless it is gone (or for longer
-        than ``timeout``): then the message is dropped, since nobody would read it."""
+        if not message:
+            return
+        frame = self._encoder.encode(message)
         deadline = None if timeout is None else time.monotonic() + timeout
-        while not self.parent_gone.is_set() and (deadline is None or time.monotonic() < deadline):
-            try:
-                self._outbox.put(message, timeout=POLL_MS / 1000)
+        while not self._output.poll(POLL_MS, zmq.POLLOUT):
+            if self.parent_gone.is_set() or (deadline is not None and time.monotonic() > deadline):
+                logger.error("the API process takes no messages: dropped one")
                 return
-            except queue.Full:
-                pass
+        self._output.send(frame, zmq.NOBLOCK)
 
 
 def _picklable(value) -> bool:

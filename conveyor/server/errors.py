@@ -107,7 +107,8 @@ def install_error_handlers(app: FastAPI) -> None:
         message = "Not Found" if exc.status_code == 404 else str(exc.detail)
         if exc.status_code == 404:
             message = f"no route {request.method} {request.url.path}"
-        return APIError(exc.status_code, message, headers=getattr(exc, "headers", None)).response()
+        code = "request_too_large" if exc.status_code == 413 else None  # a body read past the cap (body_limit.py)
+        return APIError(exc.status_code, message, code=code, headers=getattr(exc, "headers", None)).response()
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
