@@ -126,7 +126,9 @@ def client(cluster):
     return openai.OpenAI(base_url=cluster.url + "/v1", api_key="none", max_retries=0, timeout=TIMEOUT_S)
 
 
-def wait_for(condition, what: str, timeout_s: float = 90.0):
+def wait_for(condition, what: str, timeout_s: float = 300.0):
+    """Poll ``condition``; the deadline only guards against a hang (Ray Serve replacing a replica took over 90 s
+    with both cores of the machine kept busy by another process)."""
     deadline = time.monotonic() + timeout_s
     while not condition():
         if time.monotonic() > deadline:
@@ -292,6 +294,8 @@ def test_round_robin_router_alternates_whatever_the_prefix(cluster):
     app = build_app(pool.engine, "tiny", log_stats_interval_s=0.0, shutdown_timeout_s=2.0, async_engine=pool,
                     metrics=PoolMetrics(pool), health_detail=pool.health)
     with running_server(app) as url:
+        wait_for(lambda: serve.status().applications[APP_NAME].deployments[DEPLOYMENT_NAME].replica_states
+                 == {"RUNNING": 2}, "Ray Serve to run both redeployed replicas")
         wait_for(lambda: len(health(url)["replicas"]) == 2, "the redeployed replicas reporting")
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=TIMEOUT_S)
         for _ in range(6):  # one prompt, one at a time: the prefix router would keep all six on one replica
