@@ -126,7 +126,10 @@ def client(cluster):
     return openai.OpenAI(base_url=cluster.url + "/v1", api_key="none", max_retries=0, timeout=TIMEOUT_S)
 
 
-def wait_for(condition, what: str, timeout_s: float = 300.0):
+HANG_GUARD_S = 300.0
+
+
+def wait_for(condition, what: str, timeout_s: float = HANG_GUARD_S):
     """Poll ``condition``; the deadline only guards against a hang (Ray Serve replacing a replica took over 90 s
     with both cores of the machine kept busy by another process)."""
     deadline = time.monotonic() + timeout_s
@@ -267,7 +270,8 @@ def test_killing_a_replica_mid_load_loses_no_request_and_the_deployment_recovers
             victim = busy.replica_id
             ray.kill(ray.get_actor(f"SERVE_REPLICA::{APP_NAME}#{DEPLOYMENT_NAME}#{victim}", namespace="serve"),
                      no_restart=True)
-            return victim, await asyncio.wait_for(asyncio.gather(*tasks), TIMEOUT_S)
+            # A hang guard, not a speed bound: with both cores busy the survivors took over 60 s to finish.
+            return victim, await asyncio.wait_for(asyncio.gather(*tasks), HANG_GUARD_S)
 
     victim, results = asyncio.run(run())
     assert len(results) == n  # none hung

@@ -271,7 +271,12 @@ class EngineCoreClient(EngineClient):
                 if not self._closing.is_set():
                     logger.error("could not read from the engine core process: %s", exc)
                 return
-            self._handle(decoder.decode(frame))
+            try:
+                self._handle(decoder.decode(frame))
+            except Exception as exc:  # noqa: BLE001 - a receiver that stopped would hang every stream for good
+                logger.exception("could not handle a message of the engine core process")
+                self._died(f"the API process could not handle the engine's message: {exc!r}")
+                return
 
     def _watch_process(self) -> None:
         multiprocessing.connection.wait([self._proc.sentinel])
