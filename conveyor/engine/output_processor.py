@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from conveyor.core.outputs import PromptLogprobs
 from conveyor.core.sampling_params import SamplingParams
 from conveyor.engine.core_step import CoreOutput, CoreStepOutput
 from conveyor.engine.detokenizer import IncrementalDetokenizer
