@@ -51,13 +51,20 @@ class Tokenizer:
         """Text of ``ids``. Read-only (no tokenizer state changes), so any thread may call it."""
         raise NotImplementedError
 
+    def tokenizers_json(self) -> str | None:
+        """The ``tokenizers`` serialisation (tokenizer.json text) of this vocabulary, for libraries that build
+        their own view of it (llguidance); None when the tokenizer is not a ``tokenizers`` one."""
+        rust = getattr(self, "_tok", None)
+        to_str = getattr(rust, "to_str", None)
+        return to_str() if callable(to_str) else None
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            chat_template: str | None = None) -> str:
+                            chat_template: str | None = None, tools: list[dict] | None = None) -> str:
         """Render chat messages ([{"role", "content"}]) to the prompt text the model expects (``chat_template``
-        overrides the model's own)."""
+        overrides the model's own; ``tools``, OpenAI's tool list, for templates that describe tools)."""
         template = _compile_template(chat_template or self.chat_template or DEFAULT_CHAT_TEMPLATE)
         return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                               bos_token=self.bos_token, eos_token=self.eos_token)
+                               bos_token=self.bos_token, eos_token=self.eos_token, tools=tools)
 
 
 class ByteTokenizer(Tokenizer):

@@ -22,6 +22,40 @@ MIN_REPETITION_PENALTY = 1e-2
 
 
 @dataclass
+class StructuredOutputsParams:
+    """A constraint on the output's text, as vLLM's ``StructuredOutputsParams``: exactly one of ``json`` (a JSON
+    schema, as a dict or its JSON text), ``json_object`` (any JSON object), ``regex``, ``choice`` (one of these
+    strings) or ``grammar`` (Lark, or GBNF / EBNF as llama.cpp writes it). ``conveyor.structured`` compiles it;
+    this class only checks that one kind is given."""
+
+    json: dict | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+    def __post_init__(self) -> None:
+        given = [k for k in self.KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(f"structured_outputs must set exactly one of {', '.join(self.KINDS)}, "
+                             f"got {', '.join(given) or 'none'}")
+        if self.choice is not None and (not self.choice or any(not isinstance(c, str) for c in self.choice)):
+            raise ValueError(f"structured_outputs.choice must be a non-empty list of strings, got {self.choice!r}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string, got {value!r}")
+        if self.json is not None and not isinstance(self.json, (dict, str)):
+            raise ValueError(f"structured_outputs.json must be a JSON schema (an object), got {self.json!r}")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in self.KINDS if getattr(self, k) not in (None, False))
+
+
+@dataclass
 class SamplingParams:
     """How to sample the completion(s) of one prompt."""
 
@@ -43,6 +77,14 @@ class SamplingParams:
     logprobs: int | None = None  # number of top logprobs to return per token (0: only the sampled token's)
     prompt_logprobs: int | None = None  # the same for every prompt token but the first (vLLM's; echo needs it)
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None  # constrained decoding (conveyor.structured)
+    # Edits of the logits, applied after the raw logprobs are taken, in this order (vLLM's):
+    allowed_token_ids: list[int] | None = None  # only these may be sampled
+    bad_words: list[str] = field(default_factory=list)  # never end the output with one of these words
+    logit_bias: dict[int, float] | None = None  # added to the logits of these token ids, in [-100, 100]
+    # bad_words as token sequences (each word with and without a leading space), filled in by the engine's
+    # tokenizer (``conveyor.engine.logit_edits.tokenize_bad_words``) before the request is queued
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -51,6 +93,11 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        self.bad_words = list(self.bad_words or [])
+        if self.logit_bias is not None:
+            self.logit_bias = {_token_id_key(k): v for k, v in self.logit_bias.items()}
+        if isinstance(self.structured_outputs, dict):  # from JSON or the IPC
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         self._validate()
         if 0.0 < self.temperature < MIN_TEMPERATURE:
             self.temperature = MIN_TEMPERATURE
@@ -98,11 +145,27 @@ class SamplingParams:
             raise bad("stop", "must hold non-empty strings")
         if any(not integer(t) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must hold non-negative integers")
+        if self.allowed_token_ids is not None and (not self.allowed_token_ids or any(
+                not integer(t) or t < 0 for t in self.allowed_token_ids)):
+            raise bad("allowed_token_ids", "must be a non-empty list of non-negative token ids")
+        if any(not isinstance(w, str) or not w for w in self.bad_words):
+            raise bad("bad_words", "must hold non-empty strings")
+        if self.logit_bias is not None and any(
+                t < 0 or not finite(b) or not -100.0 <= b <= 100.0 for t, b in self.logit_bias.items()):
+            raise bad("logit_bias", "must map token ids to biases in [-100, 100]")
+        if self.structured_outputs is not None and self.ignore_eos:
+            raise bad("ignore_eos", "cannot be combined with structured outputs (the grammar decides where the "
+                                    "output ends)")
 
     @property
     def greedy(self) -> bool:
         """Greedy decoding: temperature 0 (top-k / top-p then do not matter)."""
         return self.temperature == 0.0
+
+    @property
+    def has_logit_edits(self) -> bool:
+        """allowed_token_ids, bad_words or logit_bias: the sampler edits this row's logits."""
+        return bool(self.allowed_token_ids or self.bad_words_token_ids or self.logit_bias)
 
     @property
     def has_penalties(self) -> bool:
@@ -114,3 +177,13 @@ class SamplingParams:
         if seed is not None and seed > SEED_MAX:  # wrap around 2**64, as the generator's own seed space does
             seed -= 1 << 64
         return replace(self, n=1, seed=seed)
+
+
+def _token_id_key(key) -> int:
+    """A logit_bias key: a token id, as an int or (JSON's object keys are strings) its decimal text."""
+    if isinstance(key, bool) or not isinstance(key, (int, str)):
+        raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
+    try:
+        return int(key)
+    except ValueError:
+        raise ValueError(f"logit_bias keys must be token ids, got {key!r}") from None

@@ -11,6 +11,7 @@ from conveyor.engine.args import EngineArgs
 from conveyor.engine.chat import Conversation, as_conversations, render_chat
 from conveyor.engine.llm_engine import LLMEngine, PromptType
 from conveyor.engine.outputs import RequestOutput
+from conveyor.structured.grammars import grammar_text
 
 
 class LLM:
@@ -44,6 +45,8 @@ class LLM:
         tokenized = [engine.tokenize_prompt(prompt) for prompt in prompts]
         for (_, token_ids), p in zip(tokenized, params):  # validate all first: a bad one must strand no others
             engine.validate_prompt(token_ids, p)
+            if p.structured_outputs is not None:
+                grammar_text(p.structured_outputs)  # ValueError for a constraint that cannot be enforced
         ids = [
             engine.add_request(None, {"prompt": text, "prompt_token_ids": token_ids}, p)
             for (text, token_ids), p in zip(tokenized, params)

@@ -13,6 +13,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 
 from conveyor.core.config import CacheConfig
 from conveyor.core.interfaces import Executor, KVManager
@@ -25,6 +26,8 @@ from conveyor.engine.core_step import CoreOutput, CoreStepOutput, child_requests
 from conveyor.engine.output_processor import OutputProcessor
 from conveyor.engine.outputs import RequestOutput
 from conveyor.engine.step_record import StepRecord
+from conveyor.runner.logit_edits import tokenize_bad_words
+from conveyor.structured.manager import StructuredOutputs
 
 PromptType = str | list[int] | dict
 
@@ -93,9 +96,14 @@ class LLMEngine:
         self.num_kv_blocks = num_blocks
         self.kv_manager = self._make_kv_manager(cache, num_blocks)
         self.scheduler = Scheduler(args.scheduler_config(self.max_model_len), self.kv_manager)
+        # Constrained decoding: grammars compile on a thread of their own; a constrained request waits here,
+        # outside the scheduler, until its grammar is ready (the grammar gate: see _admit_compiled).
+        self.structured = StructuredOutputs(self.tokenizer, self.model_info.vocab_size)
+        self._awaiting_grammar: list[tuple[Future, Request]] = []
         self.executor = executor or ModelRunner(
             self.model, self.model_info, num_blocks=num_blocks, block_size=cache.block_size, device=device,
             attention_backend=args.attention_backend, seed=args.seed,  # --seed seeds sampling too, as in vLLM
+            structured=self.structured,
         )
         self._pinned = contextlib.nullcontext  # a step's thread binding (CPU: see CoreBinding)
         if device == "cpu" and args.cpu_bind_threads:
@@ -169,6 +177,10 @@ class LLMEngine:
             )
         if any(t >= vocab for t in params.stop_token_ids):
             raise ValueError(f"stop_token_ids must be token ids in [0, {vocab})")
+        if any(t >= vocab for t in params.allowed_token_ids or ()):
+            raise ValueError(f"allowed_token_ids must be token ids in [0, {vocab})")
+        if any(t >= vocab for t in params.logit_bias or ()):
+            raise ValueError(f"logit_bias keys must be token ids in [0, {vocab})")
 
     @property
     def max_seqs_per_request(self) -> int | None:
@@ -188,7 +200,8 @@ class LLMEngine:
                 f"max_num_seqs {self.scheduler.config.max_num_seqs} + max_num_queued_reqs {bound})"
             )
         free_seats = max(0, self.scheduler.config.max_num_seqs - self.scheduler.num_running)
-        if self.scheduler.num_waiting + num_seqs - free_seats > bound:
+        waiting = self.scheduler.num_waiting + len(self._awaiting_grammar)
+        if waiting + num_seqs - free_seats > bound:
             raise QueueFullError(f"the waiting queue is full ({bound} requests); retry later")
 
     def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams | None = None,
@@ -210,19 +223,51 @@ class LLMEngine:
         request's (child) requests; returns their (id, params). Raises ValueError or QueueFullError."""
         self._check_queue_room(params.n)
         self.validate_prompt(token_ids, params)
+        if params.bad_words and not params.bad_words_token_ids:
+            params.bad_words_token_ids = tokenize_bad_words(self.tokenizer, params.bad_words)
         children = child_requests(request_id, params)
-        if any(child_id in self.scheduler.requests for child_id, _ in children):
+        awaiting = {r.request_id for _, r in self._awaiting_grammar}
+        if any(child_id in self.scheduler.requests or child_id in awaiting for child_id, _ in children):
             raise ValueError(f"request id {request_id!r} is already in use")
+        grammar = None
+        if params.structured_outputs is not None:
+            grammar = self.structured.compile(params.structured_outputs)
+            if grammar.done() and grammar.exception() is not None:  # a cached failure
+                raise ValueError(str(grammar.exception()))
         eos = tuple(self.model_info.eos_token_ids)
         for child_id, child_params in children:
-            self.scheduler.add_request(Request(child_id, token_ids, child_params, eos, self.max_model_len, arrival,
-                                               share_prefix=params.n > 1))
+            request = Request(child_id, token_ids, child_params, eos, self.max_model_len, arrival,
+                              share_prefix=params.n > 1)
+            if grammar is None or grammar.done():
+                self.scheduler.add_request(request)
+            else:
+                self._awaiting_grammar.append((grammar, request))
         return children
+
+    def _admit_compiled(self) -> dict[str, str]:
+        """Move the requests whose grammar has compiled into the scheduler; returns those whose grammar failed
+        to compile (child id -> why), which never enter it."""
+        if not self._awaiting_grammar:
+            return {}
+        failed: dict[str, str] = {}
+        still = []
+        for grammar, request in self._awaiting_grammar:
+            if not grammar.done():
+                still.append((grammar, request))
+            elif grammar.exception() is not None:
+                failed[request.request_id] = str(grammar.exception())
+            else:
+                self.scheduler.add_request(request)
+        self._awaiting_grammar = still
+        return failed
 
     def finish_requests(self, child_ids: list[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
         """End these (child) requests in the scheduler (no-op for finished ones); their blocks are free when this
         returns. The output side decided it (a stop string, an abort, a failure) and keeps its own state."""
         now = time.monotonic()
+        if self._awaiting_grammar:
+            ending = set(child_ids)
+            self._awaiting_grammar = [(g, r) for g, r in self._awaiting_grammar if r.request_id not in ending]
         for child_id in child_ids:
             self.scheduler.finish_request(child_id, status, now)
 
@@ -232,7 +277,7 @@ class LLMEngine:
         return self.output_processor.abort(request_id, time.monotonic(), error)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return bool(self._awaiting_grammar) or self.scheduler.has_unfinished_requests()
 
     # ---- the step ---------------------------------------------------------------------------------------
     @staticmethod
@@ -270,9 +315,10 @@ class LLMEngine:
         """The engine core's half of ``step()``: schedule, execute, update; each sampled token as a
         ``CoreOutput`` (None when nothing was scheduled). What the engine core process runs and sends."""
         start = time.monotonic()
+        grammar_failed = self._admit_compiled()
         sched_out = self.scheduler.schedule(start)
         if sched_out.is_empty:
-            return None
+            return CoreStepOutput(start, failed=grammar_failed) if grammar_failed else None
         record = StepRecord.before(start, sched_out, self.scheduler) if self.step_listeners else None
         with self._pinned():
             model_out = self.executor.execute(sched_out)
@@ -286,7 +332,7 @@ class LLMEngine:
             record.finish(now, self.scheduler)
             for listener in self.step_listeners:
                 listener(record)
-        return CoreStepOutput(now, outputs, model_out.prompt_logprobs, model_out.failed)
+        return CoreStepOutput(now, outputs, model_out.prompt_logprobs, {**grammar_failed, **model_out.failed})
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached block hash (benchmarks: a repeat must not reuse the previous run's prompts)."""

@@ -8,6 +8,7 @@ new block ids instead of rebuilding every table.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -33,6 +34,7 @@ class RequestState:
     num_blocks: int
     generator: torch.Generator | None  # only for seeded requests
     error: str | None = None  # per-request setup failed: computed as usual, sampled token discarded
+    matcher: Any = None  # llguidance matcher of a constrained request (conveyor.structured), else None
 
     @property
     def num_output_tokens(self) -> int:
@@ -63,8 +65,10 @@ class PromptRows:
 class InputBatch:
     """Holds every live request's state; ``update`` applies a SchedulerOutput, ``prepare`` flattens it."""
 
-    def __init__(self, block_size: int, device: torch.device | str = "cpu", max_position: int | None = None) -> None:
+    def __init__(self, block_size: int, device: torch.device | str = "cpu", max_position: int | None = None,
+                 structured=None) -> None:
         self.block_size = block_size
+        self.structured = structured  # conveyor.structured.StructuredOutputs: matchers for constrained requests
         self.device = torch.device(device)
         self.max_position = max_position
         self.requests: dict[str, RequestState] = {}
@@ -104,13 +108,19 @@ class InputBatch:
                 self.free_rows.append(self.requests.pop(new.request_id).row)
             if not self.free_rows:
                 self._ensure_capacity(self.block_table.shape[0] + 1, 0)
-            gen, error = None, None
+            gen, error, matcher = None, None, None
             try:
                 gen = self._generator(new.sampling_params)
             except Exception as exc:  # noqa: BLE001 - one request's bad seed must not stop the step
                 error = f"could not seed its sampling generator: {exc!r}"
+            spec = new.sampling_params.structured_outputs
+            if spec is not None and error is None:
+                try:  # after a preemption the tokens so far are replayed into a fresh matcher
+                    matcher = self.structured.matcher(spec, list(new.token_ids[new.num_prompt_tokens:]))
+                except Exception as exc:  # noqa: BLE001 - one request's grammar must not stop the step
+                    error = f"could not set up its structured output: {exc}"
             state = RequestState(new.request_id, list(new.token_ids), new.num_prompt_tokens, new.sampling_params,
-                                 new.num_computed_tokens, self.free_rows.pop(), 0, gen, error)
+                                 new.num_computed_tokens, self.free_rows.pop(), 0, gen, error, matcher)
             self._set_blocks(state, new.block_ids)
             self.requests[new.request_id] = state
         for cached in so.scheduled_cached_reqs:

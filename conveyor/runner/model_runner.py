@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from concurrent.futures import Future, ThreadPoolExecutor
+
 from conveyor.core.outputs import ModelOutput, PromptLogprobs, SchedulerOutput
 from conveyor.layers.attention import make_attention, resolve_backend
 from conveyor.models.build import ModelInfo, resolve_dtype
@@ -23,7 +25,8 @@ class ModelRunner:
     """
 
     def __init__(self, model: torch.nn.Module, info: ModelInfo, num_blocks: int, block_size: int,
-                 device: str | torch.device = "cpu", attention_backend: str = "auto", seed: int = 0) -> None:
+                 device: str | torch.device = "cpu", attention_backend: str = "auto", seed: int = 0,
+                 structured=None) -> None:
         self.model, self.info = model, info
         self.device = torch.device(device)
         self.num_blocks, self.block_size = num_blocks, block_size
@@ -39,7 +42,11 @@ class ModelRunner:
         shape = (2, num_blocks, info.num_kv_heads, block_size, info.head_dim) if native else \
             (2, num_blocks, block_size, info.num_kv_heads, info.head_dim)
         self.kv_caches = [alloc(*shape, dtype=self.dtype, device=self.device) for _ in range(info.num_layers)]
-        self.batch = InputBatch(block_size, self.device, max_position=info.max_position_embeddings)
+        self.structured = structured  # conveyor.structured.StructuredOutputs (None: no constrained requests)
+        self.batch = InputBatch(block_size, self.device, max_position=info.max_position_embeddings,
+                                structured=structured)
+        # The constrained rows' bitmasks are filled on this thread while the forward pass runs.
+        self._mask_filler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="conveyor-bitmask")
         self.sampler = Sampler(info.eos_token_ids, self.device, seed)
 
     @staticmethod
@@ -59,11 +66,21 @@ class ModelRunner:
         if so.is_empty:
             return ModelOutput()
         step = self.batch.prepare(so)
+        masks = self._start_masks(step)
         logits, prompt_lps = self.forward(step)
-        out = ModelOutput() if logits is None else self.sample(logits, step)
+        out = ModelOutput() if logits is None else self.sample(logits, step, masks)
         out.prompt_logprobs = prompt_lps
-        out.failed = self._failed(so)
+        out.failed = {**self._failed(so), **out.failed}
         return out
+
+    def _start_masks(self, step: StepInputs) -> tuple[list[int], Future] | None:
+        """The sampling rows of constrained requests and a future of their bitmask (every matcher's state is
+        known before the forward pass: its last token was consumed when sampled)."""
+        rows = [i for i, s in enumerate(step.sampling) if s.matcher is not None and s.error is None]
+        if not rows:
+            return None
+        matchers = [step.sampling[i].matcher for i in rows]
+        return rows, self._mask_filler.submit(self.structured.fill_bitmask, matchers)
 
     def forward(self, step: StepInputs) -> tuple[torch.Tensor | None, dict[str, PromptLogprobs]]:
         """Run the model over every row of the step (writing its K/V). Returns the logits of the rows that
@@ -80,13 +97,28 @@ class ModelRunner:
             hidden = hidden.index_select(0, step.logits_indices)
         return self.model.compute_logits(hidden), prompt_lps
 
-    def sample(self, logits: torch.Tensor, step: StepInputs) -> ModelOutput:
-        """One token per sampling row; each is appended to its request's own token list."""
-        token_ids, logprobs = self.sampler.sample(logits, step.sampling)
+    def sample(self, logits: torch.Tensor, step: StepInputs,
+               masks: tuple[list[int], Future] | None = None) -> ModelOutput:
+        """One token per sampling row; each is appended to its request's own token list (and consumed by its
+        matcher when constrained: ``masks`` are the constrained rows and their bitmask)."""
         out = ModelOutput()
+        constraint = None
+        if masks is not None:
+            rows, bitmask = masks[0], masks[1].result()
+            for row, empty in zip(rows, (bitmask == 0).all(dim=1).tolist()):
+                if empty:  # e.g. a JSON schema for a vocabulary without "{": nothing can be sampled
+                    state = step.sampling[row]
+                    state.error = "its grammar allows no token of this model's vocabulary here"
+                    out.failed[state.req_id] = state.error
+            constraint = (rows, bitmask)
+        token_ids, logprobs = self.sampler.sample(logits, step.sampling, constraint)
         for state, token, lp in zip(step.sampling, token_ids, logprobs):
             if state.error is not None:
                 continue  # failed: the engine retires it after this step
+            if state.matcher is not None and not state.matcher.consume_token(token):
+                state.error = f"its grammar refused the sampled token {token}: {state.matcher.get_error()}"
+                out.failed[state.req_id] = state.error
+                continue
             state.token_ids.append(token)
             out.sampled_token_ids[state.req_id] = token
             if lp is not None:

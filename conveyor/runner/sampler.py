@@ -1,6 +1,8 @@
 """Turns the logits of the sampling rows into one token each (plus logprobs where asked), vLLM semantics.
 
-Order: raw logprobs (log_softmax of the model's logits, before anything below) -> penalties (repetition over
+Order: the grammar bitmask of constrained rows (structured outputs: -inf where the grammar forbids a token) ->
+raw logprobs (log_softmax of those logits, before anything below) -> allowed_token_ids, bad_words, logit_bias
+(``logit_edits``) -> penalties (repetition over
 prompt + output, presence / frequency over output) -> min_tokens (ban stop tokens) -> greedy argmax, or
 temperature -> min-p -> top-k / top-p -> an inverse-CDF draw with one uniform per row (draw_tokens,
 draw_truncated: no sort of the vocabulary, no per-entry noise), the uniform from the request's own generator when
@@ -16,6 +18,8 @@ import torch
 
 from conveyor.core.outputs import TokenLogprobs
 from conveyor.runner.input_batch import RequestState
+from conveyor.runner.logit_edits import apply_logit_edits
+from conveyor.structured.manager import apply_bitmask
 
 
 class Sampler:
@@ -24,11 +28,17 @@ class Sampler:
         self.device = torch.device(device)
         self.generator = torch.Generator(device=self.device).manual_seed(seed)  # for unseeded requests
 
-    def sample(self, logits: torch.Tensor, reqs: list[RequestState]) -> tuple[list[int], list[TokenLogprobs | None]]:
-        """logits [R, V] (one row per request in ``reqs``) -> (token ids, logprobs or None per request)."""
+    def sample(self, logits: torch.Tensor, reqs: list[RequestState],
+               constraint: tuple[list[int], torch.Tensor] | None = None,
+               ) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """logits [R, V] (one row per request in ``reqs``) -> (token ids, logprobs or None per request).
+        ``constraint``: the rows of constrained requests and their grammar bitmask ([rows, ceil(V / 32)])."""
         params = [r.params for r in reqs]
+        if constraint is not None:  # in the logits' own dtype, so plain greedy rows keep the fast path below
+            apply_bitmask(logits, *constraint)
         below_min_tokens = [i for i, r in enumerate(reqs) if r.num_output_tokens < r.params.min_tokens]
-        if not below_min_tokens and all(p.greedy and p.logprobs is None and not p.has_penalties for p in params):
+        if not below_min_tokens and all(p.greedy and p.logprobs is None and not p.has_penalties
+                                        and not p.has_logit_edits for p in params):
             # Plain greedy rows (the common case) need only the argmax, which reads the logits in their own
             # dtype: no float32 copy (for bfloat16 logits of 86 x 49152, 1.4 -> 0.7 ms).
             return argmax_rows(logits).tolist(), [None] * len(reqs)
@@ -36,6 +46,9 @@ class Sampler:
         lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         raw_logprobs = torch.log_softmax(logits[lp_rows], dim=-1) if lp_rows else None
 
+        edited = [i for i, p in enumerate(params) if p.has_logit_edits]
+        if edited:
+            apply_logit_edits(logits, [reqs[i] for i in edited], edited)
         penalised = [i for i, p in enumerate(params) if p.has_penalties]
         if penalised:
             apply_penalties(logits, [reqs[i] for i in penalised], penalised)
