@@ -121,7 +121,7 @@ def run_serve_data_parallel(ns: argparse.Namespace, args: EngineArgs) -> int:
         app = build_app(pool.engine, model_name, ns.api_key, 0.0 if ns.disable_log_stats else ns.log_stats_interval,
                         ns.shutdown_timeout, ns.max_n, async_engine=pool, metrics=PoolMetrics(pool),
                         health_detail=pool.health, max_request_body_bytes=ns.max_request_body_bytes,
-                        max_seqs_per_request=ns.max_seqs_per_request)
+                        max_seqs_per_request=ns.max_seqs_per_request, tool_call_parser=ns.tool_call_parser)
         server = make_server(app, ns.host, ns.port, ns.uvicorn_log_level, ns.timeout_keep_alive, ns.timeout_headers,
                              loop=ns.uvicorn_loop)
         server.run()

@@ -9,9 +9,9 @@ Conversation = Sequence[dict]  # [{"role": "system" | "user" | "assistant", "con
 
 
 def chat_prompt(tokenizer, messages: Conversation, add_generation_prompt: bool = True,
-                chat_template: str | None = None) -> str:
-    """A conversation as prompt text through the chat template. ValueError when the template refuses the
-    messages."""
+                chat_template: str | None = None, tools: list[dict] | None = None) -> str:
+    """A conversation as prompt text through the chat template (``tools``: for templates that render them).
+    ValueError when the template refuses the messages."""
     if not messages:
         raise ValueError("a conversation needs at least one message")
     for i, m in enumerate(messages):
@@ -19,7 +19,7 @@ def chat_prompt(tokenizer, messages: Conversation, add_generation_prompt: bool =
             raise ValueError(f"message {i} must be a dict with a 'role' and a 'content', got {m!r}")
     try:
         return tokenizer.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt,
-                                             chat_template=chat_template)
+                                             chat_template=chat_template, tools=tools)
     except Exception as exc:  # jinja errors (raise_exception in templates, bad roles) are the caller's
         raise ValueError(f"messages could not be rendered with the chat template: {exc}") from exc
 

@@ -54,7 +54,8 @@ def build_app(engine: LLMEngine | EngineClient, served_model_name: str | None = 
               async_engine: EngineClient | None = None, metrics: ServerMetrics | None = None,
               health_detail: Callable[[], dict] | None = None,
               max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
-              max_seqs_per_request: int = DEFAULT_MAX_SEQS_PER_REQUEST) -> FastAPI:
+              max_seqs_per_request: int = DEFAULT_MAX_SEQS_PER_REQUEST,
+              tool_call_parser: str | None = None) -> FastAPI:
     """An OpenAI-compatible app serving ``engine``'s model: an ``LLMEngine`` (stepped in a thread of this process,
     ``AsyncEngine``) or an ``EngineClient`` (``EngineCoreClient``: the engine in its own process). The engine runs
     for the app's lifespan. ``max_n`` bounds ``n`` (and ``best_of``) per request: 128, as OpenAI's API does;
@@ -77,7 +78,7 @@ def build_app(engine: LLMEngine | EngineClient, served_model_name: str | None = 
         metrics.attach()
     tokenizer = engine.tokenizer
     ctx = ServingContext(async_engine, model_name, engine.max_model_len, max_n, max_seqs_per_request,
-                         max_token_chars(tokenizer))
+                         max_token_chars(tokenizer), tool_call_parser)
     created = int(time.time())
 
     @contextlib.asynccontextmanager

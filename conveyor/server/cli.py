@@ -57,6 +57,13 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--uvicorn-log-level", default="info")
     p.add_argument("--uvicorn-loop", choices=("auto", "uvloop", "asyncio"), default="auto",
                    help="the server's event loop: auto takes uvloop when it is installed (uvicorn's rule)")
+    from conveyor.server.tools import PARSERS
+
+    p.add_argument("--tool-call-parser", choices=PARSERS, default=None,
+                   help="the tool-call syntax of the model for tool_choice auto (default: read from the chat "
+                   "template; generic, a constrained JSON reply, when it has none)")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="accepted for vLLM's command lines: tool_choice auto is always served")
     _add_scale_out_args(p)
     EngineArgs.add_cli_args(p)
     p.set_defaults(func=run_serve)
@@ -152,7 +159,8 @@ def run_serve(ns: argparse.Namespace) -> int:
                 args.policy, "in this process" if ns.engine_in_process else f"in process {view.pid}")
     app = build_app(engine, ns.served_model_name or info.name, ns.api_key,
                     0.0 if ns.disable_log_stats else ns.log_stats_interval, ns.shutdown_timeout, ns.max_n,
-                    max_request_body_bytes=ns.max_request_body_bytes, max_seqs_per_request=ns.max_seqs_per_request)
+                    max_request_body_bytes=ns.max_request_body_bytes, max_seqs_per_request=ns.max_seqs_per_request,
+                    tool_call_parser=ns.tool_call_parser)
     server = make_server(app, ns.host, ns.port, ns.uvicorn_log_level, ns.timeout_keep_alive, ns.timeout_headers,
                          loop=ns.uvicorn_loop)
     try:

@@ -55,11 +55,13 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 def from_value_error(exc: ValueError) -> APIError:
     """SamplingParams / LLMEngine raise ValueError whose message starts with the offending field's name."""
     message = str(exc)
-    first = message.split(" ", 1)[0]
+    first = message.split(" ", 1)[0].rstrip(":").split(".", 1)[0]  # "structured_outputs.json: ..." too
     return APIError(400, message, first if first in _PARAM_NAMES else None)
 
 
-_PARAM_NAMES = {f.name for f in fields(SamplingParams)} | {"prompt", "messages", "max_completion_tokens"}
+_PARAM_NAMES = {f.name for f in fields(SamplingParams)} | {
+    "prompt", "messages", "max_completion_tokens", "response_format", "guided_json", "guided_regex",
+    "guided_choice", "guided_grammar", "tools", "tool_choice"}
 
 
 def from_engine_error(exc: BaseException) -> APIError:

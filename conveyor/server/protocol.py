@@ -14,6 +14,7 @@ from typing import Any, ClassVar
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 from conveyor.core.sampling_params import SamplingParams
+from conveyor.server.structured_fields import GUIDED_ALIASES, structured_outputs_of
 
 
 @dataclass(frozen=True)
@@ -37,13 +38,10 @@ class Refused:
 REFUSED_FIELDS: tuple[Refused, ...] = (
     # Constrained decoding (vLLM's guided_* and structured_outputs, OpenAI's response_format): ignored, the
     # client gets unconstrained text that it will parse as JSON, a regex match or one of its choices.
-    *(Refused(name) for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
-                                 "guided_decoding_backend", "guided_whitespace_pattern", "structural_tag",
-                                 "structured_outputs")),
-    Refused("response_format", (None, {}, {"type": "text"}), note='only {"type": "text"} is served'),
-    # Limits on the vocabulary and edits of the logits: ignored, the output holds tokens the client excluded or
-    # lacks the bias it asked for. allowed_token_ids is refused even empty (vLLM refuses [] too).
-    Refused("allowed_token_ids"), Refused("bad_words", (None, [])), Refused("logit_bias", (None, {})),
+    # (response_format, structured_outputs and guided_json / regex / choice / grammar are served:
+    # server/structured_fields.py). What is left would be ignored: a whitespace pattern, vLLM's structural tags.
+    Refused("guided_whitespace_pattern"), Refused("structural_tag"),
+    # Custom logits processors (vLLM loads them by name): none are served.
     Refused("logits_processors", (None, [])), Refused("vllm_xargs", (None, {})),
     # Stopping on repeated patterns (vLLM): ignored, a looping generation runs to max_tokens.
     *(Refused(name, (None, 0)) for name in ("max_repetition_pattern_size", "min_repetition_pattern_size",
@@ -58,9 +56,7 @@ REFUSED_FIELDS: tuple[Refused, ...] = (
     Refused("documents", (None, []), "chat"), Refused("continue_final_message", (None, False), "chat"),
     # Served on /v1/completions only: chat's echo is vLLM's "prepend the last message", a different feature.
     Refused("echo", (None, False), "chat"), Refused("prompt_logprobs", endpoint="chat"),
-    # Tool and function calling: the client waits for a call and gets text. tool_choice other than "none" means
-    # "call a tool" (OpenAI refuses it without tools); parallel_tool_calls is harmless once tools are refused.
-    Refused("tools", (None, [])), Refused("tool_choice", (None, "none"), "chat"),
+    # OpenAI's deprecated function calling (tools and tool_choice are served: server/tools.py).
     Refused("functions", (None, []), "chat"), Refused("function_call", (None, "none"), "chat"),
     # Decoding that is not sampling.
     Refused("use_beam_search", (None, False)),
@@ -107,6 +103,7 @@ class SamplingFields(BaseModel):
     model_config = ConfigDict(extra="ignore")
     endpoint: ClassVar[str] = ""  # "completions" / "chat": which entries of REFUSED_FIELDS apply
     _refused: Refused | None = PrivateAttr(default=None)
+    _constraint_field: str | None = PrivateAttr(default=None)  # the field that asked for structured output
 
     model: str | None = None
     n: int = 1
@@ -120,6 +117,16 @@ class SamplingFields(BaseModel):
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    response_format: dict[str, Any] | None = None
+    # vLLM's constrained decoding, and its older spellings
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None  # accepted and ignored: llguidance enforces every constraint
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     # vLLM extras
     top_k: int | None = None
     min_p: float | None = None
@@ -137,7 +144,12 @@ class SamplingFields(BaseModel):
             "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
             "repetition_penalty": self.repetition_penalty,
         }
+        constraint = structured_outputs_of(self.model_dump(include={
+            "response_format", "structured_outputs", *GUIDED_ALIASES}))
+        self._constraint_field = constraint[0] if constraint else None
         return SamplingParams(
+            structured_outputs=constraint[1] if constraint else None, allowed_token_ids=self.allowed_token_ids,
+            bad_words=list(self.bad_words or []), logit_bias=self.logit_bias or None,
             n=self.n, seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens,
             stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
             stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
@@ -145,6 +157,11 @@ class SamplingFields(BaseModel):
             skip_special_tokens=self.skip_special_tokens, logprobs=logprobs,
             **{k: v for k, v in given.items() if v is not None},
         )
+
+    @property
+    def constraint_field(self) -> str | None:
+        """The field that asked for the request's structured output (set by ``sampling_params``)."""
+        return self._constraint_field
 
     @property
     def include_usage(self) -> bool:
@@ -197,7 +214,8 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
-    response_format: dict[str, Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
     add_generation_prompt: bool = True
     add_special_tokens: bool = False  # the chat template already writes BOS where the model wants it
 

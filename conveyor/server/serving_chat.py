@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 from fastapi import Request
@@ -15,6 +16,7 @@ from conveyor.server.protocol import ChatCompletionRequest, ChatMessage
 from conveyor.server.serving_common import (
     DeltaTracker, ServingContext, check_context, merged, new_id, sse_events, usage,
 )
+from conveyor.server.tools import ToolPlan, messages_for_tools, plan_tools
 
 
 def messages_as_dicts(messages: list[ChatMessage]) -> list[dict]:
@@ -34,10 +36,11 @@ def messages_as_dicts(messages: list[ChatMessage]) -> list[dict]:
     return out
 
 
-def render_chat(engine, messages: list[dict], add_generation_prompt: bool, add_special_tokens: bool) -> list[int]:
+def render_chat(engine, messages: list[dict], add_generation_prompt: bool, add_special_tokens: bool,
+                tools: list[dict] | None = None) -> list[int]:
     """Token ids of a conversation through the model's chat template (engine thread). The template writes the
     special tokens itself."""
-    text = chat.chat_prompt(engine.tokenizer, messages, add_generation_prompt)
+    text = chat.chat_prompt(engine.tokenizer, messages, add_generation_prompt, tools=tools)
     return engine.encode(text, add_special_tokens=add_special_tokens, field="messages")
 
 
@@ -59,14 +62,17 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: Request, ctx:
                           "top_logprobs")
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     params = ctx.sampling_params(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
+    plan, params = _plan_tools(body, ctx, tokenizer, params)
+    await ctx.check_constraint(params, body.constraint_field or "tool_choice")
     ctx.check_size(params, 1)
-    messages = messages_as_dicts(body.messages)
+    messages = messages_for_tools(messages_as_dicts(body.messages), plan, body.messages)
     # The template adds its own markup around the messages and keeps their text, so the text alone bounds the
     # prompt from below.
     ctx.check_prompt_chars(sum(len(m["content"]) for m in messages), "messages", "the messages' text")
 
     def prepare(engine) -> dict:  # engine thread
-        ids = render_chat(engine, messages, body.add_generation_prompt, body.add_special_tokens)
+        ids = render_chat(engine, messages, body.add_generation_prompt, body.add_special_tokens,
+                          plan.template_tools if plan is not None else None)
         check_context(len(ids), max_tokens, engine.max_model_len)
         return {"prompt_token_ids": ids}
 
@@ -74,21 +80,52 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: Request, ctx:
     streams = await ctx.submit(request_id, [prepare], params)
     head = {"id": request_id, "created": int(time.time()), "model": ctx.model_name}
     if body.stream:
-        chunks = _stream(head, streams, tokenizer, params, body.include_usage)
+        chunks = _stream(head, streams, tokenizer, params, body.include_usage, plan)
         return StreamingResponse(sse_events(chunks, ctx, streams), media_type="text/event-stream")
 
     (final,) = await ctx.wait_final(streams, raw)
-    choices = [{
-        "index": c.index,
-        "message": {"role": "assistant", "content": c.text},
-        "logprobs": _logprobs(tokenizer, c.logprobs) if c.logprobs is not None else None,
-        "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
-    } for c in final.outputs]
+    choices = []
+    for c in final.outputs:
+        message, finish_reason = _reply(c.text, c.finish_reason, plan)
+        choices.append({"index": c.index, "message": message,
+                        "logprobs": _logprobs(tokenizer, c.logprobs) if c.logprobs is not None else None,
+                        "finish_reason": finish_reason, "stop_reason": c.stop_reason})
     return JSONResponse({**head, "object": "chat.completion", "choices": choices, "usage": usage([final])})
 
 
-async def _stream(head, streams, tokenizer, params, include_usage: bool):
-    """The chunks of a streamed chat completion (``sse_events`` sends them)."""
+def _plan_tools(body: ChatCompletionRequest, ctx: ServingContext, tokenizer, params):
+    """The request's tool plan and its params, constrained when the plan says so (400 when malformed)."""
+    try:
+        plan = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls, ctx.tool_call_parser,
+                          tokenizer.chat_template)
+    except ValueError as exc:
+        raise bad_request(str(exc), "tool_choice" if "tool_choice" in str(exc) else "tools") from exc
+    if plan is None or plan.constraint is None:
+        return plan, params
+    if params.structured_outputs is not None:
+        raise bad_request(f"tool_choice {plan.mode!r} constrains the reply to tool calls: it cannot be combined "
+                          "with response_format or structured_outputs", "tool_choice")
+    try:
+        return plan, dataclasses.replace(params, structured_outputs=plan.constraint)
+    except ValueError as exc:
+        raise bad_request(str(exc), "tool_choice") from exc
+
+
+def _reply(text: str, finish_reason: str | None, plan: ToolPlan | None) -> tuple[dict, str | None]:
+    """The assistant message of a finished choice (its tool calls parsed out) and its finish reason."""
+    if plan is None:
+        return {"role": "assistant", "content": text}, finish_reason
+    content, calls = plan.parse(text)
+    if not calls:
+        return {"role": "assistant", "content": content}, finish_reason
+    message = {"role": "assistant", "content": content, "tool_calls": [c.as_openai() for c in calls]}
+    return message, "tool_calls" if finish_reason == "stop" else finish_reason
+
+
+async def _stream(head, streams, tokenizer, params, include_usage: bool, plan: ToolPlan | None = None):
+    """The chunks of a streamed chat completion (``sse_events`` sends them). With tools, a choice's reply is
+    sent whole when it finishes (its text must be complete to tell a tool call from an answer), as OpenAI's
+    ``delta.tool_calls``."""
     head = {**head, "object": "chat.completion.chunk"}
     extra = {"usage": None} if include_usage else {}
     tracker = DeltaTracker(params)
@@ -105,6 +142,10 @@ async def _stream(head, streams, tokenizer, params, include_usage: bool):
             if delta is None:
                 continue
             text, t0, t1, finished = delta
+            if plan is not None:
+                if finished:
+                    yield {**head, "choices": [_tool_chunk(c, plan)], **extra}
+                continue
             choice = {
                 "index": c.index, "delta": {"content": text} if text or not finished else {},
                 "logprobs": _logprobs(tokenizer, c.logprobs[t0:t1]) if c.logprobs is not None else None,
@@ -114,3 +155,13 @@ async def _stream(head, streams, tokenizer, params, include_usage: bool):
             yield {**head, "choices": [choice], **extra}
     if include_usage and final is not None:
         yield {**head, "choices": [], "usage": usage([final])}
+
+
+def _tool_chunk(c, plan: ToolPlan) -> dict:
+    """The one chunk of a finished choice of a request with tools: its content or its tool calls."""
+    message, finish_reason = _reply(c.text, c.finish_reason, plan)
+    delta = {"content": message["content"]} if message["content"] else {}
+    if "tool_calls" in message:
+        delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(message["tool_calls"])]
+    return {"index": c.index, "delta": delta, "logprobs": None, "finish_reason": finish_reason,
+            "stop_reason": c.stop_reason}

@@ -19,6 +19,7 @@ from conveyor.engine.outputs import CompletionOutput, RequestOutput
 from conveyor.server.errors import APIError, bad_request, from_engine_error, from_value_error
 from conveyor.server.limits import DEFAULT_MAX_SEQS_PER_REQUEST, check_stop
 from conveyor.server.protocol import SamplingFields
+from conveyor.structured.grammars import grammar_text
 
 logger = logging.getLogger("conveyor.server")
 Prepare = Callable[[LLMEngine], dict]  # runs on the engine thread: tokenizes, checks, returns the engine prompt
@@ -59,8 +60,10 @@ class ServingContext:
     is known, and prompts are not checked by their length in characters)."""
 
     def __init__(self, async_engine: EngineClient, model_name: str, max_model_len: int, max_n: int = 128,
-                 max_seqs_per_request: int = DEFAULT_MAX_SEQS_PER_REQUEST, max_token_chars: int | None = None) -> None:
+                 max_seqs_per_request: int = DEFAULT_MAX_SEQS_PER_REQUEST, max_token_chars: int | None = None,
+                 tool_call_parser: str | None = None) -> None:
         self.engine = async_engine
+        self.tool_call_parser = tool_call_parser  # None: picked from the chat template (server/tools.py)
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.max_n = max_n
@@ -118,6 +121,20 @@ class ServingContext:
         except ValueError as exc:
             raise from_value_error(exc) from exc
         return params
+
+    async def check_constraint(self, params: SamplingParams, field: str | None = None) -> None:
+        """400 for a structured-output constraint that cannot be enforced (an unsupported JSON schema keyword, a
+        regex look-ahead, a grammar that does not parse), before the request reaches the engine; ``field``: the
+        request field that asked for it, which the error names. On a thread: a large schema takes milliseconds
+        to translate."""
+        if params.structured_outputs is None:
+            return
+        try:
+            await asyncio.to_thread(grammar_text, params.structured_outputs)
+        except ValueError as exc:
+            if field is None:
+                raise from_value_error(exc) from exc
+            raise bad_request(f"{field}: {str(exc).split(': ', 1)[-1]}", field) from exc
 
     async def submit(self, request_id: str, prompts: list[Prepare], params: SamplingParams) -> list[RequestStream]:
         """Queue one engine request per prompt (ids ``{request_id}-{i}``); all or nothing."""

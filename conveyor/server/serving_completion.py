@@ -123,6 +123,7 @@ async def create_completion(body: CompletionRequest, raw: Request, ctx: ServingC
     prompt_only = body.echo and body.max_tokens == 0  # score the prompt, generate nothing
     max_tokens = 1 if prompt_only else body.max_tokens
     params = ctx.sampling_params(body, max_tokens, body.logprobs)
+    await ctx.check_constraint(params, body.constraint_field)
     # echo with logprobs needs the prompt tokens' logprobs, as many alternatives as the completion's
     want = body.prompt_logprobs
     if body.echo and body.logprobs is not None:

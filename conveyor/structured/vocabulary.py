@@ -13,7 +13,10 @@ def ll_tokenizer(tokenizer: Tokenizer, vocab_size: int):
     eos = tokenizer.eos_token_id
     serialised = tokenizer.tokenizers_json()
     if serialised is not None:  # HF tokenizer.json or a GGUF vocabulary: both `tokenizers` tokenizers
-        return llguidance.LLTokenizer(serialised, n_vocab=vocab_size, eos_token=eos)
+        try:
+            return llguidance.LLTokenizer(serialised, n_vocab=vocab_size, eos_token=eos)
+        except Exception as exc:  # llguidance reads byte-level BPE and SentencePiece vocabularies, not all others
+            raise ValueError(f"structured outputs are not available for this model's tokenizer: {exc}") from None
     if isinstance(tokenizer, ByteTokenizer):
         return llguidance.LLTokenizer(_ByteVocabulary(tokenizer, vocab_size), n_vocab=vocab_size, eos_token=eos)
     raise ValueError(f"structured outputs need a tokenizers-based tokenizer, not {type(tokenizer).__name__}")

@@ -1,0 +1,215 @@
+"""Tool calling on /v1/chat/completions: ``tools`` + ``tool_choice`` -> what the reply is constrained to, what the
+chat template is given, and how the generated text becomes OpenAI ``tool_calls``.
+
+- ``tool_choice`` "none": the tools are ignored (as vLLM does by default, they are not shown to the model).
+- a named function: the reply is that function's arguments, constrained by its ``parameters`` schema.
+- "required": the reply is a JSON array of one or more ``{"name", "arguments"}`` calls (one when
+  ``parallel_tool_calls`` is false), each constrained by its tool's schema. Both work with any model.
+- "auto": a parser of the model family's own tool syntax when its chat template has one (``hermes``:
+  ``<tool_call>{...}</tool_call>`` as Qwen2.5 and many fine-tunes; ``llama3_json``: a bare JSON object, Llama 3.x;
+  ``mistral``: ``[TOOL_CALLS][...]``), picked by ``--tool-call-parser`` or from the template; for a template with
+  no tool syntax (the default model's), the ``generic`` format llama.cpp's server uses: the tools are described
+  in a system message and the reply is constrained to ``{"tool_calls": [...]}`` or ``{"response": "..."}``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from conveyor.core.sampling_params import StructuredOutputsParams
+
+PARSERS = ("hermes", "llama3_json", "mistral", "generic")
+
+
+@dataclass
+class ToolCall:
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+    id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
+
+    def as_openai(self, index: int | None = None) -> dict:
+        call = {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+        return call if index is None else {"index": index, **call}
+
+
+@dataclass
+class ToolPlan:
+    """How one request uses its tools: ``constraint`` (None: unconstrained), the tools the chat template sees,
+    a system message to prepend (generic format) and the format the reply is parsed with."""
+
+    mode: str  # "named" | "required" | "auto"
+    parser: str  # one of PARSERS, or "named" / "required"
+    tools: list[dict]
+    constraint: StructuredOutputsParams | None = None
+    template_tools: list[dict] | None = None
+    system_message: str | None = None
+    named: str | None = None
+
+    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        """(content, tool calls) of a finished reply. A reply that is not a well-formed call is content."""
+        try:
+            if self.parser == "named":
+                json.loads(text)
+                return None, [ToolCall(self.named, text)]
+            if self.parser == "required":
+                return None, [_call(c) for c in json.loads(text)]
+            if self.parser == "generic":
+                reply = json.loads(text)
+                if "tool_calls" in reply:
+                    return None, [_call(c) for c in reply["tool_calls"]]
+                return reply.get("response", ""), []
+            return _PARSE[self.parser](text)
+        except (ValueError, TypeError, KeyError, AttributeError):
+            return text, []  # cut short (max_tokens) or not a call: the text as it is
+
+
+def _call(obj: dict) -> ToolCall:
+    args = obj.get("arguments", obj.get("parameters", {}))
+    return ToolCall(str(obj["name"]), args if isinstance(args, str) else json.dumps(args, ensure_ascii=False))
+
+
+def _parse_hermes(text: str) -> tuple[str | None, list[ToolCall]]:
+    bodies = re.findall(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", text, re.S)
+    if not bodies:
+        return text, []
+    calls = [_call(json.loads(b)) for b in bodies]
+    content = text[:text.index("<tool_call>")].strip()
+    return content or None, calls
+
+
+def _parse_llama3_json(text: str) -> tuple[str | None, list[ToolCall]]:
+    body = text.strip().removeprefix("<|python_tag|>").strip()
+    if not body.startswith("{"):
+        return text, []
+    calls = [_call(json.loads(part)) for part in body.split(";") if part.strip()]
+    return None, calls
+
+
+def _parse_mistral(text: str) -> tuple[str | None, list[ToolCall]]:
+    if "[TOOL_CALLS]" not in text:
+        return text, []
+    head, body = text.split("[TOOL_CALLS]", 1)
+    calls = json.loads(body.strip())
+    return head.strip() or None, [_call(c) for c in (calls if isinstance(calls, list) else [calls])]
+
+
+_PARSE = {"hermes": _parse_hermes, "llama3_json": _parse_llama3_json, "mistral": _parse_mistral}
+
+
+def parser_for_template(template: str | None) -> str:
+    """The tool syntax a chat template writes, from the markers it contains; ``generic`` when it has none."""
+    template = template or ""
+    if "<tool_call>" in template:
+        return "hermes"
+    if "[TOOL_CALLS]" in template:
+        return "mistral"
+    if "<|python_tag|>" in template or "ipython" in template:
+        return "llama3_json"
+    return "generic"
+
+
+def plan_tools(tools: list[dict] | None, tool_choice: Any, parallel_tool_calls: bool | None,
+               parser: str | None, template: str | None) -> ToolPlan | None:
+    """The plan for a request's tools (None: no tool use). ValueError naming the field when malformed."""
+    tools = _checked_tools(tools)
+    if tool_choice is None:
+        tool_choice = "auto" if tools else "none"
+    if tool_choice == "none":
+        return None
+    if not tools:
+        raise ValueError(f"tool_choice {tool_choice!r} needs tools")
+    by_name = {t["function"]["name"]: t["function"] for t in tools}
+    one_call = parallel_tool_calls is False
+    if isinstance(tool_choice, dict):
+        name = (tool_choice.get("function") or {}).get("name") if tool_choice.get("type") == "function" else None
+        if name not in by_name:
+            raise ValueError(f"tool_choice names no tool of this request: {tool_choice!r}")
+        return ToolPlan("named", "named", tools, StructuredOutputsParams(json=_parameters(by_name[name])),
+                        named=name)
+    if tool_choice == "required":
+        return ToolPlan("required", "required", tools,
+                        StructuredOutputsParams(json=_calls_schema(by_name, one_call)))
+    if tool_choice != "auto":
+        raise ValueError(f'tool_choice must be "none", "auto", "required" or a named function, got {tool_choice!r}')
+    parser = parser or parser_for_template(template)
+    if parser not in PARSERS:
+        raise ValueError(f"tool_call_parser must be one of {', '.join(PARSERS)}, got {parser!r}")
+    if parser != "generic":
+        return ToolPlan("auto", parser, tools, template_tools=tools)
+    schema = {"anyOf": [
+        {"type": "object", "properties": {"tool_calls": _calls_schema(by_name, one_call)},
+         "required": ["tool_calls"], "additionalProperties": False},
+        {"type": "object", "properties": {"response": {"type": "string"}}, "required": ["response"],
+         "additionalProperties": False},
+    ]}
+    return ToolPlan("auto", "generic", tools, StructuredOutputsParams(json=schema),
+                    system_message=_generic_system_message(tools))
+
+
+def _checked_tools(tools: list[dict] | None) -> list[dict]:
+    for i, tool in enumerate(tools or []):
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if tool.get("type", "function") != "function" or not isinstance(fn, dict) or not isinstance(
+                fn.get("name"), str) or not fn["name"]:
+            raise ValueError(f'tools[{i}] must be {{"type": "function", "function": {{"name": ..., '
+                             f'"parameters": ...}}}}, got {tool!r}')
+        if not isinstance(fn.get("parameters", {}), dict):
+            raise ValueError(f"tools[{i}].function.parameters must be a JSON schema (an object)")
+    return list(tools or [])
+
+
+def _parameters(fn: dict) -> dict:
+    return fn.get("parameters") or {"type": "object", "properties": {}}
+
+
+def _calls_schema(by_name: dict[str, dict], one_call: bool) -> dict:
+    call = {"anyOf": [{"type": "object", "properties": {"name": {"const": name}, "arguments": _parameters(fn)},
+                       "required": ["name", "arguments"], "additionalProperties": False}
+                      for name, fn in by_name.items()]}
+    return {"type": "array", "items": call, "minItems": 1, **({"maxItems": 1} if one_call else {})}
+
+
+def _generic_system_message(tools: list[dict]) -> str:
+    described = json.dumps([t["function"] for t in tools], ensure_ascii=False, indent=2)
+    return ("You can call these tools:\n" + described + "\n\nReply in JSON, either with the tool calls you "
+            'need, as {"tool_calls": [{"name": <tool name>, "arguments": <arguments object>}]}, or with '
+            'your answer to the user, as {"response": <text>}.')
+
+
+def messages_for_tools(messages: list[dict], plan: ToolPlan | None, raw: list) -> list[dict]:
+    """The conversation the template renders: assistant ``tool_calls`` and ``tool`` results kept (for templates
+    with tool syntax), written as text the generic format reads when the template has none."""
+    out = []
+    for m, original in zip(messages, raw):
+        extra = original.model_extra or {}
+        calls = extra.get("tool_calls")
+        if plan is not None and plan.parser == "generic" and m["role"] == "assistant" and calls:
+            body = {"tool_calls": [{"name": c["function"]["name"],
+                                    "arguments": _as_object(c["function"].get("arguments"))} for c in calls]}
+            m = {**m, "content": json.dumps(body, ensure_ascii=False)}
+        elif calls:
+            m = {**m, "tool_calls": [{**c, "function": {**c["function"],
+                                                        "arguments": _as_object(c["function"].get("arguments"))}}
+                                     for c in calls]}
+        if m["role"] == "tool" and extra.get("tool_call_id"):
+            m = {**m, "tool_call_id": extra["tool_call_id"]}
+        out.append(m)
+    if plan is not None and plan.system_message:
+        if out and out[0]["role"] == "system":
+            out[0] = {**out[0], "content": out[0]["content"] + "\n\n" + plan.system_message}
+        else:
+            out.insert(0, {"role": "system", "content": plan.system_message})
+    return out
+
+
+def _as_object(arguments: Any) -> Any:
+    if isinstance(arguments, str):
+        try:
+            return json.loads(arguments)
+        except ValueError:
+            return arguments
+    return arguments
