@@ -111,12 +111,19 @@ def build_app(engine: LLMEngine | EngineClient, served_model_name: str | None = 
     async def chat_completions(body: ChatCompletionRequest, raw: Request):
         return await create_chat_completion(body, raw, ctx, tokenizer)
 
+    card = {"id": model_name, "object": "model", "created": created, "owned_by": "conveyor",
+            "root": engine.args.model or engine.model_info.name, "parent": None, "max_model_len": engine.max_model_len}
+
     @app.get("/v1/models")
     async def models():
-        card = {"id": model_name, "object": "model", "created": created, "owned_by": "conveyor",
-                "root": engine.args.model or engine.model_info.name, "parent": None,
-                "max_model_len": engine.max_model_len}
         return {"object": "list", "data": [card]}
+
+    # ":path": a served name may hold slashes ("org/model"); the openai client sends them %2F-encoded, and the
+    # server decodes the path before routing.
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        ctx.check_model(model_id)  # 404 model_not_found, as for an unknown `model` in a request body
+        return card
 
     @app.get("/health")
     async def health():
