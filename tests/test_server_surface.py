@@ -9,11 +9,17 @@ token one byte of the rendered text, so token counts say exactly what the templa
 
 from __future__ import annotations
 
+import argparse
+import gzip
+import json
+
 import httpx
 import openai
 import pytest
 
-from tests.helpers.server import serve_model
+from conveyor.server.app import build_app
+from conveyor.server.cors import CORSConfig
+from tests.helpers.server import make_engine, running_server, serve_model
 
 pytestmark = pytest.mark.slow  # a real model, engine or server: run by CI, skipped by -m "not slow"
 
@@ -47,3 +53,100 @@ def test_retrieve_an_unknown_model_is_404_in_openai_shape(tiny, tiny_client):
     for name in ("org", "org/tiny/extra", "ORG/TINY"):  # a prefix, a longer path, another case: not the model
         resp = httpx.get(f"{tiny}/v1/models/{name}")
         assert resp.status_code == 404 and resp.json()["error"]["code"] == "model_not_found", name
+
+
+# ---- CORS ------------------------------------------------------------------------------------------------
+UI = "https://ui.example"
+CHAT = "/v1/chat/completions"
+MSG = [{"role": "user", "content": "w21 w22"}]
+
+
+def preflight(url: str, origin: str = UI, method: str = "POST", headers: str = "authorization, content-type"):
+    return httpx.options(url + CHAT, headers={"Origin": origin, "Access-Control-Request-Method": method,
+                                              "Access-Control-Request-Headers": headers})
+
+
+def test_default_cors_answers_a_browser_preflight_and_marks_every_answer(tiny):
+    """vLLM's defaults: any origin, method and header, no credentials."""
+    resp = preflight(tiny)
+    assert resp.status_code == 200, resp.text
+    h = resp.headers
+    assert h["access-control-allow-origin"] == "*" and "POST" in h["access-control-allow-methods"]
+    assert h["access-control-allow-headers"] == "authorization, content-type"  # "*": what was asked, mirrored
+    assert "access-control-allow-credentials" not in h
+    body = {"model": TINY, "messages": MSG, "max_tokens": 2}
+    ok = httpx.post(tiny + CHAT, json=body, headers={"Origin": UI})
+    assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == "*"
+    # errors from the handlers carry the header too, so the page can read them
+    bad = httpx.post(tiny + CHAT, json={**body, "temperature": -1}, headers={"Origin": UI})
+    assert bad.status_code == 400 and bad.headers["access-control-allow-origin"] == "*"
+    lost = httpx.get(tiny + "/v1/nowhere", headers={"Origin": UI})
+    assert lost.status_code == 404 and lost.headers["access-control-allow-origin"] == "*"
+    # a client that is no browser sends no Origin: its answers go out as before
+    assert "access-control-allow-origin" not in httpx.post(tiny + CHAT, json=body).headers
+
+
+@pytest.fixture(scope="module")
+def guarded(tiny_chat_dir):
+    """One allowed origin with credentials, an API key and a small body cap: CORS must compose with both."""
+    cors = CORSConfig(allowed_origins=(UI,), allowed_methods=("GET", "POST"),
+                      allowed_headers=("authorization", "content-type"), allow_credentials=True)
+    app = build_app(make_engine(tiny_chat_dir), "tiny", "sekret", log_stats_interval_s=0.0, shutdown_timeout_s=2.0,
+                    max_request_body_bytes=2000, cors=cors)
+    with running_server(app) as url:
+        yield url
+
+
+def test_configured_cors_allows_only_its_origin_methods_and_headers(guarded):
+    resp = preflight(guarded)  # a preflight carries no API key: it must not be 401
+    assert resp.status_code == 200, resp.text
+    assert resp.headers["access-control-allow-origin"] == UI and resp.headers["access-control-allow-credentials"] == "true"
+    for refused in (preflight(guarded, origin="https://evil.example"), preflight(guarded, method="DELETE"),
+                    preflight(guarded, headers="x-secret")):
+        assert refused.status_code == 400 and refused.text.startswith("Disallowed CORS")
+    assert preflight(guarded, origin="https://evil.example").headers.get("access-control-allow-origin") != \
+        "https://evil.example"
+    simple = httpx.get(guarded + "/health", headers={"Origin": "https://evil.example"})
+    assert simple.status_code == 200 and "access-control-allow-origin" not in simple.headers
+
+
+def test_cors_headers_are_on_the_api_key_and_body_limit_answers(guarded):
+    key = {"Authorization": "Bearer sekret", "Origin": UI}
+    body = {"messages": MSG, "max_tokens": 2}
+    unauthorized = httpx.post(guarded + CHAT, json=body, headers={"Origin": UI})
+    assert unauthorized.status_code == 401 and unauthorized.headers["access-control-allow-origin"] == UI
+    assert unauthorized.json()["error"]["code"] == "invalid_api_key"
+    too_big = httpx.post(guarded + CHAT, json={**body, "messages": [{"role": "user", "content": "w1 " * 1000}]},
+                         headers=key)
+    assert too_big.status_code == 413 and too_big.headers["access-control-allow-origin"] == UI
+
+    def chunked():  # no Content-Length: the cap is crossed while the app reads, and the error handler answers
+        yield b'{"messages": [{"role": "user", "content": "'
+        yield b"w1 " * 1000
+        yield b'"}]}'
+
+    crossed = httpx.post(guarded + CHAT, content=chunked(), headers={**key, "Content-Type": "application/json"})
+    assert crossed.status_code == 413 and crossed.headers["access-control-allow-origin"] == UI
+    zipped = httpx.post(guarded + CHAT, content=gzip.compress(json.dumps(body).encode()),
+                        headers={**key, "Content-Type": "application/json", "Content-Encoding": "gzip"})
+    assert zipped.status_code == 415 and zipped.headers["access-control-allow-origin"] == UI
+    with httpx.stream("POST", guarded + CHAT, json={**body, "stream": True}, headers=key) as stream:
+        assert stream.status_code == 200 and stream.headers["access-control-allow-origin"] == UI
+        assert stream.headers["access-control-allow-credentials"] == "true"
+        assert stream.read().decode().rstrip().endswith("data: [DONE]")
+
+
+def test_cors_flags_parse_as_vllm_names_them():
+    from conveyor.server.cli import add_serve_parser
+
+    parser = argparse.ArgumentParser()
+    add_serve_parser(parser.add_subparsers())
+    assert CORSConfig.from_namespace(parser.parse_args(["serve"])) == CORSConfig(("*",), ("*",), ("*",), False)
+    ns = parser.parse_args(["serve", "--allowed-origins", '["https://a.example", "https://b.example"]',
+                            "--allowed-methods", '["GET", "POST"]', "--allowed-headers", '["authorization"]',
+                            "--allow-credentials"])
+    assert CORSConfig.from_namespace(ns) == CORSConfig(("https://a.example", "https://b.example"), ("GET", "POST"),
+                                                       ("authorization",), True)
+    for bad in ("https://a.example", '"*"', '[1, 2]', "[nope"):  # not a JSON list of strings: refused at startup
+        with pytest.raises(SystemExit):
+            parser.parse_args(["serve", "--allowed-origins", bad])

@@ -20,6 +20,7 @@ from conveyor.engine.core_client import EngineCoreClient
 from conveyor.engine.engine_client import EngineClient
 from conveyor.engine.llm_engine import LLMEngine
 from conveyor.server.body_limit import BodyLimitMiddleware
+from conveyor.server.cors import CORSConfig, install_cors
 from conveyor.server.errors import APIError, bad_request, from_engine_error, install_error_handlers
 from conveyor.server.limits import DEFAULT_MAX_REQUEST_BODY_BYTES, DEFAULT_MAX_SEQS_PER_REQUEST, max_token_chars
 from conveyor.server.metrics import ServerMetrics, log_stats_forever
@@ -54,11 +55,13 @@ def build_app(engine: LLMEngine | EngineClient, served_model_name: str | None = 
               async_engine: EngineClient | None = None, metrics: ServerMetrics | None = None,
               health_detail: Callable[[], dict] | None = None,
               max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
-              max_seqs_per_request: int = DEFAULT_MAX_SEQS_PER_REQUEST) -> FastAPI:
+              max_seqs_per_request: int = DEFAULT_MAX_SEQS_PER_REQUEST, cors: CORSConfig | None = None) -> FastAPI:
     """An OpenAI-compatible app serving ``engine``'s model: an ``LLMEngine`` (stepped in a thread of this process,
     ``AsyncEngine``) or an ``EngineClient`` (``EngineCoreClient``: the engine in its own process). The engine runs
     for the app's lifespan. ``max_n`` bounds ``n`` (and ``best_of``) per request: 128, as OpenAI's API does;
     ``max_seqs_per_request`` bounds prompts x n; a body over ``max_request_body_bytes`` is 413 (``body_limit.py``).
+    ``cors``: what browsers on other origins may do (``cors.py``; None: vLLM's defaults, anything without
+    credentials).
 
     Scale-out (``conveyor.distributed``) passes its own ``async_engine`` (the same interface over a pool of
     replicas; ``engine`` is then a frontend with the tokenizer and limits), its ``metrics`` and a
@@ -101,7 +104,8 @@ def build_app(engine: LLMEngine | EngineClient, served_model_name: str | None = 
     install_error_handlers(app)
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
-    app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_body_bytes)  # outermost: before anything reads
+    app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_body_bytes)  # before anything reads the body
+    install_cors(app, cors or CORSConfig())  # outermost: its headers go on the answers of the two above too
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request):
