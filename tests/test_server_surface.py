@@ -17,6 +17,7 @@ import httpx
 import openai
 import pytest
 
+from conveyor.models import EMBEDDED_NAME
 from conveyor.server.app import build_app
 from conveyor.server.cors import CORSConfig
 from tests.helpers.server import make_engine, running_server, serve_model
@@ -35,6 +36,18 @@ def tiny(tiny_chat_dir):
 @pytest.fixture(scope="module")
 def tiny_client(tiny):
     return openai.OpenAI(base_url=tiny + "/v1", api_key="none", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def embedded():
+    with serve_model(EMBEDDED_NAME, served_model_name="embedded", dtype="float32", num_kv_blocks=64,
+                     max_model_len=1024) as (url, _):
+        yield url
+
+
+@pytest.fixture(scope="module")
+def client(embedded):
+    return openai.OpenAI(base_url=embedded + "/v1", api_key="none", max_retries=0)
 
 
 # ---- GET /v1/models/{model} -------------------------------------------------------------------------------
@@ -150,3 +163,76 @@ def test_cors_flags_parse_as_vllm_names_them():
     for bad in ("https://a.example", '"*"', '[1, 2]', "[nope"):  # not a JSON list of strings: refused at startup
         with pytest.raises(SystemExit):
             parser.parse_args(["serve", "--allowed-origins", bad])
+
+
+# ---- chat: continue_final_message and add_generation_prompt -------------------------------------------------
+# DEFAULT_CHAT_TEMPLATE renders each message as "<|role|>\ncontent</s>\n" after "<s>" (the byte tokenizer encodes
+# all of it byte by byte: one token per byte), and the generation prompt as "<|assistant|>\n".
+CONV = [{"role": "user", "content": "Tell me a story."}, {"role": "assistant", "content": "Once upon a time"}]
+CLOSED = "<s><|user|>\nTell me a story.</s>\n<|assistant|>\nOnce upon a time</s>\n"
+OPEN = "<s><|user|>\nTell me a story.</s>\n<|assistant|>\nOnce upon a time"
+GREEDY = {"temperature": 0, "max_tokens": 6}
+
+
+def rendered(url: str, **body) -> str:
+    """What the template made of ``body`` (/tokenize, then /detokenize: bytes in, bytes out)."""
+    tokens = httpx.post(url + "/tokenize", json={"model": "embedded", **body}).json()["tokens"]
+    return httpx.post(url + "/detokenize", json={"tokens": tokens}).json()["prompt"]
+
+
+def test_tokenize_renders_the_final_message_open_or_closed(embedded):
+    assert rendered(embedded, messages=CONV, continue_final_message=True) == OPEN
+    assert rendered(embedded, messages=CONV, continue_final_message=True, add_generation_prompt=False) == OPEN
+    assert rendered(embedded, messages=CONV, add_generation_prompt=False) == CLOSED
+    assert rendered(embedded, messages=CONV) == CLOSED + "<|assistant|>\n"
+
+
+def test_continue_final_message_continues_the_prefilled_answer(client):
+    reply = client.chat.completions.create(model="embedded", messages=CONV, **GREEDY,
+                                           extra_body={"continue_final_message": True, "ignore_eos": True})
+    assert reply.usage.prompt_tokens == len(OPEN.encode())  # no "</s>\n" after the final message, no new header
+    # what the model does with exactly that text, given as a plain prompt
+    same = client.completions.create(model="embedded", prompt=OPEN, **GREEDY,
+                                     extra_body={"add_special_tokens": False, "ignore_eos": True})
+    (choice,) = reply.choices
+    assert choice.message.content == same.choices[0].text and choice.message.role == "assistant"
+    assert reply.usage.completion_tokens == 6
+
+
+def test_add_generation_prompt_false_is_honoured_and_the_role_is_the_final_messages(client):
+    question = CONV[:1]
+    reply = client.chat.completions.create(model="embedded", messages=question, **GREEDY,
+                                           extra_body={"add_generation_prompt": False, "ignore_eos": True})
+    assert reply.usage.prompt_tokens == len("<s><|user|>\nTell me a story.</s>\n")
+    assert reply.choices[0].message.role == "user"  # vLLM: no new message was started, so it is the user's
+    chunks = list(client.chat.completions.create(model="embedded", messages=question, **GREEDY, stream=True,
+                                                 extra_body={"add_generation_prompt": False, "ignore_eos": True}))
+    assert chunks[0].choices[0].delta.role == "user"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == reply.choices[0].message.content
+
+
+@pytest.mark.parametrize("path", [CHAT, "/tokenize"])
+def test_continue_final_message_with_add_generation_prompt_is_400(embedded, path):
+    for value in (True, "true"):  # what pydantic reads as true is true
+        body = {"model": "embedded", "messages": CONV, "continue_final_message": True,
+                "add_generation_prompt": value, "max_tokens": 2}
+        resp = httpx.post(embedded + path, json=body)
+        assert resp.status_code == 400, resp.text
+        error = resp.json()["error"]
+        assert error["message"] == "Cannot set both `continue_final_message` and `add_generation_prompt` to True."
+        assert error["param"] == "continue_final_message"
+
+
+def test_continue_final_message_without_text_to_continue_is_400(client, embedded):
+    for last in ({"role": "assistant", "content": ""}, {"role": "assistant", "content": "   "},
+                 {"role": "assistant", "content": [{"type": "text", "text": ""}]}):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(model="embedded", messages=[CONV[0], last], max_tokens=2,
+                                           extra_body={"continue_final_message": True})
+        assert info.value.param == "continue_final_message" and "text to continue" in info.value.message
+    resp = httpx.post(embedded + "/tokenize", json={"messages": [{"role": "assistant", "content": ""}],
+                                                    "continue_final_message": True})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "continue_final_message"
+    bad = httpx.post(embedded + CHAT, json={"messages": CONV, "continue_final_message": "sometimes"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "continue_final_message"
+    assert httpx.get(embedded + "/health").status_code == 200

@@ -53,9 +53,9 @@ REFUSED_FIELDS: tuple[Refused, ...] = (
     # for fill-in-the-middle.
     Refused("truncate_prompt_tokens"), Refused("prompt_embeds"), Refused("suffix", (None, "")),
     # What the chat template would be given: another template, extra variables (enable_thinking, ...), RAG
-    # documents, the last message left open. Ignored, the model sees another prompt than the one asked for.
+    # documents. Ignored, the model sees another prompt than the one asked for.
     Refused("chat_template", endpoint="chat"), Refused("chat_template_kwargs", (None, {}), "chat"),
-    Refused("documents", (None, []), "chat"), Refused("continue_final_message", (None, False), "chat"),
+    Refused("documents", (None, []), "chat"),
     # Served on /v1/completions only: chat's echo is vLLM's "prepend the last message", a different feature.
     Refused("echo", (None, False), "chat"), Refused("prompt_logprobs", endpoint="chat"),
     # Tool and function calling: the client waits for a call and gets text. tool_choice other than "none" means
@@ -199,6 +199,7 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[dict[str, Any]] | None = None
     response_format: dict[str, Any] | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # vLLM's: the final message left open, for the model to continue
     add_special_tokens: bool = False  # the chat template already writes BOS where the model wants it
 
 
@@ -212,6 +213,7 @@ class TokenizeRequest(BaseModel):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     return_token_strs: bool = False
 
 

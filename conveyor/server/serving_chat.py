@@ -34,10 +34,33 @@ def messages_as_dicts(messages: list[ChatMessage]) -> list[dict]:
     return out
 
 
-def render_chat(engine, messages: list[dict], add_generation_prompt: bool, add_special_tokens: bool) -> list[int]:
+def generation_prompt(body) -> bool:
+    """Whether the template adds the generation prompt (the assistant's header) for ``body`` (a chat or tokenize
+    request). vLLM's rule: ``continue_final_message`` leaves the final message open, so no new one starts; an
+    explicit ``add_generation_prompt: true`` with it is a 400 (its default, true, yields)."""
+    if not body.continue_final_message:
+        return body.add_generation_prompt
+    if body.add_generation_prompt and "add_generation_prompt" in body.model_fields_set:
+        raise bad_request("Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+                          "continue_final_message")
+    return False
+
+
+def response_role(messages: list[dict], add_generation_prompt: bool) -> str:
+    """The role of the message the model writes, as vLLM's ``get_chat_request_role``: a new assistant message
+    after a generation prompt, else more of the final message, in its role."""
+    return "assistant" if add_generation_prompt else messages[-1]["role"]
+
+
+def render_chat(engine, messages: list[dict], add_generation_prompt: bool, add_special_tokens: bool,
+                continue_final_message: bool = False) -> list[int]:
     """Token ids of a conversation through the model's chat template (engine thread). The template writes the
     special tokens itself."""
-    text = chat.chat_prompt(engine.tokenizer, messages, add_generation_prompt)
+    try:
+        text = chat.chat_prompt(engine.tokenizer, messages, add_generation_prompt,
+                                continue_final_message=continue_final_message)
+    except chat.FinalMessageError as exc:
+        raise bad_request(str(exc), "continue_final_message") from exc
     return engine.encode(text, add_special_tokens=add_special_tokens, field="messages")
 
 
@@ -61,12 +84,15 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: Request, ctx:
     params = ctx.sampling_params(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
     ctx.check_size(params, 1)
     messages = messages_as_dicts(body.messages)
+    add_generation_prompt = generation_prompt(body)
+    role = response_role(messages, add_generation_prompt)
     # The template adds its own markup around the messages and keeps their text, so the text alone bounds the
     # prompt from below.
     ctx.check_prompt_chars(sum(len(m["content"]) for m in messages), "messages", "the messages' text")
 
     def prepare(engine) -> dict:  # engine thread
-        ids = render_chat(engine, messages, body.add_generation_prompt, body.add_special_tokens)
+        ids = render_chat(engine, messages, add_generation_prompt, body.add_special_tokens,
+                          body.continue_final_message)
         check_context(len(ids), max_tokens, engine.max_model_len)
         return {"prompt_token_ids": ids}
 
@@ -74,20 +100,20 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: Request, ctx:
     streams = await ctx.submit(request_id, [prepare], params)
     head = {"id": request_id, "created": int(time.time()), "model": ctx.model_name}
     if body.stream:
-        chunks = _stream(head, streams, tokenizer, params, body.include_usage)
+        chunks = _stream(head, streams, tokenizer, params, body.include_usage, role)
         return StreamingResponse(sse_events(chunks, ctx, streams), media_type="text/event-stream")
 
     (final,) = await ctx.wait_final(streams, raw)
     choices = [{
         "index": c.index,
-        "message": {"role": "assistant", "content": c.text},
+        "message": {"role": role, "content": c.text},
         "logprobs": _logprobs(tokenizer, c.logprobs) if c.logprobs is not None else None,
         "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
     } for c in final.outputs]
     return JSONResponse({**head, "object": "chat.completion", "choices": choices, "usage": usage([final])})
 
 
-async def _stream(head, streams, tokenizer, params, include_usage: bool):
+async def _stream(head, streams, tokenizer, params, include_usage: bool, role: str):
     """The chunks of a streamed chat completion (``sse_events`` sends them)."""
     head = {**head, "object": "chat.completion.chunk"}
     extra = {"usage": None} if include_usage else {}
@@ -95,7 +121,7 @@ async def _stream(head, streams, tokenizer, params, include_usage: bool):
     final = None
     # OpenAI sends the role first, in a chunk of its own per choice.
     for i in range(params.n):
-        choice = {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+        choice = {"index": i, "delta": {"role": role, "content": ""}, "logprobs": None,
                   "finish_reason": None}
         yield {**head, "choices": [choice], **extra}
     async for _, out in merged(streams):
