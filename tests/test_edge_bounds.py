@@ -390,8 +390,7 @@ REFUSED = [  # (endpoint, fields): each must be answered 400 "<field> is not sup
         ("guided_json", {"type": "object"}), ("guided_choice", ["yes"]), ("structured_outputs", {"regex": "a"}),
         ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
         ("allowed_token_ids", []), ("truncate_prompt_tokens", -5), ("bad_words", ["x"]),
-        ("logits_processors", ["my.Processor"]), ("echo", True),
-        ("echo", "true"), ("prompt_logprobs", 1), ("chat_template", "{{ messages }}"),
+        ("logits_processors", ["my.Processor"]), ("prompt_logprobs", 1), ("chat_template", "{{ messages }}"),
         ("chat_template_kwargs", {"enable_thinking": False}), ("documents", [{"title": "a", "text": "b"}]),
         ("tool_choice", "required"), ("tool_choice", "auto"),
         ("tool_choice", {"type": "function", "function": {"name": "f"}}),
@@ -469,7 +468,7 @@ def test_every_field_the_review_names_is_refused_in_one_place():
     assert names >= {"guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
                      "guided_whitespace_pattern", "structured_outputs", "allowed_token_ids",
                      "truncate_prompt_tokens", "bad_words", "logits_processors", "prompt_embeds",
-                     "echo", "stream_options.continuous_usage_stats", "tool_choice",
+                     "stream_options.continuous_usage_stats", "tool_choice",
                      "functions", "function_call", "tools", "logit_bias", "response_format", "suffix"}
     assert len(names) == len(REFUSED_FIELDS)  # one entry per field
     covered = {name for _, fields in REFUSED for name in fields} | {"stream_options.continuous_usage_stats"}

@@ -236,3 +236,56 @@ def test_continue_final_message_without_text_to_continue_is_400(client, embedded
     bad = httpx.post(embedded + CHAT, json={"messages": CONV, "continue_final_message": "sometimes"})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "continue_final_message"
     assert httpx.get(embedded + "/health").status_code == 200
+
+
+# ---- chat: echo (vLLM's) ------------------------------------------------------------------------------------
+def chat(client, messages, **extra):
+    return client.chat.completions.create(model="embedded", messages=messages, **GREEDY,
+                                          extra_body={"ignore_eos": True, **extra})
+
+
+def test_echo_puts_the_continued_message_in_front_of_the_reply(client):
+    plain = chat(client, CONV, continue_final_message=True).choices[0].message.content
+    echoed = chat(client, CONV, continue_final_message=True, echo=True)
+    assert echoed.choices[0].message.content == "Once upon a time" + plain
+    assert echoed.usage.completion_tokens == 6  # the echo is not generated
+    stream = client.chat.completions.create(model="embedded", messages=CONV, **GREEDY, stream=True,
+                                            extra_body={"ignore_eos": True, "continue_final_message": True,
+                                                        "echo": True})
+    chunks = [c.choices[0] for c in stream]
+    assert chunks[0].delta.role == "assistant" and chunks[0].delta.content == ""
+    assert chunks[1].delta.content == "Once upon a time" and chunks[1].finish_reason is None  # its own chunk
+    assert "".join(c.delta.content or "" for c in chunks) == echoed.choices[0].message.content
+
+
+def test_echo_for_every_choice_streamed_and_not(embedded):
+    body = {"messages": CONV, "continue_final_message": True, "echo": "true", "n": 2, "seed": 7,
+            "temperature": 1.0, "max_tokens": 4, "ignore_eos": True}  # "true": read as pydantic reads bools
+    choices = httpx.post(embedded + CHAT, json=body, timeout=120).json()["choices"]
+    assert [c["index"] for c in choices] == [0, 1]
+    assert all(c["message"]["content"].startswith("Once upon a time") for c in choices)
+    with httpx.stream("POST", embedded + CHAT, json={**body, "stream": True}, timeout=120) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    echoes = [e["choices"][0]["index"] for e in events if e["choices"][0]["delta"].get("content") == "Once upon a time"]
+    assert echoes == [0, 1]
+    texts = {0: "", 1: ""}
+    for e in events:
+        texts[e["choices"][0]["index"]] += e["choices"][0]["delta"].get("content") or ""
+    assert [texts[0], texts[1]] == [c["message"]["content"] for c in choices]  # seeded: the same completions
+
+
+def test_echo_only_when_the_reply_goes_on_in_the_final_messages_role(client):
+    question = CONV[:1]
+    # a new assistant message after the user's: nothing of the user's words is echoed (vLLM's rule)
+    assert chat(client, question, echo=True).choices[0].message.content == chat(client, question).choices[
+        0].message.content
+    # no generation prompt: the reply goes on as the user's message, which is echoed
+    own = chat(client, question, add_generation_prompt=False, echo=True).choices[0]
+    assert own.message.role == "user" and own.message.content == "Tell me a story." + chat(
+        client, question, add_generation_prompt=False).choices[0].message.content
+
+
+def test_echo_that_is_no_bool_is_400(embedded):
+    resp = httpx.post(embedded + CHAT, json={"messages": CONV, "echo": "loudly"})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "echo"
+    assert resp.json()["error"]["message"].startswith("echo: Input should be a valid boolean")  # a value check

@@ -56,8 +56,8 @@ REFUSED_FIELDS: tuple[Refused, ...] = (
     # documents. Ignored, the model sees another prompt than the one asked for.
     Refused("chat_template", endpoint="chat"), Refused("chat_template_kwargs", (None, {}), "chat"),
     Refused("documents", (None, []), "chat"),
-    # Served on /v1/completions only: chat's echo is vLLM's "prepend the last message", a different feature.
-    Refused("echo", (None, False), "chat"), Refused("prompt_logprobs", endpoint="chat"),
+    # Served on /v1/completions only.
+    Refused("prompt_logprobs", endpoint="chat"),
     # Tool and function calling: the client waits for a call and gets text. tool_choice other than "none" means
     # "call a tool" (OpenAI refuses it without tools); parallel_tool_calls is harmless once tools are refused.
     Refused("tools", (None, [])), Refused("tool_choice", (None, "none"), "chat"),
@@ -200,6 +200,7 @@ class ChatCompletionRequest(SamplingFields):
     response_format: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # vLLM's: the final message left open, for the model to continue
+    echo: bool = False  # vLLM's: the reply starts with the final message's text when it is in the reply's role
     add_special_tokens: bool = False  # the chat template already writes BOS where the model wants it
 
 

@@ -52,6 +52,13 @@ def response_role(messages: list[dict], add_generation_prompt: bool) -> str:
     return "assistant" if add_generation_prompt else messages[-1]["role"]
 
 
+def echoed(body, messages: list[dict], role: str) -> str:
+    """What ``echo`` puts in front of each reply: the final message's text when the reply goes on in its role
+    (``continue_final_message``, or ``add_generation_prompt: false``), as vLLM does; else nothing (a new
+    assistant message after the user's does not start with the user's words)."""
+    return messages[-1]["content"] if body.echo and messages[-1]["role"] == role else ""
+
+
 def render_chat(engine, messages: list[dict], add_generation_prompt: bool, add_special_tokens: bool,
                 continue_final_message: bool = False) -> list[int]:
     """Token ids of a conversation through the model's chat template (engine thread). The template writes the
@@ -86,6 +93,7 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: Request, ctx:
     messages = messages_as_dicts(body.messages)
     add_generation_prompt = generation_prompt(body)
     role = response_role(messages, add_generation_prompt)
+    echo = echoed(body, messages, role)
     # The template adds its own markup around the messages and keeps their text, so the text alone bounds the
     # prompt from below.
     ctx.check_prompt_chars(sum(len(m["content"]) for m in messages), "messages", "the messages' text")
@@ -100,20 +108,20 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: Request, ctx:
     streams = await ctx.submit(request_id, [prepare], params)
     head = {"id": request_id, "created": int(time.time()), "model": ctx.model_name}
     if body.stream:
-        chunks = _stream(head, streams, tokenizer, params, body.include_usage, role)
+        chunks = _stream(head, streams, tokenizer, params, body.include_usage, role, echo)
         return StreamingResponse(sse_events(chunks, ctx, streams), media_type="text/event-stream")
 
     (final,) = await ctx.wait_final(streams, raw)
     choices = [{
         "index": c.index,
-        "message": {"role": role, "content": c.text},
+        "message": {"role": role, "content": echo + c.text},
         "logprobs": _logprobs(tokenizer, c.logprobs) if c.logprobs is not None else None,
         "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
     } for c in final.outputs]
     return JSONResponse({**head, "object": "chat.completion", "choices": choices, "usage": usage([final])})
 
 
-async def _stream(head, streams, tokenizer, params, include_usage: bool, role: str):
+async def _stream(head, streams, tokenizer, params, include_usage: bool, role: str, echo: str):
     """The chunks of a streamed chat completion (``sse_events`` sends them)."""
     head = {**head, "object": "chat.completion.chunk"}
     extra = {"usage": None} if include_usage else {}
@@ -123,6 +131,10 @@ async def _stream(head, streams, tokenizer, params, include_usage: bool, role: s
     for i in range(params.n):
         choice = {"index": i, "delta": {"role": role, "content": ""}, "logprobs": None,
                   "finish_reason": None}
+        yield {**head, "choices": [choice], **extra}
+    # vLLM sends the echo next, in a chunk of its own per choice, before anything is generated.
+    for i in range(params.n if echo else 0):
+        choice = {"index": i, "delta": {"content": echo}, "logprobs": None, "finish_reason": None}
         yield {**head, "choices": [choice], **extra}
     async for _, out in merged(streams):
         final = out
