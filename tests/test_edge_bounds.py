@@ -416,19 +416,6 @@ def test_an_unimplemented_field_is_400_not_ignored(server, path, fields):
 
 
 @SLOW
-@pytest.mark.parametrize("path", [C, CHAT])
-def test_continuous_usage_stats_is_400_when_asked_for(server, path):
-    base = {"prompt": "hello"} if path == C else {"messages": MSG}
-    on = {**base, "max_tokens": 2, "stream": True, "stream_options": {"include_usage": True,
-                                                                      "continuous_usage_stats": True}}
-    assert_error(httpx.post(server.url + path, json=on, timeout=60), 400, "stream_options.continuous_usage_stats")
-    off = {**on, "stream_options": {"include_usage": True, "continuous_usage_stats": False}}
-    resp = httpx.post(server.url + path, json=off, timeout=60)
-    assert resp.status_code == 200 and resp.text.rstrip().endswith("data: [DONE]")
-    assert_still_serves(server.url)
-
-
-@SLOW
 def test_the_official_client_gets_400_for_an_unimplemented_extra(client):
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model="tiny", messages=MSG, max_tokens=2,
@@ -467,9 +454,8 @@ def test_every_field_the_review_names_is_refused_in_one_place():
     names = {f.name for f in REFUSED_FIELDS}
     assert names >= {"guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
                      "guided_whitespace_pattern", "structured_outputs", "allowed_token_ids",
-                     "truncate_prompt_tokens", "bad_words", "logits_processors", "prompt_embeds",
-                     "stream_options.continuous_usage_stats", "tool_choice",
+                     "truncate_prompt_tokens", "bad_words", "logits_processors", "prompt_embeds", "tool_choice",
                      "functions", "function_call", "tools", "logit_bias", "response_format", "suffix"}
     assert len(names) == len(REFUSED_FIELDS)  # one entry per field
-    covered = {name for _, fields in REFUSED for name in fields} | {"stream_options.continuous_usage_stats"}
+    covered = {name for _, fields in REFUSED for name in fields}
     assert names - covered <= {"min_repetition_pattern_size", "repetition_min_count"}  # a server test for each

@@ -289,3 +289,70 @@ def test_echo_that_is_no_bool_is_400(embedded):
     resp = httpx.post(embedded + CHAT, json={"messages": CONV, "echo": "loudly"})
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "echo"
     assert resp.json()["error"]["message"].startswith("echo: Input should be a valid boolean")  # a value check
+
+
+# ---- stream_options.continuous_usage_stats ------------------------------------------------------------------
+PROMPT = "w10 w11 w12 w13 w14"  # 5 tokens of the tiny model's word tokenizer
+
+
+def events(url: str, path: str, body: dict) -> list[dict]:
+    with httpx.stream("POST", url + path, json={**body, "stream": True}, timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        return [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+
+
+def test_completions_stream_usage_on_every_chunk_per_choice(tiny):
+    body = {"model": TINY, "prompt": [PROMPT, "w7 w8"], "n": 2, "max_tokens": 5, "temperature": 1.0, "seed": 1,
+            "ignore_eos": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    chunks = events(tiny, "/v1/completions", body)
+    *with_choices, last = chunks
+    assert last["choices"] == [] and last["usage"] == {"prompt_tokens": 7, "completion_tokens": 20,
+                                                       "total_tokens": 27}  # each prompt once, as before
+    seen: dict[int, list[int]] = {}
+    for chunk in with_choices:
+        (choice,) = chunk["choices"]
+        u = chunk["usage"]
+        assert u["prompt_tokens"] == (5 if choice["index"] < 2 else 2)  # choices 0-1: prompt 0; 2-3: prompt 1
+        assert u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"]
+        seen.setdefault(choice["index"], []).append(u["completion_tokens"])
+    assert sorted(seen) == [0, 1, 2, 3]
+    for counts in seen.values():  # the choice's own tokens so far, up to its 5
+        assert counts == sorted(counts) and counts[-1] == 5 and counts[0] >= 1
+
+
+def assert_not_a_bool_is_400(url: str, path: str, body: dict) -> None:
+    resp = httpx.post(url + path, json={**body, "stream": True, "stream_options": {"continuous_usage_stats": "always"}})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "stream_options"
+    assert "continuous_usage_stats" in resp.json()["error"]["message"]
+
+
+def test_continuous_usage_without_include_usage_and_for_a_scored_prompt(tiny):
+    body = {"model": TINY, "prompt": PROMPT, "max_tokens": 3, "ignore_eos": True,
+            "stream_options": {"continuous_usage_stats": True}}
+    chunks = events(tiny, "/v1/completions", body)
+    assert all(c["choices"] for c in chunks)  # no last usage chunk: include_usage was not asked for
+    assert chunks[-1]["usage"] == {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}
+    scored = events(tiny, "/v1/completions", {**body, "echo": True, "max_tokens": 0})
+    assert {c["usage"]["completion_tokens"] for c in scored} == {0}  # echo + max_tokens 0 generates nothing
+    plain = events(tiny, "/v1/completions", {**body, "stream_options": {"include_usage": True}})
+    assert all(c["usage"] is None for c in plain if c["choices"])  # as before: only the last chunk counts
+    assert_not_a_bool_is_400(tiny, "/v1/completions", body)
+
+
+def test_chat_stream_usage_on_every_chunk(client, embedded):
+    stream = client.chat.completions.create(
+        model="embedded", messages=CONV, **GREEDY, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True},
+        extra_body={"continue_final_message": True, "echo": True, "ignore_eos": True})
+    chunks = list(stream)
+    prompt = len(OPEN.encode())
+    *with_choices, last = chunks
+    assert last.choices == [] and (last.usage.prompt_tokens, last.usage.completion_tokens) == (prompt, 6)
+    role, echo, *generated = with_choices
+    for chunk in (role, echo):  # sent before anything was generated
+        assert (chunk.usage.prompt_tokens, chunk.usage.completion_tokens, chunk.usage.total_tokens) == (
+            prompt, 0, prompt)
+    counts = [c.usage.completion_tokens for c in generated]
+    assert all(c.usage.prompt_tokens == prompt for c in generated) and counts == sorted(counts)
+    assert counts[-1] == 6 and generated[-1].choices[0].finish_reason == "length"
+    assert_not_a_bool_is_400(embedded, CHAT, {"messages": CONV[:1], "max_tokens": 2})

@@ -66,7 +66,6 @@ REFUSED_FIELDS: tuple[Refused, ...] = (
     Refused("use_beam_search", (None, False)),
     # Parts of the answer conveyor does not produce: the client would read fields that are not there, or tokens
     # in another form than it asked for.
-    Refused("stream_options.continuous_usage_stats", (None, False)),
     Refused("return_tokens_as_token_ids", (None, False)), Refused("return_token_ids", (None, False)),
     Refused("spaces_between_special_tokens", (None, True)),
     Refused("audio", endpoint="chat"), Refused("modalities", (None, ["text"]), "chat"),
@@ -149,6 +148,10 @@ class SamplingFields(BaseModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
     @property
     def refused(self) -> Refused | None:

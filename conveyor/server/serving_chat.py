@@ -13,7 +13,7 @@ from conveyor.engine import chat
 from conveyor.server.errors import bad_request
 from conveyor.server.protocol import ChatCompletionRequest, ChatMessage
 from conveyor.server.serving_common import (
-    DeltaTracker, ServingContext, check_context, merged, new_id, sse_events, usage,
+    DeltaTracker, ServingContext, StreamUsage, check_context, merged, new_id, sse_events, usage,
 )
 
 
@@ -98,17 +98,21 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: Request, ctx:
     # prompt from below.
     ctx.check_prompt_chars(sum(len(m["content"]) for m in messages), "messages", "the messages' text")
 
-    def prepare(engine) -> dict:  # engine thread
+    prompt_tokens = []  # prepare's count, for the chunks streamed before the first output (every EngineClient
+    # runs prepare in this process before add_request returns)
+
+    def prepare(engine) -> dict:  # engine thread, done before submit returns
         ids = render_chat(engine, messages, add_generation_prompt, body.add_special_tokens,
                           body.continue_final_message)
         check_context(len(ids), max_tokens, engine.max_model_len)
+        prompt_tokens.append(len(ids))
         return {"prompt_token_ids": ids}
 
     request_id = new_id("chatcmpl")
     streams = await ctx.submit(request_id, [prepare], params)
     head = {"id": request_id, "created": int(time.time()), "model": ctx.model_name}
     if body.stream:
-        chunks = _stream(head, streams, tokenizer, params, body.include_usage, role, echo)
+        chunks = _stream(head, streams, tokenizer, params, StreamUsage(body), prompt_tokens[0], role, echo)
         return StreamingResponse(sse_events(chunks, ctx, streams), media_type="text/event-stream")
 
     (final,) = await ctx.wait_final(streams, raw)
@@ -121,10 +125,11 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: Request, ctx:
     return JSONResponse({**head, "object": "chat.completion", "choices": choices, "usage": usage([final])})
 
 
-async def _stream(head, streams, tokenizer, params, include_usage: bool, role: str, echo: str):
+async def _stream(head, streams, tokenizer, params, stream_usage: StreamUsage, prompt_tokens: int, role: str,
+                  echo: str):
     """The chunks of a streamed chat completion (``sse_events`` sends them)."""
     head = {**head, "object": "chat.completion.chunk"}
-    extra = {"usage": None} if include_usage else {}
+    extra = stream_usage.of_chunk(prompt_tokens, 0)  # of the chunks before the first generated token
     tracker = DeltaTracker(params)
     final = None
     # OpenAI sends the role first, in a chunk of its own per choice.
@@ -149,6 +154,6 @@ async def _stream(head, streams, tokenizer, params, include_usage: bool, role: s
                 "finish_reason": c.finish_reason if finished else None,
                 "stop_reason": c.stop_reason if finished else None,
             }
-            yield {**head, "choices": [choice], **extra}
-    if include_usage and final is not None:
+            yield {**head, "choices": [choice], **stream_usage.of_chunk(prompt_tokens, len(c.token_ids))}
+    if stream_usage.final and final is not None:
         yield {**head, "choices": [], "usage": usage([final])}
