@@ -274,11 +274,14 @@ def test_echo_for_every_choice_streamed_and_not(embedded):
     assert [texts[0], texts[1]] == [c["message"]["content"] for c in choices]  # seeded: the same completions
 
 
-def test_echo_only_when_the_reply_goes_on_in_the_final_messages_role(client):
+def test_echo_only_when_the_final_message_is_in_the_replys_role(client):
     question = CONV[:1]
     # a new assistant message after the user's: nothing of the user's words is echoed (vLLM's rule)
     assert chat(client, question, echo=True).choices[0].message.content == chat(client, question).choices[
         0].message.content
+    # a new assistant message after an assistant's (a generation prompt, no continue): vLLM echoes that one
+    after = chat(client, CONV, echo=True).choices[0].message.content
+    assert after == "Once upon a time" + chat(client, CONV).choices[0].message.content
     # no generation prompt: the reply goes on as the user's message, which is echoed
     own = chat(client, question, add_generation_prompt=False, echo=True).choices[0]
     assert own.message.role == "user" and own.message.content == "Tell me a story." + chat(

@@ -53,9 +53,10 @@ def response_role(messages: list[dict], add_generation_prompt: bool) -> str:
 
 
 def echoed(body, messages: list[dict], role: str) -> str:
-    """What ``echo`` puts in front of each reply: the final message's text when the reply goes on in its role
-    (``continue_final_message``, or ``add_generation_prompt: false``), as vLLM does; else nothing (a new
-    assistant message after the user's does not start with the user's words)."""
+    """What ``echo`` puts in front of each reply, as vLLM does: the final message's text when its role is the
+    reply's (``response_role``): always when the reply continues it (``continue_final_message``, or
+    ``add_generation_prompt: false``), and after a generation prompt when it is an assistant message; a reply to
+    the user's message does not start with the user's words."""
     return messages[-1]["content"] if body.echo and messages[-1]["role"] == role else ""
 
 
