@@ -107,3 +107,24 @@ def test_echo_without_generation_and_vllm_prompt_logprobs(smollm2_url, smollm2_l
     first = chunks[0]["choices"][0]
     assert first["text"].startswith(TEXT) and first["logprobs"]["token_logprobs"][0] is None
     assert sum(len(c["choices"][0]["logprobs"]["tokens"]) for c in chunks) == len(ids) + 3
+
+
+def test_continue_final_message_and_echo_on_the_models_own_template(smollm2_url):
+    """A prefilled answer through SmolLM2's ChatML template: left open, the model finishes the sentence; echo puts
+    the prefill in front, as vLLM answers."""
+    client = openai.OpenAI(base_url=smollm2_url + "/v1", api_key="none")
+    conv = [{"role": "user", "content": "What is the capital of France?"},
+            {"role": "assistant", "content": "The capital of France is"}]
+    kw = dict(model="SmolLM2-135M-Instruct", messages=conv, max_tokens=16, temperature=0)
+    reply = client.chat.completions.create(**kw, extra_body={"continue_final_message": True, "echo": True})
+    (choice,) = reply.choices
+    assert choice.message.content == "The capital of France is Paris." and choice.finish_reason == "stop"
+    closed = httpx.post(smollm2_url + "/tokenize", json={"messages": conv, "add_generation_prompt": False}).json()
+    assert reply.usage.prompt_tokens == closed["count"] - 2  # without the final "<|im_end|>" and "\n"
+    stream = client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True,
+                                                                               "continuous_usage_stats": True},
+                                            extra_body={"continue_final_message": True, "echo": True})
+    chunks = [c for c in stream if c.choices]
+    assert chunks[1].choices[0].delta.content == "The capital of France is"  # the echo, before any token
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == choice.message.content
+    assert chunks[-1].usage.completion_tokens == reply.usage.completion_tokens

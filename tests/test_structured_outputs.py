@@ -169,7 +169,6 @@ def test_a_grammar_is_compiled_once_and_a_failure_to_compile_ends_only_its_reque
 
 
 def test_logit_bias_allowed_token_ids_and_bad_words(llm):
-    tok = llm.tokenizer
     base = SamplingParams(temperature=0.0, max_tokens=12)
     (free,) = llm.generate("edit me", base, use_tqdm=False)
     ids = free.outputs[0].token_ids

@@ -55,3 +55,25 @@ def test_hf_tokenizer_dir(tmp_path):
 def test_missing_dir():
     with pytest.raises(FileNotFoundError):
         load_tokenizer("/nonexistent/model")
+
+
+def test_continue_final_message_leaves_the_last_message_open():
+    """vLLM's (transformers') rule: render, then cut right after the final message's content."""
+    from conveyor.engine.chat import FinalMessageError, chat_prompt
+
+    tok = load_tokenizer(EMBEDDED_NAME)  # ByteTokenizer, DEFAULT_CHAT_TEMPLATE: <|role|>\ncontent</s>\n per message
+    conv = [{"role": "user", "content": "Once upon"}, {"role": "assistant", "content": "Once upon"}]
+    closed = chat_prompt(tok, conv, add_generation_prompt=False)
+    assert closed == "<s><|user|>\nOnce upon</s>\n<|assistant|>\nOnce upon</s>\n"
+    # the last occurrence is the final message's, although the user's text is the same
+    assert chat_prompt(tok, conv, False, continue_final_message=True) == closed[:-len("</s>\n")]
+    spaced = [{"role": "assistant", "content": "  Once upon "}]
+    assert chat_prompt(tok, spaced, False, continue_final_message=True).endswith("\n  Once upon ")  # kept
+    trims = "{% for m in messages %}[{{ m['content'] | trim }}]{% endfor %}"
+    assert chat_prompt(tok, spaced, False, trims, continue_final_message=True) == "[Once upon"  # trimmed: followed
+    rewrites = "{% for m in messages %}{{ m['content'] | upper }}{% endfor %}"
+    for template, content in ((rewrites, "Once upon"), (None, ""), (None, "  \n"), (None, None)):
+        with pytest.raises(FinalMessageError):
+            chat_prompt(tok, [{"role": "assistant", "content": content}], False, template, continue_final_message=True)
+    with pytest.raises(ValueError, match="cannot both be true"):
+        chat_prompt(tok, conv, True, continue_final_message=True)

@@ -96,6 +96,7 @@ def run_serve_data_parallel(ns: argparse.Namespace, args: EngineArgs) -> int:
     """The body of ``conveyor serve`` when ``--data-parallel-size`` > 1 or ``--ray-address`` is given."""
     from conveyor.distributed.metrics import PoolMetrics
     from conveyor.server.app import build_app
+    from conveyor.server.cors import CORSConfig
     from conveyor.server.launcher import make_server
 
     autoscaling = json.loads(ns.autoscaling_config) if ns.autoscaling_config else None
@@ -121,7 +122,8 @@ def run_serve_data_parallel(ns: argparse.Namespace, args: EngineArgs) -> int:
         app = build_app(pool.engine, model_name, ns.api_key, 0.0 if ns.disable_log_stats else ns.log_stats_interval,
                         ns.shutdown_timeout, ns.max_n, async_engine=pool, metrics=PoolMetrics(pool),
                         health_detail=pool.health, max_request_body_bytes=ns.max_request_body_bytes,
-                        max_seqs_per_request=ns.max_seqs_per_request, tool_call_parser=ns.tool_call_parser)
+                        max_seqs_per_request=ns.max_seqs_per_request, tool_call_parser=ns.tool_call_parser,
+                        cors=CORSConfig.from_namespace(ns))
         server = make_server(app, ns.host, ns.port, ns.uvicorn_log_level, ns.timeout_keep_alive, ns.timeout_headers,
                              loop=ns.uvicorn_loop)
         server.run()

@@ -20,11 +20,12 @@ from conveyor.engine.core_client import EngineCoreClient
 from conveyor.engine.engine_client import EngineClient
 from conveyor.engine.llm_engine import LLMEngine
 from conveyor.server.body_limit import BodyLimitMiddleware
+from conveyor.server.cors import CORSConfig, install_cors
 from conveyor.server.errors import APIError, bad_request, from_engine_error, install_error_handlers
 from conveyor.server.limits import DEFAULT_MAX_REQUEST_BODY_BYTES, DEFAULT_MAX_SEQS_PER_REQUEST, max_token_chars
 from conveyor.server.metrics import ServerMetrics, log_stats_forever
 from conveyor.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
-from conveyor.server.serving_chat import create_chat_completion, messages_as_dicts, render_chat
+from conveyor.server.serving_chat import create_chat_completion, generation_prompt, messages_as_dicts, render_chat
 from conveyor.server.serving_common import ServingContext
 from conveyor.server.serving_completion import create_completion
 
@@ -54,12 +55,14 @@ def build_app(engine: LLMEngine | EngineClient, served_model_name: str | None = 
               async_engine: EngineClient | None = None, metrics: ServerMetrics | None = None,
               health_detail: Callable[[], dict] | None = None,
               max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
-              max_seqs_per_request: int = DEFAULT_MAX_SEQS_PER_REQUEST,
+              max_seqs_per_request: int = DEFAULT_MAX_SEQS_PER_REQUEST, cors: CORSConfig | None = None,
               tool_call_parser: str | None = None) -> FastAPI:
     """An OpenAI-compatible app serving ``engine``'s model: an ``LLMEngine`` (stepped in a thread of this process,
     ``AsyncEngine``) or an ``EngineClient`` (``EngineCoreClient``: the engine in its own process). The engine runs
     for the app's lifespan. ``max_n`` bounds ``n`` (and ``best_of``) per request: 128, as OpenAI's API does;
     ``max_seqs_per_request`` bounds prompts x n; a body over ``max_request_body_bytes`` is 413 (``body_limit.py``).
+    ``cors``: what browsers on other origins may do (``cors.py``; None: vLLM's defaults, anything without
+    credentials).
 
     Scale-out (``conveyor.distributed``) passes its own ``async_engine`` (the same interface over a pool of
     replicas; ``engine`` is then a frontend with the tokenizer and limits), its ``metrics`` and a
@@ -102,7 +105,8 @@ def build_app(engine: LLMEngine | EngineClient, served_model_name: str | None = 
     install_error_handlers(app)
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
-    app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_body_bytes)  # outermost: before anything reads
+    app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_body_bytes)  # before anything reads the body
+    install_cors(app, cors or CORSConfig())  # outermost: its headers go on the answers of the two above too
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request):
@@ -112,12 +116,19 @@ def build_app(engine: LLMEngine | EngineClient, served_model_name: str | None = 
     async def chat_completions(body: ChatCompletionRequest, raw: Request):
         return await create_chat_completion(body, raw, ctx, tokenizer)
 
+    card = {"id": model_name, "object": "model", "created": created, "owned_by": "conveyor",
+            "root": engine.args.model or engine.model_info.name, "parent": None, "max_model_len": engine.max_model_len}
+
     @app.get("/v1/models")
     async def models():
-        card = {"id": model_name, "object": "model", "created": created, "owned_by": "conveyor",
-                "root": engine.args.model or engine.model_info.name, "parent": None,
-                "max_model_len": engine.max_model_len}
         return {"object": "list", "data": [card]}
+
+    # ":path": a served name may hold slashes ("org/model"); the openai client sends them %2F-encoded, and the
+    # server decodes the path before routing.
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        ctx.check_model(model_id)  # 404 model_not_found, as for an unknown `model` in a request body
+        return card
 
     @app.get("/health")
     async def health():
@@ -141,10 +152,12 @@ def build_app(engine: LLMEngine | EngineClient, served_model_name: str | None = 
         if (body.prompt is None) == (body.messages is None):
             raise bad_request("give exactly one of prompt or messages", "prompt")
         messages = messages_as_dicts(body.messages) if body.messages is not None else None
+        add_generation_prompt = generation_prompt(body)
 
         def run(e: LLMEngine) -> tuple[list[int], list[str] | None]:
             if messages is not None:
-                ids = render_chat(e, messages, body.add_generation_prompt, bool(body.add_special_tokens))
+                ids = render_chat(e, messages, add_generation_prompt, bool(body.add_special_tokens),
+                                  body.continue_final_message)
             else:
                 add = True if body.add_special_tokens is None else body.add_special_tokens
                 ids = e.encode(body.prompt, add_special_tokens=add)
@@ -169,5 +182,7 @@ def build_app(engine: LLMEngine | EngineClient, served_model_name: str | None = 
 async def _tokenizer_call(async_engine: EngineClient, fn):
     try:
         return await async_engine.tokenizer_call(fn)
+    except APIError:  # the request's own fault, found while rendering it (render_chat)
+        raise
     except Exception as exc:
         raise from_engine_error(exc) from exc

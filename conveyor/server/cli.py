@@ -19,6 +19,7 @@ def _positive_int(text: str) -> int:
 
 def add_serve_parser(sub) -> None:
     from conveyor.engine.args import EngineArgs
+    from conveyor.server.cors import add_cors_args
     from conveyor.server.limits import DEFAULT_MAX_REQUEST_BODY_BYTES, DEFAULT_MAX_SEQS_PER_REQUEST
 
     p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
@@ -64,6 +65,7 @@ def add_serve_parser(sub) -> None:
                    "template; generic, a constrained JSON reply, when it has none)")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="accepted for vLLM's command lines: tool_choice auto is always served")
+    add_cors_args(p)
     _add_scale_out_args(p)
     EngineArgs.add_cli_args(p)
     p.set_defaults(func=run_serve)
@@ -139,6 +141,7 @@ def run_serve(ns: argparse.Namespace) -> int:
         os.sched_setaffinity(0, frontend_cpus[0])  # after the spawn: the engine process set its own CPUs
         logger.info("API server on CPUs %s, engine on CPUs %s", frontend_cpus[0], frontend_cpus[1])
     from conveyor.server.app import build_app  # ... while this process imports the server
+    from conveyor.server.cors import CORSConfig
     from conveyor.server.launcher import make_server
 
     if ns.engine_in_process:
@@ -160,7 +163,7 @@ def run_serve(ns: argparse.Namespace) -> int:
     app = build_app(engine, ns.served_model_name or info.name, ns.api_key,
                     0.0 if ns.disable_log_stats else ns.log_stats_interval, ns.shutdown_timeout, ns.max_n,
                     max_request_body_bytes=ns.max_request_body_bytes, max_seqs_per_request=ns.max_seqs_per_request,
-                    tool_call_parser=ns.tool_call_parser)
+                    tool_call_parser=ns.tool_call_parser, cors=CORSConfig.from_namespace(ns))
     server = make_server(app, ns.host, ns.port, ns.uvicorn_log_level, ns.timeout_keep_alive, ns.timeout_headers,
                          loop=ns.uvicorn_loop)
     try:

@@ -51,18 +51,17 @@ REFUSED_FIELDS: tuple[Refused, ...] = (
     # for fill-in-the-middle.
     Refused("truncate_prompt_tokens"), Refused("prompt_embeds"), Refused("suffix", (None, "")),
     # What the chat template would be given: another template, extra variables (enable_thinking, ...), RAG
-    # documents, the last message left open. Ignored, the model sees another prompt than the one asked for.
+    # documents. Ignored, the model sees another prompt than the one asked for.
     Refused("chat_template", endpoint="chat"), Refused("chat_template_kwargs", (None, {}), "chat"),
-    Refused("documents", (None, []), "chat"), Refused("continue_final_message", (None, False), "chat"),
-    # Served on /v1/completions only: chat's echo is vLLM's "prepend the last message", a different feature.
-    Refused("echo", (None, False), "chat"), Refused("prompt_logprobs", endpoint="chat"),
+    Refused("documents", (None, []), "chat"),
+    # Served on /v1/completions only.
+    Refused("prompt_logprobs", endpoint="chat"),
     # OpenAI's deprecated function calling (tools and tool_choice are served: server/tools.py).
     Refused("functions", (None, []), "chat"), Refused("function_call", (None, "none"), "chat"),
     # Decoding that is not sampling.
     Refused("use_beam_search", (None, False)),
     # Parts of the answer conveyor does not produce: the client would read fields that are not there, or tokens
     # in another form than it asked for.
-    Refused("stream_options.continuous_usage_stats", (None, False)),
     Refused("return_tokens_as_token_ids", (None, False)), Refused("return_token_ids", (None, False)),
     Refused("spaces_between_special_tokens", (None, True)),
     Refused("audio", endpoint="chat"), Refused("modalities", (None, ["text"]), "chat"),
@@ -168,6 +167,10 @@ class SamplingFields(BaseModel):
         return bool(self.stream_options and self.stream_options.include_usage)
 
     @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
+    @property
     def refused(self) -> Refused | None:
         """The first field of the body that this server refuses rather than ignores (``REFUSED_FIELDS``)."""
         return self._refused
@@ -217,6 +220,8 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # vLLM's: the final message left open, for the model to continue
+    echo: bool = False  # vLLM's: the reply starts with the final message's text when it is in the reply's role
     add_special_tokens: bool = False  # the chat template already writes BOS where the model wants it
 
 
@@ -230,6 +235,7 @@ class TokenizeRequest(BaseModel):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     return_token_strs: bool = False
 
 

@@ -14,7 +14,7 @@ from conveyor.engine import chat
 from conveyor.server.errors import bad_request
 from conveyor.server.protocol import ChatCompletionRequest, ChatMessage
 from conveyor.server.serving_common import (
-    DeltaTracker, ServingContext, check_context, merged, new_id, sse_events, usage,
+    DeltaTracker, ServingContext, StreamUsage, check_context, merged, new_id, sse_events, usage,
 )
 from conveyor.server.tools import ToolPlan, messages_for_tools, plan_tools
 
@@ -36,11 +36,41 @@ def messages_as_dicts(messages: list[ChatMessage]) -> list[dict]:
     return out
 
 
+def generation_prompt(body) -> bool:
+    """Whether the template adds the generation prompt (the assistant's header) for ``body`` (a chat or tokenize
+    request). vLLM's rule: ``continue_final_message`` leaves the final message open, so no new one starts; an
+    explicit ``add_generation_prompt: true`` with it is a 400 (its default, true, yields)."""
+    if not body.continue_final_message:
+        return body.add_generation_prompt
+    if body.add_generation_prompt and "add_generation_prompt" in body.model_fields_set:
+        raise bad_request("Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+                          "continue_final_message")
+    return False
+
+
+def response_role(messages: list[dict], add_generation_prompt: bool) -> str:
+    """The role of the message the model writes, as vLLM's ``get_chat_request_role``: a new assistant message
+    after a generation prompt, else more of the final message, in its role."""
+    return "assistant" if add_generation_prompt else messages[-1]["role"]
+
+
+def echoed(body, messages: list[dict], role: str) -> str:
+    """What ``echo`` puts in front of each reply, as vLLM does: the final message's text when its role is the
+    reply's (``response_role``): always when the reply continues it (``continue_final_message``, or
+    ``add_generation_prompt: false``), and after a generation prompt when it is an assistant message; a reply to
+    the user's message does not start with the user's words."""
+    return messages[-1]["content"] if body.echo and messages[-1]["role"] == role else ""
+
+
 def render_chat(engine, messages: list[dict], add_generation_prompt: bool, add_special_tokens: bool,
-                tools: list[dict] | None = None) -> list[int]:
+                continue_final_message: bool = False, tools: list[dict] | None = None) -> list[int]:
     """Token ids of a conversation through the model's chat template (engine thread). The template writes the
     special tokens itself."""
-    text = chat.chat_prompt(engine.tokenizer, messages, add_generation_prompt, tools=tools)
+    try:
+        text = chat.chat_prompt(engine.tokenizer, messages, add_generation_prompt,
+                                continue_final_message=continue_final_message, tools=tools)
+    except chat.FinalMessageError as exc:
+        raise bad_request(str(exc), "continue_final_message") from exc
     return engine.encode(text, add_special_tokens=add_special_tokens, field="messages")
 
 
@@ -66,27 +96,34 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: Request, ctx:
     await ctx.check_constraint(params, body.constraint_field or "tool_choice")
     ctx.check_size(params, 1)
     messages = messages_for_tools(messages_as_dicts(body.messages), plan, body.messages)
+    add_generation_prompt = generation_prompt(body)
+    role = response_role(messages, add_generation_prompt)
+    echo = echoed(body, messages, role)
     # The template adds its own markup around the messages and keeps their text, so the text alone bounds the
     # prompt from below.
     ctx.check_prompt_chars(sum(len(m["content"]) for m in messages), "messages", "the messages' text")
 
-    def prepare(engine) -> dict:  # engine thread
-        ids = render_chat(engine, messages, body.add_generation_prompt, body.add_special_tokens,
-                          plan.template_tools if plan is not None else None)
+    prompt_tokens = []  # prepare's count, for the chunks streamed before the first output (every EngineClient
+    # runs prepare in this process before add_request returns)
+
+    def prepare(engine) -> dict:  # engine thread, done before submit returns
+        ids = render_chat(engine, messages, add_generation_prompt, body.add_special_tokens,
+                          body.continue_final_message, plan.template_tools if plan is not None else None)
         check_context(len(ids), max_tokens, engine.max_model_len)
+        prompt_tokens.append(len(ids))
         return {"prompt_token_ids": ids}
 
     request_id = new_id("chatcmpl")
     streams = await ctx.submit(request_id, [prepare], params)
     head = {"id": request_id, "created": int(time.time()), "model": ctx.model_name}
     if body.stream:
-        chunks = _stream(head, streams, tokenizer, params, body.include_usage, plan)
+        chunks = _stream(head, streams, tokenizer, params, StreamUsage(body), prompt_tokens[0], role, echo, plan)
         return StreamingResponse(sse_events(chunks, ctx, streams), media_type="text/event-stream")
 
     (final,) = await ctx.wait_final(streams, raw)
     choices = []
     for c in final.outputs:
-        message, finish_reason = _reply(c.text, c.finish_reason, plan)
+        message, finish_reason = _reply(echo + c.text, c.finish_reason, plan, role)
         choices.append({"index": c.index, "message": message,
                         "logprobs": _logprobs(tokenizer, c.logprobs) if c.logprobs is not None else None,
                         "finish_reason": finish_reason, "stop_reason": c.stop_reason})
@@ -111,29 +148,35 @@ def _plan_tools(body: ChatCompletionRequest, ctx: ServingContext, tokenizer, par
         raise bad_request(str(exc), "tool_choice") from exc
 
 
-def _reply(text: str, finish_reason: str | None, plan: ToolPlan | None) -> tuple[dict, str | None]:
-    """The assistant message of a finished choice (its tool calls parsed out) and its finish reason."""
+def _reply(text: str, finish_reason: str | None, plan: ToolPlan | None,
+           role: str = "assistant") -> tuple[dict, str | None]:
+    """The message of a finished choice (its tool calls parsed out) and its finish reason."""
     if plan is None:
-        return {"role": "assistant", "content": text}, finish_reason
+        return {"role": role, "content": text}, finish_reason
     content, calls = plan.parse(text)
     if not calls:
-        return {"role": "assistant", "content": content}, finish_reason
-    message = {"role": "assistant", "content": content, "tool_calls": [c.as_openai() for c in calls]}
+        return {"role": role, "content": content}, finish_reason
+    message = {"role": role, "content": content, "tool_calls": [c.as_openai() for c in calls]}
     return message, "tool_calls" if finish_reason == "stop" else finish_reason
 
 
-async def _stream(head, streams, tokenizer, params, include_usage: bool, plan: ToolPlan | None = None):
+async def _stream(head, streams, tokenizer, params, stream_usage: StreamUsage, prompt_tokens: int, role: str,
+                  echo: str, plan: ToolPlan | None = None):
     """The chunks of a streamed chat completion (``sse_events`` sends them). With tools, a choice's reply is
     sent whole when it finishes (its text must be complete to tell a tool call from an answer), as OpenAI's
     ``delta.tool_calls``."""
     head = {**head, "object": "chat.completion.chunk"}
-    extra = {"usage": None} if include_usage else {}
+    extra = stream_usage.of_chunk(prompt_tokens, 0)  # of the chunks before the first generated token
     tracker = DeltaTracker(params)
     final = None
     # OpenAI sends the role first, in a chunk of its own per choice.
     for i in range(params.n):
-        choice = {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+        choice = {"index": i, "delta": {"role": role, "content": ""}, "logprobs": None,
                   "finish_reason": None}
+        yield {**head, "choices": [choice], **extra}
+    # vLLM sends the echo next, in a chunk of its own per choice, before anything is generated.
+    for i in range(params.n if echo else 0):
+        choice = {"index": i, "delta": {"content": echo}, "logprobs": None, "finish_reason": None}
         yield {**head, "choices": [choice], **extra}
     async for _, out in merged(streams):
         final = out
@@ -144,7 +187,8 @@ async def _stream(head, streams, tokenizer, params, include_usage: bool, plan: T
             text, t0, t1, finished = delta
             if plan is not None:
                 if finished:
-                    yield {**head, "choices": [_tool_chunk(c, plan)], **extra}
+                    yield {**head, "choices": [_tool_chunk(c, plan)],
+                           **stream_usage.of_chunk(prompt_tokens, len(c.token_ids))}
                 continue
             choice = {
                 "index": c.index, "delta": {"content": text} if text or not finished else {},
@@ -152,8 +196,8 @@ async def _stream(head, streams, tokenizer, params, include_usage: bool, plan: T
                 "finish_reason": c.finish_reason if finished else None,
                 "stop_reason": c.stop_reason if finished else None,
             }
-            yield {**head, "choices": [choice], **extra}
-    if include_usage and final is not None:
+            yield {**head, "choices": [choice], **stream_usage.of_chunk(prompt_tokens, len(c.token_ids))}
+    if stream_usage.final and final is not None:
         yield {**head, "choices": [], "usage": usage([final])}
 
 

@@ -45,11 +45,33 @@ def check_context(num_prompt_tokens: int, max_tokens: int | None, max_model_len:
         )
 
 
+def token_usage(prompt: int, completion: int) -> dict:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
 def usage(outputs: list[RequestOutput], prompt_only: bool = False) -> dict:
     """Token counts; ``prompt_only``: an echo with max_tokens 0, whose one generated token is never shown."""
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
-    completion = 0 if prompt_only else sum(o.num_generated_tokens for o in outputs)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return token_usage(prompt, 0 if prompt_only else sum(o.num_generated_tokens for o in outputs))
+
+
+class StreamUsage:
+    """What a stream tells of its token counts (``stream_options``): ``include_usage``, a last chunk (no choices)
+    with the request's usage, and ``"usage": null`` on the others, as OpenAI; ``continuous_usage_stats``
+    (vLLM's), every chunk with the usage of its choice so far: its prompt's tokens, the tokens it generated.
+
+    vLLM counts continuously only when ``include_usage`` is set too, and otherwise ignores the flag; here a
+    client asking for usage on every chunk gets it either way."""
+
+    def __init__(self, body: SamplingFields) -> None:
+        self.final = body.include_usage
+        self.continuous = body.continuous_usage
+
+    def of_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict:
+        """The ``usage`` entry of a chunk with a choice (nothing when none was asked for)."""
+        if self.continuous:
+            return {"usage": token_usage(prompt_tokens, completion_tokens)}
+        return {"usage": None} if self.final else {}
 
 
 class ServingContext:

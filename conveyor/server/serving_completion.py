@@ -13,7 +13,7 @@ from conveyor.engine.outputs import CompletionOutput, RequestOutput
 from conveyor.server.errors import bad_request, from_value_error
 from conveyor.server.protocol import CompletionRequest
 from conveyor.server.serving_common import (
-    DeltaTracker, ServingContext, check_context, merged, new_id, sse_events, usage,
+    DeltaTracker, ServingContext, StreamUsage, check_context, merged, new_id, sse_events, usage,
 )
 
 
@@ -146,7 +146,7 @@ async def create_completion(body: CompletionRequest, raw: Request, ctx: ServingC
     n = params.n
 
     if body.stream:
-        chunks = _stream(head, streams, tokenizer, params, n, body.include_usage, echo)
+        chunks = _stream(head, streams, tokenizer, params, n, StreamUsage(body), echo)
         return StreamingResponse(sse_events(chunks, ctx, streams), media_type="text/event-stream")
 
     finals = await ctx.wait_final(streams, raw)
@@ -157,7 +157,7 @@ async def create_completion(body: CompletionRequest, raw: Request, ctx: ServingC
     return JSONResponse({**head, "choices": choices, "usage": usage(finals, prompt_only)})
 
 
-async def _stream(head, streams, tokenizer, params, n: int, include_usage: bool, echo: _Echo):
+async def _stream(head, streams, tokenizer, params, n: int, stream_usage: StreamUsage, echo: _Echo):
     """The chunks of a streamed completion (``sse_events`` sends them)."""
     tracker = DeltaTracker(params)
     last = {}
@@ -174,8 +174,7 @@ async def _stream(head, streams, tokenizer, params, n: int, include_usage: bool,
             start = tracker.chars[index] - len(text)
             chunk = {**head, "choices": [echo.choice(tokenizer, out, index, text, c, entries, first, finished,
                                                      start)]}
-            if include_usage:
-                chunk["usage"] = None
-            yield chunk
-    if include_usage:
+            generated = 0 if echo.prompt_only else len(c.token_ids)
+            yield {**chunk, **stream_usage.of_chunk(len(out.prompt_token_ids), generated)}
+    if stream_usage.final:
         yield {**head, "choices": [], "usage": usage(list(last.values()), echo.prompt_only)}
