@@ -215,7 +215,13 @@ def run_engine_core(args: EngineArgs, conn, endpoints: ipc.Endpoints) -> None:
                                    engine.load_time_s, engine.init_time_s,
                                    engine.tokenizer if _picklable(engine.tokenizer) else None,
                                    engine.model_info.name == EMBEDDED_NAME)))
-    sys.exit(serve_engine(engine, conn, endpoints))
+    code = serve_engine(engine, conn, endpoints)
+    # Its sockets are closed and what they held has left: skip the interpreter's teardown of torch, the model
+    # and the thread pools, which the API process's shutdown waits for (over 3 s with both cores kept busy).
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def serve_engine(engine: LLMEngine, conn, endpoints: ipc.Endpoints) -> int:
