@@ -229,11 +229,25 @@ def test_prefix_router_spreads_when_one_queue_runs_ahead(cluster):
     prefix = list(range(200, 264))
 
     async def load(n: int) -> list[str]:
+        # One stream at a time, each opened once the previous one has streamed a token (its replica accepted it
+        # and reported its queue to the router): a burst sent all at once would be routed on the queue lengths
+        # of before the burst (with both cores busy, every one of twelve went to the prefix holder).
         async with openai.AsyncOpenAI(base_url=cluster.url + "/v1", api_key="none", max_retries=0,
                                       timeout=TIMEOUT_S) as aclient:
-            calls = [aclient.completions.create(model="tiny", prompt=prefix + [300 + i], max_tokens=200,
-                                                extra_body={"ignore_eos": True}) for i in range(n)]
-            return [r.choices[0].finish_reason for r in await asyncio.gather(*calls)]
+            async def finish(stream) -> str | None:
+                reason = None
+                async for chunk in stream:
+                    reason = chunk.choices[0].finish_reason or reason
+                return reason
+
+            tasks = []
+            for i in range(n):
+                stream = await aclient.completions.create(model="tiny", prompt=prefix + [300 + i], max_tokens=300,
+                                                          stream=True, extra_body={"ignore_eos": True})
+                first = await stream.__anext__()
+                tasks.append(asyncio.ensure_future(finish(stream)))
+                assert first.choices[0].finish_reason is None
+            return await asyncio.gather(*tasks)
 
     assert asyncio.run(load(12)) == ["length"] * 12
     cluster.sent += 12
