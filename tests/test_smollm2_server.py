@@ -128,3 +128,30 @@ def test_continue_final_message_and_echo_on_the_models_own_template(smollm2_url)
     assert chunks[1].choices[0].delta.content == "The capital of France is"  # the echo, before any token
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == choice.message.content
     assert chunks[-1].usage.completion_tokens == reply.usage.completion_tokens
+
+
+def test_json_mode_through_langchain_instructor_and_the_sdk_on_the_real_model(smollm2_url):
+    """JSON mode (response_format json_object), which a random-weights model cannot end: LangChain's
+    ``with_structured_output(method="json_mode")``, instructor's ``Mode.JSON`` and the SDK's ``parse``."""
+    import instructor
+    import openai
+    from langchain_openai import ChatOpenAI
+    from pydantic import BaseModel
+
+    class Person(BaseModel):
+        name: str
+        age: int
+
+    ask = "Give me a JSON object with the keys name and age for a person called Ada who is 36."
+    llm = ChatOpenAI(base_url=smollm2_url + "/v1", api_key="none", model="SmolLM2-135M-Instruct", max_tokens=100, temperature=0,
+                     max_retries=0)
+    person = llm.with_structured_output(Person, method="json_mode").invoke(ask)
+    assert isinstance(person, Person) and person.age == 36
+    client = openai.OpenAI(base_url=smollm2_url + "/v1", api_key="none", max_retries=0)
+    patched = instructor.from_openai(client, mode=instructor.Mode.JSON)
+    person = patched.chat.completions.create(model="SmolLM2-135M-Instruct", response_model=Person, max_tokens=100, temperature=0,
+                                             messages=[{"role": "user", "content": ask}], max_retries=0)
+    assert isinstance(person, Person) and person.age == 36
+    parsed = client.chat.completions.parse(model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": ask}],
+                                           response_format=Person, max_tokens=100, temperature=0)
+    assert parsed.choices[0].message.parsed.age == 36
