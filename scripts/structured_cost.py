@@ -62,6 +62,41 @@ def run(llm: LLM, workload, constrained: bool) -> dict:
             "invalid": invalid, "plain_ids": [o.outputs[0].token_ids for i, o in enumerate(outs) if i % 2 == 1]}
 
 
+def big_schema(salt: int) -> dict:
+    """A schema no cache holds (``salt`` makes it new): 40 properties with patterns, enums and bounds."""
+    props = {}
+    for i in range(40):
+        kind = i % 4
+        props[f"f{salt}_{i}"] = ({"type": "string", "pattern": f"^[a-z]{{{1 + i % 5}}}-[0-9]{{2}}$"} if kind == 0 else
+                                 {"enum": [f"v{salt}_{i}_{k}" for k in range(6)]} if kind == 1 else
+                                 {"type": "integer", "minimum": -i, "maximum": 1000 + i} if kind == 2 else
+                                 {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 3})
+    return {"type": "object", "properties": props, "required": list(props), "additionalProperties": False}
+
+
+def new_schema_stall(llm: LLM, steps_before: int = 30, steps_after: int = 10, arrive: bool = True
+                     ) -> tuple[float, float]:
+    """32 plain requests decoding; a request with a new large schema arrives between two steps (``arrive``;
+    False: the control, nothing arrives). Returns (median step before it, longest of the steps_after steps after
+    it), in ms: the compile runs off the step loop."""
+    engine = llm.engine
+    for i in range(32):
+        engine.add_request(f"plain-{i}", {"prompt_token_ids": [100 + i] * 16},
+                           SamplingParams(temperature=0.0, max_tokens=steps_before + steps_after + 20, ignore_eos=True))
+    durations = []
+    for k in range(steps_before + steps_after):
+        if k == steps_before and arrive:
+            engine.add_request("schema", {"prompt_token_ids": [7] * 16}, SamplingParams(
+                temperature=0.0, max_tokens=8, structured_outputs=StructuredOutputsParams(json=big_schema(k))))
+        start = time.perf_counter()
+        engine.step()
+        durations.append(time.perf_counter() - start)
+    while engine.has_unfinished_requests():
+        engine.step()
+    before = statistics.median(durations[:steps_before])
+    return 1e3 * before, 1e3 * max(durations[steps_before:])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=None)
@@ -87,6 +122,12 @@ def main() -> None:
         r["tpot_p50_ms"] for r in rows[False])
     print(f"ratio half-constrained / unconstrained: throughput {tok:.3f}, TPOT p50 {tpot:.3f}; unconstrained "
           f"greedy outputs identical across runs: {same}")
+    llm.engine.structured.prepare()  # as a server does at start-up
+    for k in range(3):
+        for arrive in (True, False):
+            before, after = new_schema_stall(llm, arrive=arrive)
+            print(f"{'a new 40-property schema arrives' if arrive else 'control, nothing arrives    '}: median "
+                  f"step before {before:.1f} ms, longest of the 10 steps after {after:.1f} ms")
 
 
 if __name__ == "__main__":

@@ -55,6 +55,7 @@ class AsyncEngine(EngineClient):
     def start(self) -> None:
         """Start the engine thread; call from the event loop that will consume the streams."""
         self._start_loop_side()
+        self.engine.structured.prepare()  # before requests arrive, so the first constrained one stalls nobody
         self._thread = threading.Thread(target=self._run, name="conveyor-engine", daemon=True)
         self._thread.start()
 

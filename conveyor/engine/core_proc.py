@@ -228,6 +228,7 @@ def serve_engine(engine: LLMEngine, conn, endpoints: ipc.Endpoints) -> int:
     """Serve the API process at ``endpoints`` until told to stop, or until ``conn`` (the start-up pipe) closes
     (0), or the engine raises (1, after a last message saying why)."""
     context = zmq.Context()
+    engine.structured.prepare()  # before requests arrive, so the first constrained one stalls nobody
     core = EngineCore(engine, endpoints, context)
     threading.Thread(target=_watch_parent, args=(conn, core), name="conveyor-engine-parent",
                      daemon=True).start()

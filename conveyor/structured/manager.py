@@ -42,7 +42,19 @@ class StructuredOutputs:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="conveyor-grammar")
         self._lock = threading.Lock()
         self._compiled: OrderedDict[str, Future] = OrderedDict()
-        self._executor = None  # llguidance's parallel mask filler, made with the tokenizer
+
+    def prepare(self) -> None:
+        """Build the llguidance tokenizer now, on the compile thread, instead of at the first constrained request:
+        it holds the GIL for 0.4 s (seconds on a loaded machine), which would stall the steps of requests already
+        running. Servers call it at start-up; offline engines build it when first needed."""
+        self._pool.submit(self._ensure_tokenizer)
+
+    def _ensure_tokenizer(self) -> None:
+        if self._ll_tokenizer is not None:  # (only the one compile thread runs this: no lock)
+            return
+        from conveyor.structured.vocabulary import ll_tokenizer
+
+        self._ll_tokenizer = ll_tokenizer(self._tokenizer, self.vocab_size)
 
     def compile(self, spec: StructuredOutputsParams) -> Future:
         """A future of the compiled matcher for ``spec`` (done at once when cached); its exception is a
@@ -64,11 +76,7 @@ class StructuredOutputs:
         import llguidance
 
         text = grammar_text(spec)
-        if self._ll_tokenizer is None:
-            from conveyor.structured.vocabulary import ll_tokenizer
-
-            self._ll_tokenizer = ll_tokenizer(self._tokenizer, self.vocab_size)
-            self._executor = llguidance.LLExecutor()
+        self._ensure_tokenizer()
         matcher = llguidance.LLMatcher(self._ll_tokenizer, text, log_level=0)
         if matcher.is_error():
             raise ValueError(f"structured_outputs: {matcher.get_error()}")
@@ -85,11 +93,16 @@ class StructuredOutputs:
         return matcher
 
     def fill_bitmask(self, matchers: list) -> torch.Tensor:
-        """[len(matchers), ceil(vocab / 32)] int32: bit t of a row set when that matcher allows token t next."""
-        from llguidance.torch import fill_next_token_bitmask_par
+        """[len(matchers), ceil(vocab / 32)] int32: bit t of a row set when that matcher allows token t next.
 
-        bitmask = torch.empty(len(matchers), (self.vocab_size + 31) // 32, dtype=torch.int32)
-        fill_next_token_bitmask_par(self._executor, [(m, i) for i, m in enumerate(matchers)], bitmask)
+        One matcher after another (tens of microseconds each), on the thread that overlaps the forward pass,
+        straight into the tensor's rows. (Not through ``llguidance.torch``: importing it runs ``torch.compile``,
+        which loaded torch's compiler stack for 4-8 s in the first step that needed a mask.)"""
+        words = (self.vocab_size + 31) // 32
+        bitmask = torch.empty(len(matchers), words, dtype=torch.int32)
+        base, row_bytes = bitmask.data_ptr(), words * 4
+        for i, matcher in enumerate(matchers):
+            matcher.unsafe_compute_mask_ptr(base + i * row_bytes, row_bytes)
         return bitmask
 
     def shutdown(self) -> None:
