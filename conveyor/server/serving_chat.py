@@ -16,7 +16,7 @@ from conveyor.server.protocol import ChatCompletionRequest, ChatMessage
 from conveyor.server.serving_common import (
     DeltaTracker, ServingContext, StreamUsage, check_context, merged, new_id, sse_events, usage,
 )
-from conveyor.server.tools import ToolPlan, messages_for_tools, plan_tools
+from conveyor.server.tools import ToolCall, ToolPlan, messages_for_tools, plan_tools
 
 
 def messages_as_dicts(messages: list[ChatMessage]) -> list[dict]:
@@ -162,12 +162,13 @@ def _reply(text: str, finish_reason: str | None, plan: ToolPlan | None,
 
 async def _stream(head, streams, tokenizer, params, stream_usage: StreamUsage, prompt_tokens: int, role: str,
                   echo: str, plan: ToolPlan | None = None):
-    """The chunks of a streamed chat completion (``sse_events`` sends them). With tools, a choice's reply is
-    sent whole when it finishes (its text must be complete to tell a tool call from an answer), as OpenAI's
-    ``delta.tool_calls``."""
+    """The chunks of a streamed chat completion (``sse_events`` sends them). With tools, as OpenAI's
+    ``delta.tool_calls``: a named tool_choice's arguments stream as they are written; any other reply is sent
+    whole when it finishes (its text must be complete to tell a tool call from an answer)."""
     head = {**head, "object": "chat.completion.chunk"}
     extra = stream_usage.of_chunk(prompt_tokens, 0)  # of the chunks before the first generated token
     tracker = DeltaTracker(params)
+    call_ids: dict[int, str] = {}  # choice -> the id of its streamed call (a named tool_choice)
     final = None
     # OpenAI sends the role first, in a chunk of its own per choice.
     for i in range(params.n):
@@ -185,6 +186,18 @@ async def _stream(head, streams, tokenizer, params, stream_usage: StreamUsage, p
             if delta is None:
                 continue
             text, t0, t1, finished = delta
+            if plan is not None and plan.parser == "named":  # the arguments stream as they are written
+                first = c.index not in call_ids
+                call_ids.setdefault(c.index, ToolCall(plan.named, "").id)
+                call = {"index": 0, "function": {"arguments": text}}
+                if first:
+                    call = {"index": 0, "id": call_ids[c.index], "type": "function",
+                            "function": {"name": plan.named, "arguments": text}}
+                choice = {"index": c.index, "delta": {"tool_calls": [call]} if text or first else {},
+                          "logprobs": None, "finish_reason": ("tool_calls" if c.finish_reason == "stop"
+                                                              else c.finish_reason) if finished else None}
+                yield {**head, "choices": [choice], **stream_usage.of_chunk(prompt_tokens, len(c.token_ids))}
+                continue
             if plan is not None:
                 if finished:
                     yield {**head, "choices": [_tool_chunk(c, plan)],
