@@ -90,9 +90,9 @@ from conveyor import LLM, SamplingParams
 llm = LLM(sys.argv[1], dtype="float32", num_kv_blocks=64, block_size=16, detokenize=False)
 runner = llm.engine.executor
 last_logits, sample = {}, runner.sample
-def keep_logits(logits, step):  # the logits each sampled token came from
+def keep_logits(logits, step, masks=None):  # the logits each sampled token came from
     last_logits.update({r.req_id: logits[i].float().tolist() for i, r in enumerate(step.sampling)})
-    return sample(logits, step)
+    return sample(logits, step, masks)
 runner.sample = keep_logits
 prompts = [{"prompt_token_ids": [5 + i % 50 for i in range(n)]} for n in (3, 40, 17)]
 outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True), use_tqdm=False)

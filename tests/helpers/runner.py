@@ -16,6 +16,6 @@ class LogitsRecordingRunner(ModelRunner):
         super().__init__(*args, **kwargs)
         self.last_logits: dict[str, torch.Tensor] = {}
 
-    def sample(self, logits: torch.Tensor, step: StepInputs) -> ModelOutput:
+    def sample(self, logits: torch.Tensor, step: StepInputs, masks=None) -> ModelOutput:
         self.last_logits = {r.req_id: logits[i].float().clone() for i, r in enumerate(step.sampling)}
-        return super().sample(logits, step)
+        return super().sample(logits, step, masks)
