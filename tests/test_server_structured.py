@@ -220,7 +220,9 @@ def test_instructor_tools_json_and_json_schema_modes(url):
         assert isinstance(person, Person), mode
 
 
-def test_litellm_tools(url):
+def test_litellm_tools(url, monkeypatch):
+    # LiteLLM fetches its model price list from GitHub at import unless told to read the copy it ships: loopback only
+    monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")
     import litellm
 
     reply = litellm.completion(model="openai/tiny", api_base=url + "/v1", api_key="none", messages=MSG,
