@@ -9,7 +9,7 @@ import pytest
 
 from conveyor import LLM, SamplingParams
 from conveyor.engine.llm_engine import LLMEngine, QueueFullError
-from tests.helpers.server import make_engine
+from tests.helpers.server import make_engine, run_to_completion
 
 SLOW = pytest.mark.slow  # a real (tiny) model and engine: run by CI, skipped by -m "not slow"
 
@@ -63,15 +63,6 @@ def test_offline_llm_gets_the_request_checks_the_server_gets(llm):
 
 
 # ---- a request that fails inside the step fails alone -----------------------------------------------------
-def run_to_completion(engine: LLMEngine) -> dict:
-    finals = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                finals[out.request_id] = out
-    return finals
-
-
 @pytest.fixture(scope="module")
 def engine(tiny_llama_dir):
     return make_engine(tiny_llama_dir)

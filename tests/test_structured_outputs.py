@@ -21,6 +21,7 @@ from conveyor.engine.args import EngineArgs
 from conveyor.engine.llm import LLM
 from conveyor.engine.llm_engine import LLMEngine
 from conveyor.structured.grammars import grammar_text
+from tests.helpers.server import run_to_completion
 
 MODEL = "conveyor-embedded-llama-40m-random"
 
@@ -110,12 +111,7 @@ def _engine(**overrides) -> LLMEngine:
 def _run(engine: LLMEngine, requests: dict[str, tuple[str, SamplingParams]]) -> dict:
     for rid, (prompt, params) in requests.items():
         engine.add_request(rid, prompt, params)
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-    return done
+    return run_to_completion(engine)
 
 
 def test_64_constrained_and_unconstrained_requests_share_steps_and_plain_greedy_is_unchanged():

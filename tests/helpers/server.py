@@ -26,6 +26,16 @@ def make_engine(model_dir, **overrides) -> LLMEngine:
     return LLMEngine(EngineArgs(**args))
 
 
+def run_to_completion(engine: LLMEngine) -> dict:
+    """Step ``engine`` until nothing is left; returns every request's final output by id."""
+    finals = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out
+    return finals
+
+
 @contextmanager
 def running_server(app, **server_kwargs):
     """Serve ``app`` on a free port; yields the base URL (``http://127.0.0.1:PORT``). ``server_kwargs`` go to
