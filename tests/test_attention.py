@@ -1,4 +1,5 @@
-"""The fast attention backend equals the reference on mixed batches, across block sizes."""
+"""The fast attention backends equal the reference on mixed batches, across block sizes; backends declare their
+layout and fusions and nothing outside the package asks by name; pad rows compute but change nothing."""
 
 from __future__ import annotations
 
@@ -8,9 +9,9 @@ import shutil
 import pytest
 import torch
 
+from conveyor.core.config import ATTENTION_BACKENDS
 from conveyor.layers.attention import (AttentionMetadata, Padding, allocate_kv_caches, backend_class, make_attention,
                                        resolve_backend)
-from conveyor.core.config import ATTENTION_BACKENDS
 from conveyor.layers.attention.base import token_major_kv_shape
 from conveyor.layers.attention.common import causal_self_attention
 from conveyor.layers.attention.cpu import CpuAttention
@@ -193,3 +194,31 @@ def test_no_caller_outside_the_package_names_a_backend_class_or_tests_a_backend_
                     "backend" in ast.unparse(node.left):
                 offences.append(f"{where} compares a backend name: {ast.unparse(node)}")
     assert not offences, offences
+
+
+@pytest.mark.slow  # the embedded 40M model
+def test_padding_tokens_are_computed_but_change_nothing():
+    from conveyor.bench.step_builder import StepBuilder
+    from conveyor.models import EMBEDDED_NAME, load_model
+    from tests.helpers.runner import LogitsRecordingRunner
+
+    model, info = load_model(EMBEDDED_NAME)
+    model.native_stack = None  # the hook below sees the per-layer path; the one-call stack (test_native_stack) skips it
+    rows_seen = []
+    hook = model.layers[-1].mlp.register_forward_hook(lambda mod, args, out: rows_seen.append(out.shape[0]))
+    runs = []
+    for pad in (0, 7):
+        runner = LogitsRecordingRunner(model, info, num_blocks=32, block_size=16)
+        for cache in runner.kv_caches:  # the native CPU backend starts with its cache unwritten: make it known
+            cache.zero_()
+        sched = StepBuilder(16, 32, shuffle_seed=0)
+        sched.add("a", list(range(100, 120)))
+        sched.run(runner, {"a": None}, num_padding_tokens=pad)
+        sched.run(runner, {"a": 1}, num_padding_tokens=pad)
+        runs.append((sched.tokens["a"], runner.last_logits["a"], [c.clone() for c in runner.kv_caches]))
+    hook.remove()
+    assert rows_seen == [20, 1, 27, 8]  # the pad rows really went through the whole stack
+    assert runs[0][0] == runs[1][0]
+    torch.testing.assert_close(runs[0][1], runs[1][1])
+    for c0, c1 in zip(runs[0][2], runs[1][2]):
+        torch.testing.assert_close(c0, c1)  # pad tokens wrote nothing anywhere

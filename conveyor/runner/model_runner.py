@@ -103,7 +103,7 @@ class ModelRunner:
                     state.error = "its grammar allows no token of this model's vocabulary here"
                     out.failed[state.req_id] = state.error
             constraint = (rows, bitmask)
-        token_ids, logprobs = self.sampler.sample(logits, step.sampling, constraint)
+        token_ids, logprobs = self.sampler.sample(logits, step.sampling_meta, constraint)
         for state, token, lp in zip(step.sampling, token_ids, logprobs):
             if state.error is not None:
                 continue  # failed: the engine retires it after this step
