@@ -64,7 +64,7 @@ def main() -> int:
     import torch
 
     from conveyor.core.sampling_params import SamplingParams
-    from conveyor.runner.input_batch import RequestState
+    from conveyor.runner.input_batch import RequestState, SamplingMetadata
     from conveyor.runner.sampler import Sampler
 
     torch.set_num_threads(ns.threads)
@@ -80,7 +80,7 @@ def main() -> int:
                 reqs = [RequestState(f"r{i}", [1, 2, 3], 3, params, 0, i, 0, None) for i in range(rows)]
                 sampler = Sampler([0], seed=0)
                 runs = {"baseline": lambda x: baseline_sample(x, generator=gen, **opts),
-                        "conveyor": lambda x: sampler.sample(x, reqs)}
+                        "conveyor": lambda x: sampler.sample(x, SamplingMetadata.build(reqs))}
                 best = {name: float("inf") for name in runs}
                 for rep in range(ns.repeats + 1):  # the first round warms up
                     for name, fn in runs.items():

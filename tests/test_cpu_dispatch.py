@@ -116,7 +116,7 @@ def test_engine_same_tokens_at_every_level(tmp_path):
     level: the same greedy tokens, logits equal to float32 rounding."""
     model_dir = save_tiny_llama(tmp_path / "m", hidden_size=128, num_attention_heads=2, num_key_value_heads=1)
     runs = {lvl: run_at_level(model_dir, lvl) for lvl in ("none", "avx2", cf.cpu_features().native_level)}
-    assert runs["none"]["backend"] == "cpu" and runs["avx2"]["backend"] == "cpu-native"
+    assert runs["none"]["backend"] == "cpu-torch" and runs["avx2"]["backend"] == "cpu-native"
     for lvl, run in runs.items():
         assert run["tokens"] == runs["none"]["tokens"], lvl
         for rid, logits in run["logits"].items():

@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 
 from conveyor.bench.metrics import RequestTiming
 from conveyor.bench.workload import Workload
+from conveyor.core.scheduler import IDLE_POLL_S
 from conveyor.engine.step_record import StepRecord
 
-IDLE_POLL_S = 0.001  # a dynamic batch waiting for max_wait_ms schedules nothing; poll at this period
 
 
 @dataclass

@@ -5,6 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 KV_LAYOUTS = ("paged", "slab")
+# --attention-backend: "auto" and "cpu" choose for the machine (layers.attention.resolve_backend); the rest name
+# one backend each. Here, not in the torch package, so the flag's choices are known without importing torch.
+ATTENTION_BACKENDS = ("auto", "cpu", "cpu-native", "cpu-torch", "reference", "cuda")
 
 
 @dataclass

@@ -25,6 +25,12 @@ from conveyor.core.outputs import (
 from conveyor.core.policies import OnFinish, SchedulingPolicy, make_policy
 from conveyor.core.request import Request, RequestStatus
 
+# When a step schedules nothing while requests wait and none runs, only time or a new request can change that
+# (a dynamic batch forming until max_wait_ms; the engine's requests waiting for a grammar): a driver asks again
+# after this long. One period for every driver (the engine's step loop, the in-process replay, the simulator),
+# so the simulator schedules a trace as the real engine does.
+IDLE_POLL_S = 0.001
+
 
 class Scheduler:
     """Owns the waiting queue and running batch; talks to a KV manager, never to the model."""

@@ -11,7 +11,7 @@ import argparse
 import typing
 from dataclasses import MISSING, dataclass, field, fields
 
-from conveyor.core.config import KV_LAYOUTS, CacheConfig, SchedulerConfig
+from conveyor.core.config import ATTENTION_BACKENDS, KV_LAYOUTS, CacheConfig, SchedulerConfig
 from conveyor.core.policies import POLICIES
 
 DTYPE_CHOICES = ("float32", "bfloat16", "float16", "auto")
@@ -49,7 +49,8 @@ class EngineArgs:
     kv_cache_memory: float = _arg(CacheConfig.kv_cache_memory, "KV cache size in GiB")
     enable_prefix_caching: bool = _arg(CacheConfig.enable_prefix_caching, "reuse the KV of shared prompt prefixes")
     kv_layout: str = _arg(CacheConfig.kv_layout, "KV cache layout", choices=KV_LAYOUTS)
-    attention_backend: str = _arg("auto", "attention implementation (see conveyor.layers.attention)")
+    attention_backend: str = _arg("auto", "attention implementation: auto and cpu pick the fastest this machine "
+                                          "runs (see conveyor.layers.attention)", choices=ATTENTION_BACKENDS)
     max_num_queued_reqs: int | None = _arg(None, "bound on waiting requests (default: unbounded)")
     debug_invariants: bool = _arg(False, "check the scheduler's and KV cache's invariants after every step")
     detokenize: bool = field(default=True, metadata={"cli": False})  # benchmarks turn it off: ids in, ids out

@@ -16,12 +16,9 @@ from collections.abc import Callable
 from typing import Any
 
 from conveyor.core.outputs import SchedulerStats
+from conveyor.core.scheduler import IDLE_POLL_S
 from conveyor.engine.llm_engine import LLMEngine
 from conveyor.engine.outputs import RequestOutput
-
-# While requests wait but none can start (a dynamic batch still forming until max_wait_ms), the loop waits this
-# long for commands before it tries to schedule again, instead of spinning.
-IDLE_POLL_S = 0.002
 
 STOP = object()
 
@@ -64,7 +61,7 @@ class StepLoop:
                 if outputs:
                     self.publish(outputs)
                 elif not engine.scheduler.num_running:
-                    idle_wait = IDLE_POLL_S  # only time or a new command can start a waiting request
+                    idle_wait = IDLE_POLL_S  # waits for commands meanwhile, instead of spinning
                 self.on_stats(engine.scheduler.make_stats())
             if self.on_iteration is not None:
                 self.on_iteration()

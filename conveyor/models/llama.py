@@ -32,7 +32,7 @@ class LlamaAttention(nn.Module):
         qkv = self.qkv_proj(x).view(x.shape[0], -1, self.head_dim)  # [T, H + 2 * KVH, d]
         rotated = self.num_heads + self.num_kv_heads
         q, k, v = qkv[:, :self.num_heads], qkv[:, self.num_heads:rotated], qkv[:, rotated:]
-        if getattr(attn, "fuses_rope", False):  # the backend rotates q and k in place as it stores k
+        if attn.fuses_rope:  # the backend rotates q and k in place as it stores k
             out = attn.forward(q, k, v, kv_cache, self.scale, rope=rope.table)
         else:
             cos, sin = rope.cos, rope.sin
@@ -88,7 +88,7 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids, positions, kv_caches, attn):
         x = self.embed_tokens(input_ids)
-        rope = self.rotary.lookup(positions, fused=getattr(attn, "fuses_rope", False))  # once per step
+        rope = self.rotary.lookup(positions, fused=attn.fuses_rope)  # once per step
         if self.native_stack is not None and self.native_stack.accepts(x.shape[0], attn):
             x, residual = self.native_stack.run(x, rope.table, kv_caches, attn)
             return self.norm(x, residual)[0]

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from conveyor.layers.attention.native_cpu import NativeCpuAttention
+from conveyor.layers.attention.base import AttentionBackend
 
 # The order of the per-layer pointer fields cvk_llama_layers reads (see its comment in csrc/cpu_kernels.cpp).
 _FIELDS = ("in_norm", "qkv", "qkv_bias", "o", "o_bias", "post_norm", "gate_up", "gate_up_bias", "down", "down_bias",
@@ -75,10 +75,10 @@ class NativeLayerStack:
 
     def accepts(self, num_tokens: int, attn) -> bool:
         """Whether a step of ``num_tokens`` rows with this attention object runs here."""
-        return 0 < num_tokens <= self.max_rows and type(attn) is NativeCpuAttention
+        return 0 < num_tokens <= self.max_rows and attn.supports_layer_stack
 
     def run(self, embeddings: torch.Tensor, rope_table: torch.Tensor, kv_caches: list[torch.Tensor],
-            attn: NativeCpuAttention) -> tuple[torch.Tensor, torch.Tensor]:
+            attn: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
         """Every decoder layer over ``embeddings`` [T, hidden] (consumed: it becomes the residual stream).
         Returns (last layer's output, residual), as the per-layer loop leaves them for the final norm."""
         self._bind_kv(kv_caches)

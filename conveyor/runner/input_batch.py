@@ -42,6 +42,47 @@ class RequestState:
 
 
 @dataclass
+class SamplingMetadata:
+    """What the sampler needs of a step's sampling rows, decided once in ``InputBatch.prepare`` (vLLM's
+    ``SamplingMetadata``): which rows take which treatment, and the per-row tensors of the rows that draw.
+    Row lists are logits rows (positions in ``reqs``)."""
+
+    reqs: list[RequestState]  # in logits row order
+    plain_greedy: bool  # every row greedy with no logprobs, penalties, logit edits or min_tokens ban: argmax only
+    logprob_rows: list[int]
+    edited_rows: list[int]  # allowed_token_ids, bad_words, logit_bias
+    penalised_rows: list[int]
+    below_min_tokens: list[int]  # rows whose stop tokens are banned this step
+    random_rows: list[int]  # rows that draw (temperature > 0); the tensors below are theirs, in this order
+    temperatures: torch.Tensor | None  # [len(random_rows)] float32
+    min_ps: torch.Tensor | None  # [len(random_rows)] float32, None when no row uses min-p
+    top_ks: list[int]  # 0: off
+    top_ps: list[float]  # 1.0: off
+
+    @property
+    def truncates(self) -> bool:
+        """Whether any drawing row has a top-k or top-p."""
+        return any(self.top_ks) or any(p < 1.0 for p in self.top_ps)
+
+    @classmethod
+    def build(cls, reqs: list[RequestState], device: torch.device | str = "cpu") -> SamplingMetadata:
+        params = [r.params for r in reqs]
+        below_min = [i for i, r in enumerate(reqs) if r.num_output_tokens < r.params.min_tokens]
+        plain = not below_min and all(p.greedy and p.logprobs is None and not p.has_penalties
+                                      and not p.has_logit_edits for p in params)
+        random_rows = [] if plain else [i for i, p in enumerate(params) if not p.greedy]
+        drawing = [params[i] for i in random_rows]
+        temps = torch.tensor([p.temperature for p in drawing], device=device) if drawing else None
+        min_ps = [p.min_p for p in drawing]
+        return cls(reqs, plain, logprob_rows=[i for i, p in enumerate(params) if p.logprobs is not None],
+                   edited_rows=[i for i, p in enumerate(params) if p.has_logit_edits],
+                   penalised_rows=[i for i, p in enumerate(params) if p.has_penalties],
+                   below_min_tokens=below_min, random_rows=random_rows, temperatures=temps,
+                   min_ps=torch.tensor(min_ps, device=device) if any(min_ps) else None,
+                   top_ks=[p.top_k for p in drawing], top_ps=[p.top_p for p in drawing])
+
+
+@dataclass
 class StepInputs:
     input_ids: torch.Tensor  # [T + pad]
     positions: torch.Tensor  # [T + pad]
@@ -49,6 +90,7 @@ class StepInputs:
     padding: Padding | None  # a baseline's pad rows after the real ones (None: no padding this step)
     logits_indices: torch.Tensor | None  # rows of the hidden states that sample; None: every row samples
     sampling: list[RequestState]  # in logits row order
+    sampling_meta: SamplingMetadata  # of ``sampling``
     prompt_rows: list[PromptRows]  # hidden-state rows whose logits score prompt tokens (prompt_logprobs)
 
 
@@ -183,7 +225,7 @@ class InputBatch:
             block_table=torch.from_numpy(block_table).to(dev), num_decodes=len(decodes))
         return StepInputs(torch.tensor(input_ids, dtype=torch.int64, device=dev),
                           torch.from_numpy(positions).to(dev), meta, padding, logits_indices, sampling,
-                          prompt_rows)
+                          SamplingMetadata.build(sampling, dev), prompt_rows)
 
     def _padding(self, num_pad_tokens: int, longest_chunk: int) -> Padding:
         """Pad rows form sequences no longer than the step's longest chunk: the rows a padded [batch, longest]

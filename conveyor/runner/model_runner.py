@@ -7,7 +7,7 @@ import torch
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from conveyor.core.outputs import ModelOutput, PromptLogprobs, SchedulerOutput
-from conveyor.layers.attention import make_attention, resolve_backend
+from conveyor.layers.attention import allocate_kv_caches, make_attention, resolve_backend
 from conveyor.models.build import ModelInfo, resolve_dtype
 from conveyor.runner.input_batch import InputBatch, PromptRows, StepInputs
 from conveyor.runner.sampler import Sampler, prompt_logprobs
@@ -18,9 +18,8 @@ PROMPT_LOGITS_ROWS = 256  # prompt logprobs in slices: [256, 49152] float32 logi
 class ModelRunner:
     """Owns the paged KV cache and the per-request state; runs the model and samples (``core.Executor``).
 
-    The KV cache is one tensor per layer, [2 (K, V), num_blocks, block_size, num_kv_heads, head_dim] (the native
-    CPU attention's: [2, num_blocks, num_kv_heads, block_size, head_dim]); block b covers cache slots
-    [b * block_size, (b + 1) * block_size). A step is ``forward`` (the logits of the rows that sample, and the
+    The KV cache is one tensor per layer in the attention backend's layout (``AttentionBackend.kv_cache_shape``);
+    block b covers cache slots [b * block_size, (b + 1) * block_size). A step is ``forward`` (the logits of the rows that sample, and the
     logprobs of prompt tokens for requests that asked) then ``sample``.
     """
 
@@ -32,16 +31,9 @@ class ModelRunner:
         self.num_blocks, self.block_size = num_blocks, block_size
         self.dtype = resolve_dtype(info.dtype)
         # Resolved (and the native kernels built or loaded) here, while the engine starts: not in a request.
-        self.backend = resolve_backend(attention_backend, self.device, self.dtype, info.head_dim)
-        # The torch paths' padded decode gathers read unwritten slots (0 * NaN garbage would poison them), so
-        # their cache starts zeroed. The native kernel reads only written slots: its cache is left unwritten, so
-        # start-up skips touching every page and memory is committed only as blocks are first used.
-        # Its blocks are head-major ([.., num_kv_heads, block_size, head_dim]: see kernels.cpu_ops).
-        native = self.backend == "cpu-native"
-        alloc = torch.empty if native else torch.zeros
-        shape = (2, num_blocks, info.num_kv_heads, block_size, info.head_dim) if native else \
-            (2, num_blocks, block_size, info.num_kv_heads, info.head_dim)
-        self.kv_caches = [alloc(*shape, dtype=self.dtype, device=self.device) for _ in range(info.num_layers)]
+        self.backend = resolve_backend(attention_backend, self.device, self.dtype, info.head_dim, block_size)
+        self.kv_caches = allocate_kv_caches(self.backend, info.num_layers, num_blocks, block_size,
+                                            info.num_kv_heads, info.head_dim, self.dtype, self.device)
         self.structured = structured  # conveyor.structured.StructuredOutputs (None: no constrained requests)
         self.batch = InputBatch(block_size, self.device, max_position=info.max_position_embeddings,
                                 structured=structured)
@@ -111,7 +103,7 @@ class ModelRunner:
                     state.error = "its grammar allows no token of this model's vocabulary here"
                     out.failed[state.req_id] = state.error
             constraint = (rows, bitmask)
-        token_ids, logprobs = self.sampler.sample(logits, step.sampling, constraint)
+        token_ids, logprobs = self.sampler.sample(logits, step.sampling_meta, constraint)
         for state, token, lp in zip(step.sampling, token_ids, logprobs):
             if state.error is not None:
                 continue  # failed: the engine retires it after this step

@@ -14,11 +14,10 @@ from typing import Protocol
 
 from conveyor.core.outputs import SchedulerOutput
 from conveyor.core.request import Request
-from conveyor.core.scheduler import Scheduler
+from conveyor.core.scheduler import IDLE_POLL_S, Scheduler
 from conveyor.sim.cost_model import StepCost
 from conveyor.sim.executor import SimExecutor
 
-IDLE_POLL_S = 0.001  # the real replay driver's poll period (bench/online.py)
 MAX_IDLE_POLLS = 1_000_000  # empty schedules in a row, with nothing left to arrive, before calling it a livelock
 
 

@@ -11,11 +11,11 @@
 from __future__ import annotations
 
 from conveyor.core.config import SchedulerConfig
-from conveyor.core.policies.base import NO_WASTE, OnFinish, SchedulingPolicy, WastedWork
+from conveyor.core.policies.base import NO_WASTE, BasePolicy, OnFinish, SchedulingPolicy, WastedWork
 from conveyor.core.policies.baselines import DynamicBatchPolicy, StaticBatchPolicy
 from conveyor.core.policies.continuous import ChunkedPolicy, ContinuousPolicy
 
-POLICIES: dict[str, type[ContinuousPolicy]] = {
+POLICIES: dict[str, type[BasePolicy]] = {
     cls.name: cls for cls in (StaticBatchPolicy, DynamicBatchPolicy, ContinuousPolicy, ChunkedPolicy)
 }
 
@@ -28,4 +28,4 @@ def make_policy(config: SchedulerConfig) -> SchedulingPolicy:
     return cls(config)
 
 
-__all__ = ["NO_WASTE", "POLICIES", "OnFinish", "SchedulingPolicy", "WastedWork", "make_policy"]
+__all__ = ["NO_WASTE", "POLICIES", "BasePolicy", "OnFinish", "SchedulingPolicy", "WastedWork", "make_policy"]

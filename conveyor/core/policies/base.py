@@ -11,6 +11,7 @@ import enum
 from collections.abc import Sequence
 from typing import NamedTuple, Protocol
 
+from conveyor.core.config import SchedulerConfig
 from conveyor.core.outputs import SchedulerOutput
 from conveyor.core.request import Request
 
@@ -58,3 +59,37 @@ class SchedulingPolicy(Protocol):
 
     def choose_victim(self, candidates: Sequence[Request]) -> Request:
         """The running request to preempt when blocks run out (``candidates`` in admission order)."""
+
+
+class BasePolicy:
+    """The neutral defaults every policy starts from: each prompt whole in the step it joins, no step hooks, no
+    waste, a finished request retires, FCFS preemption. A policy overrides only the decisions it changes
+    (``ChunkedPolicy`` the budget and the chunking; the baselines their batch life)."""
+
+    name = "base"
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+
+    def step_budget(self) -> int:
+        # A whole prompt must always fit, so the budget is at least the model's context.
+        return max(self.config.max_num_batched_tokens, self.config.max_model_len or 0)
+
+    def prefill_chunk(self, remaining: int, budget: int) -> int:
+        return remaining if remaining <= budget else 0
+
+    def begin_step(self, running: Sequence[Request], waiting: Sequence[Request], now: float) -> list[Request]:
+        return []
+
+    def admits(self, request: Request) -> bool:
+        return True
+
+    def end_step(self, out: SchedulerOutput, running: Sequence[Request]) -> WastedWork:
+        return NO_WASTE
+
+    def on_finished(self, request: Request) -> OnFinish:
+        return OnFinish.RETIRE
+
+    def choose_victim(self, candidates: Sequence[Request]) -> Request:
+        """FCFS: the most recently admitted request loses its blocks first."""
+        return candidates[-1]

@@ -28,12 +28,11 @@ from collections.abc import Sequence
 
 from conveyor.core.config import SchedulerConfig
 from conveyor.core.outputs import SchedulerOutput
-from conveyor.core.policies.base import OnFinish, WastedWork
-from conveyor.core.policies.continuous import ContinuousPolicy
+from conveyor.core.policies.base import BasePolicy, OnFinish, WastedWork
 from conveyor.core.request import Request, RequestStatus
 
 
-class StaticBatchPolicy(ContinuousPolicy):
+class StaticBatchPolicy(BasePolicy):
     """Batches of ``max_num_seqs`` requests (or all waiting, when fewer), formed as soon as the last one drained."""
 
     name = "static"

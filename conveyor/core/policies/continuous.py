@@ -3,45 +3,14 @@ it finishes. Orca-style (whole prompt in the step it joins), or chunked under a 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
-from conveyor.core.config import SchedulerConfig
-from conveyor.core.outputs import SchedulerOutput
-from conveyor.core.policies.base import NO_WASTE, OnFinish, WastedWork
-from conveyor.core.request import Request
+from conveyor.core.policies.base import BasePolicy
 
 
-class ContinuousPolicy:
+class ContinuousPolicy(BasePolicy):
     """Orca-style iteration-level batching: a request joins as soon as a slot and blocks are free, and its
-    whole prompt is computed in the step it joins."""
+    whole prompt is computed in the step it joins (``BasePolicy``'s decisions, unchanged)."""
 
     name = "continuous"
-
-    def __init__(self, config: SchedulerConfig) -> None:
-        self.config = config
-
-    def step_budget(self) -> int:
-        # A whole prompt must always fit, so the budget is at least the model's context.
-        return max(self.config.max_num_batched_tokens, self.config.max_model_len or 0)
-
-    def prefill_chunk(self, remaining: int, budget: int) -> int:
-        return remaining if remaining <= budget else 0
-
-    def begin_step(self, running: Sequence[Request], waiting: Sequence[Request], now: float) -> list[Request]:
-        return []
-
-    def admits(self, request: Request) -> bool:
-        return True
-
-    def end_step(self, out: SchedulerOutput, running: Sequence[Request]) -> WastedWork:
-        return NO_WASTE
-
-    def on_finished(self, request: Request) -> OnFinish:
-        return OnFinish.RETIRE
-
-    def choose_victim(self, candidates: Sequence[Request]) -> Request:
-        """FCFS: the most recently admitted request loses its blocks first."""
-        return candidates[-1]
 
 
 class ChunkedPolicy(ContinuousPolicy):

@@ -1,45 +1,77 @@
 """Attention backends behind one interface (``base.AttentionBackend``).
 
-``make_attention(backend, meta, dtype, padding)`` turns the step's ``AttentionMetadata`` into an object with
-``forward(q, k, v, kv_cache, scale) -> out`` that every layer calls; all per-step preparation happens once, in
-its constructor. ``forward`` first writes the K/V of ALL new tokens into the paged cache, then reads.
-Backends: "reference" (the oracle), "cpu" (on CPU: resolved to "cpu-native", one native kernel call per layer
-for the whole step, where conveyor/kernels built for this CPU and serve the dtype and head size; else batched
-torch plus a small C decode kernel), "cpu-torch" (the torch path without any C kernel), "cuda" (flash-attn varlen when installed, else the batched
-torch path), "auto" (cuda on a GPU, cpu otherwise). A step with a baseline's pad rows gets its backend wrapped
-in ``padded.PaddedAttention``.
+A backend class owns its KV cache layout (``kv_cache_shape``, ``cache_needs_zeroing``: ``allocate_kv_caches``)
+and declares what it fuses (``fuses_rope``, ``supports_layer_stack``). ``make_attention(backend, meta, dtype,
+padding)`` turns the step's ``AttentionMetadata`` into an object with ``forward(q, k, v, kv_cache, scale)`` that
+every layer calls; all per-step preparation happens once, in its constructor. ``forward`` first writes the K/V
+of ALL new tokens into the paged cache, then reads.
+
+Backends: "reference" (the oracle), "cpu-native" (one native kernel call per layer for the whole step, RoPE
+fused; where conveyor/kernels built for this CPU and serve the dtype and head size), "cpu-torch" (batched torch
+ops; runs on any device), "cuda" (flash-attn's varlen paged kernel). Choices that pick one: "cpu" (cpu-native
+where it serves, else cpu-torch) and "auto" (cuda on a GPU, else cpu). A step with a baseline's pad rows gets
+its backend wrapped in ``padded.PaddedAttention``.
 """
 
 from __future__ import annotations
 
 import torch
 
+from conveyor.core.config import ATTENTION_BACKENDS
 from conveyor.layers.attention.base import AttentionBackend
 from conveyor.layers.attention.cpu import CpuAttention
-from conveyor.layers.attention.cuda import make_cuda_attention
+from conveyor.layers.attention.cuda import FlashAttention, flash_attention_serves
 from conveyor.layers.attention.metadata import AttentionMetadata
 from conveyor.layers.attention.native_cpu import NativeCpuAttention
 from conveyor.layers.attention.padded import PaddedAttention, Padding
 from conveyor.layers.attention.reference import ReferenceAttention
 
-BACKENDS = ("auto", "reference", "cpu", "cpu-torch", "cuda")
+BACKENDS = ATTENTION_BACKENDS
+_CLASSES: dict[str, type] = {cls.name: cls for cls in (ReferenceAttention, NativeCpuAttention, CpuAttention,
+                                                        FlashAttention)}
 
 
-def resolve_backend(name: str, device: torch.device | str, dtype: torch.dtype | None = None,
-                    head_dim: int | None = None) -> str:
-    """The backend a step runs: "auto" -> "cuda" on a GPU, else "cpu"; "cpu" -> "cpu-native" (the one-kernel
-    path) when the native CPU kernels built here and serve ``dtype`` and ``head_dim``."""
+def resolve_backend(name: str, device: torch.device | str, dtype: torch.dtype, head_dim: int,
+                    block_size: int) -> str:
+    """The backend a step runs, one of ``backend_class``'s names: "auto" -> "cuda" on a GPU, else "cpu"; "cpu" ->
+    "cpu-native" when the native CPU kernels built here and serve ``dtype`` and ``head_dim``, else "cpu-torch";
+    "cuda" -> "cpu-torch" (on the GPU) without flash-attn or with a block size it does not take."""
     if name not in BACKENDS:
         raise ValueError(f"attention_backend must be one of {BACKENDS}, got {name!r}")
+    on_gpu = torch.device(device).type == "cuda"
     if name == "auto":
-        name = "cuda" if torch.device(device).type == "cuda" else "cpu"
-    if name == "cpu" and torch.device(device).type == "cpu" and dtype is not None and head_dim is not None:
-        from conveyor.kernels import load_cpu_kernels
-
-        kernels = load_cpu_kernels()
-        if kernels is not None and kernels.supports(dtype, head_dim):
-            return "cpu-native"
+        name = "cuda" if on_gpu else "cpu"
+    if name == "cuda":
+        return "cuda" if flash_attention_serves(block_size) else "cpu-torch"
+    if name == "cpu":
+        return "cpu-native" if not on_gpu and _native_serves(dtype, head_dim) else "cpu-torch"
+    if name == "cpu-native" and (on_gpu or not _native_serves(dtype, head_dim)):
+        raise ValueError(f"attention backend 'cpu-native' cannot serve {dtype} with head size {head_dim} on "
+                         f"{device} (see the kernel build warning); choose 'cpu' to fall back to torch")
     return name
+
+
+def _native_serves(dtype: torch.dtype, head_dim: int) -> bool:
+    from conveyor.kernels import load_cpu_kernels  # builds (or loads) the native kernels: at engine start
+
+    kernels = load_cpu_kernels()
+    return kernels is not None and kernels.supports(dtype, head_dim)
+
+
+def backend_class(backend: str) -> type:
+    """The class of a resolved backend name, for its declarations (KV layout, fusion flags)."""
+    if backend not in _CLASSES:
+        raise ValueError(f"unknown attention backend {backend!r}; resolve {BACKENDS} with resolve_backend")
+    return _CLASSES[backend]
+
+
+def allocate_kv_caches(backend: str, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
+                       head_dim: int, dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
+    """One cache tensor per layer in the resolved backend's layout, zeroed only where the backend needs it."""
+    cls = backend_class(backend)
+    shape = cls.kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim)
+    alloc = torch.zeros if cls.cache_needs_zeroing else torch.empty
+    return [alloc(*shape, dtype=dtype, device=device) for _ in range(num_layers)]
 
 
 def make_attention(backend: str, meta: AttentionMetadata, dtype: torch.dtype,
@@ -50,19 +82,15 @@ def make_attention(backend: str, meta: AttentionMetadata, dtype: torch.dtype,
 
 
 def _make_backend(backend: str, meta: AttentionMetadata, dtype: torch.dtype) -> AttentionBackend:
-    if backend == "reference":
-        return ReferenceAttention(meta)
-    if backend == "cpu":
-        return CpuAttention(meta, dtype)
-    if backend == "cpu-native":
+    cls = backend_class(backend)
+    if cls is NativeCpuAttention:
         from conveyor.kernels import load_cpu_kernels
 
         return NativeCpuAttention(meta, load_cpu_kernels())
-    if backend == "cpu-torch":
+    if cls is CpuAttention:
         return CpuAttention(meta, dtype, use_c_kernel=False)
-    if backend == "cuda":
-        return make_cuda_attention(meta, dtype)
-    raise ValueError(f"unknown attention backend {backend!r}")
+    return cls(meta)
 
 
-__all__ = ["AttentionBackend", "AttentionMetadata", "BACKENDS", "Padding", "make_attention", "resolve_backend"]
+__all__ = ["AttentionBackend", "AttentionMetadata", "BACKENDS", "Padding", "allocate_kv_caches", "backend_class",
+           "make_attention", "resolve_backend"]

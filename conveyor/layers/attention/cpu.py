@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from conveyor.layers.attention.base import reject_rope, token_major_kv_shape
 from conveyor.layers.attention.common import causal_self_attention, gather_context, write_kv
 from conveyor.layers.attention.metadata import AttentionMetadata
 from conveyor.layers.attention.paged_decode_kernel import load_kernel, paged_decode
@@ -54,7 +55,13 @@ class CpuAttention:
 
     ``use_c_kernel=False`` is the "cpu-torch" backend: the torch path even where the kernel builds."""
 
-    name = "cpu"
+    name = "cpu-torch"
+    fuses_rope = False
+    # The padded decode gathers read whole blocks, unwritten slots included (masked, but 0 * NaN garbage would
+    # still poison the output): the cache starts zeroed.
+    cache_needs_zeroing = True
+    supports_layer_stack = False
+    kv_cache_shape = staticmethod(token_major_kv_shape)
 
     def __init__(self, meta: AttentionMetadata, dtype: torch.dtype = torch.float32, use_c_kernel: bool = True) -> None:
         self.meta = meta
@@ -77,8 +84,9 @@ class CpuAttention:
             self.buckets.append(DecodeBucket(start, end, ids, nblk, mask[:, None, None, :]))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                scale: float) -> torch.Tensor:
+                scale: float, rope: torch.Tensor | None = None) -> torch.Tensor:
         """q [T, H, d], k/v [T, KVH, d] for the new tokens; returns [T, H, d]."""
+        reject_rope(self.name, rope)
         meta = self.meta
         write_kv(kv_cache, k, v, meta)
         out = torch.empty_like(q)

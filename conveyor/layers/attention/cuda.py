@@ -1,17 +1,16 @@
-"""CUDA attention: flash-attn's varlen paged kernel when installed, otherwise the batched torch path.
+"""The "cuda" attention backend: flash-attn's varlen paged kernel.
 
-There is no GPU on the development machines, so this stays small and correct by construction: with
-flash-attn it hands the whole step to ``flash_attn_varlen_func`` (paged K/V through ``block_table``);
-without it, the CPU backend's batched torch ops run unchanged on the GPU.
+There is no GPU on the development machines, so this stays small and correct by construction: it hands the
+whole step to ``flash_attn_varlen_func`` (paged K/V through ``block_table``). Without flash-attn (or with a
+block size it does not take) "cuda" resolves to "cpu-torch", whose batched torch ops run unchanged on a GPU.
 """
 
 from __future__ import annotations
 
 import torch
 
-from conveyor.layers.attention.base import AttentionBackend
+from conveyor.layers.attention.base import reject_rope, token_major_kv_shape
 from conveyor.layers.attention.common import write_kv
-from conveyor.layers.attention.cpu import CpuAttention
 from conveyor.layers.attention.metadata import AttentionMetadata
 
 try:  # optional dependency
@@ -27,7 +26,11 @@ def flash_attn_available() -> bool:
 class FlashAttention:
     """One varlen call per layer over all real requests; requires flash-attn and block_size % 256 == 0."""
 
-    name = "flash"
+    name = "cuda"
+    fuses_rope = False
+    cache_needs_zeroing = False  # reads only the slots of each request's context
+    supports_layer_stack = False
+    kv_cache_shape = staticmethod(token_major_kv_shape)
 
     def __init__(self, meta: AttentionMetadata) -> None:
         self.meta = meta
@@ -41,7 +44,8 @@ class FlashAttention:
         self.block_table = meta.block_table.to(torch.int32)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                scale: float) -> torch.Tensor:
+                scale: float, rope: torch.Tensor | None = None) -> torch.Tensor:
+        reject_rope(self.name, rope)
         meta = self.meta
         write_kv(kv_cache, k, v, meta)
         if not meta.num_reqs:
@@ -52,7 +56,6 @@ class FlashAttention:
             block_table=self.block_table)
 
 
-def make_cuda_attention(meta: AttentionMetadata, dtype: torch.dtype) -> AttentionBackend:
-    if flash_attn_available() and meta.block_size % 256 == 0:
-        return FlashAttention(meta)
-    return CpuAttention(meta, dtype)
+def flash_attention_serves(block_size: int) -> bool:
+    """Whether the "cuda" backend can run: flash-attn installed, and the block size its paged kernel takes."""
+    return flash_attn_available() and block_size % 256 == 0

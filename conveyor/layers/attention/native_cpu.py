@@ -16,8 +16,18 @@ from conveyor.layers.attention.metadata import AttentionMetadata
 class NativeCpuAttention:
     """``forward(q, k, v, kv_cache, scale, rope=table)`` for every layer of one step (see module doc)."""
 
-    name = "cpu"
+    name = "cpu-native"
     fuses_rope = True  # the model passes q, k unrotated plus the float32 rope table
+    # The kernel reads only written slots: the cache is left unwritten, so start-up skips touching every page
+    # and memory is committed only as blocks are first used.
+    cache_needs_zeroing = False
+    supports_layer_stack = True
+
+    @staticmethod
+    def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+        """Head-major blocks, [2, num_blocks, num_kv_heads, block_size, head_dim]: one head's keys of a block are
+        contiguous, the rows the kernel's dot products stream (see kernels.cpu_ops)."""
+        return (2, num_blocks, num_kv_heads, block_size, head_dim)
 
     def __init__(self, meta: AttentionMetadata, kernels) -> None:
         self.meta, self.kernels = meta, kernels

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from conveyor.layers.attention.base import AttentionBackend
+from conveyor.layers.attention.base import AttentionBackend, reject_rope
 from conveyor.layers.attention.common import causal_self_attention
 
 
@@ -33,16 +33,25 @@ class Padding:
 
 
 class PaddedAttention:
-    """``inner`` on the first ``num_real`` rows; the pad rows after them attend within their own segments."""
+    """``inner`` on the first ``num_real`` rows; the pad rows after them attend within their own segments.
+
+    The model rotates q and k itself here (the pad rows need rotating too, and ``inner`` sees only the real
+    ones), and the whole-model native call does not take pad rows."""
+
+    fuses_rope = False
+    supports_layer_stack = False
 
     def __init__(self, inner: AttentionBackend, num_real: int, padding: Padding) -> None:
         self.inner = inner
         self.name = inner.name
+        self.kv_cache_shape = inner.kv_cache_shape
+        self.cache_needs_zeroing = inner.cache_needs_zeroing
         self.num_real = num_real
         self.padding = padding
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                scale: float) -> torch.Tensor:
+                scale: float, rope: torch.Tensor | None = None) -> torch.Tensor:
+        reject_rope(f"padded {self.name}", rope)
         n = self.num_real
         out = torch.empty_like(q)
         out[:n] = self.inner.forward(q[:n], k[:n], v[:n], kv_cache, scale)
