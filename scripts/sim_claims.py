@@ -1,4 +1,4 @@
-"""The numbers behind the README's claims table: the seeds' claims checked on the simulator.
+"""The numbers behind the claims table (README, docs/simulator.md): the seeds' claims checked on the simulator.
 
 Llama-3-70B on 8x H100-SXM (tensor parallel 8, 400 GiB of KV cache) and Llama-3-8B on one H100 (50 GiB of KV),
 on long-tail traffic from ``conveyor bench workload longtail`` (80% chat turns, 20% RAG prompts) and on small

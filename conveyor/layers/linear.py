@@ -3,7 +3,7 @@
 ``F.linear`` on CPU hands float32 to MKL with the weight as stored, and bfloat16 to oneDNN, which reorders the
 weight on every call. oneDNN's prepacked path (``torch.ops.mkldnn._reorder_linear_weight`` once, then
 ``torch.ops.mkldnn._linear_pointwise``, as inductor's freezing pass uses them) skips both costs; measured on
-this project's CPUs (the README's side-by-side section).
+this project's CPUs (docs/benchmarks.md).
 
 oneDNN compiles (JITs) a kernel for every new input shape, a few milliseconds each, and caches a bounded
 number of them. A server sees every row count from 1 to the token budget, so the rows are padded up to one of
@@ -11,7 +11,7 @@ a fixed set of sizes (``padded_rows``: at most 1/16 extra rows, 144 sizes up to 
 kernels per layer shape and costs a few percent of compute at most.
 
 At decode sizes a GEMM is bound by how fast its weight streams from memory, and oneDNN's kernels reach only
-part of that: in float32 half, in bfloat16 on AMX about two thirds at 1-32 rows (measured: README). There the
+part of that: in float32 half, in bfloat16 on AMX about two thirds at 1-32 rows (measured: docs/benchmarks.md). There the
 native kernels (conveyor/kernels) stream a second copy of the weight, packed in 16-column blocks, instead: up to
 ``SKINNY_MAX_ROWS`` rows in float32, up to ``AMX_MAX_ROWS`` rows in bfloat16 on CPUs with AMX
 (``benchmarks/gemm.py`` compares the two per row count). Float32 at 8-32 rows: 0.64-0.93x oneDNN's time; at 40-96
