@@ -1,4 +1,4 @@
-"""The native CPU kernels (csrc/cpu_kernels.cpp) behind typed Python calls on torch tensors.
+"""The native CPU kernels (csrc/: api.cpp is the C ABI) behind typed Python calls on torch tensors.
 
 ``load_cpu_kernels()`` builds the library for this CPU's instruction-set level (cached: seconds the first time
 on a machine, milliseconds after) and returns a ``CpuKernels``, or None when they cannot run here: no x86
@@ -20,7 +20,7 @@ import torch
 from conveyor.kernels.build import BuildError, build_library
 from conveyor.kernels.cpu_features import LEVEL_FLAGS, cpu_features, kernel_level
 
-SOURCE_PATH = os.path.join(os.path.dirname(__file__), "csrc", "cpu_kernels.cpp")
+SOURCE_DIR = os.path.join(os.path.dirname(__file__), "csrc")
 ABI_VERSION = 4
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 SUPPORTED_HEAD_DIMS = (64, 128)
@@ -210,9 +210,7 @@ def build_and_load(level: str) -> CpuKernels | None:
     if level == "none":
         return None
     try:
-        with open(SOURCE_PATH) as f:
-            source = f.read()
-        path = build_library("cpu_kernels", source, level, LEVEL_FLAGS[level])
+        path = build_library("cpu_kernels", SOURCE_DIR, level, LEVEL_FLAGS[level])
         lib = ctypes.CDLL(path)
         if lib.cvk_abi_version() != ABI_VERSION:
             raise BuildError(f"{path}: ABI version {lib.cvk_abi_version()}, expected {ABI_VERSION}")
