@@ -323,3 +323,31 @@ def test_amx_gemm_matches_torch(kernels, rows, out_features, in_features):
         kernels.amx_linear(x, packed, b, out_features, out)
         want = F.linear(x.double(), w.double(), None if b is None else b.double())
         torch.testing.assert_close(out.double(), want, atol=0.1, rtol=2e-2)
+
+
+def test_struct_mirrors_match_the_c_layout(kernels):
+    """Every ctypes mirror matches its C struct field by field (the load checks it too); a mirror that differs,
+    here a C layout with two int64 fields swapped, fails the check instead of passing garbage."""
+    import ctypes
+
+    from conveyor.kernels.build import BuildError
+    from conveyor.kernels.cpu_ops import check_abi
+
+    lib = ctypes.CDLL(kernels.path)
+    check_abi(lib, kernels.path)
+
+    class Swapped:  # the real library, except that CvkAttnArgs has q_stride and k_stride swapped
+        cvk_abi_version = staticmethod(lib.cvk_abi_version)
+
+        class cvk_struct_layout:
+            restype = argtypes = None
+
+            def __new__(cls, which):
+                text = lib.cvk_struct_layout(which).decode()
+                if which == 0:
+                    text = text.replace("q_stride:", "tmp:").replace("k_stride:", "q_stride:").replace("tmp:",
+                                                                                                       "k_stride:")
+                return text.encode()
+
+    with pytest.raises(BuildError, match="AttnArgs layout differs"):
+        check_abi(Swapped, "swapped")

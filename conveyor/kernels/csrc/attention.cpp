@@ -1,11 +1,12 @@
 // Attention for a whole step: rope + KV-cache write + causal attention of every request, one call per layer.
 // The loops are in attention_decode.h (one query per item) and attention_prefill.h (a tile of queries); this
-// file builds the work items and runs them on the team.
+// file runs the step's work plan (attention_plan.h) on the team.
 #include <stdlib.h>
 
 #include <algorithm>
 
 #include "attention_decode.h"
+#include "attention_plan.h"
 #include "attention_prefill.h"
 #include "kernels.h"
 #include "team.h"
@@ -62,65 +63,20 @@ void rope_and_store(const AttnArgs& a, const int64_t* table, int64_t t, int64_t 
 }
 
 template <typename T, int DV>
-int attention_impl(const AttnArgs& a, const float* cos_sin, int num_reqs, int num_threads) {
-  // Token -> (request, position) for the rope / cache-write phase, and the work items.
-  const int64_t T_total = a.query_start[num_reqs];
-  const int G = a.H / a.KVH;
-  const int tq = std::max(1, MAX_ROWS / G);
-  // One-query items (decodes) take several kv heads each, all of them when there are enough requests to keep
-  // every thread busy: a chunk of K/V rows is then read in order, once.
-  int num_one = 0;
-  for (int r = 0; r < num_reqs; r++) num_one += a.query_start[r + 1] - a.query_start[r] == 1;
-  const int want_items = 4 * std::max(1, num_threads);
-  const int splits = num_one >= want_items ? 1 : std::min(a.KVH, (want_items + std::max(num_one, 1) - 1) / std::max(num_one, 1));
-  const int heads_per_item = std::max(1, std::min((a.KVH + splits - 1) / splits, MAX_QROWS / G));
-  int n_items = 0;
-  for (int r = 0; r < num_reqs; r++) {
-    const int n = int(a.query_start[r + 1] - a.query_start[r]);
-    n_items += n == 1 ? (a.KVH + heads_per_item - 1) / heads_per_item : a.KVH * ((n + tq - 1) / tq);
-  }
-  // (On a team, every thread builds the same list for itself: a few microseconds, and nothing to share.)
-  Item* items = static_cast<Item*>(malloc(sizeof(Item) * size_t(std::max(n_items, 1))));
-  int* req_of_token = static_cast<int*>(malloc(sizeof(int) * size_t(std::max<int64_t>(T_total, 1))));
-  if (items == nullptr || req_of_token == nullptr) {
-    free(items);
-    free(req_of_token);
-    return -1;
-  }
-  int k = 0;
-  for (int r = 0; r < num_reqs; r++) {
-    const int n = int(a.query_start[r + 1] - a.query_start[r]);
-    const int64_t ctx0 = a.seq_lens[r] - n;
-    for (int64_t t = a.query_start[r]; t < a.query_start[r + 1]; t++) req_of_token[t] = r;
-    if (n == 1) {
-      for (int h = 0; h < a.KVH; h += heads_per_item) {
-        const int h1 = std::min(a.KVH, h + heads_per_item);
-        items[k++] = Item{r, h, h1, 0, 1, int64_t(h1 - h) * G * (ctx0 + 1)};
-      }
-      continue;
-    }
-    for (int q0 = 0; q0 < n; q0 += tq) {
-      const int q1 = std::min(n, q0 + tq);
-      for (int h = 0; h < a.KVH; h++) items[k++] = Item{r, h, h + 1, q0, q1, int64_t(q1 - q0) * G * (ctx0 + q1)};
-    }
-  }
-  // Longest first: with dynamic scheduling the threads then finish close together.
-  std::sort(items, items + n_items, [](const Item& x, const Item& y) { return x.cost > y.cost; });
-  int64_t work = 0;
-  for (int i = 0; i < n_items; i++) work += items[i].cost;
-  const int threads = work * a.D < 32768 ? 1 : std::max(1, num_threads);
-  // When every request decodes one token, an item's new K/V row and q heads are its own (items split a
-  // request by kv heads only): the item ropes and stores them itself, right before it reads them, and the
-  // step needs no separate pass and barrier for it.
-  const bool item_ropes = num_one == num_reqs;
-  on_team(threads, [&] {
+void attention_impl(const AttnArgs& a, const PlanHeader* plan) {
+  const Item* items = plan_items(plan);
+  const int32_t* req_of_token = plan_req_of_token(plan);
+  const int n_items = plan->n_items;
+  const int64_t T_total = plan->T_total;
+  const bool item_ropes = plan->item_ropes != 0;
+  on_team(plan->threads, [&] {
     if (!item_ropes) {
 #pragma omp for schedule(static)
       for (int64_t t = 0; t < T_total; t++) {
         const int r = req_of_token[t];
         const int64_t n = a.query_start[r + 1] - a.query_start[r];
         const int64_t pos = a.seq_lens[r] - n + (t - a.query_start[r]);
-        rope_and_store<T>(a, a.block_table + r * a.bt_stride, t, pos, cos_sin);
+        rope_and_store<T>(a, a.block_table + r * a.bt_stride, t, pos, a.cos_sin);
       }
       // the implicit barrier above: every new K/V row is in the cache before any item reads it
     }
@@ -129,21 +85,18 @@ int attention_impl(const AttnArgs& a, const float* cos_sin, int num_reqs, int nu
       const Item& it = items[i];
       if (item_ropes)
         rope_and_store<T>(a, a.block_table + it.req * a.bt_stride, a.query_start[it.req], a.seq_lens[it.req] - 1,
-                          cos_sin, it.kvh, it.kvh_end);
+                          a.cos_sin, it.kvh, it.kvh_end);
       attend_item<T, DV>(a, it);
     }
   });
-  free(items);
-  free(req_of_token);
-  return 0;
 }
 
 template <typename T>
-int attention_dispatch(const AttnArgs& a, const float* cos_sin, int num_reqs, int num_threads) {
+int attention_dispatch(const AttnArgs& a, const PlanHeader* plan) {
   // Head sizes with a compiled variant (each one costs build time); others take the torch path.
-  if (a.D == 64) return attention_impl<T, 64 / W>(a, cos_sin, num_reqs, num_threads);
-  if (a.D == 128) return attention_impl<T, 128 / W>(a, cos_sin, num_reqs, num_threads);
-  return -2;
+  if (a.D == 64) return attention_impl<T, 64 / W>(a, plan), CVK_OK;
+  if (a.D == 128) return attention_impl<T, 128 / W>(a, plan), CVK_OK;
+  return CVK_ERR_UNSUPPORTED;
 }
 
 }  // namespace
@@ -152,10 +105,38 @@ bool attention_supports(int H, int KVH, int D) {
   return D <= MAX_D && KVH > 0 && H % KVH == 0 && H / KVH <= MAX_G && H / KVH <= MAX_ROWS;
 }
 
-int attention(int dtype, const AttnArgs& a, const float* cos_sin, int num_reqs, int num_threads) {
-  if (dtype == 0) return attention_dispatch<float>(a, cos_sin, num_reqs, num_threads);
-  if (dtype == 1) return attention_dispatch<uint16_t>(a, cos_sin, num_reqs, num_threads);
-  return -3;
+int64_t attention_plan_bytes(const AttnArgs& a) {
+  if (a.num_reqs <= 0 || !attention_supports(a.H, a.KVH, a.D)) return 0;
+  return plan_bytes(a);
+}
+
+int attention_plan(const AttnArgs& a, void* buf, int64_t bytes) {
+  if (a.num_reqs <= 0) return CVK_OK;
+  if (!attention_supports(a.H, a.KVH, a.D)) return CVK_ERR_UNSUPPORTED;
+  if (buf == nullptr || reinterpret_cast<uintptr_t>(buf) % 8 != 0 || bytes < plan_bytes(a)) return CVK_ERR_BADARG;
+  plan_build(a, buf);
+  return CVK_OK;
+}
+
+// Without a plan (a.plan == NULL) the call builds its own; inside a team (the layer stack) every thread then
+// builds the same one for itself (a few microseconds, nothing to share).
+int attention(const AttnArgs& a) {
+  if (a.num_reqs <= 0) return CVK_OK;
+  if (a.dtype != CVK_F32 && a.dtype != CVK_BF16) return CVK_ERR_BADARG;
+  if (!attention_supports(a.H, a.KVH, a.D)) return CVK_ERR_UNSUPPORTED;
+  const PlanHeader* plan = static_cast<const PlanHeader*>(a.plan);
+  void* own = nullptr;
+  if (plan == nullptr) {
+    own = malloc(size_t(plan_bytes(a)));
+    if (own == nullptr) return CVK_ERR_NOMEM;
+    plan_build(a, own);
+    plan = static_cast<const PlanHeader*>(own);
+  } else if (!plan_matches(plan, a)) {
+    return CVK_ERR_BADARG;
+  }
+  const int rc = a.dtype == CVK_F32 ? attention_dispatch<float>(a, plan) : attention_dispatch<uint16_t>(a, plan);
+  free(own);
+  return rc;
 }
 
 }  // namespace cvk

@@ -4,22 +4,16 @@
 
 #include <stdint.h>
 
+#include "cvk.h"
+
 namespace cvk {
 
-struct AttnArgs {
-  void* q; int64_t q_stride;
-  void* k; int64_t k_stride;
-  const void* v; int64_t v_stride;
-  const void* k_cache; const void* v_cache;
-  const int64_t* block_table; int64_t bt_stride;
-  const int64_t* query_start; const int64_t* seq_lens;
-  void* out; int64_t out_stride;
-  int H, KVH, D, bs;
-  float scale;
-};
+using AttnArgs = CvkAttnArgs;
 
-// attention.cpp: rope + KV write + attention of a step (cvk_attention). 0, -1 out of memory, -2 unsupported shape.
-int attention(int dtype, const AttnArgs& a, const float* cos_sin, int num_reqs, int num_threads);
+// attention.cpp: rope + KV write + attention of a step (cvk_attention), and its per-step plan. CVK_* codes.
+int attention(const AttnArgs& a);
+int64_t attention_plan_bytes(const AttnArgs& a);
+int attention_plan(const AttnArgs& a, void* buf, int64_t bytes);
 // Whether attention serves H query heads over KVH kv heads of D values (else it returns -2).
 bool attention_supports(int H, int KVH, int D);
 // norm_act.cpp
@@ -37,9 +31,5 @@ void skinny_gemm(int dtype, const void* x, int64_t x_stride, int64_t M, const vo
 void amx_gemm_bf16(const uint16_t* x, int64_t x_stride, int64_t M, const uint16_t* wp, const uint16_t* bias,
                    uint16_t* y, int64_t y_stride, int64_t N, int64_t K, int num_threads, bool swiglu = false);
 // layer_stack.cpp: cvk_llama_layers
-int llama_layers(int dtype, int use_amx, int64_t T, int L, int64_t hidden, int64_t inter, const int64_t* fields,
-                 void* x, void* residual, void* h, void* qkv, void* attn, void* gu, void* act,
-                 const int64_t* block_table, int64_t bt_stride, const int64_t* query_start, const int64_t* seq_lens,
-                 int num_reqs, const float* cos_sin, int H, int KVH, int D, int bs, float scale, float eps,
-                 int num_threads);
+int llama_layers(const CvkLayerStackArgs& s);
 }  // namespace cvk
