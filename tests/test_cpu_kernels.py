@@ -351,3 +351,31 @@ def test_struct_mirrors_match_the_c_layout(kernels):
 
     with pytest.raises(BuildError, match="AttnArgs layout differs"):
         check_abi(Swapped, "swapped")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+def test_attention_plan_built_once_serves_every_layer(kernels, dtype):
+    """One plan per step, passed to every layer's call: the same results as calls that plan for themselves; a
+    plan built for another step (other requests or heads) is refused, not misread."""
+    from conveyor.kernels.cpu_ops import KernelError
+
+    heads, kv_heads, d = 8, 2, 64
+    reqs = MIXES["mixed"]
+    qkv, k_cache, v_cache, table, qsl, seq_lens = make_step(reqs, heads, kv_heads, d, 16, dtype)
+    cos_sin = RotaryEmbedding(d, 512, 10000.0).cos_sin.flatten(1).contiguous()
+    plan = kernels.attention_plan(qsl, seq_lens, heads, kv_heads, d)
+    outs = []
+    for layer_plan in (None, plan, plan):  # layers 1 and 2 reuse the one plan
+        out = torch.empty(qkv.shape[0], heads, d, dtype=dtype)
+        q, k, v = split_heads(qkv.clone(), heads, kv_heads, d)
+        kc, vc = head_major(k_cache), head_major(v_cache)
+        kernels.attention(q, k, v, kc, vc, table, qsl, seq_lens, cos_sin, out, d ** -0.5, plan=layer_plan)
+        outs.append((out, kc))
+    for out, kc in outs[1:]:
+        assert torch.equal(out, outs[0][0]) and torch.equal(kc, outs[0][1])
+    other = kernels.attention_plan(qsl[:3], seq_lens[:2], heads, kv_heads, d)
+    for bad in (other, kernels.attention_plan(qsl, seq_lens, heads, 4, d)):
+        q, k, v = split_heads(qkv.clone(), heads, kv_heads, d)
+        with pytest.raises(KernelError, match="-3"):
+            kernels.attention(q, k, v, head_major(k_cache), head_major(v_cache), table, qsl, seq_lens, cos_sin,
+                              torch.empty(qkv.shape[0], heads, d, dtype=dtype), d ** -0.5, plan=bad)

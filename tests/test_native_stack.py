@@ -99,3 +99,18 @@ def test_stack_applies_only_where_every_part_runs_natively(tmp_path):
     assert NativeLayerStack.build(llm.engine.model, None) is None
     float64 = LLM(str(tmp_path / "m"), dtype="float64", enable_prefix_caching=False, detokenize=False)
     assert float64.engine.model.native_stack is None  # no native kernels in float64
+
+
+@pytest.mark.parametrize("with_stack", [True, False], ids=["stack", "per_layer"])
+def test_attention_plan_is_built_once_per_step(tmp_path, monkeypatch, with_stack):
+    """Every step's attention object plans once (its first layer), and every layer, or the stack, reuses it."""
+    from conveyor.layers.attention import NativeCpuAttention
+
+    llm = LLM(str(llama(tmp_path / "m")), dtype="float32", enable_prefix_caching=False, detokenize=False)
+    kernels = llm.engine.model.native_stack.kernels
+    steps, plans = [], []
+    init, plan = NativeCpuAttention.__init__, kernels.attention_plan
+    monkeypatch.setattr(NativeCpuAttention, "__init__", lambda self, *a: steps.append(1) or init(self, *a))
+    monkeypatch.setattr(kernels, "attention_plan", lambda *a: plans.append(1) or plan(*a))
+    generate(llm, with_stack=with_stack)
+    assert steps and len(plans) == len(steps)  # 3 layers, one plan per step
