@@ -23,7 +23,6 @@ from conveyor.kernels.cpu_features import LEVEL_FLAGS, cpu_features, kernel_leve
 SOURCE_DIR = os.path.join(os.path.dirname(__file__), "csrc")
 ABI_VERSION = 5  # csrc/cvk.h's CVK_ABI_VERSION
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
-SUPPORTED_HEAD_DIMS = (64, 128)
 # The attention kernel's cache layout per layer: [2 (K, V), num_blocks, num_kv_heads, block_size, head_dim]. One
 # head's rows of a block are contiguous, so a request's context streams in order (the torch paths keep
 # [2, num_blocks, block_size, num_kv_heads, head_dim]).
@@ -125,9 +124,12 @@ class CpuKernels:
         self.vector_width = lib.cvk_vector_width()
         self.max_head_dim = lib.cvk_max_head_dim()
 
-    @staticmethod
-    def supports(dtype: torch.dtype, head_dim: int | None = None) -> bool:
-        return dtype in _DTYPE_CODES and (head_dim is None or head_dim in SUPPORTED_HEAD_DIMS)
+    def supports(self, dtype: torch.dtype, head_dim: int | None = None) -> bool:
+        """Whether the kernels serve ``dtype`` (float32, bfloat16) and, for attention, ``head_dim``: 64 and 128
+        compiled in, any other multiple of the vector width (8 on AVX2, 16 on AVX-512) up to ``max_head_dim`` on
+        the generic path."""
+        return dtype in _DTYPE_CODES and (head_dim is None or (
+            0 < head_dim <= self.max_head_dim and head_dim % self.vector_width == 0))
 
     def attention_plan(self, query_start: torch.Tensor, seq_lens: torch.Tensor, num_heads: int, num_kv_heads: int,
                        head_dim: int) -> torch.Tensor | None:

@@ -93,16 +93,17 @@ void attention_impl(const AttnArgs& a, const PlanHeader* plan) {
 
 template <typename T>
 int attention_dispatch(const AttnArgs& a, const PlanHeader* plan) {
-  // Head sizes with a compiled variant (each one costs build time); others take the torch path.
+  // The models' common head sizes compiled in (each variant costs build time); every other multiple of W up to
+  // MAX_D takes the generic path (DV = 0: attention_common.h).
   if (a.D == 64) return attention_impl<T, 64 / W>(a, plan), CVK_OK;
   if (a.D == 128) return attention_impl<T, 128 / W>(a, plan), CVK_OK;
-  return CVK_ERR_UNSUPPORTED;
+  return attention_impl<T, 0>(a, plan), CVK_OK;
 }
 
 }  // namespace
 
 bool attention_supports(int H, int KVH, int D) {
-  return D <= MAX_D && KVH > 0 && H % KVH == 0 && H / KVH <= MAX_G && H / KVH <= MAX_ROWS;
+  return D > 0 && D % W == 0 && D <= MAX_D && KVH > 0 && H % KVH == 0 && H / KVH <= MAX_G && H / KVH <= MAX_ROWS;
 }
 
 int64_t attention_plan_bytes(const AttnArgs& a) {

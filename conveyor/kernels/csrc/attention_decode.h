@@ -10,9 +10,11 @@ namespace cvk {
 // head of the item reads its slice of the same K/V rows, so a chunk streams from memory once, in order.
 template <typename T, int DV>
 void attend_one_query(const AttnArgs& a, const Item& it) {
-  constexpr int D = DV * W;
+  constexpr int DM = max_dv<DV>() * W;  // a row's room: D itself for a compiled head size
+  const int dv = head_dv<DV>(a), D = dv * W;
   constexpr int KP = (KC + W - 1) / W * W;  // chunk padded to whole score vectors
-  constexpr bool kDpbf16 = kBf16Dot && sizeof(T) == 2;  // bfloat16 dot products in hardware (attention_bf16.h)
+  // bfloat16 dot products in hardware (attention_bf16.h), for the compiled head sizes (whole 32-value vectors)
+  constexpr bool kDpbf16 = kBf16Dot && sizeof(T) == 2 && DV > 0 && DV % 2 == 0;
   const int G = a.H / a.KVH;
   const int rows = (it.kvh_end - it.kvh) * G;
   const int64_t qs = a.query_start[it.req];
@@ -22,12 +24,12 @@ void attend_one_query(const AttnArgs& a, const Item& it) {
   const int64_t hstride = int64_t(a.bs) * D;  // from one head's rows of a block to the next head's
   const T* qrow = static_cast<const T*>(a.q) + (qs + it.q0) * a.q_stride + int64_t(it.kvh) * G * D;
 
-  alignas(64) float q[kDpbf16 ? 1 : MAX_QROWS * D];
-  alignas(64) float O[MAX_QROWS * D];
+  alignas(64) float q[kDpbf16 ? 1 : MAX_QROWS * DM];
+  alignas(64) float O[MAX_QROWS * DM];
   alignas(64) float S[MAX_QROWS * KP];
   alignas(64) uint16_t Pb[kDpbf16 ? MAX_QROWS * KP : 1];
-  alignas(64) float kbuf[sizeof(T) == 2 && !kDpbf16 ? KC * D : 1];
-  alignas(64) float vbuf[sizeof(T) == 2 && !kDpbf16 ? KC * D : 1];
+  alignas(64) float kbuf[sizeof(T) == 2 && !kDpbf16 ? KC * DM : 1];
+  alignas(64) float vbuf[sizeof(T) == 2 && !kDpbf16 ? KC * DM : 1];
   float m[MAX_QROWS], l[MAX_QROWS];
   const T* kbase[KP];
   const T* vbase[KP];
@@ -37,10 +39,10 @@ void attend_one_query(const AttnArgs& a, const Item& it) {
   if (!kDpbf16) {
     const V scale = V::set1(a.scale);
     for (int r = 0; r < rows; r++)
-      for (int d = 0; d < DV; d++) (V::load(qrow + r * D + d * W) * scale).store(q + r * D + d * W);
+      for (int d = 0; d < dv; d++) (V::load(qrow + r * D + d * W) * scale).store(q + r * D + d * W);
   }
   for (int r = 0; r < rows; r++) {
-    for (int d = 0; d < DV; d++) V::zero().store(O + r * D + d * W);
+    for (int d = 0; d < dv; d++) V::zero().store(O + r * D + d * W);
     m[r] = -INFINITY;
     l[r] = 0.f;
   }
@@ -83,18 +85,18 @@ void attend_one_query(const AttnArgs& a, const Item& it) {
           if (j >= nk) krow[j] = kZeros;
           else if constexpr (sizeof(T) == 4) krow[j] = reinterpret_cast<const float*>(kbase[j] + h * hstride);
           else {
-            for (int d = 0; d < DV; d++) V::load(kbase[j] + h * hstride + d * W).store(kbuf + j * D + d * W);
+            for (int d = 0; d < dv; d++) V::load(kbase[j] + h * hstride + d * W).store(kbuf + j * D + d * W);
             krow[j] = kbuf + j * D;
           }
         }
         for (int r = r0; r < r0 + G; r++) {
-          V qr[DV];
-          for (int d = 0; d < DV; d++) qr[d] = V::load(q + r * D + d * W);
+          V qr[max_dv<DV>()];
+          for (int d = 0; d < dv; d++) qr[d] = V::load(q + r * D + d * W);
           for (int jg = 0; jg < KP; jg += W) {
             V acc[W];
             for (int u = 0; u < W; u++) {
               acc[u] = V::zero();
-              for (int d = 0; d < DV; d++) acc[u] = V::fma(qr[d], V::load(krow[jg + u] + d * W), acc[u]);
+              for (int d = 0; d < dv; d++) acc[u] = V::fma(qr[d], V::load(krow[jg + u] + d * W), acc[u]);
               pfc.step();
             }
             V::hsum_lanes(acc).store(S + r * KP + jg);
@@ -120,7 +122,7 @@ void attend_one_query(const AttnArgs& a, const Item& it) {
         m[r] = m_new;
         if (alpha != 1.f) {
           const V al = V::set1(alpha);
-          for (int d = 0; d < DV; d++) (V::load(O + r * D + d * W) * al).store(O + r * D + d * W);
+          for (int d = 0; d < dv; d++) (V::load(O + r * D + d * W) * al).store(O + r * D + d * W);
         }
       }
       if constexpr (kDpbf16) {
@@ -133,11 +135,11 @@ void attend_one_query(const AttnArgs& a, const Item& it) {
         for (int j = 0; j < nk; j++) {
           if constexpr (sizeof(T) == 4) vrow[j] = reinterpret_cast<const float*>(vbase[j] + h * hstride);
           else {
-            for (int d = 0; d < DV; d++) V::load(vbase[j] + h * hstride + d * W).store(vbuf + j * D + d * W);
+            for (int d = 0; d < dv; d++) V::load(vbase[j] + h * hstride + d * W).store(vbuf + j * D + d * W);
             vrow[j] = vbuf + j * D;
           }
         }
-        pv_all<DV>(s0, 1, KP, G, vrow, nk, O + r0 * D, &pfc);
+        pv_all<DV>(s0, 1, KP, G, vrow, nk, O + r0 * D, dv, &pfc);
         pfc.flush();
       }
     }

@@ -45,7 +45,8 @@ __attribute__((noinline)) inline bool chunk_softmax(float* ST, int nkp, int rv_n
 // A tile of queries: rows r = (query q0 + r / G, head kvh * G + r % G) in vector lanes.
 template <typename T, int DV>
 void attend_tile(const AttnArgs& a, const Item& it) {
-  constexpr int D = DV * W;
+  constexpr int DM = max_dv<DV>() * W;  // a row's room: D itself for a compiled head size
+  const int dv = head_dv<DV>(a), D = dv * W;
   constexpr int KP = (KC + KB - 1) / KB * KB;
   const int G = a.H / a.KVH;
   const int64_t qs = a.query_start[it.req];
@@ -57,17 +58,18 @@ void attend_tile(const AttnArgs& a, const Item& it) {
   const T* kc = static_cast<const T*>(a.k_cache);
   const T* vc = static_cast<const T*>(a.v_cache);
   // (a constant false below the avx512bf16 level: the amx branches below are then dead code)
-  const bool amx = kAmx && sizeof(T) == 2 && g_amx_attention && a.bs % TILE_KEYS == 0 && D % 32 == 0;
+  // (and for the compiled head sizes only: the AMX helpers take D as a template argument, DM below)
+  const bool amx = kAmx && sizeof(T) == 2 && DV > 0 && g_amx_attention && a.bs % TILE_KEYS == 0 && D % 32 == 0;
 
-  alignas(64) float QT[D * MAX_ROWS];   // [d][row], scaled (the vector path)
-  alignas(64) uint32_t QT2[sizeof(T) == 2 ? D / 2 * MAX_ROWS : 1];  // [d pair][row], unscaled (the AMX path)
+  alignas(64) float QT[DM * MAX_ROWS];   // [d][row], scaled (the vector path)
+  alignas(64) uint32_t QT2[sizeof(T) == 2 ? DM / 2 * MAX_ROWS : 1];  // [d pair][row], unscaled (the AMX path)
   alignas(64) uint16_t PT[sizeof(T) == 2 ? MAX_ROWS * KC : 1];         // AMX PV: P^T [row][key], bfloat16
-  alignas(64) uint16_t VV[sizeof(T) == 2 ? D * KC : 1];                // AMX PV: V in VNNI pairs
-  alignas(64) float O[MAX_ROWS * D];
+  alignas(64) uint16_t VV[sizeof(T) == 2 ? DM * KC : 1];               // AMX PV: V in VNNI pairs
+  alignas(64) float O[MAX_ROWS * DM];
   alignas(64) float ST[KP * MAX_ROWS];  // scores, then probabilities: [key][row]
   alignas(64) float last[MAX_ROWS];     // row r sees keys 0 .. last[r]
-  alignas(64) float kbuf[sizeof(T) == 2 ? KC * D : 1];
-  alignas(64) float vbuf[sizeof(T) == 2 ? KC * D : 1];
+  alignas(64) float kbuf[sizeof(T) == 2 ? KC * DM : 1];
+  alignas(64) float vbuf[sizeof(T) == 2 ? KC * DM : 1];
   alignas(64) float mrow[MAX_ROWS], lrow[MAX_ROWS], alpha[MAX_ROWS];
   const float* krow[KP];
   const float* vrow[KP];
@@ -89,8 +91,8 @@ void attend_tile(const AttnArgs& a, const Item& it) {
       for (int d = 0; d < D; d++) QT[d * MAX_ROWS + r] = real ? to_f32(qsrc[r][d]) * a.scale : 0.f;
     last[r] = float(real ? ctx0 + i : ctx0);  // padding rows see key 0 only: finite, ignored
   }
-  if constexpr (sizeof(T) == 2 && D % 32 == 0)
-    if (amx) vnni_queries<D>(reinterpret_cast<const uint16_t* const*>(qsrc), nrows, QT2);
+  if constexpr (sizeof(T) == 2 && DV > 0 && DM % 32 == 0)
+    if (amx) vnni_queries<DM>(reinterpret_cast<const uint16_t* const*>(qsrc), nrows, QT2);
   for (int r = 0; r < (amx ? MAX_ROWS : nrows) * D; r += W) V::zero().store(O + r);  // AMX: whole tiles
   V m[RV_MAX], l[RV_MAX];
   for (int rv = 0; rv < RV_MAX; rv++) {
@@ -151,7 +153,7 @@ void attend_tile(const AttnArgs& a, const Item& it) {
     if (j0 > 0 && rescale)
       for (int r = 0; r < nrows; r++) {
         const V al = V::set1(alpha[r]);
-        for (int d = 0; d < DV; d++) (V::load(O + r * D + d * W) * al).store(O + r * D + d * W);
+        for (int d = 0; d < dv; d++) (V::load(O + r * D + d * W) * al).store(O + r * D + d * W);
       }
     if (amx) {
       const uint16_t* vraw[KC];
@@ -159,12 +161,12 @@ void attend_tile(const AttnArgs& a, const Item& it) {
       kv_offsets(a, table, j0, nk, offs);
       const int64_t head = int64_t(it.kvh) * a.bs * D;
       for (int j = 0; j < nk; j++) vraw[j] = reinterpret_cast<const uint16_t*>(vc) + offs[j] + head;
-      vnni_values<D>(vraw, nk, VV);
+      vnni_values<DM>(vraw, nk, VV);
       transpose_probs(ST, nk, rv_n, PT);
       amx_chunk_pv(PT, VV, D, rv_n > 1, O);
       continue;
     }
-    pv_all<DV>(ST, MAX_ROWS, 1, nrows, vrow, nk, O);
+    pv_all<DV>(ST, MAX_ROWS, 1, nrows, vrow, nk, O, dv);
   }
   for (int rv = 0; rv < rv_n; rv++) l[rv].store(lrow + rv * W);
   (void)mrow;
