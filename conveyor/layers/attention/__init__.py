@@ -4,8 +4,8 @@
 ``forward(q, k, v, kv_cache, scale) -> out`` that every layer calls; all per-step preparation happens once, in
 its constructor. ``forward`` first writes the K/V of ALL new tokens into the paged cache, then reads.
 Backends: "reference" (the oracle), "cpu" (on CPU: resolved to "cpu-native", one native kernel call per layer
-for the whole step, where conveyor/kernels built for this CPU and serve the dtype and head size; else batched
-torch plus a small C decode kernel), "cpu-torch" (the torch path without any C kernel), "cuda" (flash-attn varlen when installed, else the batched
+for the whole step, where conveyor/kernels built for this CPU and serve the dtype and head size; else the
+batched torch path), "cpu-torch" (the torch path even where the native kernels run), "cuda" (flash-attn varlen when installed, else the batched
 torch path), "auto" (cuda on a GPU, cpu otherwise). A step with a baseline's pad rows gets its backend wrapped
 in ``padded.PaddedAttention``.
 """
@@ -59,7 +59,7 @@ def _make_backend(backend: str, meta: AttentionMetadata, dtype: torch.dtype) -> 
 
         return NativeCpuAttention(meta, load_cpu_kernels())
     if backend == "cpu-torch":
-        return CpuAttention(meta, dtype, use_c_kernel=False)
+        return CpuAttention(meta, dtype)
     if backend == "cuda":
         return make_cuda_attention(meta, dtype)
     raise ValueError(f"unknown attention backend {backend!r}")
