@@ -91,9 +91,8 @@ inline void chunk_rows(const AttnArgs& a, const int64_t* table, const T* base, i
 // time from inside this chunk's loops: `step()` once per inner iteration, `per` lines each, so the requests
 // spread over the chunk's compute. Asking for them in bursts (V into L1 before the scores, the next K into L2)
 // stalled the core on full fill buffers (perf: a third of the kernel's samples on those prefetches) and left
-// memory idle while it computed. Alternated A/B (30 SmolLM2 layers, caches from DRAM, best of 10), requests x
-// keys: bfloat16 86 x 190 / 500 31.41 / 80.52 -> 26.12 / 70.84 ms, 16 x 500 14.18 -> 11.79; float32 86 x 190 / 500
-// 42.09 / 108.25 -> 36.74 / 93.39. Into L1 (T0) did no better.
+// memory idle while it computed; spread out, decode attention over DRAM-resident caches took 12-17% less time
+// (docs/kernels.md). Into L1 (T0) did no better.
 struct LineCursor {
   static constexpr int kMaxLines = 2 * KC * MAX_D * 4 / 64;  // K and V rows of a chunk, float32 at MAX_D
   const char* lines[kMaxLines];

@@ -71,8 +71,8 @@ void attend_one_query(const AttnArgs& a, const Item& it) {
       }
       {
         // cursor steps: the scores' keys x rows (float32) or keys (bfloat16: stepping once per (row, key) cost
-        // more than it hid; 30 SmolLM2 layers, 86 requests x 300 keys from DRAM, alternated: 40.3-40.8 ->
-        // 37.9-38.8 ms; the same change in float32 was 5-7% slower), then PV's keys (or key pairs)
+        // more than it hid, 6% of the decode attention; the same change in float32 was 5-7% slower: see
+        // docs/kernels.md), then PV's keys (or key pairs)
         const int steps = kDpbf16 ? KP + KP / 2 : G * KP + KP;
         pfc.per = std::max(1, (pfc.n + steps - 1) / steps);
       }

@@ -14,10 +14,9 @@
 namespace cvk {
 
 #if defined(CVK_AVX512BF16)
-// Row count up to which amx_gemm_bf16 (below) asks for the next pair's weights itself. 30 SmolLM2 layers +
-// lm_head from DRAM, alternated in one process (best of 6), ms at 33 / 48 / 64 / 96 / 112 / 128 rows: 18.1 /
-// 20.5 / 22.9 / 23.5 / 35.5 / 36.0 with the prefetch, 15.6 / 16.9 / 17.7 / 22.1 / 28.0 / 30.5 without; at 17-32
-// rows the same; the whole SmolLM2 bfloat16 workload 12.62 -> 12.14 s (best of 4 alternated pairs).
+// Row count up to which amx_gemm_bf16 (below) asks for the next pair's weights itself: above it the prefetch
+// made the GEMM over DRAM-resident weights 6-29% slower (33-128 rows), at 17-32 rows it made no difference, and
+// dropping it above 32 made the whole SmolLM2 bfloat16 workload 4% faster (docs/kernels.md).
 constexpr int64_t AMX_PREFETCH_ROWS = 32;
 
 // AMX (Sapphire Rapids and later): the same skinny GEMM in bfloat16 on tile registers. A tile of 16 x's rows x

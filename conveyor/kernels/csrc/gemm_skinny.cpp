@@ -23,10 +23,10 @@ constexpr int SK_ROWS = W == 16 ? 8 : 2;  // rows of x per register tile (AVX2 h
 
 // The two blocks' lines SK_AHEAD k steps (4 KB) ahead, into L2: at one row tile (M <= SK_ROWS) the loop is bound
 // by the weight stream, and the hardware prefetcher alone, two streams a block apart, left bandwidth unused
-// (a sequential-read probe, 2 threads: 21.6 GB/s plain, 25-29 with a 4-8 KB software prefetch). Measured (30
-// SmolLM2 layers + lm_head from DRAM, alternated, best of 8): 1/2/5/8 rows 22.9/26.0/30.0/32.8 -> 20.8/21.3/
-// 24.2/24.7 ms (32 and 128 steps ahead: within 3% of 64). Past a block's end it asks for the next block's
-// first lines, which this thread reads next under the static schedule.
+// (a sequential-read probe, 2 threads: 21.6 GB/s plain, 25-29 with a 4-8 KB software prefetch). With it the
+// 1-8-row GEMM over DRAM-resident weights took 9-25% less time; 32 and 128 steps ahead were within 3% of 64
+// (docs/kernels.md). Past a block's end it asks for the next block's first lines, which this thread reads
+// next under the static schedule.
 constexpr int64_t SK_AHEAD = 64;
 inline void skinny_prefetch_ahead(const float* wp0, const float* wp1, int64_t k) {
   _mm_prefetch(reinterpret_cast<const char*>(wp0 + (k + SK_AHEAD) * NBLK), _MM_HINT_T1);
@@ -150,18 +150,16 @@ void skinny_store(const float* acc, int R, const T* bias, int64_t n0, int64_t N,
 // (UnitPrefetch), and x is packed once per call k-major per tile (xp[tile][k][rows]: one pointer, a broadcast per
 // row at fixed offsets).
 // Each output still sums k = 0 .. K-1 in order in one float32 accumulator (stored and reloaded between chunks,
-// which is exact), so results are bit-identical to the one-tile loop. Measured (alternated A/B in one process, bench model shapes incl. lm_head,
-// 2 threads, a noisy machine): 16 rows 111 -> 121 GFLOP/s, 48 rows 119 -> 131, 96 rows 121 -> 128 (best of 8);
-// the chunk size (64/128/256) made no difference beyond the noise.
+// which is exact), so results are bit-identical to the one-tile loop. 6-10% more GFLOP/s than it at 16-96
+// rows; the chunk size (64/128/256) made no difference beyond the noise (docs/kernels.md).
 constexpr int64_t SK_KC = 128;
 
 // Streams the weights of a thread's next unit (its NB blocks: one contiguous run of lines) into L2 while the
 // current unit computes, a few lines per k step at the rate that spreads the whole run over the unit's passes
 // (row tiles x K steps). Asking for the next chunk of the same unit during the first tile's pass only, as this
 // loop did before, bunched the requests into a quarter of the time at 32 rows, and the later passes, served
-// from L1, left memory idle: DRAM-resident weights (30 SmolLM2 layers + lm_head, alternated A/B, best of 8)
-// 16 rows 30.4 -> 27.4 ms, 32 rows 44.3 -> 34.1, 48 rows 59.7 -> 49.3, 86 rows 96.2 -> 85.1. Into L1 (T0) it
-// evicted the chunk the later tiles re-read (9 rows 22% slower).
+// from L1, left memory idle; spread over every pass, the GEMM over DRAM-resident weights took 10-23% less time
+// at 16-86 rows (docs/kernels.md). Into L1 (T0) it evicted the chunk the later tiles re-read (9 rows 22% slower).
 struct UnitPrefetch {
   const char* next = nullptr;  // null: the thread has no next unit
   int64_t line = 0, lines = 0;
@@ -270,8 +268,7 @@ void skinny_gemm_f32_blocked(const float* x, int64_t x_stride, int64_t M, const 
                              int64_t y_stride, int64_t N, int64_t K, int threads) {
   // Units of four blocks (6 rows x 64 columns: 24 accumulators, 10 loads per 24 FMAs instead of 10 per 16) from
   // 40 rows, where the 6-row tiles pad little; with enough units that the threads get even shares (within 1/16).
-  // Alternated A/B, bench model shapes + lm_head, 2 threads: 40 rows 10.74 -> 10.60 ms, 64 rows 17.21 -> 16.37,
-  // 86 rows 22.98 -> 21.83; at 9-16 rows they were slower (4.66 -> 5.16 ms at 16), so those keep the pairs.
+  // 1-5% faster than pairs from 40 rows, 11% slower at 16 rows, so 9-39 rows keep the pairs (docs/kernels.md).
   const int64_t nblocks = (N + NBLK - 1) / NBLK, quads = (nblocks + 3) / 4;
   if (M >= 40 && quads >= 4 * threads && (quads + threads - 1) / threads * threads * 15 <= quads * 16)
     skinny_gemm_f32_units<4, 6>(x, x_stride, M, wp, bias, y, y_stride, N, K, threads);
