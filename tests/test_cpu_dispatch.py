@@ -68,6 +68,23 @@ def test_cache_key_names_level_and_compiler(tmp_path, monkeypatch):
     assert a != library_path("k", "src", "avx2", ("-mavx2", "-O2"), "/usr/bin/c++")
 
 
+def test_cache_key_covers_every_header_of_the_source_directory(tmp_path):
+    """The key hashes the whole csrc directory: an edit to a header alone is a new library."""
+    import shutil
+
+    from conveyor.kernels.build import read_sources, sources_digest_text
+    from conveyor.kernels.cpu_ops import SOURCE_DIR
+
+    src = tmp_path / "csrc"
+    shutil.copytree(SOURCE_DIR, src)
+    sources = read_sources(str(src))
+    assert {"cvk.h", "vec.h", "api.cpp", "attention.cpp"} <= set(sources)
+    before = library_path("k", sources_digest_text(sources), "avx2", ("-mavx2",), "/usr/bin/c++")
+    (src / "vec.h").write_text((src / "vec.h").read_text() + "\n// edited\n")
+    after = library_path("k", sources_digest_text(read_sources(str(src))), "avx2", ("-mavx2",), "/usr/bin/c++")
+    assert before != after
+
+
 def test_failed_build_warns_with_the_compilers_message(tmp_path, monkeypatch):
     """A compiler that fails: a warning carrying its own message, None, and the engine takes the torch path."""
     fake = tmp_path / "fake-cxx"

@@ -125,6 +125,27 @@ MIXES = {
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("mix", sorted(MIXES))
 def test_attention_matches_torch(kernels, dtype, block_size, heads, kv_heads, head_dim, mix):
+    check_attention(kernels, dtype, block_size, heads, kv_heads, head_dim, mix)
+
+
+# Head sizes the generic path serves (every multiple of the vector width up to 256 but 64 and 128, which are
+# compiled in): 16 is the tests' tiny models', 80 and 96 Phi's, 256 Gemma's; 40 is a multiple of 8, not of 16.
+GENERIC_HEAD_DIMS = [16, 32, 40, 48, 80, 96, 256]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.parametrize("heads,kv_heads", [(6, 2), (4, 4)], ids=["g3", "g1"])
+@pytest.mark.parametrize("head_dim", GENERIC_HEAD_DIMS)
+@pytest.mark.parametrize("mix", sorted(MIXES))
+def test_attention_generic_head_size_matches_torch(kernels, dtype, block_size, heads, kv_heads, head_dim, mix):
+    if not kernels.supports(dtype, head_dim):
+        assert head_dim % kernels.vector_width != 0  # only a size that is not whole vectors here is refused
+        pytest.skip(f"head_dim {head_dim} is not a multiple of this level's vector width: the torch path")
+    check_attention(kernels, dtype, block_size, heads, kv_heads, head_dim, mix)
+
+
+def check_attention(kernels, dtype, block_size, heads, kv_heads, head_dim, mix):
     qkv, k_cache, v_cache, table, qsl, seq_lens = make_step(MIXES[mix], heads, kv_heads, head_dim, block_size, dtype)
     rotary = RotaryEmbedding(head_dim, 512, 10000.0)
     scale = head_dim ** -0.5
@@ -323,3 +344,59 @@ def test_amx_gemm_matches_torch(kernels, rows, out_features, in_features):
         kernels.amx_linear(x, packed, b, out_features, out)
         want = F.linear(x.double(), w.double(), None if b is None else b.double())
         torch.testing.assert_close(out.double(), want, atol=0.1, rtol=2e-2)
+
+
+def test_struct_mirrors_match_the_c_layout(kernels):
+    """Every ctypes mirror matches its C struct field by field (the load checks it too); a mirror that differs,
+    here a C layout with two int64 fields swapped, fails the check instead of passing garbage."""
+    import ctypes
+
+    from conveyor.kernels.build import BuildError
+    from conveyor.kernels.cpu_ops import check_abi
+
+    lib = ctypes.CDLL(kernels.path)
+    check_abi(lib, kernels.path)
+
+    class Swapped:  # the real library, except that CvkAttnArgs has q_stride and k_stride swapped
+        cvk_abi_version = staticmethod(lib.cvk_abi_version)
+
+        class cvk_struct_layout:
+            restype = argtypes = None
+
+            def __new__(cls, which):
+                text = lib.cvk_struct_layout(which).decode()
+                if which == 0:
+                    text = text.replace("q_stride:", "tmp:").replace("k_stride:", "q_stride:").replace("tmp:",
+                                                                                                       "k_stride:")
+                return text.encode()
+
+    with pytest.raises(BuildError, match="AttnArgs layout differs"):
+        check_abi(Swapped, "swapped")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+def test_attention_plan_built_once_serves_every_layer(kernels, dtype):
+    """One plan per step, passed to every layer's call: the same results as calls that plan for themselves; a
+    plan built for another step (other requests or heads) is refused, not misread."""
+    from conveyor.kernels.cpu_ops import KernelError
+
+    heads, kv_heads, d = 8, 2, 64
+    reqs = MIXES["mixed"]
+    qkv, k_cache, v_cache, table, qsl, seq_lens = make_step(reqs, heads, kv_heads, d, 16, dtype)
+    cos_sin = RotaryEmbedding(d, 512, 10000.0).cos_sin.flatten(1).contiguous()
+    plan = kernels.attention_plan(qsl, seq_lens, heads, kv_heads, d)
+    outs = []
+    for layer_plan in (None, plan, plan):  # layers 1 and 2 reuse the one plan
+        out = torch.empty(qkv.shape[0], heads, d, dtype=dtype)
+        q, k, v = split_heads(qkv.clone(), heads, kv_heads, d)
+        kc, vc = head_major(k_cache), head_major(v_cache)
+        kernels.attention(q, k, v, kc, vc, table, qsl, seq_lens, cos_sin, out, d ** -0.5, plan=layer_plan)
+        outs.append((out, kc))
+    for out, kc in outs[1:]:
+        assert torch.equal(out, outs[0][0]) and torch.equal(kc, outs[0][1])
+    other = kernels.attention_plan(qsl[:3], seq_lens[:2], heads, kv_heads, d)
+    for bad in (other, kernels.attention_plan(qsl, seq_lens, heads, 4, d)):
+        q, k, v = split_heads(qkv.clone(), heads, kv_heads, d)
+        with pytest.raises(KernelError, match="-3"):
+            kernels.attention(q, k, v, head_major(k_cache), head_major(v_cache), table, qsl, seq_lens, cos_sin,
+                              torch.empty(qkv.shape[0], heads, d, dtype=dtype), d ** -0.5, plan=bad)

@@ -47,6 +47,12 @@ def llama_mlp_bias(path):  # gate_up and down biases (the bfloat16 stack forms s
         num_key_value_heads=1, max_position_embeddings=512, tie_word_embeddings=False, mlp_bias=True))
 
 
+def llama_head_dim_32(path):  # the native attention's generic head-size path
+    return save_model(path, transformers.LlamaForCausalLM, transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False))
+
+
 def qwen2(path):  # q/k/v biases
     return save_model(path, transformers.Qwen2ForCausalLM, transformers.Qwen2Config(
         vocab_size=VOCAB, hidden_size=128, intermediate_size=192, num_hidden_layers=2, num_attention_heads=2,
@@ -69,7 +75,7 @@ def generate(llm, with_stack: bool):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("make", [llama, llama_mlp_bias, qwen2])
+@pytest.mark.parametrize("make", [llama, llama_mlp_bias, qwen2, llama_head_dim_32])
 def test_stack_is_bit_identical_to_the_per_layer_path(tmp_path, dtype, make):
     llm = LLM(str(make(tmp_path / "m")), dtype=dtype, enable_prefix_caching=False, detokenize=False, block_size=16)
     stack = llm.engine.model.native_stack
@@ -99,3 +105,18 @@ def test_stack_applies_only_where_every_part_runs_natively(tmp_path):
     assert NativeLayerStack.build(llm.engine.model, None) is None
     float64 = LLM(str(tmp_path / "m"), dtype="float64", enable_prefix_caching=False, detokenize=False)
     assert float64.engine.model.native_stack is None  # no native kernels in float64
+
+
+@pytest.mark.parametrize("with_stack", [True, False], ids=["stack", "per_layer"])
+def test_attention_plan_is_built_once_per_step(tmp_path, monkeypatch, with_stack):
+    """Every step's attention object plans once (its first layer), and every layer, or the stack, reuses it."""
+    from conveyor.layers.attention import NativeCpuAttention
+
+    llm = LLM(str(llama(tmp_path / "m")), dtype="float32", enable_prefix_caching=False, detokenize=False)
+    kernels = llm.engine.model.native_stack.kernels
+    steps, plans = [], []
+    init, plan = NativeCpuAttention.__init__, kernels.attention_plan
+    monkeypatch.setattr(NativeCpuAttention, "__init__", lambda self, *a: steps.append(1) or init(self, *a))
+    monkeypatch.setattr(kernels, "attention_plan", lambda *a: plans.append(1) or plan(*a))
+    generate(llm, with_stack=with_stack)
+    assert steps and len(plans) == len(steps)  # 3 layers, one plan per step

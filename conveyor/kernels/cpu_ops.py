@@ -1,4 +1,4 @@
-"""The native CPU kernels (csrc/cpu_kernels.cpp) behind typed Python calls on torch tensors.
+"""The native CPU kernels (csrc/: api.cpp is the C ABI) behind typed Python calls on torch tensors.
 
 ``load_cpu_kernels()`` builds the library for this CPU's instruction-set level (cached: seconds the first time
 on a machine, milliseconds after) and returns a ``CpuKernels``, or None when they cannot run here: no x86
@@ -20,10 +20,9 @@ import torch
 from conveyor.kernels.build import BuildError, build_library
 from conveyor.kernels.cpu_features import LEVEL_FLAGS, cpu_features, kernel_level
 
-SOURCE_PATH = os.path.join(os.path.dirname(__file__), "csrc", "cpu_kernels.cpp")
-ABI_VERSION = 4
+SOURCE_DIR = os.path.join(os.path.dirname(__file__), "csrc")
+ABI_VERSION = 5  # csrc/cvk.h's CVK_ABI_VERSION
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
-SUPPORTED_HEAD_DIMS = (64, 128)
 # The attention kernel's cache layout per layer: [2 (K, V), num_blocks, num_kv_heads, block_size, head_dim]. One
 # head's rows of a block are contiguous, so a request's context streams in order (the torch paths keep
 # [2, num_blocks, block_size, num_kv_heads, head_dim]).
@@ -34,6 +33,52 @@ class KernelError(RuntimeError):
     pass
 
 
+_P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
+
+
+class AttnArgs(ctypes.Structure):
+    """csrc/cvk.h's CvkAttnArgs (what each field holds is written there); checked against the library on load."""
+
+    _fields_ = [("q", _P), ("k", _P), ("v", _P), ("k_cache", _P), ("v_cache", _P), ("block_table", _P),
+                ("query_start", _P), ("seq_lens", _P), ("cos_sin", _P), ("out", _P), ("plan", _P),
+                ("q_stride", _I64), ("k_stride", _I64), ("v_stride", _I64), ("bt_stride", _I64), ("out_stride", _I64),
+                ("dtype", _I32), ("num_reqs", _I32), ("H", _I32), ("KVH", _I32), ("D", _I32), ("bs", _I32),
+                ("num_threads", _I32), ("scale", _F32)]
+
+
+class LayerStackArgs(ctypes.Structure):
+    """csrc/cvk.h's CvkLayerStackArgs; checked against the library on load."""
+
+    _fields_ = [("fields", _P), ("x", _P), ("residual", _P), ("h", _P), ("qkv", _P), ("attn", _P), ("gu", _P),
+                ("act", _P), ("block_table", _P), ("query_start", _P), ("seq_lens", _P), ("cos_sin", _P), ("plan", _P),
+                ("T", _I64), ("hidden", _I64), ("inter", _I64), ("bt_stride", _I64), ("dtype", _I32),
+                ("use_amx", _I32), ("L", _I32), ("num_reqs", _I32), ("H", _I32), ("KVH", _I32), ("D", _I32),
+                ("bs", _I32), ("num_threads", _I32), ("scale", _F32), ("eps", _F32), ("reserved", _I32)]
+
+
+_STRUCTS = {0: AttnArgs, 1: LayerStackArgs}  # cvk.h's CVK_STRUCT_* ids
+_ERRORS = {-1: "out of memory", -2: "unsupported by this build (head size, group size or dtype)",
+           -3: "bad argument (dtype, shape, or a plan built for other arguments)"}
+
+
+def check_abi(lib: ctypes.CDLL, path: str) -> None:
+    """The library's ABI version and every struct's layout (field names, offsets, sizes) must be the mirrors'."""
+    if lib.cvk_abi_version() != ABI_VERSION:
+        raise BuildError(f"{path}: ABI version {lib.cvk_abi_version()}, expected {ABI_VERSION}")
+    lib.cvk_struct_layout.restype = ctypes.c_char_p
+    lib.cvk_struct_layout.argtypes = [ctypes.c_int]
+    for which, mirror in _STRUCTS.items():
+        want = ";".join(f"{name}:{getattr(mirror, name).offset}:{getattr(mirror, name).size}"
+                        for name, _ in mirror._fields_) + f";sizeof:{ctypes.sizeof(mirror)}"
+        got = (lib.cvk_struct_layout(which) or b"").decode()
+        if got != want:
+            raise BuildError(f"{path}: {mirror.__name__} layout differs from the C struct:\n C:      {got}\n Python: {want}")
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
 class CpuKernels:
     """Loaded kernels of one instruction-set level. Every call checks shapes and dtypes it cannot handle."""
 
@@ -42,8 +87,13 @@ class CpuKernels:
         p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
         self._attention = lib.cvk_attention
         self._attention.restype = i32
-        self._attention.argtypes = [i32, p, i64, p, i64, p, i64, p, p, p, i64, p, p, i32, p, p, i64, i32, i32, i32, i32,
-                                    f32, i32]
+        self._attention.argtypes = [ctypes.POINTER(AttnArgs)]
+        self._plan_bytes = lib.cvk_attention_plan_bytes
+        self._plan_bytes.restype = i64
+        self._plan_bytes.argtypes = [ctypes.POINTER(AttnArgs)]
+        self._plan = lib.cvk_attention_plan
+        self._plan.restype = i32
+        self._plan.argtypes = [ctypes.POINTER(AttnArgs), p, i64]
         self._add_rmsnorm = lib.cvk_add_rmsnorm
         self._add_rmsnorm.restype = i32
         self._add_rmsnorm.argtypes = [i32, p, i64, p, p, p, i64, i64, f32, i32, i32]
@@ -70,38 +120,63 @@ class CpuKernels:
         self._argmax_rows.argtypes = [i32, p, i64, i64, i64, p, i32]
         self._llama_layers = lib.cvk_llama_layers
         self._llama_layers.restype = i32
-        self._llama_layers.argtypes = [i32, i32, i64, i32, i64, i64, p, p, p, p, p, p, p, p, p, i64, p, p, i32, p,
-                                       i32, i32, i32, i32, f32, f32, i32]
+        self._llama_layers.argtypes = [ctypes.POINTER(LayerStackArgs)]
         self.vector_width = lib.cvk_vector_width()
+        self.max_head_dim = lib.cvk_max_head_dim()
 
-    @staticmethod
-    def supports(dtype: torch.dtype, head_dim: int | None = None) -> bool:
-        return dtype in _DTYPE_CODES and (head_dim is None or head_dim in SUPPORTED_HEAD_DIMS)
+    def supports(self, dtype: torch.dtype, head_dim: int | None = None) -> bool:
+        """Whether the kernels serve ``dtype`` (float32, bfloat16) and, for attention, ``head_dim``: 64 and 128
+        compiled in, any other multiple of the vector width (8 on AVX2, 16 on AVX-512) up to ``max_head_dim`` on
+        the generic path."""
+        return dtype in _DTYPE_CODES and (head_dim is None or (
+            0 < head_dim <= self.max_head_dim and head_dim % self.vector_width == 0))
+
+    def attention_plan(self, query_start: torch.Tensor, seq_lens: torch.Tensor, num_heads: int, num_kv_heads: int,
+                       head_dim: int) -> torch.Tensor | None:
+        """The step's attention work plan (an opaque buffer) for ``attention(..., plan=)`` and ``llama_layers``:
+        built once per step and read by every layer's call (it depends on the requests and heads, not the layer).
+        query_start [R + 1] and seq_lens [R] int64 as ``attention`` takes them. None for a step without requests."""
+        a = AttnArgs(query_start=query_start.data_ptr(), seq_lens=seq_lens.data_ptr(), num_reqs=seq_lens.shape[0],
+                     H=num_heads, KVH=num_kv_heads, D=head_dim, num_threads=torch.get_num_threads())
+        size = self._plan_bytes(ctypes.byref(a))
+        if size <= 0:
+            return None
+        buf = torch.empty((size + 7) // 8, dtype=torch.int64)  # int64: 8-byte aligned
+        self._check("cvk_attention_plan", self._plan(ctypes.byref(a), buf.data_ptr(), buf.numel() * 8))
+        return buf
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                   v_cache: torch.Tensor, block_table: torch.Tensor, query_start: torch.Tensor, seq_lens: torch.Tensor,
-                  cos_sin: torch.Tensor | None, out: torch.Tensor, scale: float) -> None:
+                  cos_sin: torch.Tensor | None, out: torch.Tensor, scale: float,
+                  plan: torch.Tensor | None = None) -> None:
         """Rope (when ``cos_sin`` is given) + KV write + causal attention of every request of a step.
 
         q [T, H, D], k and v [T, KVH, D], each with unit strides inside a token's row (views of one fused qkv
         buffer are fine); q and k are rotated in place. k_cache and v_cache [num_blocks, KVH, block_size, D]
-        contiguous (head-major blocks: ``HEAD_MAJOR_KV``); block_table [R, max_blocks] int64 (row-major); query_start [R + 1] and seq_lens [R] int64
-        (request r's tokens sit at positions seq_lens[r] - n_r ...); cos_sin [positions, D] float32 (cos halves
-        then sin halves); out [T, H, D], written (unit strides inside a row).
+        contiguous (head-major blocks: ``HEAD_MAJOR_KV``); block_table [R, max_blocks] int64 (row-major);
+        query_start [R + 1] and seq_lens [R] int64 (request r's tokens sit at positions seq_lens[r] - n_r ...);
+        cos_sin [positions, D] float32 (cos halves then sin halves); out [T, H, D], written (unit strides inside a
+        row). ``plan``: the step's ``attention_plan`` (else the call plans for itself).
         """
         num_heads, head_dim = q.shape[1], q.shape[2]
         num_kv_heads = k.shape[1]
         for t in (q, k, v, out):
             if t.stride(2) != 1 or t.stride(1) != head_dim:
                 raise KernelError(f"attention: rows must be dense [heads, head_dim], got strides {t.stride()}")
-        rc = self._attention(
-            _DTYPE_CODES[q.dtype], q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
-            k_cache.data_ptr(), v_cache.data_ptr(), block_table.data_ptr(), block_table.stride(0),
-            query_start.data_ptr(), seq_lens.data_ptr(), seq_lens.shape[0],
-            None if cos_sin is None else cos_sin.data_ptr(), out.data_ptr(), out.stride(0), num_heads, num_kv_heads,
-            head_dim, k_cache.shape[2], scale, torch.get_num_threads())
+        a = AttnArgs(q=q.data_ptr(), k=k.data_ptr(), v=v.data_ptr(), k_cache=k_cache.data_ptr(),
+                     v_cache=v_cache.data_ptr(), block_table=block_table.data_ptr(), query_start=query_start.data_ptr(),
+                     seq_lens=seq_lens.data_ptr(), cos_sin=_ptr(cos_sin), out=out.data_ptr(), plan=_ptr(plan),
+                     q_stride=q.stride(0), k_stride=k.stride(0), v_stride=v.stride(0), bt_stride=block_table.stride(0),
+                     out_stride=out.stride(0), dtype=_DTYPE_CODES[q.dtype], num_reqs=seq_lens.shape[0], H=num_heads,
+                     KVH=num_kv_heads, D=head_dim, bs=k_cache.shape[2], num_threads=torch.get_num_threads(),
+                     scale=scale)
+        self._check(f"cvk_attention (H={num_heads} KVH={num_kv_heads} D={head_dim})",
+                    self._attention(ctypes.byref(a)))
+
+    @staticmethod
+    def _check(what: str, rc: int) -> None:
         if rc != 0:
-            raise KernelError(f"cvk_attention failed ({rc}) for H={num_heads} KVH={num_kv_heads} D={head_dim}")
+            raise KernelError(f"{what} failed ({rc}: {_ERRORS.get(rc, 'unknown error')})")
 
     def add_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
                     out: torch.Tensor) -> None:
@@ -145,19 +220,22 @@ class CpuKernels:
     def llama_layers(self, fields: torch.Tensor, num_layers: int, hidden: int, inter: int, x: torch.Tensor,
                      residual: torch.Tensor, scratch: tuple[torch.Tensor, ...], block_table: torch.Tensor,
                      query_start: torch.Tensor, seq_lens: torch.Tensor, cos_sin: torch.Tensor, num_heads: int,
-                     num_kv_heads: int, head_dim: int, block_size: int, scale: float, eps: float) -> None:
-        """A Llama-family decoder-layer stack in one call (cvk_llama_layers: its comment gives the layout of
+                     num_kv_heads: int, head_dim: int, block_size: int, scale: float, eps: float,
+                     plan: torch.Tensor | None = None) -> None:
+        """A Llama-family decoder-layer stack in one call (cvk_llama_layers: layer_stack.cpp gives the layout of
         ``fields``, the per-layer pointers, and of the ``scratch`` buffers h, qkv, attn, gate_up, act). ``residual``
-        holds the embeddings on entry; on return ``x`` holds the last layer's output, ``residual`` the stream."""
+        holds the embeddings on entry; on return ``x`` holds the last layer's output, ``residual`` the stream.
+        ``plan``: the step's ``attention_plan`` (else the call plans once for all its layers)."""
         h, qkv, attn, gu, act = scratch
-        rc = self._llama_layers(
-            _DTYPE_CODES[x.dtype], int(self.amx), x.shape[0], num_layers, hidden, inter, fields.data_ptr(),
-            x.data_ptr(), residual.data_ptr(), h.data_ptr(), qkv.data_ptr(), attn.data_ptr(), gu.data_ptr(),
-            act.data_ptr(), block_table.data_ptr(), block_table.stride(0), query_start.data_ptr(),
-            seq_lens.data_ptr(), seq_lens.shape[0], cos_sin.data_ptr(), num_heads, num_kv_heads, head_dim,
-            block_size, scale, eps, torch.get_num_threads())
-        if rc != 0:
-            raise KernelError(f"cvk_llama_layers failed ({rc})")
+        s = LayerStackArgs(fields=fields.data_ptr(), x=x.data_ptr(), residual=residual.data_ptr(), h=h.data_ptr(),
+                           qkv=qkv.data_ptr(), attn=attn.data_ptr(), gu=gu.data_ptr(), act=act.data_ptr(),
+                           block_table=block_table.data_ptr(), query_start=query_start.data_ptr(),
+                           seq_lens=seq_lens.data_ptr(), cos_sin=cos_sin.data_ptr(), plan=_ptr(plan), T=x.shape[0],
+                           hidden=hidden, inter=inter, bt_stride=block_table.stride(0), dtype=_DTYPE_CODES[x.dtype],
+                           use_amx=int(self.amx), L=num_layers, num_reqs=seq_lens.shape[0], H=num_heads,
+                           KVH=num_kv_heads, D=head_dim, bs=block_size, num_threads=torch.get_num_threads(),
+                           scale=scale, eps=eps)
+        self._check("cvk_llama_layers", self._llama_layers(ctypes.byref(s)))
 
     def set_amx_attention(self, on: bool) -> bool:
         """Run prefill attention's QK^T on AMX tiles (bfloat16; the default where AMX was granted) or on vector
@@ -210,12 +288,9 @@ def build_and_load(level: str) -> CpuKernels | None:
     if level == "none":
         return None
     try:
-        with open(SOURCE_PATH) as f:
-            source = f.read()
-        path = build_library("cpu_kernels", source, level, LEVEL_FLAGS[level])
+        path = build_library("cpu_kernels", SOURCE_DIR, level, LEVEL_FLAGS[level])
         lib = ctypes.CDLL(path)
-        if lib.cvk_abi_version() != ABI_VERSION:
-            raise BuildError(f"{path}: ABI version {lib.cvk_abi_version()}, expected {ABI_VERSION}")
+        check_abi(lib, path)
         return CpuKernels(lib, level, path)
     except (BuildError, OSError) as e:
         warnings.warn(f"conveyor: native CPU kernels ({level}) unavailable, using the torch path instead: {e}",

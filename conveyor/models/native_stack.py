@@ -18,7 +18,7 @@ import torch
 
 from conveyor.layers.attention.base import AttentionBackend
 
-# The order of the per-layer pointer fields cvk_llama_layers reads (see its comment in csrc/cpu_kernels.cpp).
+# The order of the per-layer pointer fields cvk_llama_layers reads (see its comment in csrc/layer_stack.cpp).
 _FIELDS = ("in_norm", "qkv", "qkv_bias", "o", "o_bias", "post_norm", "gate_up", "gate_up_bias", "down", "down_bias",
            "k_cache", "v_cache")
 _KV_FIELDS = 2  # the last two fields: filled per KV cache, not per model
@@ -90,9 +90,11 @@ class NativeLayerStack:
                    torch.empty(t, q_size, dtype=dt), torch.empty(t, 2 * self.inter, dtype=dt),
                    torch.empty(t, self.inter, dtype=dt))
         residual = embeddings.contiguous()
+        plan = attn.plan(self.num_heads, self.num_kv_heads, self.head_dim)  # the step's, shared with any other call
         self.kernels.llama_layers(self._fields, self.num_layers, self.hidden, self.inter, x, residual, scratch,
                                   attn.block_table, attn.query_start, attn.seq_lens, rope_table, self.num_heads,
-                                  self.num_kv_heads, self.head_dim, kv_caches[0].shape[3], self.scale, self.eps)
+                                  self.num_kv_heads, self.head_dim, kv_caches[0].shape[3], self.scale, self.eps,
+                                  plan=plan)
         return x, residual
 
     def _bind_kv(self, kv_caches: list[torch.Tensor]) -> None:

@@ -88,7 +88,7 @@ def _make_backend(backend: str, meta: AttentionMetadata, dtype: torch.dtype) -> 
 
         return NativeCpuAttention(meta, load_cpu_kernels())
     if cls is CpuAttention:
-        return CpuAttention(meta, dtype, use_c_kernel=False)
+        return CpuAttention(meta, dtype)
     return cls(meta)
 
 

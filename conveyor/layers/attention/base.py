@@ -20,7 +20,8 @@ class AttentionBackend(Protocol):
     ``fuses_rope`` says whether ``forward`` rotates q and k itself (then the model passes them unrotated with
     ``rope=``, the float32 table of the step's positions); ``supports_layer_stack`` says whether the whole-model
     native call (``models.native_stack``) can run a step with this object (it then reads the object's
-    ``block_table``, ``query_start`` and ``seq_lens`` int64 tensors).
+    ``block_table``, ``query_start`` and ``seq_lens`` int64 tensors and its ``plan(...)``, the native kernels'
+    work plan for the step).
     """
 
     name: str

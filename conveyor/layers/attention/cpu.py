@@ -1,11 +1,10 @@
-"""The fast CPU attention backend.
+"""The torch CPU attention backend: what runs where the native kernels do not (no AVX2, no compiler,
+``CONVEYOR_CPU_ISA=none``, float16, or a head size that is not whole vectors), and the oracle-grade fallback.
 
-Decodes (one query each) are batched. With the small C kernel (paged_decode_kernel.py, built on first use) all
-decodes of a layer are one call that reads K/V straight from the paged cache. Without it (no compiler, or not
-float32): the runner sorts decodes by context length, we cut them into a few length buckets, gather each
-bucket's K/V blocks into one padded tensor and run one masked SDPA per bucket. Either way a step with 100
-decodes costs a handful of calls per layer instead of 100, and everything that does not depend on the layer
-(bucket bounds, flat block ids, masks, gather buffers) is built once per step in ``__init__``.
+Decodes (one query each) are batched: the runner sorts them by context length, we cut them into a few length
+buckets, gather each bucket's K/V blocks into one padded tensor and run one masked SDPA per bucket. So a step
+with 100 decodes costs a handful of calls per layer instead of 100, and everything that does not depend on the
+layer (bucket bounds, flat block ids, masks, gather buffers) is built once per step in ``__init__``.
 Prefill chunks run one request at a time: without prior context straight on the fresh K/V (no gather).
 """
 
@@ -19,7 +18,6 @@ import torch.nn.functional as F
 from conveyor.layers.attention.base import reject_rope, token_major_kv_shape
 from conveyor.layers.attention.common import causal_self_attention, gather_context, write_kv
 from conveyor.layers.attention.metadata import AttentionMetadata
-from conveyor.layers.attention.paged_decode_kernel import load_kernel, paged_decode
 
 # A bucket keeps taking shorter requests while the padding it adds stays under this fraction of its length.
 MAX_BUCKET_PAD_FRACTION = 0.35
@@ -51,9 +49,7 @@ def plan_decode_buckets(seq_lens: list[int], num_decodes: int) -> list[tuple[int
 
 
 class CpuAttention:
-    """All decodes in one C-kernel call (or a few torch length buckets), then prefill chunks one by one.
-
-    ``use_c_kernel=False`` is the "cpu-torch" backend: the torch path even where the kernel builds."""
+    """All decodes in a few torch length buckets, then prefill chunks one by one."""
 
     name = "cpu-torch"
     fuses_rope = False
@@ -63,17 +59,11 @@ class CpuAttention:
     supports_layer_stack = False
     kv_cache_shape = staticmethod(token_major_kv_shape)
 
-    def __init__(self, meta: AttentionMetadata, dtype: torch.dtype = torch.float32, use_c_kernel: bool = True) -> None:
+    def __init__(self, meta: AttentionMetadata, dtype: torch.dtype = torch.float32) -> None:
         self.meta = meta
         # Prefill requests without prior context attend to their fresh K/V; the rest gather their context.
         self.prefill_ids = range(meta.num_decodes, meta.num_reqs)
         self.buckets: list[DecodeBucket] = []
-        on_cpu = meta.block_table.device.type == "cpu"
-        self.kernel = load_kernel() if use_c_kernel and dtype == torch.float32 and on_cpu and meta.num_decodes else None
-        if self.kernel is not None:
-            self.decode_table = meta.block_table[:meta.num_decodes].contiguous()
-            self.decode_lens = torch.tensor(meta.seq_lens[:meta.num_decodes], dtype=torch.int64)
-            return
         bs, device = meta.block_size, meta.block_table.device
         for start, end in plan_decode_buckets(meta.seq_lens, meta.num_decodes):
             lens = torch.tensor(meta.seq_lens[start:end], device=device)
@@ -92,9 +82,6 @@ class CpuAttention:
         out = torch.empty_like(q)
         num_heads, kv_heads, head_dim = q.shape[1], k.shape[1], q.shape[2]
         group = num_heads // kv_heads
-        if self.kernel is not None:
-            nd = meta.num_decodes
-            paged_decode(self.kernel, q[:nd].contiguous(), kv_cache, self.decode_table, self.decode_lens, scale, out[:nd])
         for b in self.buckets:
             n = b.end - b.start
             ctx = b.num_blocks * meta.block_size

@@ -1,0 +1,77 @@
+#!/usr/bin/env python3
+"""Decode attention alone: the native kernel over a step of one-token requests, every layer's cache its own.
+
+    python benchmarks/decode_attention.py [--dtype bfloat16] [--heads 9 --kv-heads 3 --head-dim 64]
+        [--layers 30] [--shapes 86x190,86x500,16x500] [--rounds 10]
+
+For each requests x keys shape: one attention call per layer (rope + KV write + attention, as the engine makes
+them), over --layers separate caches so they come from DRAM as a real step's do (the defaults are SmolLM2-135M's
+heads and layers); prints the best of --rounds in ms per step. To compare two versions of the kernels, run it on
+each commit (the script works with the API before and after the per-step plan), alternated, on an idle machine:
+the results in docs/kernels.md were measured this way or with both builds in one process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    ap.add_argument("--heads", type=int, default=9)
+    ap.add_argument("--kv-heads", type=int, default=3)
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--layers", type=int, default=30)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--shapes", default="86x190,86x500,16x500", help="requests x keys, comma-separated")
+    ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--threads", type=int, default=None)
+    ns = ap.parse_args()
+
+    import torch
+
+    from conveyor.kernels import load_cpu_kernels
+
+    if ns.threads:
+        torch.set_num_threads(ns.threads)
+    kernels = load_cpu_kernels()
+    dtype = getattr(torch, ns.dtype)
+    if kernels is None or not kernels.supports(dtype, ns.head_dim):
+        print("no native attention for this dtype / head size on this CPU: nothing to measure")
+        return 1
+    h, kvh, d, bs = ns.heads, ns.kv_heads, ns.head_dim, ns.block_size
+    print(f"{ns.dtype}, {h}/{kvh} heads x {d}, {ns.layers} layers, {torch.get_num_threads()} threads, "
+          f"kernels {kernels.level}")
+    for shape in ns.shapes.split(","):
+        reqs, keys = (int(v) for v in shape.split("x"))
+        blocks_per_req = -(-(keys + 1) // bs)
+        num_blocks = reqs * blocks_per_req
+        ids = list(range(num_blocks))
+        random.Random(0).shuffle(ids)  # blocks scattered over the pool, as a long-running engine leaves them
+        table = torch.tensor(ids, dtype=torch.int64).view(reqs, blocks_per_req)
+        caches = [torch.randn(2, num_blocks, kvh, bs, d).to(dtype) for _ in range(ns.layers)]
+        qsl = torch.arange(reqs + 1, dtype=torch.int64)
+        seq_lens = torch.full((reqs,), keys + 1, dtype=torch.int64)
+        cos_sin = torch.randn(keys + 2, d)
+        qkv = torch.randn(reqs, (h + 2 * kvh) * d).to(dtype)
+        out = torch.empty(reqs, h, d, dtype=dtype)
+        q = qkv[:, :h * d].unflatten(1, (h, d))
+        k = qkv[:, h * d:(h + kvh) * d].unflatten(1, (kvh, d))
+        v = qkv[:, (h + kvh) * d:].unflatten(1, (kvh, d))
+        best = float("inf")
+        for _ in range(ns.rounds):
+            t0 = time.perf_counter()
+            plan = kernels.attention_plan(qsl, seq_lens, h, kvh, d) if hasattr(kernels, "attention_plan") else None
+            extra = {} if plan is None else {"plan": plan}
+            for cache in caches:
+                kernels.attention(q, k, v, cache[0], cache[1], table, qsl, seq_lens, cos_sin, out, d ** -0.5, **extra)
+            best = min(best, time.perf_counter() - t0)
+        print(f"{reqs:4d} requests x {keys:5d} keys: {best * 1e3:8.2f} ms per step")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,173 @@
+// The C ABI (extern "C" only): argument checks, then the kernel families' entry points (kernels.h). Plain C
+// types and no torch headers, so a build takes seconds; loaded with ctypes by conveyor/kernels/cpu_ops.py.
+#include <omp.h>
+#include <stdint.h>
+#if defined(__linux__)
+#include <sched.h>
+#endif
+
+#include <stddef.h>
+
+#include <initializer_list>
+#include <string>
+
+#include "amx.h"
+#include "attention_common.h"
+#include "cvk.h"
+#include "kernels.h"
+#include "vec.h"
+
+namespace {
+
+struct Field {
+  const char* name;
+  size_t offset, size;
+};
+#define CVK_FIELD(S, f) Field{#f, offsetof(S, f), sizeof(static_cast<S*>(nullptr)->f)}
+
+template <class S>
+std::string layout(std::initializer_list<Field> fields) {
+  std::string out;
+  for (const Field& f : fields)
+    out += std::string(f.name) + ":" + std::to_string(f.offset) + ":" + std::to_string(f.size) + ";";
+  return out + "sizeof:" + std::to_string(sizeof(S));
+}
+
+}  // namespace
+
+extern "C" {
+
+int cvk_abi_version() { return CVK_ABI_VERSION; }
+
+int cvk_vector_width() { return cvk::W; }
+
+// The largest head size the attention serves (cvk::attention_supports has the other limits).
+int cvk_max_head_dim() { return cvk::MAX_D; }
+
+// "name:offset:size;..." for each field of struct `which` (CVK_STRUCT_*), then "sizeof:N", so the Python
+// mirror can be checked field by field; NULL for an unknown struct.
+const char* cvk_struct_layout(int which) {
+  static const std::string attn = layout<CvkAttnArgs>({
+      CVK_FIELD(CvkAttnArgs, q), CVK_FIELD(CvkAttnArgs, k), CVK_FIELD(CvkAttnArgs, v),
+      CVK_FIELD(CvkAttnArgs, k_cache), CVK_FIELD(CvkAttnArgs, v_cache), CVK_FIELD(CvkAttnArgs, block_table),
+      CVK_FIELD(CvkAttnArgs, query_start), CVK_FIELD(CvkAttnArgs, seq_lens), CVK_FIELD(CvkAttnArgs, cos_sin),
+      CVK_FIELD(CvkAttnArgs, out), CVK_FIELD(CvkAttnArgs, plan), CVK_FIELD(CvkAttnArgs, q_stride),
+      CVK_FIELD(CvkAttnArgs, k_stride), CVK_FIELD(CvkAttnArgs, v_stride), CVK_FIELD(CvkAttnArgs, bt_stride),
+      CVK_FIELD(CvkAttnArgs, out_stride), CVK_FIELD(CvkAttnArgs, dtype), CVK_FIELD(CvkAttnArgs, num_reqs),
+      CVK_FIELD(CvkAttnArgs, H), CVK_FIELD(CvkAttnArgs, KVH), CVK_FIELD(CvkAttnArgs, D), CVK_FIELD(CvkAttnArgs, bs),
+      CVK_FIELD(CvkAttnArgs, num_threads), CVK_FIELD(CvkAttnArgs, scale)});
+  static const std::string stack = layout<CvkLayerStackArgs>({
+      CVK_FIELD(CvkLayerStackArgs, fields), CVK_FIELD(CvkLayerStackArgs, x), CVK_FIELD(CvkLayerStackArgs, residual),
+      CVK_FIELD(CvkLayerStackArgs, h), CVK_FIELD(CvkLayerStackArgs, qkv), CVK_FIELD(CvkLayerStackArgs, attn),
+      CVK_FIELD(CvkLayerStackArgs, gu), CVK_FIELD(CvkLayerStackArgs, act), CVK_FIELD(CvkLayerStackArgs, block_table),
+      CVK_FIELD(CvkLayerStackArgs, query_start), CVK_FIELD(CvkLayerStackArgs, seq_lens),
+      CVK_FIELD(CvkLayerStackArgs, cos_sin), CVK_FIELD(CvkLayerStackArgs, plan), CVK_FIELD(CvkLayerStackArgs, T),
+      CVK_FIELD(CvkLayerStackArgs, hidden), CVK_FIELD(CvkLayerStackArgs, inter),
+      CVK_FIELD(CvkLayerStackArgs, bt_stride), CVK_FIELD(CvkLayerStackArgs, dtype),
+      CVK_FIELD(CvkLayerStackArgs, use_amx), CVK_FIELD(CvkLayerStackArgs, L), CVK_FIELD(CvkLayerStackArgs, num_reqs),
+      CVK_FIELD(CvkLayerStackArgs, H), CVK_FIELD(CvkLayerStackArgs, KVH), CVK_FIELD(CvkLayerStackArgs, D),
+      CVK_FIELD(CvkLayerStackArgs, bs), CVK_FIELD(CvkLayerStackArgs, num_threads), CVK_FIELD(CvkLayerStackArgs, scale),
+      CVK_FIELD(CvkLayerStackArgs, eps), CVK_FIELD(CvkLayerStackArgs, reserved)});
+  if (which == CVK_STRUCT_ATTN_ARGS) return attn.c_str();
+  if (which == CVK_STRUCT_LAYER_STACK_ARGS) return stack.c_str();
+  return nullptr;
+}
+
+// Rope + KV-cache write + causal attention of every request of a step (CvkAttnArgs in cvk.h says what each
+// argument holds). Returns a CVK_* code.
+int cvk_attention(const CvkAttnArgs* a) { return cvk::attention(*a); }
+
+// The bytes of the step's attention plan for `a` (only its request and head fields are read: H, KVH, D,
+// num_reqs, query_start, seq_lens, num_threads); 0 when there is nothing to plan or the shape is unsupported.
+int64_t cvk_attention_plan_bytes(const CvkAttnArgs* a) { return cvk::attention_plan_bytes(*a); }
+
+// Build the step's attention plan for `a` into buf (8-byte aligned, cvk_attention_plan_bytes(a) bytes); pass
+// it as a->plan to every layer's cvk_attention of the step. Returns a CVK_* code.
+int cvk_attention_plan(const CvkAttnArgs* a, void* buf, int64_t bytes) { return cvk::attention_plan(*a, buf, bytes); }
+
+// residual <- x + residual; out <- rmsnorm(residual) * weight (add == 0: out <- rmsnorm(x) * weight).
+// x rows are x_stride elements apart; residual, out and weight are dense. Returns 0, -3 for a bad dtype.
+int cvk_add_rmsnorm(int dtype, const void* x, int64_t x_stride, void* residual, const void* weight, void* out,
+                    int64_t rows, int64_t n, float eps, int add, int num_threads) {
+  if (dtype != CVK_F32 && dtype != CVK_BF16) return CVK_ERR_BADARG;
+  cvk::add_rmsnorm(dtype, x, x_stride, residual, weight, out, rows, n, eps, add != 0, num_threads);
+  return CVK_OK;
+}
+
+
+// y[M, N] (+)= x[M, K] W^T + bias for small M, W packed by the caller into 16-column blocks (see
+// skinny_gemm_impl: float32 [N/16][K][16], bfloat16 [N/16][K/2][16][2], N padded to 16 with zero columns;
+// bfloat16 needs K even). bias: N values of the same dtype, or NULL. Returns 0, -3 for a bad dtype/shape.
+int cvk_skinny_gemm(int dtype, const void* x, int64_t x_stride, int64_t M, const void* packed, const void* bias,
+                    void* y, int64_t y_stride, int64_t N, int64_t K, int num_threads) {
+  if (M <= 0 || N <= 0) return CVK_OK;
+  if (dtype != CVK_F32 && !(dtype == CVK_BF16 && K % 2 == 0)) return CVK_ERR_BADARG;
+  cvk::skinny_gemm(dtype, x, x_stride, M, packed, bias, y, y_stride, N, K, num_threads);
+  return CVK_OK;
+}
+
+
+// Pin OpenMP thread i of the pool (torch's own: the same libgomp) to cpus[i], for i < n, and use n threads.
+// Returns how many threads were pinned. Like vLLM's thread binding: on a shared machine an unpinned pool
+// stacks its threads on one core while another process holds the other, and every barrier then waits.
+int cvk_bind_threads(const int* cpus, int n) {
+#if defined(__linux__)
+  int pinned = 0;
+#pragma omp parallel num_threads(n) reduction(+ : pinned)
+  {
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    CPU_SET(cpus[omp_get_thread_num()], &set);
+    pinned += sched_setaffinity(0, sizeof(set), &set) == 0;
+  }
+  return pinned;
+#else
+  (void)cpus;
+  (void)n;
+  return 0;
+#endif
+}
+
+// Ask Linux for the AMX tile state (once per process; oneDNN asks the same). 1: AMX usable, 0: not.
+int cvk_amx_init() {
+  cvk::g_amx_attention = cvk::kAmx && cvk::amx_request_permission();
+  return cvk::g_amx_attention ? 1 : 0;
+}
+
+// Prefill attention's QK^T on AMX (bfloat16) on or off (after cvk_amx_init granted AMX); returns the setting.
+int cvk_set_amx_attention(int on) {
+  static const bool granted = cvk::g_amx_attention;  // the first call remembers what cvk_amx_init obtained
+  cvk::g_amx_attention = granted && on != 0;
+  return cvk::g_amx_attention ? 1 : 0;
+}
+
+// The bfloat16 skinny GEMM on AMX (call cvk_amx_init first): as cvk_skinny_gemm, K a multiple of 32.
+int cvk_amx_gemm(const void* x, int64_t x_stride, int64_t M, const void* packed, const void* bias, void* y,
+                 int64_t y_stride, int64_t N, int64_t K, int num_threads) {
+  if (!cvk::kAmx) return CVK_ERR_UNSUPPORTED;
+  if (M <= 0 || N <= 0) return CVK_OK;
+  if (K % 32 != 0) return CVK_ERR_BADARG;
+  cvk::amx_gemm_bf16(static_cast<const uint16_t*>(x), x_stride, M, static_cast<const uint16_t*>(packed),
+                     static_cast<const uint16_t*>(bias), static_cast<uint16_t*>(y), y_stride, N, K, num_threads);
+  return CVK_OK;
+}
+
+// out[r] <- the index of the first maximum of row r of x [rows, n] (row stride x_stride elements).
+int cvk_argmax_rows(int dtype, const void* x, int64_t x_stride, int64_t rows, int64_t n, int64_t* out,
+                    int num_threads) {
+  if (dtype != CVK_F32 && dtype != CVK_BF16) return CVK_ERR_BADARG;
+  cvk::argmax_rows(dtype, x, x_stride, rows, n, out, num_threads);
+  return CVK_OK;
+}
+
+// out [rows, n] <- silu(gate_up[:, :n]) * gate_up[:, n:].
+int cvk_silu_mul(int dtype, const void* gate_up, void* out, int64_t rows, int64_t n, int num_threads) {
+  if (dtype != CVK_F32 && dtype != CVK_BF16) return CVK_ERR_BADARG;
+  cvk::silu_mul(dtype, gate_up, out, rows, n, num_threads);
+  return CVK_OK;
+}
+
+// The decoder-layer stack of a Llama-family model for one step (layer_stack.cpp). Returns a CVK_* code.
+int cvk_llama_layers(const CvkLayerStackArgs* s) { return cvk::llama_layers(*s); }
+
+}  // extern "C"

@@ -1,0 +1,186 @@
+// Attention: the shared pieces of the decode (attention_decode.h) and prefill (attention_prefill.h) loops.
+#pragma once
+
+#include <algorithm>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#include "bf16.h"
+#include "kernels.h"
+#include "vec.h"
+
+namespace cvk {
+
+// Attention. One work item = (request, kv head, tile of queries): its G query heads x up to TQ queries (the
+// item's rows) share every K/V row they read. Keys are walked in chunks of KC with an online softmax
+// (flash-attention style), so nothing grows with the context, and K/V rows are read straight from the paged
+// cache through the block table. Two shapes of inner loop:
+//  - one query (decodes): rows = the G heads; scores by dot products, 16 (8) keys at a time reduced with one
+//    transpose-add tree; the loop streams K and V from memory once, which is what bounds it.
+//  - a tile of queries (prefill chunks): rows = queries x heads, held transposed (rows in vector lanes), so
+//    QK^T, the masked online softmax and PV are all full-width vector work, GEMM-like. In bfloat16 on a CPU
+//    with AMX, QK^T and PV run on tiles instead (amx_chunk_scores, amx_chunk_pv): 1.7x the vector path.
+constexpr int KC = 32;                    // keys per chunk
+constexpr int RV_MAX = 2;                 // row vectors of a tile item
+constexpr int MAX_ROWS = RV_MAX * W;      // rows of a tile item: 32 (AVX-512) / 16 (AVX2)
+constexpr int KB = W == 16 ? 8 : 4;       // keys per register block of the tile QK^T
+constexpr int MAX_D = 256;                // the generic head-size path's bound (DV = 0 below)
+constexpr int MAX_G = 16;                 // query heads per kv head
+constexpr int MAX_QROWS = 64;             // rows (query heads) of a one-query item
+
+alignas(64) const float kZeros[MAX_D] = {};  // a K/V "row" for padding a chunk to full blocks (masked out)
+
+// Head sizes: the loops are templates on DV = D / W, the vectors per row. DV > 0 compiles one head size in
+// (64 and 128: every loop over d unrolled, a row's accumulators in registers); DV = 0 is the generic path, for
+// any other D that is a multiple of W up to MAX_D (the models' 32, 48, 80, 96, 256 ...), with dv read at run
+// time and row buffers sized for MAX_D. The arithmetic is the same, in the same order, either way.
+template <int DV>
+constexpr int max_dv() { return DV > 0 ? DV : MAX_D / W; }
+template <int DV>
+inline int head_dv(const AttnArgs& a) { return DV > 0 ? DV : a.D / W; }
+
+struct Item {
+  int req, kvh, kvh_end, q0, q1;  // kv heads [kvh, kvh_end), queries [q0, q1) of the request's new tokens
+  int64_t cost;
+};
+
+// The cache layout is head-major inside a block, [num_blocks, KVH, bs, D] (as vLLM's CPU backend keeps it): one
+// head's keys of a block are contiguous, so reading a request's context for a head streams whole pages in order.
+// Element offset of the row of position `pos`, head h:
+inline int64_t kv_offset(const AttnArgs& a, const int64_t* table, int64_t pos, int h) {
+  return ((table[pos / a.bs] * a.KVH + h) * a.bs + pos % a.bs) * int64_t(a.D);
+}
+
+// Offsets (head 0) of the rows of positions [j0, j0 + n): one division, then block by block (a division per key
+// cost as much as the rest of the decode loop).
+inline void kv_offsets(const AttnArgs& a, const int64_t* table, int64_t j0, int n, int64_t* offs) {
+  int64_t b = j0 / a.bs;
+  int off = int(j0 - b * a.bs);
+  const int64_t block_elems = int64_t(a.KVH) * a.bs * a.D;
+  for (int j = 0; j < n; j++) {
+    offs[j] = table[b] * block_elems + int64_t(off) * a.D;
+    if (++off == a.bs) {
+      off = 0;
+      b++;
+    }
+  }
+}
+
+// Float32 rows of keys [j0, j0 + n) of kv head h, padded to `pad` rows with zeros: pointers straight into the
+// cache (T = float) or into `buf` after conversion (T = bfloat16).
+template <typename T, int DV>
+inline void chunk_rows(const AttnArgs& a, const int64_t* table, const T* base, int h, int64_t j0, int n, int pad,
+                       const float** rows, float* buf) {
+  const int dv = head_dv<DV>(a), D = dv * W;
+  int64_t offs[KC];
+  kv_offsets(a, table, j0, n, offs);
+  const int64_t head = int64_t(h) * a.bs * D;
+  for (int j = 0; j < n; j++) {
+    const T* src = base + offs[j] + head;
+    if constexpr (sizeof(T) == 4) {
+      rows[j] = reinterpret_cast<const float*>(src);
+    } else {
+      for (int d = 0; d < dv; d++) V::load(src + d * W).store(buf + j * D + d * W);
+      rows[j] = buf + j * D;
+    }
+  }
+  for (int j = n; j < pad; j++) rows[j] = kZeros;
+}
+
+// The cache lines of the next chunk of a decode item's head (its K and V rows), asked for into L2 a few at a
+// time from inside this chunk's loops: `step()` once per inner iteration, `per` lines each, so the requests
+// spread over the chunk's compute. Asking for them in bursts (V into L1 before the scores, the next K into L2)
+// stalled the core on full fill buffers (perf: a third of the kernel's samples on those prefetches) and left
+// memory idle while it computed; spread out, decode attention over DRAM-resident caches took 12-17% less time
+// (docs/kernels.md). Into L1 (T0) did no better.
+struct LineCursor {
+  static constexpr int kMaxLines = 2 * KC * MAX_D * 4 / 64;  // K and V rows of a chunk, float32 at MAX_D
+  const char* lines[kMaxLines];
+  int n = 0, next = 0, per = 1;
+  inline void add_row(const void* row, int bytes) {
+    for (int b = 0; b < bytes; b += 64) lines[n++] = static_cast<const char*>(row) + b;
+  }
+  inline void step() {
+    for (const int end = std::min(n, next + per); next < end; next++) _mm_prefetch(lines[next], _MM_HINT_T1);
+  }
+  inline void flush() {
+    for (; next < n; next++) _mm_prefetch(lines[next], _MM_HINT_T1);
+  }
+};
+
+// O[r] += sum_j P[j * p_stride + r * p_step] * v_j[voff ..] for R rows of DV vectors (O rows ld floats apart),
+// accumulating in registers. pfc: a decode item's prefetch cursor, stepped once per key (null for tiles).
+template <int DV, int R>
+inline void pv_block(const float* P, int p_stride, int p_step, const float* const* vrow, int voff, int nk, float* O,
+                     int ld, LineCursor* pfc) {
+  V acc[R][DV];
+  for (int i = 0; i < R; i++)
+    for (int d = 0; d < DV; d++) acc[i][d] = V::load(O + i * ld + d * W);
+  for (int j = 0; j < nk; j++) {
+    V p[R];
+    for (int i = 0; i < R; i++) p[i] = V::set1(P[j * p_stride + i * p_step]);
+    if (pfc) pfc->step();
+    for (int d = 0; d < DV; d++) {
+      const V v = V::load(vrow[j] + voff + d * W);
+      for (int i = 0; i < R; i++) acc[i][d] = V::fma(p[i], v, acc[i][d]);
+    }
+  }
+  for (int i = 0; i < R; i++)
+    for (int d = 0; d < DV; d++) acc[i][d].store(O + i * ld + d * W);
+}
+
+// Rows [0, nrows) over the DV vectors at voff of each row, in register blocks of up to RB rows: each V row is
+// loaded once per block, so a group of G heads (G <= RB) reads it once.
+template <int DV>
+inline void pv_rows(const float* P, int p_stride, int p_step, int nrows, const float* const* vrow, int voff, int nk,
+                    float* O, int ld, LineCursor* pfc) {
+  constexpr int RB = DV <= 4 ? 4 : (DV <= 8 ? 2 : 1);
+  for (int r = 0; r < nrows; r += RB) {
+    const float* p = P + r * p_step;
+    float* o = O + r * ld;
+    switch (std::min(RB, nrows - r)) {
+      case 4: pv_block<DV, (RB >= 4 ? 4 : 1)>(p, p_stride, p_step, vrow, voff, nk, o, ld, pfc); break;
+      case 3: pv_block<DV, (RB >= 3 ? 3 : 1)>(p, p_stride, p_step, vrow, voff, nk, o, ld, pfc); break;
+      case 2: pv_block<DV, (RB >= 2 ? 2 : 1)>(p, p_stride, p_step, vrow, voff, nk, o, ld, pfc); break;
+      default: pv_block<DV, 1>(p, p_stride, p_step, vrow, voff, nk, o, ld, pfc); break;
+    }
+  }
+}
+
+// All rows: O[r] += sum_j P(j, r) v_j (rows of dv vectors). The generic head size (DV = 0) goes through the row
+// in slices of up to 4 vectors, each slice's accumulators in registers: every output still sums its keys in
+// order, as a whole-row pass would.
+template <int DV>
+inline void pv_all(const float* P, int p_stride, int p_step, int nrows, const float* const* vrow, int nk, float* O,
+                   int dv, LineCursor* pfc = nullptr) {
+  if constexpr (DV > 0) {
+    pv_rows<DV>(P, p_stride, p_step, nrows, vrow, 0, nk, O, DV * W, pfc);
+  } else {
+    for (int d0 = 0; d0 < dv; d0 += 4) {
+      const int off = d0 * W, ld = dv * W;
+      switch (std::min(4, dv - d0)) {
+        case 4: pv_rows<4>(P, p_stride, p_step, nrows, vrow, off, nk, O + off, ld, pfc); break;
+        case 3: pv_rows<3>(P, p_stride, p_step, nrows, vrow, off, nk, O + off, ld, pfc); break;
+        case 2: pv_rows<2>(P, p_stride, p_step, nrows, vrow, off, nk, O + off, ld, pfc); break;
+        default: pv_rows<1>(P, p_stride, p_step, nrows, vrow, off, nk, O + off, ld, pfc); break;
+      }
+    }
+  }
+}
+
+// Write rows' outputs O[r] / l[r] to their (query, head) place.
+// A tile's rows are (query q0 + r / G, head kvh * G + r % G); a one-query item's rows are heads kvh * G + r.
+template <typename T, int DV>
+inline void store_rows(const AttnArgs& a, const Item& it, int64_t qs, int nrows, const float* O, const float* l) {
+  const int dv = head_dv<DV>(a), D = dv * W;
+  const int G = a.H / a.KVH;
+  const bool one_query = it.q1 - it.q0 == 1;
+  for (int r = 0; r < nrows; r++) {
+    const int i = one_query ? it.q0 : it.q0 + r / G, h = one_query ? it.kvh * G + r : it.kvh * G + r % G;
+    T* dst = static_cast<T*>(a.out) + (qs + i) * a.out_stride + int64_t(h) * D;
+    const V inv = V::set1(1.f / l[r]);
+    for (int d = 0; d < dv; d++) (V::load(O + r * D + d * W) * inv).store(dst + d * W);
+  }
+}
+
+}  // namespace cvk

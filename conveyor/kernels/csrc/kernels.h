@@ -1,0 +1,35 @@
+// The kernels' internal entry points, one per kernel family, called by api.cpp (the C ABI) and
+// layer_stack.cpp. dtype: 0 float32, 1 bfloat16 (stored as uint16_t); all arithmetic is float32.
+#pragma once
+
+#include <stdint.h>
+
+#include "cvk.h"
+
+namespace cvk {
+
+using AttnArgs = CvkAttnArgs;
+
+// attention.cpp: rope + KV write + attention of a step (cvk_attention), and its per-step plan. CVK_* codes.
+int attention(const AttnArgs& a);
+int64_t attention_plan_bytes(const AttnArgs& a);
+int attention_plan(const AttnArgs& a, void* buf, int64_t bytes);
+// Whether attention serves H query heads over KVH kv heads of D values (else it returns -2).
+bool attention_supports(int H, int KVH, int D);
+// norm_act.cpp
+void add_rmsnorm(int dtype, const void* x, int64_t x_stride, void* res, const void* w, void* out, int64_t rows,
+                 int64_t n, float eps, bool add, int num_threads);
+void silu_mul(int dtype, const void* gu, void* out, int64_t rows, int64_t n, int num_threads);
+// argmax.cpp
+void argmax_rows(int dtype, const void* x, int64_t x_stride, int64_t rows, int64_t n, int64_t* out, int num_threads);
+// gemm_skinny.cpp: y = x W^T + bias, W packed (cvk_skinny_gemm) in blocks of NBLK output columns
+constexpr int NBLK = 16;
+void skinny_gemm(int dtype, const void* x, int64_t x_stride, int64_t M, const void* wp, const void* bias, void* y,
+                 int64_t y_stride, int64_t N, int64_t K, int num_threads);
+// gemm_amx.cpp: the bfloat16 skinny GEMM on AMX tiles (swiglu: y = silu(gate) * up of a fused gate_up weight);
+// a stub below the avx512bf16 level, never called there.
+void amx_gemm_bf16(const uint16_t* x, int64_t x_stride, int64_t M, const uint16_t* wp, const uint16_t* bias,
+                   uint16_t* y, int64_t y_stride, int64_t N, int64_t K, int num_threads, bool swiglu = false);
+// layer_stack.cpp: cvk_llama_layers
+int llama_layers(const CvkLayerStackArgs& s);
+}  // namespace cvk

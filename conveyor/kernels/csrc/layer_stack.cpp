@@ -1,0 +1,120 @@
+// The decoder-layer stack of a Llama-family model in one call (cvk_llama_layers).
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#include <algorithm>
+
+#include "amx.h"
+#include "kernels.h"
+
+namespace cvk {
+
+// The decoder-layer stack of a Llama-family model for one step whose every linear layer runs here (decode-sized
+// batches: T rows within the skinny GEMM's range), so a step crosses from Python into native code once for all
+// layers instead of about ten times per layer (at small batches the crossings and the tensors they allocate cost
+// as much as the GEMMs). Per layer, exactly the ops of the per-layer path, in its order:
+//   h = rmsnorm(residual += x) (layer 0: h = rmsnorm(residual)); qkv = h Wqkv^T (+b); rope + KV write +
+//   attention(qkv) -> attn; x = attn Wo^T (+b); h = rmsnorm(residual += x); gu = h Wgu^T (+b);
+//   act = silu(gate) * up; x = act Wdown^T (+b)
+// so the results are bit-identical to it. On entry `residual` holds the embeddings; on return `x` holds the last
+// layer's output and `residual` the stream before it (the final norm stays in Python).
+// Arguments: CvkLayerStackArgs (cvk.h). Per-layer pointers come as one int64 array, field-major (fields[f * L + layer]), fields in this order:
+//   0 input-norm weight, 1 qkv packed weight, 2 qkv bias (0: none), 3 o packed, 4 o bias, 5 post-norm weight,
+//   6 gate_up packed, 7 gate_up bias, 8 down packed, 9 down bias, 10 k cache, 11 v cache.
+// Scratch (dense, the step's dtype): h [T, hidden], qkv [T, (H + 2 KVH) D], attn [T, H D], gu [T, 2 inter],
+// act [T, inter]. Weights are packed as cvk_skinny_gemm takes them; bfloat16 runs its GEMMs on AMX only
+// (use_amx: the caller checked cvk_amx_init). The attention plan is the step's (s.plan), or built here once
+// for all layers. Returns CVK_OK, or the first failing part's code.
+enum { LW_IN_NORM, LW_QKV, LW_QKV_B, LW_O, LW_O_B, LW_POST_NORM, LW_GU, LW_GU_B, LW_DOWN, LW_DOWN_B, LW_KC, LW_VC,
+       LW_FIELDS };
+
+int llama_layers(const CvkLayerStackArgs& s) {
+  const int dtype = s.dtype, L = s.L, H = s.H, KVH = s.KVH, D = s.D, num_threads = s.num_threads;
+  const int64_t T = s.T, hidden = s.hidden, inter = s.inter;
+  const int64_t* fields = s.fields;
+  void *x = s.x, *residual = s.residual, *h = s.h, *attn = s.attn, *gu = s.gu, *act = s.act;
+  const float eps = s.eps;
+  if (T <= 0) return CVK_OK;
+  if (dtype != CVK_F32 && dtype != CVK_BF16) return CVK_ERR_BADARG;
+  if (dtype == CVK_BF16 && !kAmx) return CVK_ERR_UNSUPPORTED;
+  if (dtype == CVK_BF16 && (!s.use_amx || hidden % 32 != 0 || inter % 32 != 0 || (int64_t(H) * D) % 32 != 0))
+    return CVK_ERR_BADARG;
+  if (!attention_supports(H, KVH, D)) return CVK_ERR_UNSUPPORTED;
+  const int64_t es = dtype == 0 ? 4 : 2;
+  const int64_t qkv_n = int64_t(H + 2 * KVH) * D, q_n = int64_t(H) * D;
+  auto ptr = [&](int field, int layer) { return reinterpret_cast<const void*>(fields[int64_t(field) * L + layer]); };
+  auto gemm = [&](const void* in, int64_t K, int layer, int wf, int bf, void* out, int64_t N) {
+    if (dtype == 0)
+      skinny_gemm(0, in, K, T, ptr(wf, layer), ptr(bf, layer), out, N, N, K, num_threads);
+    else
+      amx_gemm_bf16(static_cast<const uint16_t*>(in), K, T, static_cast<const uint16_t*>(ptr(wf, layer)),
+                    static_cast<const uint16_t*>(ptr(bf, layer)), static_cast<uint16_t*>(out), N, N, K, num_threads);
+  };
+  auto norm = [&](const void* in, const void* w, bool add) {
+    add_rmsnorm(dtype, in, hidden, residual, w, h, T, hidden, eps, add, num_threads);
+  };
+  char* qkv_c = static_cast<char*>(s.qkv);
+  // What every layer's attention call shares; each layer adds its q/k/v/cache pointers.
+  AttnArgs base{};
+  base.block_table = s.block_table;
+  base.query_start = s.query_start;
+  base.seq_lens = s.seq_lens;
+  base.cos_sin = s.cos_sin;
+  base.plan = s.plan;
+  base.q_stride = base.k_stride = base.v_stride = qkv_n;
+  base.bt_stride = s.bt_stride;
+  base.out_stride = q_n;
+  base.dtype = dtype;
+  base.num_reqs = s.num_reqs;
+  base.H = H;
+  base.KVH = KVH;
+  base.D = D;
+  base.bs = s.bs;
+  base.num_threads = num_threads;
+  base.scale = s.scale;
+  void* own_plan = nullptr;
+  if (base.plan == nullptr && s.num_reqs > 0) {
+    const int64_t bytes = attention_plan_bytes(base);
+    own_plan = malloc(size_t(bytes));
+    if (own_plan == nullptr) return CVK_ERR_NOMEM;
+    attention_plan(base, own_plan, bytes);
+    base.plan = own_plan;
+  }
+  int rc = 0;
+  // One parallel region for the whole stack: every kernel below runs on its team (on_team), separated by the
+  // barriers of their loops, instead of forking and joining a team per call.
+#pragma omp parallel num_threads(std::max(1, num_threads))
+  for (int l = 0; l < L; l++) {
+    norm(l == 0 ? residual : x, ptr(LW_IN_NORM, l), l > 0);
+    gemm(h, hidden, l, LW_QKV, LW_QKV_B, s.qkv, qkv_n);
+    AttnArgs a = base;
+    a.q = qkv_c;
+    a.k = qkv_c + q_n * es;
+    a.v = qkv_c + (q_n + int64_t(KVH) * D) * es;
+    a.k_cache = const_cast<void*>(ptr(LW_KC, l));
+    a.v_cache = const_cast<void*>(ptr(LW_VC, l));
+    a.out = attn;
+    const int arc = attention(a);
+    if (arc != 0) {  // the same on every thread (the inputs decide it), so the team stops together
+#pragma omp atomic write
+      rc = arc;
+      break;
+    }
+    gemm(attn, q_n, l, LW_O, LW_O_B, x, hidden);
+    norm(x, ptr(LW_POST_NORM, l), true);
+    if (dtype == 0) {
+      gemm(h, hidden, l, LW_GU, LW_GU_B, gu, 2 * inter);
+      silu_mul(0, gu, act, T, inter, num_threads);
+    } else {
+      amx_gemm_bf16(static_cast<const uint16_t*>(h), hidden, T, static_cast<const uint16_t*>(ptr(LW_GU, l)),
+                    static_cast<const uint16_t*>(ptr(LW_GU_B, l)), static_cast<uint16_t*>(act), inter, inter, hidden,
+                    num_threads, /*swiglu=*/true);
+    }
+    gemm(act, inter, l, LW_DOWN, LW_DOWN_B, x, hidden);
+  }
+  free(own_plan);
+  return rc;
+}
+
+}  // namespace cvk
