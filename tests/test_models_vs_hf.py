@@ -98,7 +98,7 @@ def test_llama_bfloat16_close(tmp_path):
     drive_and_compare(hf, tmp_path, block_size=4, dtype="bfloat16", atol=0.1)
 
 
-# head_dim 64: the native CPU attention kernel's path where it builds (head_dim 16 above takes the torch path)
+# head_dim 64: one of the native CPU attention kernel's compiled head sizes (head_dim 16 above takes its generic path)
 HEAD_DIM_64 = dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=1, intermediate_size=192)
 
 
