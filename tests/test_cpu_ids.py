@@ -13,7 +13,7 @@ import pytest
 
 from conveyor.engine.args import EngineArgs, parse_cpu_ids
 from conveyor.engine.core_client import EngineCoreClient
-from conveyor.server.cli import split_cpus
+from conveyor.serve import split_cpus
 from tests.helpers.server import TEST_DTYPE
 from tests.test_serve_cli import start_server
 

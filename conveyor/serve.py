@@ -1,4 +1,9 @@
-"""``conveyor serve``: an OpenAI-compatible server, flags named as in ``vllm serve``."""
+"""``conveyor serve``: an OpenAI-compatible server, flags named as in ``vllm serve``.
+
+This module sits above ``server/`` and ``distributed/``: it picks the layout (the engine in its own process, in a
+thread of this one, or ``--data-parallel-size`` replicas on Ray Serve) and builds it from those packages, so that
+``server/`` never imports ``distributed/`` (which builds on ``server/``'s app).
+"""
 
 from __future__ import annotations
 
@@ -7,7 +12,7 @@ import dataclasses
 import logging
 import os
 
-logger = logging.getLogger("conveyor.server")
+logger = logging.getLogger("conveyor.server")  # its lines are the server's start-up
 
 
 def _positive_int(text: str) -> int:
