@@ -62,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="conveyor", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
-    from conveyor.chat import add_chat_parser
+    from conveyor.chat_cli import add_chat_parser
 
     add_chat_parser(sub)
     from conveyor.bench.cli import add_bench_parser
