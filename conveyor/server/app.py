@@ -16,6 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from conveyor.engine.async_engine import AsyncEngine
+from conveyor.engine.chat import render_chat
 from conveyor.engine.core_client import EngineCoreClient
 from conveyor.engine.engine_client import EngineClient
 from conveyor.engine.llm_engine import LLMEngine
@@ -25,7 +26,7 @@ from conveyor.server.errors import APIError, bad_request, from_engine_error, ins
 from conveyor.server.limits import DEFAULT_MAX_REQUEST_BODY_BYTES, DEFAULT_MAX_SEQS_PER_REQUEST, max_token_chars
 from conveyor.server.metrics import ServerMetrics, log_stats_forever
 from conveyor.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
-from conveyor.server.serving_chat import create_chat_completion, generation_prompt, messages_as_dicts, render_chat
+from conveyor.server.serving_chat import create_chat_completion, generation_prompt, messages_as_dicts
 from conveyor.server.serving_common import ServingContext
 from conveyor.server.serving_completion import create_completion
 
@@ -156,8 +157,9 @@ def build_app(engine: LLMEngine | EngineClient, served_model_name: str | None = 
 
         def run(e: LLMEngine) -> tuple[list[int], list[str] | None]:
             if messages is not None:
-                ids = render_chat(e, messages, add_generation_prompt, bool(body.add_special_tokens),
-                                  body.continue_final_message)
+                ids = render_chat(e.tokenizer, messages, add_generation_prompt,
+                                  add_special_tokens=bool(body.add_special_tokens),
+                                  continue_final_message=body.continue_final_message)
             else:
                 add = True if body.add_special_tokens is None else body.add_special_tokens
                 ids = e.encode(body.prompt, add_special_tokens=add)
@@ -182,7 +184,5 @@ def build_app(engine: LLMEngine | EngineClient, served_model_name: str | None = 
 async def _tokenizer_call(async_engine: EngineClient, fn):
     try:
         return await async_engine.tokenizer_call(fn)
-    except APIError:  # the request's own fault, found while rendering it (render_chat)
-        raise
     except Exception as exc:
         raise from_engine_error(exc) from exc
