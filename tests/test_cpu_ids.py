@@ -57,7 +57,7 @@ def test_engine_process_runs_on_its_cpus(tiny_llama_dir):
         core = EngineCoreClient(args).wait_ready()
         assert allowed_cpus(os.getpid()) == ALLOWED  # the parent is untouched
     try:
-        assert allowed_cpus(core.engine.pid) == [last]
+        assert allowed_cpus(core.info.pid) == [last]
     finally:
         import asyncio
 

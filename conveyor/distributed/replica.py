@@ -22,6 +22,7 @@ from ray import serve
 from conveyor.core.outputs import SchedulerStats
 from conveyor.core.sampling_params import SamplingParams
 from conveyor.engine.args import EngineArgs
+from conveyor.engine.engine_client import EngineInfo
 
 logger = logging.getLogger("conveyor.distributed")
 
@@ -74,11 +75,10 @@ class EngineReplica:
         self._board = board
         self._reporter = asyncio.create_task(self._report_forever())
 
-    def info(self) -> dict:
-        """What an ingress without a model needs to know (see ``pool.EngineFrontend``)."""
-        return {"args": self.engine.args, "model_info": self.engine.model_info,
-                "max_model_len": self.engine.max_model_len,
-                "max_seqs_per_request": self.engine.max_seqs_per_request}
+    def info(self) -> EngineInfo:
+        """The engine's facts, for an ingress without a model (``pool.ReplicaPool.info``); the ingress loads its
+        own tokenizer (``EngineInfo.loaded``)."""
+        return self.engine.info.portable(with_tokenizer=False)
 
     async def generate(self, request_id: str, prompt: dict, params: SamplingParams):
         """Stream one request: first ``("accepted", replica id)`` or ``("rejected", error)`` (what

@@ -8,6 +8,7 @@ a stop string ended. The engine is the layer that reads the clock (``time.monoto
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import logging
 import os
@@ -23,6 +24,7 @@ from conveyor.core.sampling_params import SamplingParams
 from conveyor.core.scheduler import Scheduler
 from conveyor.engine.args import EngineArgs, parse_cpu_ids
 from conveyor.engine.core_step import CoreOutput, CoreStepOutput, child_requests
+from conveyor.engine.engine_client import EngineInfo
 from conveyor.engine.output_processor import OutputProcessor
 from conveyor.engine.outputs import RequestOutput
 from conveyor.engine.prompts import PromptType, encode_text, prompt_tokens
@@ -127,6 +129,15 @@ class LLMEngine:
 
             return SlabKVManager(num_blocks, cache.block_size, self.max_model_len)
         return KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
+
+    @functools.cached_property
+    def info(self) -> EngineInfo:
+        """This engine's facts fixed for the run, as a server reads them of any engine (``ServedEngine.info``)."""
+        from conveyor.models import EMBEDDED_NAME
+
+        return EngineInfo(self.args, self.tokenizer, self.model_info, self.max_model_len, self.max_seqs_per_request,
+                          self.num_kv_blocks, os.getpid(), self.load_time_s, self.init_time_s,
+                          self.model_info.name == EMBEDDED_NAME)
 
     # ---- requests ---------------------------------------------------------------------------------------
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:

@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from conveyor.core.outputs import TokenLogprobs
 from conveyor.core.sampling_params import MAX_LOGPROBS
 from conveyor.engine import chat
+from conveyor.engine.engine_client import EngineInfo
 from conveyor.server.errors import bad_request
 from conveyor.server.protocol import ChatCompletionRequest, ChatMessage
 from conveyor.server.serving_common import (
@@ -91,15 +92,15 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: Request, ctx:
     # prompt from below.
     ctx.check_prompt_chars(sum(len(m["content"]) for m in messages), "messages", "the messages' text")
 
-    prompt_tokens = []  # prepare's count, for the chunks streamed before the first output (every EngineClient
+    prompt_tokens = []  # prepare's count, for the chunks streamed before the first output (every ServedEngine
     # runs prepare in this process before add_request returns)
 
-    def prepare(engine) -> dict:  # engine thread, done before submit returns
-        ids = chat.render_chat(engine.tokenizer, messages, add_generation_prompt,
+    def prepare(info: EngineInfo) -> dict:  # off the event loop, before submit returns
+        ids = chat.render_chat(info.tokenizer, messages, add_generation_prompt,
                                add_special_tokens=body.add_special_tokens,
                                continue_final_message=body.continue_final_message,
                                tools=plan.template_tools if plan is not None else None)
-        check_context(len(ids), max_tokens, engine.max_model_len)
+        check_context(len(ids), max_tokens, info.max_model_len)
         prompt_tokens.append(len(ids))
         return {"prompt_token_ids": ids}
 
