@@ -1,7 +1,7 @@
 """``ReplicaPool``: the server's engine interface (``ServedEngine``) over a pool of Ray Serve replicas.
 
 The OpenAI app (``conveyor.server.app.build_app``) runs unchanged in the ingress process; where a single server
-hands a request to its engine thread, this hands it to the deployment handle, whose request router picks the
+hands a request to its engine, this hands it to the deployment handle, whose request router picks the
 replica. The ingress holds no model: its ``info`` is a replica's ``EngineInfo`` with a tokenizer loaded here, so
 prompts are tokenized here, where the prefix router can hash them. Streams, admission and drain are
 ``EngineClient``'s, as for a single engine.

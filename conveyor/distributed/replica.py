@@ -1,8 +1,9 @@
 """One conveyor engine as a Ray Serve replica, and the board where replicas post their numbers.
 
-``EngineReplica`` hosts an ``AsyncEngine`` (the engine thread, exactly as ``conveyor serve`` runs it) and its own
-``ServerMetrics``. The ingress talks to it through one streaming method, ``generate``; everything the OpenAI
-API does (validation, formatting, SSE, usage) stays in the ingress's ``conveyor.server`` code.
+``EngineReplica`` hosts an ``AsyncEngine`` (the engine in a thread, as ``conveyor serve --engine-in-process``
+runs it) and its own ``ServerMetrics``. The ingress talks to it through one streaming method, ``generate``;
+everything the OpenAI API does (validation, formatting, SSE, usage) stays in the ingress's ``conveyor.server``
+code.
 
 Replicas cannot be addressed one by one through a deployment handle (the router picks), so each posts a report
 (stats snapshot, token totals, rendered Prometheus metrics) to a ``ReplicaBoard`` actor every
