@@ -249,6 +249,8 @@ class EngineClient:
         the rest (their streams end with finish_reason "abort") and wait up to ``DRAIN_ABORT_GRACE_S`` for the
         aborts to land."""
         self.stop_admissions()
+        if self._idle.is_set():  # nothing in flight (and wait_for(..., 0) would time out even so)
+            return
         try:
             await asyncio.wait_for(self._idle.wait(), timeout_s)
         except asyncio.TimeoutError:
