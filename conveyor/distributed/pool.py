@@ -17,7 +17,6 @@ every stream ends with its final output or an error.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from dataclasses import replace
@@ -32,8 +31,8 @@ from conveyor.distributed.replica import ReplicaReport
 from conveyor.engine.engine_client import (
     EngineClient, EngineDeadError, EngineInfo, Prepare, RequestFailedError, RequestStream,
 )
-from conveyor.engine.prompts import PromptType
 from conveyor.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from conveyor.engine.prompts import PromptType
 
 logger = logging.getLogger("conveyor.distributed")
 
