@@ -1,7 +1,8 @@
 """The ``conveyor`` command line: ``generate``, ``chat``, ``serve``, ``bench ...``.
 
-Each subcommand lives with its layer (``bench/cli.py``, ``server/cli.py``); this file only wires them up, and
-imports a layer only when its subcommand runs, so ``conveyor --help`` stays fast.
+Each subcommand lives with its layer (``bench/cli.py``; ``serve.py``, which sits above ``server/`` and
+``distributed/``); this file only wires them up, and imports a layer only when its subcommand runs, so
+``conveyor --help`` stays fast.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="conveyor", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
-    from conveyor.chat import add_chat_parser
+    from conveyor.chat_cli import add_chat_parser
 
     add_chat_parser(sub)
     from conveyor.bench.cli import add_bench_parser
@@ -70,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     from conveyor.bench.cli import add_sim_parser
 
     add_sim_parser(sub)
-    from conveyor.server.cli import add_serve_parser
+    from conveyor.serve import add_serve_parser
 
     add_serve_parser(sub)
     return parser

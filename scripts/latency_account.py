@@ -139,7 +139,7 @@ def instrument_process(app, probe: Probe) -> None:
     and delivery."""
     core = app.state.async_engine
     records: list = []
-    core.engine.step_listeners.append(records.append)
+    core.step_listeners.append(records.append)
     handle = core._handle
 
     def handle_wrapper(message):

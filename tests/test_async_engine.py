@@ -9,6 +9,7 @@ import pytest
 
 from conveyor import SamplingParams
 from conveyor.engine.async_engine import AsyncEngine, EngineDeadError, EngineShuttingDownError, RequestFailedError
+from conveyor.engine.engine_client import ServedEngine
 from tests.helpers.server import make_engine
 
 pytestmark = pytest.mark.slow  # a real model, engine or server: run by CI, skipped by -m "not slow"
@@ -42,6 +43,22 @@ def test_stream_is_cumulative_and_ends_finished(engine):
         assert counts == sorted(counts) and counts[-1] == 5
         assert seen[-1].finished and seen[-1].outputs[0].finish_reason == "length"
         assert ae.num_in_flight == 0
+
+    run(go, engine)
+
+
+def test_it_is_a_served_engine_whose_facts_are_the_engines(engine):
+    async def go(ae: AsyncEngine):
+        assert isinstance(ae, ServedEngine)
+        info = ae.info
+        assert (info.tokenizer, info.model_info, info.max_model_len, info.max_seqs_per_request) == (
+            engine.tokenizer, engine.model_info, engine.max_model_len, engine.max_seqs_per_request)
+        assert ae.step_listeners is engine.step_listeners  # called on the engine thread, as the engine's own
+        assert await ae.tokenizer_call(lambda i: i.encode("w1 w2")) == engine.encode("w1 w2")
+        # A prepared prompt gets the facts, and its tokens are what the engine runs.
+        seen = [out async for out in await ae.add_request("p", lambda i: {"prompt_token_ids": i.encode("w1")},
+                                                          SHORT)]
+        assert seen[-1].prompt_token_ids == engine.encode("w1")
 
     run(go, engine)
 

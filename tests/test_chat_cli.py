@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from conveyor.chat import EngineChat
+from conveyor.chat_cli import EngineChat
 from conveyor.core.sampling_params import SamplingParams
 from conveyor.engine.chat import render_chat
 from conveyor.engine.llm import LLM

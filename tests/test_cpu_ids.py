@@ -13,7 +13,7 @@ import pytest
 
 from conveyor.engine.args import EngineArgs, parse_cpu_ids
 from conveyor.engine.core_client import EngineCoreClient
-from conveyor.server.cli import split_cpus
+from conveyor.serve import split_cpus
 from tests.helpers.server import TEST_DTYPE
 from tests.test_serve_cli import start_server
 
@@ -57,7 +57,7 @@ def test_engine_process_runs_on_its_cpus(tiny_llama_dir):
         core = EngineCoreClient(args).wait_ready()
         assert allowed_cpus(os.getpid()) == ALLOWED  # the parent is untouched
     try:
-        assert allowed_cpus(core.engine.pid) == [last]
+        assert allowed_cpus(core.info.pid) == [last]
     finally:
         import asyncio
 

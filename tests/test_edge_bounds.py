@@ -321,7 +321,7 @@ def test_prompts_times_n_is_bounded(server, prompts, n, status, param):
 def test_the_serve_flags_parse_and_refuse_nonsense():
     import argparse
 
-    from conveyor.server.cli import add_serve_parser
+    from conveyor.serve import add_serve_parser
 
     parser = argparse.ArgumentParser()
     add_serve_parser(parser.add_subparsers())

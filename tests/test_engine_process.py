@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing
+import os
 import shutil
 import threading
 import time
@@ -23,6 +24,7 @@ from conveyor.core.request import RequestStatus
 from conveyor.engine import ipc
 from conveyor.engine.core_proc import serve_engine
 from conveyor.engine.core_step import CoreStepOutput
+from conveyor.engine.engine_client import ServedEngine
 from conveyor.engine.output_processor import OutputProcessor
 from conveyor.server.app import build_app
 from tests.helpers.server import TEST_DTYPE, make_engine, running_server
@@ -53,6 +55,10 @@ def test_the_served_process_engine_streams_aborts_and_dies_loudly(tiny_chat_dir)
                       debug_invariants=True)
     core = EngineCoreClient(args)
     app = build_app(core, "tiny", log_stats_interval_s=0.0, shutdown_timeout_s=2.0)
+    # The facts came with "ready" from the engine process, and are the engine's.
+    assert isinstance(core, ServedEngine) and core.info.pid != os.getpid()
+    assert (core.info.max_model_len, core.info.num_kv_blocks) == (offline.max_model_len, 256)
+    assert core.info.encode("w1 w2") == offline.encode("w1 w2") and not core.info.random_weights
     with running_server(app, exit_on_engine_death=False) as url:
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
         whole = client.completions.create(model="tiny", prompt=PROMPT_IDS, max_tokens=12, temperature=0.0)

@@ -106,8 +106,8 @@ def cluster(tiny_chat_dir):
         try:
             pool = deploy(args, "tiny", num_replicas=2, router="prefix",
                           router_kwargs={"imbalance_threshold": IMBALANCE, "seed": 0})
-            app = build_app(pool.engine, "tiny", log_stats_interval_s=0.0, shutdown_timeout_s=2.0,
-                            async_engine=pool, metrics=PoolMetrics(pool), health_detail=pool.health)
+            app = build_app(pool, "tiny", log_stats_interval_s=0.0, shutdown_timeout_s=2.0,
+                            metrics=PoolMetrics(pool), health_detail=pool.health)
             with running_server(app) as url:
                 wait_for(lambda: len(health(url)["replicas"]) == 2, "2 replicas reporting")
                 yield SimpleNamespace(url=url, pool=pool, args=args, sent=0)  # sent: requests served so far
@@ -309,7 +309,7 @@ def test_killing_a_replica_mid_load_loses_no_request_and_the_deployment_recovers
 def test_round_robin_router_alternates_whatever_the_prefix(cluster):
     """Last in the module: it redeploys the app with ``--router round-robin`` (the replicas restart)."""
     pool = deploy(cluster.args, "tiny", num_replicas=2, router="round-robin")
-    app = build_app(pool.engine, "tiny", log_stats_interval_s=0.0, shutdown_timeout_s=2.0, async_engine=pool,
+    app = build_app(pool, "tiny", log_stats_interval_s=0.0, shutdown_timeout_s=2.0,
                     metrics=PoolMetrics(pool), health_detail=pool.health)
     with running_server(app) as url:
         wait_for(lambda: serve.status().applications[APP_NAME].deployments[DEPLOYMENT_NAME].replica_states

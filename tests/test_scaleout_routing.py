@@ -76,7 +76,7 @@ def test_power_of_two_samples_two_of_many():
 
 
 def test_affinity_and_serve_cli_import_no_ray():
-    code = ("import sys, conveyor.distributed.affinity, conveyor.server.cli, conveyor.cli\n"
+    code = ("import sys, conveyor.distributed.affinity, conveyor.serve, conveyor.cli\n"
             "conveyor.cli.build_parser()\n"
             "assert 'ray' not in sys.modules, 'ray imported'\n")
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -31,7 +31,7 @@ def model_dir(tiny_chat_dir):
 @pytest.fixture(scope="module")
 def server(model_dir):
     with serve_model(model_dir) as (url, app):
-        yield SimpleNamespace(url=url, app=app, engine=app.state.async_engine.engine)
+        yield SimpleNamespace(url=url, app=app, engine=app.state.async_engine)
 
 
 @pytest.fixture(scope="module")

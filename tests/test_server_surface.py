@@ -150,7 +150,7 @@ def test_cors_headers_are_on_the_api_key_and_body_limit_answers(guarded):
 
 
 def test_cors_flags_parse_as_vllm_names_them():
-    from conveyor.server.cli import add_serve_parser
+    from conveyor.serve import add_serve_parser
 
     parser = argparse.ArgumentParser()
     add_serve_parser(parser.add_subparsers())

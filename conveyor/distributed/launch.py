@@ -16,7 +16,7 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 from ray.serve.handle import DeploymentHandle
 
-from conveyor.distributed.pool import EngineFrontend, ReplicaPool
+from conveyor.distributed.pool import ReplicaPool
 from conveyor.distributed.replica import EngineReplica, ReplicaBoard
 from conveyor.distributed.routers import ROUTERS
 from conveyor.engine.args import EngineArgs
@@ -57,10 +57,8 @@ def deploy(args: EngineArgs, model_name: str, num_replicas: int, router: str, cp
     # Not serve.run's return value: that is this process's cached handle for the deployment, whose request router
     # was fixed when it first routed, so a second deploy in one process with another router would keep the first.
     handle = DeploymentHandle(DEPLOYMENT_NAME, APP_NAME)
-    from conveyor.tokenizer import load_tokenizer
-
-    frontend = EngineFrontend(handle.info.remote().result(), load_tokenizer(args.model))
-    return ReplicaPool(handle, frontend, board, APP_NAME, DEPLOYMENT_NAME)
+    info = handle.info.remote().result().loaded()  # a replica's facts, with a tokenizer loaded here
+    return ReplicaPool(handle, info, board, APP_NAME, DEPLOYMENT_NAME)
 
 
 class RayJoinError(RuntimeError):
@@ -117,10 +115,10 @@ def run_serve_data_parallel(ns: argparse.Namespace, args: EngineArgs) -> int:
         except RuntimeError as exc:  # the replicas' own errors are in the log above, as Ray printed them
             logger.critical("the engine replicas could not start: %s", exc)
             return 1
-        model_name = model_name or pool.engine.model_info.name
+        model_name = model_name or pool.info.model_info.name
         logger.info("%d replica(s) of %s on Ray Serve, router %s", ns.data_parallel_size, model_name, ns.router)
-        app = build_app(pool.engine, model_name, ns.api_key, 0.0 if ns.disable_log_stats else ns.log_stats_interval,
-                        ns.shutdown_timeout, ns.max_n, async_engine=pool, metrics=PoolMetrics(pool),
+        app = build_app(pool, model_name, ns.api_key, 0.0 if ns.disable_log_stats else ns.log_stats_interval,
+                        ns.shutdown_timeout, ns.max_n, metrics=PoolMetrics(pool),
                         health_detail=pool.health, max_request_body_bytes=ns.max_request_body_bytes,
                         max_seqs_per_request=ns.max_seqs_per_request, tool_call_parser=ns.tool_call_parser,
                         cors=CORSConfig.from_namespace(ns))

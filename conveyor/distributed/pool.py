@@ -1,9 +1,10 @@
-"""``ReplicaPool``: the ``AsyncEngine`` interface the server's handlers use, over a pool of Ray Serve replicas.
+"""``ReplicaPool``: the server's engine interface (``ServedEngine``) over a pool of Ray Serve replicas.
 
 The OpenAI app (``conveyor.server.app.build_app``) runs unchanged in the ingress process; where a single server
-hands a request to its engine thread, this hands it to the deployment handle, whose request router picks the
-replica. The ingress holds no model: ``EngineFrontend`` carries what the API layer reads of an engine (the
-tokenizer, limits, model card), so prompts are tokenized here, where the prefix router can hash them.
+hands a request to its engine, this hands it to the deployment handle, whose request router picks the
+replica. The ingress holds no model: its ``info`` is a replica's ``EngineInfo`` with a tokenizer loaded here, so
+prompts are tokenized here, where the prefix router can hash them. Streams, admission and drain are
+``EngineClient``'s, as for a single engine.
 
     handler --add_request--> ReplicaPool --handle.generate (router picks)--> EngineReplica --> AsyncEngine
     RequestStream <--pump task-- ("accepted", id), RequestOutput, ... <--------------- streamed back
@@ -16,10 +17,8 @@ every stream ends with its final output or an error.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -29,11 +28,11 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 from conveyor.core.outputs import SchedulerStats
 from conveyor.core.sampling_params import SamplingParams
 from conveyor.distributed.replica import ReplicaReport
-from conveyor.engine.async_engine import (
-    EngineDeadError, EngineShuttingDownError, RequestFailedError, RequestStream,
+from conveyor.engine.engine_client import (
+    EngineClient, EngineDeadError, EngineInfo, Prepare, RequestFailedError, RequestStream,
 )
-from conveyor.engine.llm_engine import LLMEngine
 from conveyor.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from conveyor.engine.prompts import PromptType
 
 logger = logging.getLogger("conveyor.distributed")
 
@@ -43,20 +42,6 @@ REPORT_STALE_S = 5.0
 # How long a request may wait for a replica to accept it (routing plus the engine's add, normally milliseconds);
 # past it the client gets a 503 instead of waiting on a deployment that has no replica to give.
 ACCEPT_TIMEOUT_S = 60.0  # a replica that has not reported for this long is not counted live
-
-
-class EngineFrontend:
-    """What the API layer reads of an engine, for an ingress that holds no model: limits and the model card from
-    a replica (``EngineReplica.info``), and the tokenizer loaded here from the same model directory."""
-
-    encode = LLMEngine.encode  # the engine's own text -> ids (Unicode check included); it reads only .tokenizer
-
-    def __init__(self, info: dict, tokenizer) -> None:
-        self.args = info["args"]
-        self.model_info = info["model_info"]
-        self.max_model_len = info["max_model_len"]
-        self.max_seqs_per_request = info["max_seqs_per_request"]
-        self.tokenizer = tokenizer
 
 
 def summed_stats(reports: list[ReplicaReport]) -> SchedulerStats:
@@ -83,30 +68,32 @@ def aborted_output(request_id: str, prompt: dict, params: SamplingParams,
     return replace(last, outputs=outputs, finished=True)
 
 
-class ReplicaPool:
-    """Drop-in for ``AsyncEngine`` in ``build_app``: same ``add_request`` / ``abort`` / ``call`` / ``drain`` /
-    ``stats`` contract, served by the replicas of ``handle``'s deployment."""
+class ReplicaPool(EngineClient):
+    """``ServedEngine`` served by the replicas of ``handle``'s deployment: ``build_app(pool)`` serves it as it
+    serves one engine. ``info`` is what the replicas' engines share (``EngineReplica.info``), with a tokenizer
+    loaded in this process. ``stats`` sums the replicas' latest reports.
 
-    def __init__(self, handle, frontend: EngineFrontend, board, app_name: str, deployment_name: str,
+    Streams, admission and ``drain`` are ``EngineClient``'s, as for one engine: in-flight requests get the
+    deadline, then the rest are aborted and get ``DRAIN_ABORT_GRACE_S`` to end (an aborted request's pump ends
+    its stream at once, so that wait is short). The pool never dies whole (Ray Serve replaces replicas), so ``on_dead`` is never called; nor are
+    ``output_listeners`` and ``step_listeners``: the replicas count their own (``metrics.PoolMetrics``)."""
+
+    def __init__(self, handle, info: EngineInfo, board, app_name: str, deployment_name: str,
                  retries: int = 2) -> None:
+        super().__init__(SchedulerStats())
         self.handle = handle
-        self.engine = frontend
+        self.info = info
         self.board = board
         self.app_name, self.deployment_name = app_name, deployment_name
         self.retries = retries
-        self.on_dead: list[Callable[[BaseException], None]] = []  # the pool never dies whole: Ray replaces replicas
-        self.stats = SchedulerStats()
         self.reports: list[ReplicaReport] = []  # live replicas' latest reports
         self.deployment_status: dict[str, Any] = {}
-        self._streams: dict[str, tuple[RequestStream, asyncio.Task | None]] = {}
-        self._accepting = True
-        self._idle = asyncio.Event()
+        self._pumps: dict[str, asyncio.Task] = {}  # request id -> the task copying its replica's stream
         self._poller: asyncio.Task | None = None
 
     # ---- lifecycle --------------------------------------------------------------------------------------
     def start(self) -> None:
-        self._idle = asyncio.Event()
-        self._idle.set()
+        self._start_loop_side()
         self._poller = asyncio.ensure_future(self._poll_forever())
 
     @property
@@ -114,15 +101,8 @@ class ReplicaPool:
         """At least one replica reported recently."""
         return bool(self.reports)
 
-    async def drain(self, timeout_s: float) -> None:
-        """As ``AsyncEngine.drain``: no new requests; in-flight ones get ``timeout_s``, then are aborted."""
-        self._accepting = False
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(self._idle.wait(), timeout_s)
-        for request_id in list(self._streams):
-            self.abort(request_id)
-
     async def shutdown(self) -> None:
+        """Abort whatever is left (``drain(0)``) and stop polling the replicas' reports."""
         await self.drain(0.0)
         if self._poller is not None:
             self._poller.cancel()
@@ -134,32 +114,20 @@ class ReplicaPool:
                 "deployment": self.deployment_status}
 
     # ---- requests ---------------------------------------------------------------------------------------
-    async def add_request(self, request_id: str, prompt, params: SamplingParams,
-                          arrival_time: float | None = None) -> RequestStream:
-        """Tokenize here (``prompt`` may be a function of the engine, run on the frontend), then send to a
-        replica. Raises what the replica's ``AsyncEngine.add_request`` raised, EngineShuttingDownError, or
-        EngineDeadError when no replica could take it."""
-        if not self._accepting:
-            raise EngineShuttingDownError("the server is shutting down and accepts no new requests")
+    async def _add(self, request_id: str, prompt: PromptType | Prepare, params: SamplingParams,
+                   arrival: float) -> None:
+        """Tokenize here (a ``Prepare`` runs on a thread, with ``info``), then send to a replica. Raises what
+        the replica's ``AsyncEngine.add_request`` raised, or EngineDeadError when no replica could take it."""
         if not self.reports:  # Ray Serve would hold the request until a replica is back: answer now instead
             raise EngineDeadError("no engine replica is running (Ray Serve is starting or replacing them)")
         # Tokenizing a long prompt takes a while: never on the event loop.
-        engine_prompt = await asyncio.to_thread(prompt, self.engine) if callable(prompt) else prompt
+        engine_prompt = await asyncio.to_thread(prompt, self.info) if callable(prompt) else prompt
         if not isinstance(engine_prompt, dict):
-            text = engine_prompt if isinstance(engine_prompt, str) else None
-            ids = self.engine.encode(engine_prompt) if text is not None else list(engine_prompt)
+            text, ids = self.info.tokenize_prompt(engine_prompt)
             engine_prompt = {"prompt": text, "prompt_token_ids": ids}
-        stream = RequestStream(request_id)
-        self._streams[request_id] = (stream, None)
-        self._idle.clear()
-        try:
-            responses = await self._send(request_id, engine_prompt, params)
-        except BaseException:
-            self._forget(request_id)
-            raise
-        task = asyncio.ensure_future(self._pump(stream, responses, engine_prompt, params))
-        self._streams[request_id] = (stream, task)
-        return stream
+        responses = await self._send(request_id, engine_prompt, params)
+        stream = self._streams[request_id]
+        self._pumps[request_id] = asyncio.ensure_future(self._pump(stream, responses, engine_prompt, params))
 
     async def _send(self, request_id: str, prompt: dict, params: SamplingParams):
         """Start ``generate`` on a replica and wait for its verdict; a replica lost first is retried."""
@@ -220,22 +188,16 @@ class ReplicaPool:
             if last is None or not last.finished:
                 stream.put(aborted_output(request_id, prompt, params, last))
         finally:
+            self._pumps.pop(request_id, None)
             self._forget(request_id)
 
     def abort(self, request_id: str) -> None:
-        """Cancel the request's stream: the replica aborts it (its blocks are freed) and the stream ends."""
-        entry = self._streams.get(request_id)
-        if entry is not None and entry[1] is not None:
-            entry[1].cancel()
-
-    async def call(self, fn: Callable[[Any], Any]) -> Any:
-        """Run ``fn`` on the frontend (tokenize, detokenize: all the ingress can answer without a replica)."""
-        return fn(self.engine)
-
-    def _forget(self, request_id: str) -> None:
-        self._streams.pop(request_id, None)
-        if not self._streams:
-            self._idle.set()
+        """Cancel the request's stream: the replica aborts it (its blocks are freed) and the stream ends with
+        finish_reason "abort". Before a replica accepted it there is nothing to cancel yet: ``add_request``
+        forgets a request whose add was cancelled."""
+        task = self._pumps.get(request_id)
+        if task is not None:
+            task.cancel()
 
     # ---- replicas' reports ------------------------------------------------------------------------------
     async def _poll_forever(self) -> None:

@@ -1,8 +1,9 @@
 """One conveyor engine as a Ray Serve replica, and the board where replicas post their numbers.
 
-``EngineReplica`` hosts an ``AsyncEngine`` (the engine thread, exactly as ``conveyor serve`` runs it) and its own
-``ServerMetrics``. The ingress talks to it through one streaming method, ``generate``; everything the OpenAI
-API does (validation, formatting, SSE, usage) stays in the ingress's ``conveyor.server`` code.
+``EngineReplica`` hosts an ``AsyncEngine`` (the engine in a thread, as ``conveyor serve --engine-in-process``
+runs it) and its own ``ServerMetrics``. The ingress talks to it through one streaming method, ``generate``;
+everything the OpenAI API does (validation, formatting, SSE, usage) stays in the ingress's ``conveyor.server``
+code.
 
 Replicas cannot be addressed one by one through a deployment handle (the router picks), so each posts a report
 (stats snapshot, token totals, rendered Prometheus metrics) to a ``ReplicaBoard`` actor every
@@ -22,6 +23,7 @@ from ray import serve
 from conveyor.core.outputs import SchedulerStats
 from conveyor.core.sampling_params import SamplingParams
 from conveyor.engine.args import EngineArgs
+from conveyor.engine.engine_client import EngineInfo
 
 logger = logging.getLogger("conveyor.distributed")
 
@@ -74,11 +76,10 @@ class EngineReplica:
         self._board = board
         self._reporter = asyncio.create_task(self._report_forever())
 
-    def info(self) -> dict:
-        """What an ingress without a model needs to know (see ``pool.EngineFrontend``)."""
-        return {"args": self.engine.args, "model_info": self.engine.model_info,
-                "max_model_len": self.engine.max_model_len,
-                "max_seqs_per_request": self.engine.max_seqs_per_request}
+    def info(self) -> EngineInfo:
+        """The engine's facts, for an ingress without a model (``pool.ReplicaPool.info``); the ingress loads its
+        own tokenizer (``EngineInfo.loaded``)."""
+        return self.engine.info.portable(with_tokenizer=False)
 
     async def generate(self, request_id: str, prompt: dict, params: SamplingParams):
         """Stream one request: first ``("accepted", replica id)`` or ``("rejected", error)`` (what

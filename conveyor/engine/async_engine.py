@@ -21,10 +21,10 @@ import logging
 import queue
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from conveyor.engine.engine_client import (  # noqa: F401 - the errors and streams are re-exported here
-    EngineClient, EngineDeadError, EngineShuttingDownError, RequestFailedError, RequestStream,
+    EngineClient, EngineDeadError, EngineInfo, EngineShuttingDownError, RequestFailedError, RequestStream,
 )
 from conveyor.engine.llm_engine import LLMEngine
 from conveyor.engine.outputs import RequestOutput, snapshot
@@ -32,18 +32,23 @@ from conveyor.engine.step_loop import STOP, StepLoop
 
 logger = logging.getLogger("conveyor.engine")
 
+T = TypeVar("T")
+
 THREAD_JOIN_TIMEOUT_S = 30.0  # shutdown: how long to wait for the engine thread to finish its step and stop
 
 
 class AsyncEngine(EngineClient):
     """Runs ``engine.step()`` in a background thread while work exists; ``add_request`` returns a stream.
 
-    ``output_listeners`` are called on the engine thread and must not touch the engine.
+    ``output_listeners`` and ``step_listeners`` (the engine's own list) are called on the engine thread and must
+    not touch the engine.
     """
 
     def __init__(self, engine: LLMEngine) -> None:
         super().__init__(engine.scheduler.make_stats())  # stats: replaced whole by the engine thread
         self.engine = engine
+        self.info: EngineInfo = engine.info
+        self.step_listeners = engine.step_listeners
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         # Guards "is the engine thread still taking commands?" against "put a command": once the thread stops,
         # no command may be queued that nobody would ever answer.
@@ -65,9 +70,7 @@ class AsyncEngine(EngineClient):
 
     async def shutdown(self) -> None:
         """Abort whatever is left and stop the engine thread."""
-        self.stop_admissions()
-        for request_id in list(self._streams):
-            self.abort(request_id)
+        self._abort_all()
         self._commands.put(STOP)
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, THREAD_JOIN_TIMEOUT_S)
@@ -75,13 +78,17 @@ class AsyncEngine(EngineClient):
     async def _add(self, request_id: str, prompt, params, arrival: float) -> None:
         # The prompt function runs on the engine thread just before the add, in the same command, so tokenizing
         # costs the event loop nothing and no extra wait for a step.
-        await self.call(lambda e: e.add_request(request_id, prompt(e) if callable(prompt) else prompt, params,
-                                                arrival))
+        await self.call(lambda e: e.add_request(request_id, prompt(self.info) if callable(prompt) else prompt,
+                                                params, arrival))
 
     def abort(self, request_id: str) -> None:
         """Abort a request (no-op when finished); its blocks are free before the next step runs."""
         if request_id in self._streams and self.is_running:
             self._commands.put(lambda e: self._step_loop.abort(e, request_id))
+
+    async def tokenizer_call(self, fn: Callable[[EngineInfo], T]) -> T:
+        """Run ``fn(info)`` on the engine thread between steps, where this layout prepares prompts too."""
+        return await self.call(lambda _: fn(self.info))
 
     async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
         """Run ``fn(engine)`` on the engine thread between steps and return its result (or raise its error).

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from conveyor.engine.prompts import encode_text
+
 Conversation = Sequence[dict]  # [{"role": "system" | "user" | "assistant", "content": str}, ...]
 
 
@@ -53,11 +55,13 @@ def open_final_message(rendered: str, content) -> str:
 
 
 def render_chat(tokenizer, messages: Conversation, add_generation_prompt: bool = True,
-                chat_template: str | None = None, add_special_tokens: bool = False) -> list[int]:
-    """Token ids of a conversation. The template writes the special tokens (BOS, turn markers) itself, so the
-    text is encoded without adding any (unless ``add_special_tokens``)."""
-    text = chat_prompt(tokenizer, messages, add_generation_prompt, chat_template)
-    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+                chat_template: str | None = None, add_special_tokens: bool = False,
+                continue_final_message: bool = False, tools: list[dict] | None = None) -> list[int]:
+    """Token ids of a conversation (``chat_prompt``'s text). The template writes the special tokens (BOS, turn
+    markers) itself, so the text is encoded without adding any (unless ``add_special_tokens``). ValueError as
+    ``chat_prompt`` raises it, or (naming "messages") for text that is not valid Unicode (``encode_text``)."""
+    text = chat_prompt(tokenizer, messages, add_generation_prompt, chat_template, continue_final_message, tools)
+    return encode_text(tokenizer, text, add_special_tokens, field="messages")
 
 
 def as_conversations(messages: Conversation | Sequence[Conversation]) -> list[Conversation]:

@@ -46,10 +46,9 @@ import zmq.asyncio
 from conveyor.core.outputs import SchedulerStats
 from conveyor.engine import ipc
 from conveyor.engine.args import EngineArgs
-from conveyor.engine.core_proc import EngineInfo, run_engine_core
+from conveyor.engine.core_proc import run_engine_core
 from conveyor.engine.core_step import CoreStepOutput, child_requests
-from conveyor.engine.engine_client import EngineClient, EngineDeadError
-from conveyor.engine.llm_engine import LLMEngine
+from conveyor.engine.engine_client import EngineClient, EngineDeadError, EngineInfo
 from conveyor.engine.output_processor import OutputProcessor
 from conveyor.engine.outputs import RequestOutput, snapshot
 
@@ -62,32 +61,13 @@ POLL_MS = 100  # how often the sender thread looks up from its socket to see whe
 EXIT_GRACE_S = 0.5
 
 
-class EngineView:
-    """What the server reads of an engine in another process (all fixed for the run), and its tokenizer."""
-
-    def __init__(self, args: EngineArgs, tokenizer, info: EngineInfo) -> None:
-        self.args = args
-        self.tokenizer = tokenizer
-        self.model_info = info.model_info
-        self.max_model_len = info.max_model_len
-        self.num_kv_blocks = info.num_kv_blocks
-        self.max_seqs_per_request = info.max_seqs_per_request
-        self.pid = info.pid
-        self.load_time_s, self.init_time_s = info.load_time_s, info.init_time_s
-        self.random_weights = info.random_weights
-        self.step_listeners: list[Callable] = []  # called on the event loop with each step's ``StepRecord``
-
-    # The engine's own prompt handling; they read only ``.tokenizer``.
-    encode = LLMEngine.encode
-    tokenize_prompt = LLMEngine.tokenize_prompt
-
-
 class EngineCoreClient(EngineClient):
     """Starts the engine core process for ``args``; ``wait_ready()`` blocks until it has loaded the model (and
     raises if it could not), so the caller can import and build the server meanwhile.
 
-    ``output_listeners`` are called on the event loop. ``call(fn)`` sends ``fn`` to the process: it must be
-    picklable (a module-level function, a ``functools.partial`` or ``operator`` getter of one).
+    ``output_listeners`` and ``step_listeners`` are called on the event loop. ``call(fn)`` sends ``fn`` to the
+    process: it must be picklable (a module-level function, a ``functools.partial`` or ``operator`` getter of
+    one). ``info`` waits for the process to be ready (``wait_ready``).
     """
 
     def __init__(self, args: EngineArgs, startup_timeout_s: float = STARTUP_TIMEOUT_S) -> None:
@@ -111,30 +91,29 @@ class EngineCoreClient(EngineClient):
         self._calls: dict[int, asyncio.Future] = {}
         self._call_ids = itertools.count()
         self._stopping = False
-        self.engine: EngineView | None = None
+        self._info: EngineInfo | None = None
         self.output_processor: OutputProcessor | None = None
 
     def wait_ready(self) -> EngineCoreClient:
         """Block until the engine process is ready; raise what building the engine raised there (or
         RuntimeError when the process died or timed out), and reap the process, if it cannot start."""
-        if self.engine is None:
+        if self._info is None:
             try:
-                info = self._wait_ready(self._startup_timeout_s - (time.monotonic() - self._started))
+                info, self.stats = self._wait_ready(self._startup_timeout_s - (time.monotonic() - self._started))
             except BaseException:
                 self._proc.kill()
                 self._close_sockets()
                 raise
-            self.stats = info.stats
-            tokenizer = info.tokenizer
-            if tokenizer is None:  # it could not travel: load our own copy
-                from conveyor.tokenizer import load_tokenizer
-
-                tokenizer = load_tokenizer(self._args.model)
-            self.engine = EngineView(self._args, tokenizer, info)
-            self.output_processor = OutputProcessor(tokenizer, detokenize=self._args.detokenize)
+            self._info = info.loaded()  # a tokenizer that could not travel is loaded here
+            self.output_processor = OutputProcessor(self._info.tokenizer, detokenize=self._args.detokenize)
         return self
 
-    def _wait_ready(self, timeout_s: float) -> EngineInfo:
+    @property
+    def info(self) -> EngineInfo:
+        """The engine's facts (from its "ready" message); blocks until the process is ready."""
+        return self.wait_ready()._info
+
+    def _wait_ready(self, timeout_s: float) -> tuple[EngineInfo, SchedulerStats]:
         deadline = time.monotonic() + timeout_s
         while not self._conn.poll(0.1):
             if not self._proc.is_alive():
@@ -167,9 +146,7 @@ class EngineCoreClient(EngineClient):
 
     async def shutdown(self) -> None:
         """Abort whatever is left, tell the process to stop, and wait for it (kill it after STOP_TIMEOUT_S)."""
-        self.stop_admissions()
-        for request_id in list(self._streams):
-            self.abort(request_id)
+        self._abort_all()
         if self.dead_error is None and not self._stopping:
             self._stopping = True
             self._outbox.put(ipc.Shutdown())
@@ -200,8 +177,8 @@ class EngineCoreClient(EngineClient):
     # ---- requests ---------------------------------------------------------------------------------------
     async def _add(self, request_id: str, prompt, params, arrival: float) -> None:
         if callable(prompt):  # tokenizing a long prompt takes a while: never on the event loop
-            prompt = await asyncio.to_thread(prompt, self.engine)
-        text, token_ids = self.engine.tokenize_prompt(prompt)
+            prompt = await asyncio.to_thread(prompt, self._info)
+        text, token_ids = self._info.tokenize_prompt(prompt)
         processor = self.output_processor
         if request_id in processor.parents:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -225,9 +202,6 @@ class EngineCoreClient(EngineClient):
             self._outbox.put(ipc.FinishRequests(children, "abort"))
         if out is not None:
             self._emit([out])
-
-    async def tokenizer_call(self, fn: Callable[[Any], Any]) -> Any:
-        return await asyncio.to_thread(fn, self.engine)  # the server's own tokenizer: no round trip to the engine
 
     async def call(self, fn: Callable[[Any], Any]) -> Any:
         """Run ``fn(engine)`` in the engine process between steps and return its result (or raise its error)."""
@@ -294,7 +268,7 @@ class EngineCoreClient(EngineClient):
         if message.stats is not None:
             self.stats = message.stats
         for record in message.records:
-            for listener in self.engine.step_listeners:
+            for listener in self.step_listeners:
                 listener(record)
         for reply in message.replies:
             future = self._calls.get(reply.call_id)

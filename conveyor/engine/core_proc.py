@@ -18,7 +18,6 @@ message saying why, when the engine raises.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import os
@@ -29,9 +28,6 @@ import sys
 import threading
 import time
 import traceback
-import types
-from dataclasses import dataclass
-from typing import Any
 
 import msgspec
 import zmq
@@ -41,6 +37,7 @@ from conveyor.core.request import RequestStatus
 from conveyor.engine import ipc
 from conveyor.engine.args import EngineArgs
 from conveyor.engine.core_step import CoreStepOutput
+from conveyor.engine.engine_client import picklable
 from conveyor.engine.llm_engine import LLMEngine
 from conveyor.engine.step_loop import STOP, StepLoop
 from conveyor.engine.step_record import StepRecord
@@ -49,22 +46,6 @@ logger = logging.getLogger("conveyor.engine")
 
 DEAD_FLUSH_S = 5.0  # a crashing engine: how long its last message may wait for room
 POLL_MS = 100  # how often a wait on the output path looks up to see whether the API process is gone
-
-
-@dataclass
-class EngineInfo:
-    """What the server needs to know of the engine, sent once when it is ready."""
-
-    model_info: Any  # ModelInfo's fields as a SimpleNamespace: the server need not import torch to read it
-    max_model_len: int
-    num_kv_blocks: int
-    max_seqs_per_request: int | None
-    stats: SchedulerStats
-    pid: int
-    load_time_s: float  # tokenizer + weights
-    init_time_s: float  # plus the KV cache and runner
-    tokenizer: Any  # the engine's tokenizer, so the server need not load it (and import torch); None: load it
-    random_weights: bool  # the embedded bench model: the server warns that its output is noise
 
 
 class _Reply:
@@ -174,14 +155,6 @@ class EngineCore:
         self._output.send(frame, zmq.NOBLOCK)
 
 
-def _picklable(value) -> bool:
-    try:
-        pickle.dumps(value)
-        return True
-    except Exception:  # noqa: BLE001
-        return False
-
-
 def _call(fn: bytes, engine: LLMEngine):
     return pickle.loads(fn)(engine)
 
@@ -197,24 +170,17 @@ def _watch_parent(conn, core: EngineCore) -> None:
 
 
 def run_engine_core(args: EngineArgs, conn, endpoints: ipc.Endpoints) -> None:
-    """The engine core process's entry point: build the engine, say ("ready", EngineInfo) on the start-up pipe,
-    then serve the sockets at ``endpoints``."""
+    """The engine core process's entry point: build the engine, say ("ready", (EngineInfo, SchedulerStats)) on
+    the start-up pipe, then serve the sockets at ``endpoints``."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server owns shutdown: it drains, then sends Shutdown
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s[core]: %(message)s")
     try:
         engine = LLMEngine(args)
     except BaseException as exc:  # noqa: BLE001 - the server raises it (the same error an engine in it would)
-        conn.send(("failed", exc if _picklable(exc) else RuntimeError(f"the engine could not start: {exc!r}")))
+        conn.send(("failed", exc if picklable(exc) else RuntimeError(f"the engine could not start: {exc!r}")))
         sys.exit(1)
-    from conveyor.models import EMBEDDED_NAME
-
-    model_info = types.SimpleNamespace(**dataclasses.asdict(engine.model_info))
-    conn.send(("ready", EngineInfo(model_info, engine.max_model_len, engine.num_kv_blocks,
-                                   engine.max_seqs_per_request, engine.scheduler.make_stats(), os.getpid(),
-                                   engine.load_time_s, engine.init_time_s,
-                                   engine.tokenizer if _picklable(engine.tokenizer) else None,
-                                   engine.model_info.name == EMBEDDED_NAME)))
+    conn.send(("ready", (engine.info.portable(), engine.scheduler.make_stats())))
     code = serve_engine(engine, conn, endpoints)
     # Its sockets are closed and what they held has left: skip the interpreter's teardown of torch, the model
     # and the thread pools, which the API process's shutdown waits for (over 3 s with both cores kept busy).

@@ -1,24 +1,92 @@
-"""The event-loop side of an engine that runs elsewhere (a thread: ``AsyncEngine``; a process:
-``EngineCoreClient``): one async output stream per request, admission, graceful drain, and failing every stream
-when the engine dies. Subclasses provide the transport: ``start``, ``is_running``, ``call``, ``abort``,
-``shutdown`` and ``_add``.
+"""The engine as the server sees it: ``ServedEngine``, the one interface ``build_app`` serves, with
+``EngineInfo``, the engine's facts fixed for the run; and ``EngineClient``, the event-loop side that every
+implementation shares: one async output stream per request, admission, graceful drain, and failing every stream
+when the engine dies.
+
+Three engines implement it, each an ``EngineClient`` subclass that provides the transport (``start``,
+``is_running``, ``abort``, ``shutdown``, ``_add``): ``AsyncEngine`` (an ``LLMEngine`` in a thread),
+``EngineCoreClient`` (the engine core in its own process) and ``distributed.pool.ReplicaPool`` (Ray Serve
+replicas behind one ingress).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+import pickle
 import time
+import types
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from conveyor.core.outputs import SchedulerStats
 from conveyor.core.sampling_params import SamplingParams
+from conveyor.engine.args import EngineArgs
 from conveyor.engine.outputs import RequestOutput
+from conveyor.engine.prompts import PromptType, encode_text, prompt_tokens
+from conveyor.engine.step_record import StepRecord
 
 logger = logging.getLogger("conveyor.engine")
 
 DRAIN_ABORT_GRACE_S = 10.0  # after the drain deadline aborts what is left: how long the aborts may take
+
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What the server reads of an engine: all fixed for the run. ``LLMEngine.info`` makes it; the engine core
+    process sends it with "ready", and each Ray replica on request (``portable``)."""
+
+    args: EngineArgs
+    tokenizer: Any  # None only in transit (``portable``), where it could not travel: see ``loaded``
+    model_info: Any  # models.ModelInfo, or its fields as a SimpleNamespace where it crossed a process
+    max_model_len: int
+    max_seqs_per_request: int | None  # the most sequences the queue bound can ever admit at once (None: no bound)
+    num_kv_blocks: int
+    pid: int  # the engine's process (a replica pool's: the replica that answered)
+    load_time_s: float  # tokenizer + weights
+    init_time_s: float  # plus the KV cache and runner
+    random_weights: bool  # the embedded bench model: the server warns that its output is noise
+
+    def encode(self, text: str, add_special_tokens: bool = True, field: str = "prompt") -> list[int]:
+        """Token ids of ``text``, as the engine's own ``encode`` (``prompts.encode_text``)."""
+        return encode_text(self.tokenizer, text, add_special_tokens, field)
+
+    def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """A prompt as (text or None, token ids), as the engine's own ``tokenize_prompt``."""
+        return prompt_tokens(self.tokenizer, prompt)
+
+    def portable(self, with_tokenizer: bool = True) -> EngineInfo:
+        """This, fit to send to another process that need not import torch: the model card as plain fields, the
+        tokenizer only where it pickles (and ``with_tokenizer``)."""
+        tokenizer = self.tokenizer if with_tokenizer and picklable(self.tokenizer) else None
+        model_info = self.model_info
+        if dataclasses.is_dataclass(model_info):
+            model_info = types.SimpleNamespace(**dataclasses.asdict(model_info))
+        return dataclasses.replace(self, tokenizer=tokenizer, model_info=model_info)
+
+    def loaded(self) -> EngineInfo:
+        """This, with a tokenizer: the one that travelled, or else one loaded here from ``args.model``."""
+        if self.tokenizer is not None:
+            return self
+        from conveyor.tokenizer import load_tokenizer
+
+        return dataclasses.replace(self, tokenizer=load_tokenizer(self.args.model))
+
+
+def picklable(value) -> bool:
+    try:
+        pickle.dumps(value)
+        return True
+    except Exception:  # noqa: BLE001
+        return False
+
+
+Prepare = Callable[[EngineInfo], PromptType]  # a prompt made off the event loop, just before its add
 
 
 class EngineDeadError(RuntimeError):
@@ -61,19 +129,66 @@ class RequestStream:
         return item
 
 
-class EngineClient:
-    """Streams, admission and drain; the transport to the engine is the subclass's.
+@runtime_checkable
+class ServedEngine(Protocol):
+    """What the server needs of an engine; ``build_app`` serves any implementation unchanged.
 
-    ``output_listeners`` are called with every ``RequestOutput`` (metrics use this; the subclass says on which
-    thread); they must be quick. Callbacks in ``on_dead`` are called on the event loop, once, with the exception
-    that killed the engine, after every in-flight stream got its error (the server exits then, so that a
-    supervisor restarts it). ``stats`` is the engine's latest immutable ``SchedulerStats``.
+    ``info`` holds the facts fixed for the run; ``stats`` is the engine's latest immutable ``SchedulerStats``.
+    ``add_request`` returns the request's stream; its ``prompt`` may be a ``Prepare``, which the implementation
+    runs off the event loop just before the add (tokenizing, chat templates, length checks), with ``info``.
+    ``tokenizer_call(fn)`` runs ``fn(info)`` off the event loop (``/tokenize``, ``/detokenize``). Listeners:
+    ``output_listeners`` get every ``RequestOutput``, ``step_listeners`` every ``StepRecord`` (metrics; each
+    implementation says on which thread, and either may never be called where the numbers come another way, as
+    for the replica pool); ``on_dead`` callbacks run on the event loop, once, when the engine has died.
     """
 
-    engine: Any  # the engine, or a view of it with the tokenizer, model_info, args and max_model_len
+    stats: SchedulerStats
+    dead_error: BaseException | None
+    output_listeners: list[Callable[[RequestOutput], None]]
+    step_listeners: list[Callable[[StepRecord], None]]
+    on_dead: list[Callable[[BaseException], None]]
+
+    @property
+    def info(self) -> EngineInfo: ...
+
+    @property
+    def is_running(self) -> bool: ...
+
+    @property
+    def num_in_flight(self) -> int: ...
+
+    def start(self) -> None:
+        """Start serving, on the event loop that will consume the streams."""
+
+    async def add_request(self, request_id: str, prompt: PromptType | Prepare, params: SamplingParams,
+                          arrival_time: float | None = None) -> RequestStream: ...
+
+    def abort(self, request_id: str) -> None: ...
+
+    async def tokenizer_call(self, fn: Callable[[EngineInfo], T]) -> T: ...
+
+    def stop_admissions(self) -> None: ...
+
+    async def drain(self, timeout_s: float) -> None: ...
+
+    async def shutdown(self) -> None: ...
+
+
+class EngineClient:
+    """``ServedEngine``'s streams, admission and drain, written once; the transport to the engine is the
+    subclass's, and so is ``info``.
+
+    ``output_listeners`` and ``step_listeners`` are called where the subclass says; they must be quick.
+    Callbacks in ``on_dead`` are called on the event loop, once, with the exception that killed the engine,
+    after every in-flight stream got its error (the server exits then, so that a supervisor restarts it).
+    ``stats`` is the engine's latest immutable ``SchedulerStats``.
+    """
+
+    info: EngineInfo
 
     def __init__(self, stats: SchedulerStats) -> None:
         self.output_listeners: list[Callable[[RequestOutput], None]] = []
+        self.step_listeners: list[Callable[[StepRecord], None]] = []
         self.on_dead: list[Callable[[BaseException], None]] = []
         self._streams: dict[str, RequestStream] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -87,30 +202,38 @@ class EngineClient:
     def is_running(self) -> bool:
         raise NotImplementedError
 
-    def abort(self, request_id: str) -> None:
-        """Abort a request (no-op when finished); its blocks are free before the next step runs."""
+    def start(self) -> None:
+        """Start serving; call from the event loop that will consume the streams (``_start_loop_side`` first)."""
         raise NotImplementedError
 
-    async def call(self, fn: Callable[[Any], Any]) -> Any:
-        """Run ``fn(engine)`` where the engine runs, between steps, and return its result (or raise its error)."""
+    def abort(self, request_id: str) -> None:
+        """Abort a request (no-op when finished); its stream ends with finish_reason "abort"."""
         raise NotImplementedError
 
     async def shutdown(self) -> None:
         """Abort whatever is left and stop the engine."""
         raise NotImplementedError
 
-    async def tokenizer_call(self, fn: Callable[[Any], Any]) -> Any:
-        """Run ``fn(engine)`` where tokenizing is cheapest for the event loop; ``fn`` may use only the engine's
-        tokenizer, ``encode``, ``model_info`` and ``max_model_len`` (``/tokenize``, ``/detokenize``)."""
-        return await self.call(fn)
+    async def tokenizer_call(self, fn: Callable[[EngineInfo], T]) -> T:
+        """Run ``fn(info)`` off the event loop, with the server's own tokenizer (``/tokenize``, ``/detokenize``)."""
+        return await asyncio.to_thread(fn, self.info)
 
-    async def _add(self, request_id: str, prompt, params: SamplingParams, arrival: float) -> None:
+    async def _add(self, request_id: str, prompt: PromptType | Prepare, params: SamplingParams,
+                   arrival: float) -> None:
+        """Hand the request to the engine (its stream is registered already); run ``prompt(info)`` first when it
+        is a ``Prepare``. Raise what refused it."""
         raise NotImplementedError
 
     def _start_loop_side(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._idle = asyncio.Event()
         self._idle.set()
+
+    def _abort_all(self) -> None:
+        """Refuse new requests and abort every one in flight (the start of every ``shutdown``)."""
+        self.stop_admissions()
+        for request_id in list(self._streams):
+            self.abort(request_id)
 
     # ---- lifecycle --------------------------------------------------------------------------------------
     @property
@@ -123,8 +246,11 @@ class EngineClient:
 
     async def drain(self, timeout_s: float) -> None:
         """Graceful shutdown: refuse new requests, let in-flight ones finish for up to ``timeout_s``, then abort
-        the rest (their streams end with finish_reason "abort")."""
+        the rest (their streams end with finish_reason "abort") and wait up to ``DRAIN_ABORT_GRACE_S`` for the
+        aborts to land."""
         self.stop_admissions()
+        if self._idle.is_set():  # nothing in flight (and wait_for(..., 0) would time out even so)
+            return
         try:
             await asyncio.wait_for(self._idle.wait(), timeout_s)
         except asyncio.TimeoutError:
@@ -138,13 +264,13 @@ class EngineClient:
                 pass
 
     # ---- requests ---------------------------------------------------------------------------------------
-    async def add_request(self, request_id: str, prompt, params: SamplingParams,
+    async def add_request(self, request_id: str, prompt: PromptType | Prepare, params: SamplingParams,
                           arrival_time: float | None = None) -> RequestStream:
         """Queue a request; return its stream. Raises what ``LLMEngine.add_request`` raises (ValueError,
         QueueFullError), or EngineShuttingDownError / EngineDeadError.
 
-        ``prompt`` may be a function ``engine -> prompt`` (tokenizing, chat templates, length checks), which the
-        subclass runs where it is cheapest, before the add.
+        ``prompt`` may be a ``Prepare``, a function ``info -> prompt`` (tokenizing, chat templates, length
+        checks), which the subclass runs off the event loop before the add.
         """
         if self.dead_error is not None:
             raise EngineDeadError(f"the engine has stopped: {self.dead_error!r}")

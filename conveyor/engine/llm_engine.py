@@ -8,6 +8,7 @@ a stop string ended. The engine is the layer that reads the clock (``time.monoto
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import logging
 import os
@@ -23,25 +24,15 @@ from conveyor.core.sampling_params import SamplingParams
 from conveyor.core.scheduler import Scheduler
 from conveyor.engine.args import EngineArgs, parse_cpu_ids
 from conveyor.engine.core_step import CoreOutput, CoreStepOutput, child_requests
+from conveyor.engine.engine_client import EngineInfo
 from conveyor.engine.output_processor import OutputProcessor
 from conveyor.engine.outputs import RequestOutput
+from conveyor.engine.prompts import PromptType, encode_text, prompt_tokens
 from conveyor.engine.step_record import StepRecord
 from conveyor.runner.logit_edits import tokenize_bad_words
 from conveyor.structured.manager import StructuredOutputs
 
-PromptType = str | list[int] | dict
-
 logger = logging.getLogger("conveyor.engine")
-
-
-def encode_text(tokenizer, text: str, add_special_tokens: bool = True, field: str = "prompt") -> list[int]:
-    """Token ids of ``text``; ValueError (naming ``field``) for text that is not valid Unicode (a lone surrogate,
-    which JSON can carry), which the tokenizers would refuse with an error of their own."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise ValueError(f"{field} is not valid Unicode text: {exc.reason} at position {exc.start}") from None
-    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
 class QueueFullError(RuntimeError):
@@ -139,19 +130,22 @@ class LLMEngine:
             return SlabKVManager(num_blocks, cache.block_size, self.max_model_len)
         return KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
 
+    @functools.cached_property
+    def info(self) -> EngineInfo:
+        """This engine's facts fixed for the run, as a server reads them of any engine (``ServedEngine.info``)."""
+        from conveyor.models import EMBEDDED_NAME
+
+        return EngineInfo(self.args, self.tokenizer, self.model_info, self.max_model_len, self.max_seqs_per_request,
+                          self.num_kv_blocks, os.getpid(), self.load_time_s, self.init_time_s,
+                          self.model_info.name == EMBEDDED_NAME)
+
     # ---- requests ---------------------------------------------------------------------------------------
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """A prompt as (text or None, token ids): a string, a list of ids, or ``{"prompt_token_ids": [...]}``."""
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
-            prompt = prompt["prompt"]
-        if isinstance(prompt, str):
-            return prompt, self.encode(prompt)
-        return None, list(prompt)
+        return prompt_tokens(self.tokenizer, prompt)
 
     def encode(self, text: str, add_special_tokens: bool = True, field: str = "prompt") -> list[int]:
-        """Token ids of ``text`` (see ``encode_text``)."""
+        """Token ids of ``text`` (see ``prompts.encode_text``)."""
         return encode_text(self.tokenizer, text, add_special_tokens, field)
 
     def validate_prompt(self, token_ids: list[int], params: SamplingParams) -> None:

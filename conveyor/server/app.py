@@ -1,7 +1,8 @@
-"""The FastAPI app: routes, API-key check, and the lifespan that runs the ``AsyncEngine``.
+"""The FastAPI app: routes, API-key check, and the lifespan that runs the engine.
 
-``build_app(engine)`` takes an already loaded ``LLMEngine`` (so model errors surface before the port opens, and
-tests can build one however they like). The routes stay thin; the work is in ``serving_*.py``.
+``build_app(engine)`` takes an engine that is already loaded, so model errors surface before the port opens:
+any ``ServedEngine`` (``engine_client.py``), or an ``LLMEngine``, which it steps in a thread (``AsyncEngine``).
+The routes stay thin; the work is in ``serving_*.py``.
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from conveyor.engine.async_engine import AsyncEngine
-from conveyor.engine.core_client import EngineCoreClient
-from conveyor.engine.engine_client import EngineClient
+from conveyor.engine.chat import render_chat
+from conveyor.engine.engine_client import EngineInfo, ServedEngine
 from conveyor.engine.llm_engine import LLMEngine
 from conveyor.server.body_limit import BodyLimitMiddleware
 from conveyor.server.cors import CORSConfig, install_cors
@@ -25,7 +26,7 @@ from conveyor.server.errors import APIError, bad_request, from_engine_error, ins
 from conveyor.server.limits import DEFAULT_MAX_REQUEST_BODY_BYTES, DEFAULT_MAX_SEQS_PER_REQUEST, max_token_chars
 from conveyor.server.metrics import ServerMetrics, log_stats_forever
 from conveyor.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
-from conveyor.server.serving_chat import create_chat_completion, generation_prompt, messages_as_dicts, render_chat
+from conveyor.server.serving_chat import create_chat_completion, generation_prompt, messages_as_dicts
 from conveyor.server.serving_common import ServingContext
 from conveyor.server.serving_completion import create_completion
 
@@ -50,43 +51,39 @@ class APIKeyMiddleware:
         await self.app(scope, receive, send)
 
 
-def build_app(engine: LLMEngine | EngineClient, served_model_name: str | None = None, api_key: str | None = None,
+def build_app(engine: ServedEngine | LLMEngine, served_model_name: str | None = None, api_key: str | None = None,
               log_stats_interval_s: float = 5.0, shutdown_timeout_s: float = 30.0, max_n: int = 128,
-              async_engine: EngineClient | None = None, metrics: ServerMetrics | None = None,
-              health_detail: Callable[[], dict] | None = None,
+              metrics: ServerMetrics | None = None, health_detail: Callable[[], dict] | None = None,
               max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
               max_seqs_per_request: int = DEFAULT_MAX_SEQS_PER_REQUEST, cors: CORSConfig | None = None,
               tool_call_parser: str | None = None) -> FastAPI:
-    """An OpenAI-compatible app serving ``engine``'s model: an ``LLMEngine`` (stepped in a thread of this process,
-    ``AsyncEngine``) or an ``EngineClient`` (``EngineCoreClient``: the engine in its own process). The engine runs
-    for the app's lifespan. ``max_n`` bounds ``n`` (and ``best_of``) per request: 128, as OpenAI's API does;
-    ``max_seqs_per_request`` bounds prompts x n; a body over ``max_request_body_bytes`` is 413 (``body_limit.py``).
-    ``cors``: what browsers on other origins may do (``cors.py``; None: vLLM's defaults, anything without
-    credentials).
+    """An OpenAI-compatible app serving ``engine``'s model: a ``ServedEngine`` (``EngineCoreClient``, the engine
+    in its own process; ``AsyncEngine``; ``distributed.ReplicaPool``), or an ``LLMEngine``, stepped in a thread of
+    this process (``AsyncEngine``). The engine runs for the app's lifespan. ``max_n`` bounds ``n`` (and
+    ``best_of``) per request: 128, as OpenAI's API does; ``max_seqs_per_request`` bounds prompts x n; a body over
+    ``max_request_body_bytes`` is 413 (``body_limit.py``). ``cors``: what browsers on other origins may do
+    (``cors.py``; None: vLLM's defaults, anything without credentials).
 
-    Scale-out (``conveyor.distributed``) passes its own ``async_engine`` (the same interface over a pool of
-    replicas; ``engine`` is then a frontend with the tokenizer and limits), its ``metrics`` and a
-    ``health_detail`` that ``/health`` answers with."""
+    ``metrics`` replaces the app's own ``ServerMetrics`` (scale-out passes one that merges its replicas'), and
+    ``health_detail``, when given, is what ``/health`` answers with."""
     if max_request_body_bytes < 1 or max_seqs_per_request < 1:
         raise ValueError(f"max_request_body_bytes and max_seqs_per_request must be >= 1, got "
                          f"{max_request_body_bytes} and {max_seqs_per_request}")
-    if async_engine is None:
-        if isinstance(engine, EngineCoreClient):
-            engine.wait_ready()
-        async_engine = engine if isinstance(engine, EngineClient) else AsyncEngine(engine)
-        engine = async_engine.engine  # the engine, or (in another process) a view of it with its tokenizer
-    model_name = served_model_name or engine.model_info.name
+    if isinstance(engine, LLMEngine):
+        engine = AsyncEngine(engine)
+    info = engine.info  # (the engine core process: waits until it is ready)
+    model_name = served_model_name or info.model_info.name
     if metrics is None:
-        metrics = ServerMetrics(async_engine, model_name)
+        metrics = ServerMetrics(engine, model_name)
         metrics.attach()
-    tokenizer = engine.tokenizer
-    ctx = ServingContext(async_engine, model_name, engine.max_model_len, max_n, max_seqs_per_request,
-                         max_token_chars(tokenizer), tool_call_parser)
+    tokenizer = info.tokenizer
+    ctx = ServingContext(engine, model_name, max_n, max_seqs_per_request, max_token_chars(tokenizer),
+                         tool_call_parser)
     created = int(time.time())
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        async_engine.start()
+        engine.start()
         logger_task = None
         if log_stats_interval_s > 0:
             logger_task = asyncio.create_task(log_stats_forever(metrics, log_stats_interval_s))
@@ -95,11 +92,11 @@ def build_app(engine: LLMEngine | EngineClient, served_model_name: str | None = 
         finally:
             if logger_task is not None:
                 logger_task.cancel()
-            await async_engine.drain(shutdown_timeout_s)
-            await async_engine.shutdown()
+            await engine.drain(shutdown_timeout_s)
+            await engine.shutdown()
 
     app = FastAPI(title="conveyor", lifespan=lifespan)
-    app.state.async_engine = async_engine
+    app.state.async_engine = engine
     app.state.metrics = metrics
     app.state.shutdown_timeout_s = shutdown_timeout_s
     install_error_handlers(app)
@@ -117,7 +114,7 @@ def build_app(engine: LLMEngine | EngineClient, served_model_name: str | None = 
         return await create_chat_completion(body, raw, ctx, tokenizer)
 
     card = {"id": model_name, "object": "model", "created": created, "owned_by": "conveyor",
-            "root": engine.args.model or engine.model_info.name, "parent": None, "max_model_len": engine.max_model_len}
+            "root": info.args.model or info.model_info.name, "parent": None, "max_model_len": info.max_model_len}
 
     @app.get("/v1/models")
     async def models():
@@ -132,7 +129,7 @@ def build_app(engine: LLMEngine | EngineClient, served_model_name: str | None = 
 
     @app.get("/health")
     async def health():
-        if not async_engine.is_running:
+        if not engine.is_running:
             return JSONResponse(APIError(503, "engine is not running", code="engine_dead").body(), 503)
         return JSONResponse(health_detail()) if health_detail else Response(status_code=200)
 
@@ -154,35 +151,34 @@ def build_app(engine: LLMEngine | EngineClient, served_model_name: str | None = 
         messages = messages_as_dicts(body.messages) if body.messages is not None else None
         add_generation_prompt = generation_prompt(body)
 
-        def run(e: LLMEngine) -> tuple[list[int], list[str] | None]:
+        def run(e: EngineInfo) -> tuple[list[int], list[str] | None]:
             if messages is not None:
-                ids = render_chat(e, messages, add_generation_prompt, bool(body.add_special_tokens),
-                                  body.continue_final_message)
+                ids = render_chat(e.tokenizer, messages, add_generation_prompt,
+                                  add_special_tokens=bool(body.add_special_tokens),
+                                  continue_final_message=body.continue_final_message)
             else:
                 add = True if body.add_special_tokens is None else body.add_special_tokens
                 ids = e.encode(body.prompt, add_special_tokens=add)
             strs = [e.tokenizer.decode([t], skip_special_tokens=False) for t in ids] if body.return_token_strs else None
             return ids, strs
 
-        ids, strs = await _tokenizer_call(async_engine, run)
-        return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids, "token_strs": strs}
+        ids, strs = await _tokenizer_call(engine, run)
+        return {"count": len(ids), "max_model_len": info.max_model_len, "tokens": ids, "token_strs": strs}
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):
         ctx.check_model(body.model)
-        vocab = engine.model_info.vocab_size
+        vocab = info.model_info.vocab_size
         if any(not 0 <= t < vocab for t in body.tokens):
             raise bad_request(f"tokens must be integers in [0, {vocab})", "tokens")
-        text = await _tokenizer_call(async_engine, lambda e: e.tokenizer.decode(body.tokens))
+        text = await _tokenizer_call(engine, lambda e: e.tokenizer.decode(body.tokens))
         return {"prompt": text}
 
     return app
 
 
-async def _tokenizer_call(async_engine: EngineClient, fn):
+async def _tokenizer_call(engine: ServedEngine, fn):
     try:
-        return await async_engine.tokenizer_call(fn)
-    except APIError:  # the request's own fault, found while rendering it (render_chat)
-        raise
+        return await engine.tokenizer_call(fn)
     except Exception as exc:
         raise from_engine_error(exc) from exc

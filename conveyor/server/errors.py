@@ -15,7 +15,8 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from conveyor.core.sampling_params import SamplingParams
-from conveyor.engine.async_engine import EngineDeadError, EngineShuttingDownError, RequestFailedError
+from conveyor.engine.chat import FinalMessageError
+from conveyor.engine.engine_client import EngineDeadError, EngineShuttingDownError, RequestFailedError
 from conveyor.engine.llm_engine import QueueFullError
 
 logger = logging.getLogger("conveyor.server")
@@ -65,7 +66,9 @@ _PARAM_NAMES = {f.name for f in fields(SamplingParams)} | {
 
 
 def from_engine_error(exc: BaseException) -> APIError:
-    """Map what ``AsyncEngine.add_request`` raises to a status."""
+    """Map what ``ServedEngine.add_request`` raises (or a ``Prepare`` it ran) to a status."""
+    if isinstance(exc, FinalMessageError):  # render_chat: the conversation cannot be continued as asked
+        return bad_request(str(exc), "continue_final_message")
     if isinstance(exc, ValueError):
         return from_value_error(exc)
     if isinstance(exc, QueueFullError):

@@ -27,9 +27,10 @@ class GracefulServer(uvicorn.Server):
     - the first SIGINT/SIGTERM also starts draining the engine (no new requests; in-flight ones get
       ``app.state.shutdown_timeout_s``, then are aborted), so a request still running at the deadline ends with
       finish_reason "abort" and ``data: [DONE]`` instead of a cut connection. A second SIGINT forces exit;
-    - when the engine thread dies, the server shuts down at once (every in-flight request has its error by then)
-      and ``engine_died`` is set, so ``conveyor serve`` exits with status 1 and a supervisor restarts it, as
-      vLLM does. A dead engine never serves again: staying up would only answer 503 forever.
+    - when the engine dies (its thread or its process), the server shuts down at once (every in-flight request
+      has its error by then) and ``engine_died`` is set, so ``conveyor serve`` exits with status 1 and a
+      supervisor restarts it, as vLLM does. A dead engine never serves again: staying up would only answer 503
+      forever.
     """
 
     def __init__(self, config: uvicorn.Config, exit_on_engine_death: bool = True) -> None:

@@ -2,11 +2,11 @@
 
 Where the numbers come from:
 - gauges (running / waiting / KV usage) and the engine's own counters (preemptions, prefix-cache queries and
-  hits) are read at scrape time from ``EngineClient.stats``, the immutable snapshot the engine publishes
+  hits) are read at scrape time from ``ServedEngine.stats``, the immutable snapshot the engine publishes
   after every step and every command (so they are exact even while the engine idles): the event loop never
   reads the live scheduler;
-- per-request histograms and token counters come from every ``RequestOutput`` (``EngineClient.output_listeners``);
-- tokens per step come from ``StepRecord`` (the engine's ``step_listeners``).
+- per-request histograms and token counters come from every ``RequestOutput`` (``ServedEngine.output_listeners``);
+- tokens per step come from ``StepRecord`` (``ServedEngine.step_listeners``).
 Listeners run on the engine thread (an engine in this process) or on the event loop (an engine in its own
 process, whose records and outputs arrive with each step's message); prometheus-client metrics are thread-safe.
 """
@@ -20,7 +20,7 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily
 
-from conveyor.engine.engine_client import EngineClient
+from conveyor.engine.engine_client import ServedEngine
 from conveyor.engine.outputs import RequestOutput
 from conveyor.engine.step_record import StepRecord
 
@@ -40,7 +40,7 @@ P = "conveyor:"
 class _EngineCounters:
     """A collector that reports counters the engine already keeps, from its latest stats snapshot."""
 
-    def __init__(self, async_engine: EngineClient, labels: dict[str, str]) -> None:
+    def __init__(self, async_engine: ServedEngine, labels: dict[str, str]) -> None:
         self.async_engine = async_engine
         self.labels = labels
 
@@ -60,7 +60,7 @@ class _EngineCounters:
 class ServerMetrics:
     """All metrics of one served model. ``attach()`` wires the listeners."""
 
-    def __init__(self, async_engine: EngineClient, model_name: str) -> None:
+    def __init__(self, async_engine: ServedEngine, model_name: str) -> None:
         self.async_engine = async_engine
         self.registry = CollectorRegistry()
         labels = {"model_name": model_name}
@@ -102,12 +102,12 @@ class ServerMetrics:
 
     def attach(self) -> None:
         self.async_engine.output_listeners.append(self.on_output)
-        self.async_engine.engine.step_listeners.append(self.on_step)
+        self.async_engine.step_listeners.append(self.on_step)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
-    # ---- listeners (engine thread) ----------------------------------------------------------------------
+    # ---- listeners (engine thread or loop) ---------------------------------------------------------------
     def on_step(self, record: StepRecord) -> None:
         self.iteration_tokens.observe(record.num_tokens)
 

@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from conveyor.core.outputs import TokenLogprobs
 from conveyor.core.sampling_params import MAX_LOGPROBS
 from conveyor.engine import chat
+from conveyor.engine.engine_client import EngineInfo
 from conveyor.server.errors import bad_request
 from conveyor.server.protocol import ChatCompletionRequest, ChatMessage
 from conveyor.server.serving_common import (
@@ -62,18 +63,6 @@ def echoed(body, messages: list[dict], role: str) -> str:
     return messages[-1]["content"] if body.echo and messages[-1]["role"] == role else ""
 
 
-def render_chat(engine, messages: list[dict], add_generation_prompt: bool, add_special_tokens: bool,
-                continue_final_message: bool = False, tools: list[dict] | None = None) -> list[int]:
-    """Token ids of a conversation through the model's chat template (engine thread). The template writes the
-    special tokens itself."""
-    try:
-        text = chat.chat_prompt(engine.tokenizer, messages, add_generation_prompt,
-                                continue_final_message=continue_final_message, tools=tools)
-    except chat.FinalMessageError as exc:
-        raise bad_request(str(exc), "continue_final_message") from exc
-    return engine.encode(text, add_special_tokens=add_special_tokens, field="messages")
-
-
 def _logprobs(tokenizer, entries: list[TokenLogprobs]) -> dict:
     def item(token_id: int, logprob: float) -> dict:
         token = tokenizer.decode([token_id], skip_special_tokens=False)
@@ -103,13 +92,15 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: Request, ctx:
     # prompt from below.
     ctx.check_prompt_chars(sum(len(m["content"]) for m in messages), "messages", "the messages' text")
 
-    prompt_tokens = []  # prepare's count, for the chunks streamed before the first output (every EngineClient
+    prompt_tokens = []  # prepare's count, for the chunks streamed before the first output (every ServedEngine
     # runs prepare in this process before add_request returns)
 
-    def prepare(engine) -> dict:  # engine thread, done before submit returns
-        ids = render_chat(engine, messages, add_generation_prompt, body.add_special_tokens,
-                          body.continue_final_message, plan.template_tools if plan is not None else None)
-        check_context(len(ids), max_tokens, engine.max_model_len)
+    def prepare(info: EngineInfo) -> dict:  # off the event loop, before submit returns
+        ids = chat.render_chat(info.tokenizer, messages, add_generation_prompt,
+                               add_special_tokens=body.add_special_tokens,
+                               continue_final_message=body.continue_final_message,
+                               tools=plan.template_tools if plan is not None else None)
+        check_context(len(ids), max_tokens, info.max_model_len)
         prompt_tokens.append(len(ids))
         return {"prompt_token_ids": ids}
 

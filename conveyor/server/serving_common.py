@@ -8,13 +8,12 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 
 from fastapi import Request
 
 from conveyor.core.sampling_params import SamplingParams
-from conveyor.engine.engine_client import EngineClient, RequestStream
-from conveyor.engine.llm_engine import LLMEngine
+from conveyor.engine.engine_client import Prepare, RequestStream, ServedEngine
 from conveyor.engine.outputs import CompletionOutput, RequestOutput
 from conveyor.server.errors import APIError, bad_request, from_engine_error, from_value_error
 from conveyor.server.limits import DEFAULT_MAX_SEQS_PER_REQUEST, check_stop
@@ -22,7 +21,6 @@ from conveyor.server.protocol import SamplingFields
 from conveyor.structured.grammars import grammar_text
 
 logger = logging.getLogger("conveyor.server")
-Prepare = Callable[[LLMEngine], dict]  # runs on the engine thread: tokenizes, checks, returns the engine prompt
 
 
 def sse(payload: dict) -> str:
@@ -81,16 +79,16 @@ class ServingContext:
     ``max_token_chars`` is the most characters one token stands for (``limits.max_token_chars``; None: no bound
     is known, and prompts are not checked by their length in characters)."""
 
-    def __init__(self, async_engine: EngineClient, model_name: str, max_model_len: int, max_n: int = 128,
+    def __init__(self, engine: ServedEngine, model_name: str, max_n: int = 128,
                  max_seqs_per_request: int = DEFAULT_MAX_SEQS_PER_REQUEST, max_token_chars: int | None = None,
                  tool_call_parser: str | None = None) -> None:
-        self.engine = async_engine
+        self.engine = engine
         self.tool_call_parser = tool_call_parser  # None: picked from the chat template (server/tools.py)
         self.model_name = model_name
-        self.max_model_len = max_model_len
+        self.max_model_len = engine.info.max_model_len
         self.max_n = max_n
         self.max_seqs_per_request = max_seqs_per_request
-        self.admission_cap = async_engine.engine.max_seqs_per_request  # the queue bound's; fixed for the run
+        self.admission_cap = engine.info.max_seqs_per_request  # the queue bound's
         self.max_token_chars = max_token_chars
 
     def check_size(self, params: SamplingParams, num_prompts: int) -> None:
@@ -159,7 +157,8 @@ class ServingContext:
             raise bad_request(f"{field}: {str(exc).split(': ', 1)[-1]}", field) from exc
 
     async def submit(self, request_id: str, prompts: list[Prepare], params: SamplingParams) -> list[RequestStream]:
-        """Queue one engine request per prompt (ids ``{request_id}-{i}``); all or nothing."""
+        """Queue one engine request per prompt (ids ``{request_id}-{i}``); all or nothing. Each ``Prepare`` has
+        run (off the event loop: a worker thread, or the engine thread in process) when this returns."""
         arrival = time.monotonic()
         streams: list[RequestStream] = []
         try:

@@ -9,6 +9,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from conveyor.core.outputs import TokenLogprobs
+from conveyor.engine.engine_client import EngineInfo, Prepare
 from conveyor.engine.outputs import CompletionOutput, RequestOutput
 from conveyor.server.errors import bad_request, from_value_error
 from conveyor.server.protocol import CompletionRequest
@@ -26,14 +27,14 @@ def _prompts(prompt) -> list[str | list[int]]:
     return list(prompt)
 
 
-def _prepare(prompt: str | list[int], max_tokens: int | None, add_special_tokens: bool):
-    def prepare(engine) -> dict:  # runs on the engine thread
+def _prepare(prompt: str | list[int], max_tokens: int | None, add_special_tokens: bool) -> Prepare:
+    def prepare(info: EngineInfo) -> dict:  # off the event loop, before the add (see ServingContext.submit)
         if isinstance(prompt, str):
-            ids = engine.encode(prompt, add_special_tokens=add_special_tokens)
+            ids = info.encode(prompt, add_special_tokens=add_special_tokens)
             text = prompt
         else:
             ids, text = list(prompt), None
-        check_context(len(ids), max_tokens, engine.max_model_len)
+        check_context(len(ids), max_tokens, info.max_model_len)
         return {"prompt": text, "prompt_token_ids": ids}
 
     return prepare

@@ -1,4 +1,9 @@
-"""``conveyor serve``: an OpenAI-compatible server, flags named as in ``vllm serve``."""
+"""``conveyor serve``: an OpenAI-compatible server, flags named as in ``vllm serve``.
+
+This module sits above ``server/`` and ``distributed/``: it picks the layout (the engine in its own process, in a
+thread of this one, or ``--data-parallel-size`` replicas on Ray Serve) and builds it from those packages, so that
+``server/`` never imports ``distributed/`` (which builds on ``server/``'s app).
+"""
 
 from __future__ import annotations
 
@@ -7,7 +12,7 @@ import dataclasses
 import logging
 import os
 
-logger = logging.getLogger("conveyor.server")
+logger = logging.getLogger("conveyor.server")  # its lines are the server's start-up
 
 
 def _positive_int(text: str) -> int:
@@ -146,21 +151,17 @@ def run_serve(ns: argparse.Namespace) -> int:
 
     if ns.engine_in_process:
         from conveyor.engine.llm_engine import LLMEngine
-        from conveyor.models import EMBEDDED_NAME
 
         engine = LLMEngine(args)
-        view, random_weights = engine, engine.model_info.name == EMBEDDED_NAME
-    else:
-        view = engine.wait_ready().engine
-        random_weights = view.random_weights  # (this process does not import torch, which conveyor.models does)
-    info = view.model_info
-    if random_weights:
-        logger.warning("serving %s: RANDOM weights, its output is noise (it exists for benchmarks)", info.name)
+    info = engine.info  # (the engine process: waits until it is ready)
+    model = info.model_info
+    if info.random_weights:
+        logger.warning("serving %s: RANDOM weights, its output is noise (it exists for benchmarks)", model.name)
     logger.info("loaded %s (%.0fM parameters, %s) in %.2f s; engine ready in %.2f s: %d KV blocks of %d tokens, "
-                "max_model_len %d, policy %s, engine %s", info.name, info.num_params / 1e6, info.dtype,
-                view.load_time_s, view.init_time_s, view.num_kv_blocks, args.block_size, view.max_model_len,
-                args.policy, "in this process" if ns.engine_in_process else f"in process {view.pid}")
-    app = build_app(engine, ns.served_model_name or info.name, ns.api_key,
+                "max_model_len %d, policy %s, engine %s", model.name, model.num_params / 1e6, model.dtype,
+                info.load_time_s, info.init_time_s, info.num_kv_blocks, args.block_size, info.max_model_len,
+                args.policy, "in this process" if ns.engine_in_process else f"in process {info.pid}")
+    app = build_app(engine, ns.served_model_name or model.name, ns.api_key,
                     0.0 if ns.disable_log_stats else ns.log_stats_interval, ns.shutdown_timeout, ns.max_n,
                     max_request_body_bytes=ns.max_request_body_bytes, max_seqs_per_request=ns.max_seqs_per_request,
                     tool_call_parser=ns.tool_call_parser, cors=CORSConfig.from_namespace(ns))
