@@ -42,3 +42,11 @@ def smollm2_hf():
 
     path = Path(packaged_model_path(DEFAULT_MODEL))
     return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+
+
+def pytest_collection_modifyitems(config, items):
+    """Everything under tests/e2e/ runs the real default model: slow by directory, whatever its file says."""
+    e2e = Path(__file__).parent / "e2e"
+    for item in items:
+        if e2e in Path(item.fspath).parents:
+            item.add_marker(pytest.mark.slow)

@@ -4,7 +4,7 @@ The format's constants (magic, value types, quantization types and block sizes) 
 type come from the ``gguf`` package, llama.cpp's own Python library. One part is done here, for load time: the
 header. ``gguf.GGUFReader`` builds one numpy view per array element; on SmolLM2's 98,000 tokenizer strings that
 took 5.4-5.8 s here (more than the whole load budget), where this parser, which follows the same layout with
-``struct``, took 0.12-0.16 s in the same conditions. ``tests/test_gguf.py`` checks that both readers agree on every
+``struct``, took 0.12-0.16 s in the same conditions. ``tests/models/test_gguf.py`` checks that both readers agree on every
 field and tensor.
 
 Tensors are dequantized by ``gguf.quants.dequantize`` (every type it implements: Q4_0, Q4_1, Q5_*, Q8_0, the

@@ -6,7 +6,7 @@ Why: at those sizes a layer's GEMMs take tens of microseconds, and the per-layer
 native code about ten times per layer (norm, qkv, attention, o, norm, gate_up, activation, down), allocating a
 tensor each time. Measured on the bench model in bfloat16 at batch 4 (2 vCPU Xeon with AMX), that overhead was
 about as long as the GEMMs themselves. ``cvk_llama_layers`` runs the same kernels in the same order over every
-layer, so its results are bit-identical to the per-layer path (tests/test_native_stack.py checks it).
+layer, so its results are bit-identical to the per-layer path (tests/models/test_native_stack.py checks it).
 
 ``NativeLayerStack.build(model, kernels)`` returns None where it cannot apply (no kernels, a linear without its
 native packing, norms in another dtype); ``accepts(num_tokens, attn)`` says per step whether this one can.

@@ -1,5 +1,5 @@
 """Load and fault drivers against ``conveyor serve`` run as a user runs it: a subprocess on 127.0.0.1, stopped by
-PID, with a check that none of its processes outlives it. Used by tests/test_load_faults.py and scripts/soak.py.
+PID, with a check that none of its processes outlives it. Used by tests/server/test_load_faults.py and scripts/soak.py.
 
 - ``start_serve``: the subprocess (engine process or ``--engine-in-process``, uvloop or asyncio),
   its log, its descendants (the engine core, multiprocessing's resource tracker), their RSS;

@@ -4,7 +4,7 @@ Every case runs against a real uvicorn on 127.0.0.1. After each bad-input case t
 and serve an ordinary request: a case that breaks the engine shows up even when its own answer looks fine.
 The cases reproduce the reliability probe of 2026-11-30 (``docs/reliability.md``) and the stop, batch and
 unsupported-field cases of the second probe (2026-12-01) on the tiny test model (vocabulary 384, context 512);
-``tests/test_edge_bounds.py`` covers those bounds in full.
+``tests/server/test_edge_bounds.py`` covers those bounds in full.
 """
 
 from __future__ import annotations

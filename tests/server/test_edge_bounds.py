@@ -445,7 +445,7 @@ def test_every_field_the_review_names_is_refused_in_one_place():
     names = {f.name for f in REFUSED_FIELDS}
     assert names >= {"guided_whitespace_pattern", "structural_tag", "truncate_prompt_tokens", "logits_processors",
                      "prompt_embeds", "functions", "function_call", "suffix"}
-    # served now (tests/test_structured_outputs.py, tests/test_server_structured.py): no longer refused
+    # served now (tests/engine/test_structured_outputs.py, tests/server/test_server_structured.py): no longer refused
     assert not names & {"guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
                         "response_format", "allowed_token_ids", "bad_words", "logit_bias", "tools", "tool_choice"}
     assert len(names) == len(REFUSED_FIELDS)  # one entry per field

@@ -159,7 +159,7 @@ def test_no_caller_outside_the_package_names_a_backend_class_or_tests_a_backend_
     import ast
     import pathlib
 
-    root = pathlib.Path(__file__).resolve().parents[1] / "conveyor"
+    root = pathlib.Path(__file__).resolve().parents[2] / "conveyor"
     modules = {"cpu", "native_cpu", "reference", "cuda", "padded"}
     classes = {"CpuAttention", "NativeCpuAttention", "ReferenceAttention", "FlashAttention", "PaddedAttention"}
     offences = []

@@ -152,7 +152,7 @@ def test_soak_script_passes_a_short_run(tiny_llama_dir, tmp_path):
     from pathlib import Path
 
     out = tmp_path / "soak.json"
-    script = Path(__file__).resolve().parent.parent / "scripts" / "soak.py"
+    script = Path(__file__).resolve().parents[2] / "scripts" / "soak.py"
     cmd = [sys.executable, str(script), "--streams", "40", "--concurrency", "8", "--abandon", "0.1", "--warmup", "8",
            "--json", str(out), "--log", str(tmp_path / "serve.log"), "--", "--model", str(tiny_llama_dir),
            "--kv-cache-memory", "0.05"]

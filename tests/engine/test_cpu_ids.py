@@ -15,7 +15,7 @@ from conveyor.engine.args import EngineArgs, parse_cpu_ids
 from conveyor.engine.core_client import EngineCoreClient
 from conveyor.serve import split_cpus
 from tests.helpers.server import TEST_DTYPE
-from tests.test_serve_cli import start_server
+from tests.server.test_serve_cli import start_server
 
 # The CPUs this test process may use, read while the tests are collected: an engine built in this process later
 # pins its OpenMP threads, the main thread among them, to one CPU each (as vLLM does), and children inherit the
