@@ -11,7 +11,6 @@ import torch
 from conveyor.core.config import ATTENTION_BACKENDS
 from conveyor.layers.attention import (AttentionMetadata, Padding, allocate_kv_caches, backend_class, make_attention,
                                        resolve_backend)
-from conveyor.layers.attention.base import token_major_kv_shape
 from conveyor.layers.attention.common import causal_self_attention
 from conveyor.layers.attention.padded import PaddedAttention
 
@@ -108,8 +107,6 @@ def test_pad_rows_attend_within_segments_and_the_backend_never_sees_them():
 
     class Recording:  # an attention backend that records what it is given
         name = "recording"
-        kv_cache_shape = staticmethod(token_major_kv_shape)
-        cache_needs_zeroing = False
 
         def forward(self, q, k, v, kv_cache, scale, rope=None):
             seen.append(q.shape[0])

@@ -26,7 +26,6 @@ from conveyor.layers.attention.native_cpu import NativeCpuAttention
 from conveyor.layers.attention.padded import PaddedAttention, Padding
 from conveyor.layers.attention.reference import ReferenceAttention
 
-BACKENDS = ATTENTION_BACKENDS
 _CLASSES: dict[str, type] = {cls.name: cls for cls in (ReferenceAttention, NativeCpuAttention, CpuAttention,
                                                         FlashAttention)}
 
@@ -36,8 +35,8 @@ def resolve_backend(name: str, device: torch.device | str, dtype: torch.dtype, h
     """The backend a step runs, one of ``backend_class``'s names: "auto" -> "cuda" on a GPU, else "cpu"; "cpu" ->
     "cpu-native" when the native CPU kernels built here and serve ``dtype`` and ``head_dim``, else "cpu-torch";
     "cuda" -> "cpu-torch" (on the GPU) without flash-attn or with a block size it does not take."""
-    if name not in BACKENDS:
-        raise ValueError(f"attention_backend must be one of {BACKENDS}, got {name!r}")
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {name!r}")
     on_gpu = torch.device(device).type == "cuda"
     if name == "auto":
         name = "cuda" if on_gpu else "cpu"
@@ -61,7 +60,7 @@ def _native_serves(dtype: torch.dtype, head_dim: int) -> bool:
 def backend_class(backend: str) -> type:
     """The class of a resolved backend name, for its declarations (KV layout, fusion flags)."""
     if backend not in _CLASSES:
-        raise ValueError(f"unknown attention backend {backend!r}; resolve {BACKENDS} with resolve_backend")
+        raise ValueError(f"unknown attention backend {backend!r}; resolve {ATTENTION_BACKENDS} with resolve_backend")
     return _CLASSES[backend]
 
 
@@ -92,5 +91,5 @@ def _make_backend(backend: str, meta: AttentionMetadata, dtype: torch.dtype) -> 
     return cls(meta)
 
 
-__all__ = ["AttentionBackend", "AttentionMetadata", "BACKENDS", "Padding", "allocate_kv_caches", "backend_class",
+__all__ = ["AttentionBackend", "AttentionMetadata", "Padding", "allocate_kv_caches", "backend_class",
            "make_attention", "resolve_backend"]

@@ -44,8 +44,6 @@ class PaddedAttention:
     def __init__(self, inner: AttentionBackend, num_real: int, padding: Padding) -> None:
         self.inner = inner
         self.name = inner.name
-        self.kv_cache_shape = inner.kv_cache_shape
-        self.cache_needs_zeroing = inner.cache_needs_zeroing
         self.num_real = num_real
         self.padding = padding
 
