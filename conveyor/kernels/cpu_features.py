@@ -2,7 +2,7 @@
 whether bfloat16 arithmetic is native (which decides ``dtype="auto"``).
 
 Levels, lowest first: "none" (no native kernels: the torch paths), "avx2" (AVX2 + FMA: every x86-64 machine
-this project runs on), "avx512" (AVX-512 F/BW/VL/DQ), "avx512bf16" (also AVX512_BF16). ``CONVEYOR_CPU_ISA``
+this project runs on), "avx512" (AVX-512 F/BW/VL/DQ), "avx512bf16" (also AVX512_BF16 and AVX512_VNNI). ``CONVEYOR_CPU_ISA``
 forces a level, but never one above what the CPU reports (a binary the CPU cannot run would die of SIGILL).
 """
 
@@ -20,13 +20,15 @@ LEVELS = ("none", "avx2", "avx512", "avx512bf16")
 LEVEL_FLAGS = {
     "avx2": ("-mavx2", "-mfma", "-mf16c", "-DCVK_AVX2"),
     "avx512": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c", "-DCVK_AVX512"),
-    "avx512bf16": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma", "-mf16c",
-                   "-DCVK_AVX512BF16"),
+    "avx512bf16": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mavx512vnni", "-mfma",
+                   "-mf16c", "-DCVK_AVX512BF16", "-DCVK_VNNI"),
 }
 _REQUIRED = {
     "avx2": {"avx2", "fma", "f16c"},
     "avx512": {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq"},
-    "avx512bf16": {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"},
+    # every CPU with AVX512_BF16 so far (Cooper Lake, Sapphire Rapids, Zen 4/5) also has AVX512_VNNI, which the
+    # quantized GEMM's dot products use at this level
+    "avx512bf16": {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "avx512_vnni"},
 }
 
 

@@ -21,7 +21,7 @@ from conveyor.kernels.build import BuildError, build_library
 from conveyor.kernels.cpu_features import LEVEL_FLAGS, cpu_features, kernel_level
 
 SOURCE_DIR = os.path.join(os.path.dirname(__file__), "csrc")
-ABI_VERSION = 5  # csrc/cvk.h's CVK_ABI_VERSION
+ABI_VERSION = 6  # csrc/cvk.h's CVK_ABI_VERSION
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 # The attention kernel's cache layout per layer: [2 (K, V), num_blocks, num_kv_heads, block_size, head_dim]. One
 # head's rows of a block are contiguous, so a request's context streams in order (the torch paths keep
@@ -51,12 +51,26 @@ class LayerStackArgs(ctypes.Structure):
 
     _fields_ = [("fields", _P), ("x", _P), ("residual", _P), ("h", _P), ("qkv", _P), ("attn", _P), ("gu", _P),
                 ("act", _P), ("block_table", _P), ("query_start", _P), ("seq_lens", _P), ("cos_sin", _P), ("plan", _P),
-                ("T", _I64), ("hidden", _I64), ("inter", _I64), ("bt_stride", _I64), ("dtype", _I32),
+                ("quant_scratch", _P), ("T", _I64), ("hidden", _I64), ("inter", _I64), ("bt_stride", _I64), ("dtype", _I32),
                 ("use_amx", _I32), ("L", _I32), ("num_reqs", _I32), ("H", _I32), ("KVH", _I32), ("D", _I32),
-                ("bs", _I32), ("num_threads", _I32), ("scale", _F32), ("eps", _F32), ("reserved", _I32)]
+                ("bs", _I32), ("num_threads", _I32), ("scale", _F32), ("eps", _F32), ("quantized", _I32)]
 
 
-_STRUCTS = {0: AttnArgs, 1: LayerStackArgs}  # cvk.h's CVK_STRUCT_* ids
+class QuantWeight(ctypes.Structure):
+    """csrc/cvk.h's CvkQuantWeight (the layout of a quantized weight); checked against the library on load."""
+
+    _fields_ = [("qs", _P), ("scale", _P), ("offset", _P), ("N", _I64), ("K", _I64), ("KP", _I64), ("kind", _I32),
+                ("reserved", _I32)]
+
+
+class QuantGemmArgs(ctypes.Structure):
+    """csrc/cvk.h's CvkQuantGemmArgs; checked against the library on load."""
+
+    _fields_ = [("w", _P), ("x", _P), ("bias", _P), ("y", _P), ("scratch", _P), ("M", _I64), ("x_stride", _I64),
+                ("y_stride", _I64), ("scratch_bytes", _I64), ("dtype", _I32), ("num_threads", _I32)]
+
+
+_STRUCTS = {0: AttnArgs, 1: LayerStackArgs, 2: QuantWeight, 3: QuantGemmArgs}  # cvk.h's CVK_STRUCT_* ids
 _ERRORS = {-1: "out of memory", -2: "unsupported by this build (head size, group size or dtype)",
            -3: "bad argument (dtype, shape, or a plan built for other arguments)"}
 
@@ -121,6 +135,16 @@ class CpuKernels:
         self._llama_layers = lib.cvk_llama_layers
         self._llama_layers.restype = i32
         self._llama_layers.argtypes = [ctypes.POINTER(LayerStackArgs)]
+        self._quant_gemm = lib.cvk_quant_gemm
+        self._quant_gemm.restype = i32
+        self._quant_gemm.argtypes = [ctypes.POINTER(QuantGemmArgs)]
+        self._quant_dequantize = lib.cvk_quant_dequantize
+        self._quant_dequantize.restype = i32
+        self._quant_dequantize.argtypes = [ctypes.POINTER(QuantWeight), p, i64, i32, p, i64, i32]
+        self._quant_scratch = lib.cvk_quant_scratch_bytes
+        self._quant_scratch.restype = i64
+        self._quant_scratch.argtypes = [i64, i64]
+        self.vnni = lib.cvk_quant_vnni() == 1  # the quantized GEMM's dot products on VPDPBUSD
         self.vector_width = lib.cvk_vector_width()
         self.max_head_dim = lib.cvk_max_head_dim()
 
@@ -221,11 +245,13 @@ class CpuKernels:
                      residual: torch.Tensor, scratch: tuple[torch.Tensor, ...], block_table: torch.Tensor,
                      query_start: torch.Tensor, seq_lens: torch.Tensor, cos_sin: torch.Tensor, num_heads: int,
                      num_kv_heads: int, head_dim: int, block_size: int, scale: float, eps: float,
-                     plan: torch.Tensor | None = None) -> None:
+                     plan: torch.Tensor | None = None, quant_scratch: torch.Tensor | None = None) -> None:
         """A Llama-family decoder-layer stack in one call (cvk_llama_layers: layer_stack.cpp gives the layout of
         ``fields``, the per-layer pointers, and of the ``scratch`` buffers h, qkv, attn, gate_up, act). ``residual``
         holds the embeddings on entry; on return ``x`` holds the last layer's output, ``residual`` the stream.
-        ``plan``: the step's ``attention_plan`` (else the call plans once for all its layers)."""
+        ``plan``: the step's ``attention_plan`` (else the call plans once for all its layers). ``quant_scratch``:
+        given when the linear fields point at ``QuantWeight`` descriptors (``quant_scratch_bytes`` for x's rows and
+        the largest in_features)."""
         h, qkv, attn, gu, act = scratch
         s = LayerStackArgs(fields=fields.data_ptr(), x=x.data_ptr(), residual=residual.data_ptr(), h=h.data_ptr(),
                            qkv=qkv.data_ptr(), attn=attn.data_ptr(), gu=gu.data_ptr(), act=act.data_ptr(),
@@ -234,8 +260,38 @@ class CpuKernels:
                            hidden=hidden, inter=inter, bt_stride=block_table.stride(0), dtype=_DTYPE_CODES[x.dtype],
                            use_amx=int(self.amx), L=num_layers, num_reqs=seq_lens.shape[0], H=num_heads,
                            KVH=num_kv_heads, D=head_dim, bs=block_size, num_threads=torch.get_num_threads(),
-                           scale=scale, eps=eps)
+                           scale=scale, eps=eps, quant_scratch=_ptr(quant_scratch),
+                           quantized=int(quant_scratch is not None))
         self._check("cvk_llama_layers", self._llama_layers(ctypes.byref(s)))
+
+    def quant_scratch_bytes(self, rows: int, padded_in: int) -> int:
+        """Scratch bytes ``quant_linear`` needs to quantize ``rows`` activation rows against a weight whose
+        in_features are padded to ``padded_in`` (``QuantWeight.KP``)."""
+        return self._quant_scratch(rows, padded_in)
+
+    def quant_linear(self, x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None, out: torch.Tensor,
+                     scratch: torch.Tensor | None = None) -> None:
+        """out [M, N] = x [M, K] @ W.T + bias for a quantized W (``weight``: its descriptor, whose tensors the
+        caller keeps alive); x float32 or bfloat16 with unit-strided rows, out and bias of x's dtype."""
+        m = x.shape[0]
+        need = self.quant_scratch_bytes(m, weight.KP)
+        if scratch is None or scratch.numel() < need:
+            scratch = torch.empty(need, dtype=torch.uint8)
+        a = QuantGemmArgs(w=ctypes.addressof(weight), x=x.data_ptr(), bias=_ptr(bias), y=out.data_ptr(),
+                          scratch=scratch.data_ptr(), M=m, x_stride=x.stride(0), y_stride=out.stride(0),
+                          scratch_bytes=scratch.numel(), dtype=_DTYPE_CODES[x.dtype],
+                          num_threads=torch.get_num_threads())
+        self._check(f"cvk_quant_gemm (N={weight.N} K={weight.K})", self._quant_gemm(ctypes.byref(a)))
+
+    def quant_dequantize(self, weight: QuantWeight, rows: torch.Tensor | None, out: torch.Tensor) -> None:
+        """out[i] = row ``rows[i]`` of W dequantized (rows None: every row in order); out [count, K] float32 or
+        bfloat16 with unit-strided rows. A row index out of range is a KernelError."""
+        count = out.shape[0]
+        if rows is not None and (rows.dtype != torch.int64 or not rows.is_contiguous()):
+            rows = rows.to(torch.int64).contiguous()
+        self._check("cvk_quant_dequantize", self._quant_dequantize(
+            ctypes.byref(weight), _ptr(rows), count, _DTYPE_CODES[out.dtype], out.data_ptr(), out.stride(0),
+            torch.get_num_threads()))
 
     def set_amx_attention(self, on: bool) -> bool:
         """Run prefill attention's QK^T on AMX tiles (bfloat16; the default where AMX was granted) or on vector

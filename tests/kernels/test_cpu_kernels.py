@@ -15,21 +15,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conveyor.kernels.cpu_features import LEVELS, cpu_features
-from conveyor.kernels.cpu_ops import load_cpu_kernels
 from conveyor.layers.rotary import RotaryEmbedding, apply_rotary
 
-RUNNABLE = [lvl for lvl in LEVELS[1:] if LEVELS.index(lvl) <= LEVELS.index(cpu_features().native_level)]
 DTYPES = [torch.float32, torch.bfloat16]
 TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
-
-
-@pytest.fixture(scope="module", params=RUNNABLE or [pytest.param("none", marks=pytest.mark.skip("no AVX2"))])
-def kernels(request):
-    k = load_cpu_kernels(request.param)
-    if k is None:
-        pytest.skip(f"kernels for {request.param} could not be built here (see the warning)")
-    return k
 
 
 def make_step(reqs, heads, kv_heads, head_dim, block_size, dtype, seed=0):

@@ -61,15 +61,28 @@ const char* cvk_struct_layout(int which) {
       CVK_FIELD(CvkLayerStackArgs, h), CVK_FIELD(CvkLayerStackArgs, qkv), CVK_FIELD(CvkLayerStackArgs, attn),
       CVK_FIELD(CvkLayerStackArgs, gu), CVK_FIELD(CvkLayerStackArgs, act), CVK_FIELD(CvkLayerStackArgs, block_table),
       CVK_FIELD(CvkLayerStackArgs, query_start), CVK_FIELD(CvkLayerStackArgs, seq_lens),
-      CVK_FIELD(CvkLayerStackArgs, cos_sin), CVK_FIELD(CvkLayerStackArgs, plan), CVK_FIELD(CvkLayerStackArgs, T),
+      CVK_FIELD(CvkLayerStackArgs, cos_sin), CVK_FIELD(CvkLayerStackArgs, plan),
+      CVK_FIELD(CvkLayerStackArgs, quant_scratch), CVK_FIELD(CvkLayerStackArgs, T),
       CVK_FIELD(CvkLayerStackArgs, hidden), CVK_FIELD(CvkLayerStackArgs, inter),
       CVK_FIELD(CvkLayerStackArgs, bt_stride), CVK_FIELD(CvkLayerStackArgs, dtype),
       CVK_FIELD(CvkLayerStackArgs, use_amx), CVK_FIELD(CvkLayerStackArgs, L), CVK_FIELD(CvkLayerStackArgs, num_reqs),
       CVK_FIELD(CvkLayerStackArgs, H), CVK_FIELD(CvkLayerStackArgs, KVH), CVK_FIELD(CvkLayerStackArgs, D),
       CVK_FIELD(CvkLayerStackArgs, bs), CVK_FIELD(CvkLayerStackArgs, num_threads), CVK_FIELD(CvkLayerStackArgs, scale),
-      CVK_FIELD(CvkLayerStackArgs, eps), CVK_FIELD(CvkLayerStackArgs, reserved)});
+      CVK_FIELD(CvkLayerStackArgs, eps), CVK_FIELD(CvkLayerStackArgs, quantized)});
+  static const std::string qweight = layout<CvkQuantWeight>({
+      CVK_FIELD(CvkQuantWeight, qs), CVK_FIELD(CvkQuantWeight, scale), CVK_FIELD(CvkQuantWeight, offset),
+      CVK_FIELD(CvkQuantWeight, N), CVK_FIELD(CvkQuantWeight, K), CVK_FIELD(CvkQuantWeight, KP),
+      CVK_FIELD(CvkQuantWeight, kind), CVK_FIELD(CvkQuantWeight, reserved)});
+  static const std::string qgemm = layout<CvkQuantGemmArgs>({
+      CVK_FIELD(CvkQuantGemmArgs, w), CVK_FIELD(CvkQuantGemmArgs, x), CVK_FIELD(CvkQuantGemmArgs, bias),
+      CVK_FIELD(CvkQuantGemmArgs, y), CVK_FIELD(CvkQuantGemmArgs, scratch), CVK_FIELD(CvkQuantGemmArgs, M),
+      CVK_FIELD(CvkQuantGemmArgs, x_stride), CVK_FIELD(CvkQuantGemmArgs, y_stride),
+      CVK_FIELD(CvkQuantGemmArgs, scratch_bytes), CVK_FIELD(CvkQuantGemmArgs, dtype),
+      CVK_FIELD(CvkQuantGemmArgs, num_threads)});
   if (which == CVK_STRUCT_ATTN_ARGS) return attn.c_str();
   if (which == CVK_STRUCT_LAYER_STACK_ARGS) return stack.c_str();
+  if (which == CVK_STRUCT_QUANT_WEIGHT) return qweight.c_str();
+  if (which == CVK_STRUCT_QUANT_GEMM_ARGS) return qgemm.c_str();
   return nullptr;
 }
 
@@ -165,6 +178,27 @@ int cvk_silu_mul(int dtype, const void* gate_up, void* out, int64_t rows, int64_
   if (dtype != CVK_F32 && dtype != CVK_BF16) return CVK_ERR_BADARG;
   cvk::silu_mul(dtype, gate_up, out, rows, n, num_threads);
   return CVK_OK;
+}
+
+// Scratch bytes cvk_quant_gemm needs for M activation rows against a weight padded to KP.
+int64_t cvk_quant_scratch_bytes(int64_t M, int64_t KP) { return M * cvk::quant_row_bytes(KP); }
+
+// y[M, N] = x[M, K] W^T (+ bias) on a quantized weight (CvkQuantGemmArgs, cvk.h). Returns a CVK_* code.
+int cvk_quant_gemm(const CvkQuantGemmArgs* a) { return cvk::quant_gemm(*a); }
+
+// out[i] <- row rows[i] of W dequantized (rows NULL: rows 0 .. count - 1), K values each, out_stride apart.
+int cvk_quant_dequantize(const CvkQuantWeight* w, const int64_t* rows, int64_t count, int dtype, void* out,
+                         int64_t out_stride, int num_threads) {
+  return cvk::quant_dequantize(*w, rows, count, dtype, out, out_stride, num_threads);
+}
+
+// Whether the integer dot products use AVX512_VNNI (VPDPBUSD) in this build.
+int cvk_quant_vnni() {
+#if defined(CVK_VNNI)
+  return 1;
+#else
+  return 0;
+#endif
 }
 
 // The decoder-layer stack of a Llama-family model for one step (layer_stack.cpp). Returns a CVK_* code.

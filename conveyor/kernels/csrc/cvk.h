@@ -9,7 +9,7 @@
 
 #include <stdint.h>
 
-#define CVK_ABI_VERSION 5
+#define CVK_ABI_VERSION 6
 
 enum {
   CVK_OK = 0,
@@ -50,7 +50,7 @@ typedef struct CvkAttnArgs {
  * layer_stack.cpp for the ops and their order). fields: per-layer pointers, int64 [LW_FIELDS][L] field-major
  * (layer_stack.cpp's enum gives the order); x, residual and the scratch buffers h, qkv, attn, gu, act are dense
  * [T, ...] in the step's dtype; block_table .. plan as in CvkAttnArgs. use_amx: the caller checked cvk_amx_init
- * (bfloat16 needs it). */
+ * (bfloat16 with float weights needs it). */
 typedef struct CvkLayerStackArgs {
   const int64_t* fields;
   void* x;
@@ -65,18 +65,55 @@ typedef struct CvkLayerStackArgs {
   const int64_t* seq_lens;
   const float* cos_sin;
   const void* plan;
+  void* quant_scratch; /* quantized: cvk_quant_scratch_bytes(T, the largest K) bytes for the activations */
   int64_t T, hidden, inter, bt_stride;
   int32_t dtype, use_amx, L, num_reqs, H, KVH, D, bs, num_threads;
   float scale, eps;
-  int32_t reserved;
+  int32_t quantized; /* 1: the linear fields point at CvkQuantWeight descriptors, not packed float weights */
 } CvkLayerStackArgs;
 
 #ifdef __cplusplus
 static_assert(sizeof(void*) == 8, "the Python mirrors assume 64-bit pointers");
 static_assert(sizeof(CvkAttnArgs) == 11 * 8 + 5 * 8 + 8 * 4, "CvkAttnArgs changed: bump CVK_ABI_VERSION");
-static_assert(sizeof(CvkLayerStackArgs) == 13 * 8 + 4 * 8 + 12 * 4, "CvkLayerStackArgs changed: bump CVK_ABI_VERSION");
+static_assert(sizeof(CvkLayerStackArgs) == 14 * 8 + 4 * 8 + 12 * 4, "CvkLayerStackArgs changed: bump CVK_ABI_VERSION");
 #endif
 
-enum { CVK_STRUCT_ATTN_ARGS = 0, CVK_STRUCT_LAYER_STACK_ARGS = 1 }; /* cvk_struct_layout's `which` */
+/* A linear layer's weight quantized in blocks of 32 values along K (gemm_quant.cpp; conveyor/layers/quantized.py
+ * packs it): value = scale * q + offset per block, q unsigned. Columns (output features) come in groups of 16,
+ * N padded with zero columns to NP; K is padded with zero blocks to KP (a multiple of 32). Per group g and block j:
+ *   kind CVK_Q8: qs uint8 [NP/16][KP/32][8][16][4]: 8 quads of k, each 16 columns x 4 consecutive k (512 bytes);
+ *   kind CVK_Q4: qs uint8 [NP/16][KP/32][4][16][4]: byte (u, i, b) = q(i, 32j + 8u + b) | q(i, 32j + 8u + 4 + b) << 4
+ *                (the low nibbles are quad 2u, the high ones quad 2u + 1; 256 bytes);
+ *   scale, offset float32 [NP/16][KP/32][16].
+ * So one 64-byte load is 16 columns x 4 k, a VPDPBUSD against 4 broadcast activation bytes. Signed formats
+ * (Q8_0, int8) are stored as q + 128 with the offset taking -128 * scale. */
+enum { CVK_Q4 = 1, CVK_Q8 = 2 };
+typedef struct CvkQuantWeight {
+  const void* qs;
+  const float* scale;
+  const float* offset;
+  int64_t N, K, KP;
+  int32_t kind, reserved;
+} CvkQuantWeight;
+
+/* y[M, N] = x[M, K] W^T (+ bias) for a CvkQuantWeight W: x (dtype) is quantized per block of 32 to int8 into
+ * scratch (cvk_quant_scratch_bytes), then integer dot products per block, scaled, summed in float32. */
+typedef struct CvkQuantGemmArgs {
+  const CvkQuantWeight* w;
+  const void* x;
+  const void* bias; /* N values of dtype, or NULL */
+  void* y;
+  void* scratch;
+  int64_t M, x_stride, y_stride, scratch_bytes;
+  int32_t dtype, num_threads;
+} CvkQuantGemmArgs;
+
+enum { CVK_STRUCT_ATTN_ARGS = 0, CVK_STRUCT_LAYER_STACK_ARGS = 1, CVK_STRUCT_QUANT_WEIGHT = 2,
+       CVK_STRUCT_QUANT_GEMM_ARGS = 3 }; /* cvk_struct_layout's `which` */
+
+#ifdef __cplusplus
+static_assert(sizeof(CvkQuantWeight) == 3 * 8 + 3 * 8 + 2 * 4, "CvkQuantWeight changed: bump CVK_ABI_VERSION");
+static_assert(sizeof(CvkQuantGemmArgs) == 5 * 8 + 4 * 8 + 2 * 4, "CvkQuantGemmArgs changed: bump CVK_ABI_VERSION");
+#endif
 
 #endif /* CVK_H */

@@ -30,6 +30,11 @@ void skinny_gemm(int dtype, const void* x, int64_t x_stride, int64_t M, const vo
 // a stub below the avx512bf16 level, never called there.
 void amx_gemm_bf16(const uint16_t* x, int64_t x_stride, int64_t M, const uint16_t* wp, const uint16_t* bias,
                    uint16_t* y, int64_t y_stride, int64_t N, int64_t K, int num_threads, bool swiglu = false);
+// gemm_quant.cpp: y = x W^T + bias on a quantized weight (cvk_quant_gemm), and its dequantization
+int64_t quant_row_bytes(int64_t KP);  // scratch bytes per activation row of a weight padded to KP
+int quant_gemm(const CvkQuantGemmArgs& a);
+int quant_dequantize(const CvkQuantWeight& w, const int64_t* rows, int64_t count, int dtype, void* out,
+                     int64_t out_stride, int num_threads);
 // layer_stack.cpp: cvk_llama_layers
 int llama_layers(const CvkLayerStackArgs& s);
 }  // namespace cvk

@@ -23,8 +23,9 @@ namespace cvk {
 //   0 input-norm weight, 1 qkv packed weight, 2 qkv bias (0: none), 3 o packed, 4 o bias, 5 post-norm weight,
 //   6 gate_up packed, 7 gate_up bias, 8 down packed, 9 down bias, 10 k cache, 11 v cache.
 // Scratch (dense, the step's dtype): h [T, hidden], qkv [T, (H + 2 KVH) D], attn [T, H D], gu [T, 2 inter],
-// act [T, inter]. Weights are packed as cvk_skinny_gemm takes them; bfloat16 runs its GEMMs on AMX only
-// (use_amx: the caller checked cvk_amx_init). The attention plan is the step's (s.plan), or built here once
+// act [T, inter]. Weights are packed as cvk_skinny_gemm takes them, and bfloat16 runs its GEMMs on AMX only
+// (use_amx: the caller checked cvk_amx_init); or, when s.quantized, the linear fields point at CvkQuantWeight
+// descriptors and every GEMM is cvk_quant_gemm's (either dtype), its activations quantized into s.quant_scratch. The attention plan is the step's (s.plan), or built here once
 // for all layers. Returns CVK_OK, or the first failing part's code.
 enum { LW_IN_NORM, LW_QKV, LW_QKV_B, LW_O, LW_O_B, LW_POST_NORM, LW_GU, LW_GU_B, LW_DOWN, LW_DOWN_B, LW_KC, LW_VC,
        LW_FIELDS };
@@ -37,15 +38,31 @@ int llama_layers(const CvkLayerStackArgs& s) {
   const float eps = s.eps;
   if (T <= 0) return CVK_OK;
   if (dtype != CVK_F32 && dtype != CVK_BF16) return CVK_ERR_BADARG;
-  if (dtype == CVK_BF16 && !kAmx) return CVK_ERR_UNSUPPORTED;
-  if (dtype == CVK_BF16 && (!s.use_amx || hidden % 32 != 0 || inter % 32 != 0 || (int64_t(H) * D) % 32 != 0))
+  const bool quant = s.quantized != 0;
+  if (quant && s.quant_scratch == nullptr) return CVK_ERR_BADARG;
+  if (dtype == CVK_BF16 && !quant && !kAmx) return CVK_ERR_UNSUPPORTED;
+  if (dtype == CVK_BF16 && !quant && (!s.use_amx || hidden % 32 != 0 || inter % 32 != 0 || (int64_t(H) * D) % 32 != 0))
     return CVK_ERR_BADARG;
   if (!attention_supports(H, KVH, D)) return CVK_ERR_UNSUPPORTED;
   const int64_t es = dtype == 0 ? 4 : 2;
   const int64_t qkv_n = int64_t(H + 2 * KVH) * D, q_n = int64_t(H) * D;
   auto ptr = [&](int field, int layer) { return reinterpret_cast<const void*>(fields[int64_t(field) * L + layer]); };
   auto gemm = [&](const void* in, int64_t K, int layer, int wf, int bf, void* out, int64_t N) {
-    if (dtype == 0)
+    if (quant) {
+      CvkQuantGemmArgs q{};
+      q.w = static_cast<const CvkQuantWeight*>(ptr(wf, layer));
+      q.x = in;
+      q.bias = ptr(bf, layer);
+      q.y = out;
+      q.scratch = s.quant_scratch;
+      q.M = T;
+      q.x_stride = K;
+      q.y_stride = N;
+      q.scratch_bytes = T * quant_row_bytes(q.w->KP);  // the caller sized it for the largest K
+      q.dtype = dtype;
+      q.num_threads = num_threads;
+      quant_gemm(q);
+    } else if (dtype == 0)
       skinny_gemm(0, in, K, T, ptr(wf, layer), ptr(bf, layer), out, N, N, K, num_threads);
     else
       amx_gemm_bf16(static_cast<const uint16_t*>(in), K, T, static_cast<const uint16_t*>(ptr(wf, layer)),
@@ -103,9 +120,9 @@ int llama_layers(const CvkLayerStackArgs& s) {
     }
     gemm(attn, q_n, l, LW_O, LW_O_B, x, hidden);
     norm(x, ptr(LW_POST_NORM, l), true);
-    if (dtype == 0) {
+    if (dtype == 0 || quant) {
       gemm(h, hidden, l, LW_GU, LW_GU_B, gu, 2 * inter);
-      silu_mul(0, gu, act, T, inter, num_threads);
+      silu_mul(dtype, gu, act, T, inter, num_threads);
     } else {
       amx_gemm_bf16(static_cast<const uint16_t*>(h), hidden, T, static_cast<const uint16_t*>(ptr(LW_GU, l)),
                     static_cast<const uint16_t*>(ptr(LW_GU_B, l)), static_cast<uint16_t*>(act), inter, inter, hidden,

@@ -1,0 +1,86 @@
+#!/usr/bin/env python3
+"""Linear layers on quantized weights, per row count: the integer-dot-product kernel against dequantizing the
+weight and running the float GEMM, with the float layer (oneDNN / the native skinny GEMM) beside them.
+
+    python benchmarks/gemm_quant.py [--format Q4_1] [--dtype float32] [--rows 1,4,16,64,128,256,512]
+                                    [--shapes 576x960,576x576,576x3072,1536x576]
+
+A "layer set" is the given in x out shapes (by default SmolLM2-135M's qkv, o, gate_up and down); each path runs
+it alternated with the others, best of 5. ``QUANT_INT_MAX_ROWS`` in conveyor/layers/quantized.py comes from
+where the integer column stops winning.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--format", default="Q4_1", help="a GGUF type with a kernel (Q8_0, Q4_0, Q4_1, Q4_K, ...) or int8")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--rows", default="1,4,16,64,128,256,512")
+    ap.add_argument("--shapes", default="576x960,576x576,576x3072,1536x576", help="in x out, comma-separated")
+    ns = ap.parse_args()
+
+    import numpy as np
+    import torch
+    from gguf import GGMLQuantizationType
+    from gguf import quants as gq
+
+    from conveyor.kernels import load_cpu_kernels
+    from conveyor.layers.linear import pack_linear
+    from conveyor.layers.quantized import QuantLinear, from_gguf, quantize_int8
+
+    kernels = load_cpu_kernels()
+    if kernels is None:
+        print("no native kernels on this CPU: nothing to compare")
+        return 1
+    dtype = getattr(torch, ns.dtype)
+    shapes = [tuple(int(v) for v in s.split("x")) for s in ns.shapes.split(",")]
+    rng = np.random.default_rng(0)
+    quant, floats = [], []
+    for k, n in shapes:
+        w = rng.standard_normal((n, k)).astype(np.float32) * 0.02
+        if ns.format == "int8":
+            qt = quantize_int8(torch.from_numpy(w))
+        else:
+            raw = gq.quantize(w, GGMLQuantizationType[ns.format]).reshape(-1)
+            qt = from_gguf(raw, ns.format, (n, k))
+        quant.append(QuantLinear(qt, None, kernels, dtype))
+        floats.append(pack_linear(qt.dequantize(dtype), None, kernels))
+
+    def path(layers, max_rows):
+        for layer in layers:
+            layer.max_rows = max_rows
+        return layers
+
+    def best_ms(layers, xs, reps) -> float:
+        for layer in layers:
+            layer(xs[layer.in_features])
+        best = float("inf")
+        for _ in range(5):
+            t = time.perf_counter()
+            for _ in range(reps):
+                for layer in layers:
+                    layer(xs[layer.in_features])
+            best = min(best, (time.perf_counter() - t) / reps)
+        return best * 1e3
+
+    print(f"{ns.format} weights, {ns.dtype} activations, {torch.get_num_threads()} threads, kernels {kernels.level}"
+          f"{' (VNNI)' if kernels.vnni else ''}, shapes {ns.shapes}")
+    print("rows | int8 dot ms | dequant + float GEMM ms | float weights ms | int / dequant | int / float")
+    print("---|---|---|---|---|---")
+    for m in [int(r) for r in ns.rows.split(",")]:
+        xs = {k: torch.randn(m, k).to(dtype) for k, _ in shapes}
+        reps = max(1, 2000 // (m * 10))
+        t_int = best_ms(path(quant, 1 << 30), xs, reps)
+        t_deq = best_ms(path(quant, 0), xs, reps)
+        t_float = best_ms(floats, xs, reps)
+        print(f"{m} | {t_int:.3f} | {t_deq:.3f} | {t_float:.3f} | {t_int / t_deq:.2f} | {t_int / t_float:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

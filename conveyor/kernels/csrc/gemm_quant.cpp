@@ -1,0 +1,174 @@
+// The GEMM on quantized weights (cvk_quant_gemm: CvkQuantWeight in cvk.h) and their dequantization.
+//
+// How: the activations are quantized per block of 32 to int8 (as llama.cpp's q8_0, plus d * sum(q) per block
+// for the weights' offsets), then every (row, column) is a sum over blocks of
+//   scale_w * d_x * <q_w, q_x>  +  offset_w * d_x * sum(q_x)
+// Columns go 16 at a time, so a block's integer dot products for 16 columns are 8 VPDPBUSDs (qdot_*.h) and its
+// scaling one float FMA for all 16: the float work per block is shared by 16 columns instead of done per
+// column. At decode sizes the step is bound by the weight stream, 4-6x smaller than float32's. Which row
+// counts take this path and which dequantize to float and take the float GEMM is decided in
+// conveyor/layers/quantized.py (QUANT_INT_MAX_ROWS) from benchmarks/gemm_quant.py.
+#include <stdint.h>
+#include <string.h>
+
+#include <algorithm>
+
+#include "bf16.h"
+#include "kernels.h"
+#include "qdot.h"
+#include "team.h"
+#include "vec.h"
+
+namespace cvk {
+namespace {
+
+constexpr int QB = 32;  // values per block
+constexpr int QG = 16;  // columns per group
+
+inline int64_t blocks(int64_t KP) { return KP / QB; }
+inline int64_t block_bytes(int kind) { return kind == CVK_Q4 ? 256 : 512; }
+
+// One row of x (dtype) -> its QRow in `out` (quant_row_bytes bytes), blocks past K zero.
+template <typename T>
+void quantize_row(const T* x, int64_t K, int64_t KP, char* out) {
+  const int64_t nb = blocks(KP);
+  int8_t* q = reinterpret_cast<int8_t*>(out);
+  float* d = reinterpret_cast<float*>(out + KP);
+  float* s = d + nb;
+  alignas(64) float tmp[QB];
+  for (int64_t j = 0; j < nb; j++) {
+    const int64_t k0 = j * QB, n = std::min<int64_t>(QB, K - k0);
+    const float* src = tmp;
+    if constexpr (sizeof(T) == 4) {
+      if (n == QB) src = reinterpret_cast<const float*>(x) + k0;
+    }
+    if (src == tmp) {
+      for (int i = 0; i < QB; i++) tmp[i] = i < n ? to_f32(x[k0 + i]) : 0.f;
+    }
+    qdot::quantize_block(src, q + k0, d + j, s + j);
+  }
+}
+
+inline QRow row_view(const char* base, int64_t KP) {
+  const float* d = reinterpret_cast<const float*>(base + KP);
+  return QRow{reinterpret_cast<const int8_t*>(base), d, d + blocks(KP)};
+}
+
+template <int R>
+inline void group_rows(const CvkQuantWeight& w, int64_t g, const QRow* xr, float* out) {
+  const int64_t nb = blocks(w.KP);
+  const uint8_t* qs = static_cast<const uint8_t*>(w.qs) + g * nb * block_bytes(w.kind);
+  const float* scale = w.scale + g * nb * QG;
+  const float* offset = w.offset + g * nb * QG;
+  if (w.kind == CVK_Q4)
+    qdot::group_dot<R, true>(qs, scale, offset, xr, nb, out);
+  else
+    qdot::group_dot<R, false>(qs, scale, offset, xr, nb, out);
+}
+
+template <int R>
+inline void group_rows_upto(int r, const CvkQuantWeight& w, int64_t g, const QRow* xr, float* out) {
+  if constexpr (R > 1) {
+    if (r < R) return group_rows_upto<R - 1>(r, w, g, xr, out);
+  }
+  group_rows<R>(w, g, xr, out);
+}
+
+template <typename T>
+void quant_gemm_impl(const CvkQuantGemmArgs& a) {
+  const CvkQuantWeight& w = *a.w;
+  const int64_t M = a.M, N = w.N, KP = w.KP, rb = quant_row_bytes(KP);
+  const T* x = static_cast<const T*>(a.x);
+  const T* bias = static_cast<const T*>(a.bias);
+  T* y = static_cast<T*>(a.y);
+  char* scratch = static_cast<char*>(a.scratch);
+  constexpr int R = qdot::kRows;
+  on_team(a.num_threads, [&] {
+#pragma omp for schedule(static)
+    for (int64_t m = 0; m < M; m++) quantize_row(x + m * a.x_stride, w.K, KP, scratch + m * rb);
+    const int64_t groups = (N + QG - 1) / QG;
+#pragma omp for schedule(static)
+    for (int64_t g = 0; g < groups; g++) {
+      const int nc = int(std::min<int64_t>(QG, N - g * QG));
+      for (int64_t m0 = 0; m0 < M; m0 += R) {
+        const int r = int(std::min<int64_t>(R, M - m0));
+        QRow xr[R];
+        for (int i = 0; i < r; i++) xr[i] = row_view(scratch + (m0 + i) * rb, KP);
+        alignas(64) float acc[R * QG];
+        group_rows_upto<R>(r, w, g, xr, acc);
+        for (int i = 0; i < r; i++) {
+          T* out = y + (m0 + i) * a.y_stride + g * QG;
+          for (int c = 0; c < nc; c++) from_f32(acc[i * QG + c] + (bias ? to_f32(bias[g * QG + c]) : 0.f), out + c);
+        }
+      }
+    }
+  });
+}
+
+// Rows `rows` (or 0 .. count - 1 when rows is NULL) of W, dequantized to T: row n is column n % 16 of group n / 16.
+template <typename T>
+void dequantize_impl(const CvkQuantWeight& w, const int64_t* rows, int64_t count, T* out, int64_t out_stride,
+                     int num_threads) {
+  const int64_t nb = blocks(w.KP), bb = block_bytes(w.kind);
+  on_team(num_threads, [&] {
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < count; i++) {
+      const int64_t n = rows ? rows[i] : i, g = n / QG, c = n % QG;
+      const uint8_t* qs = static_cast<const uint8_t*>(w.qs) + g * nb * bb;
+      T* dst = out + i * out_stride;
+      for (int64_t j = 0; j < nb && j * QB < w.K; j++) {
+        alignas(64) float vals[QB];
+        const uint8_t* blk = qs + j * bb;
+        for (int t = 0; t < 8; t++)
+          for (int b = 0; b < 4; b++) {
+            const int v = w.kind == CVK_Q4 ? (blk[(t / 2) * 64 + c * 4 + b] >> ((t % 2) * 4)) & 0x0F
+                                           : blk[t * 64 + c * 4 + b];
+            vals[t * 4 + b] = float(v);
+          }
+        const float sc = w.scale[(g * nb + j) * QG + c], of = w.offset[(g * nb + j) * QG + c];
+        const int lim = int(std::min<int64_t>(QB, w.K - j * QB));
+        for (int t = 0; t < lim; t++) from_f32(vals[t] * sc + of, dst + j * QB + t);
+      }
+    }
+  });
+}
+
+bool valid(const CvkQuantWeight* w) {
+  return w != nullptr && (w->kind == CVK_Q4 || w->kind == CVK_Q8) && w->KP % QB == 0 && w->K > 0 &&
+         w->K <= w->KP && w->N > 0 && w->qs != nullptr && w->scale != nullptr && w->offset != nullptr;
+}
+
+}  // namespace
+
+int64_t quant_row_bytes(int64_t KP) { return (KP + 8 * blocks(KP) + 63) / 64 * 64; }
+
+int quant_gemm(const CvkQuantGemmArgs& a) {
+  if (!valid(a.w)) return CVK_ERR_BADARG;
+  if (a.M <= 0) return CVK_OK;
+  if (a.scratch_bytes < a.M * quant_row_bytes(a.w->KP)) return CVK_ERR_BADARG;
+  if (a.dtype == CVK_F32)
+    quant_gemm_impl<float>(a);
+  else if (a.dtype == CVK_BF16)
+    quant_gemm_impl<uint16_t>(a);
+  else
+    return CVK_ERR_BADARG;
+  return CVK_OK;
+}
+
+int quant_dequantize(const CvkQuantWeight& w, const int64_t* rows, int64_t count, int dtype, void* out,
+                     int64_t out_stride, int num_threads) {
+  if (!valid(&w)) return CVK_ERR_BADARG;
+  if (rows)
+    for (int64_t i = 0; i < count; i++)
+      if (rows[i] < 0 || rows[i] >= w.N) return CVK_ERR_BADARG;
+  if (!rows && count > w.N) return CVK_ERR_BADARG;
+  if (dtype == CVK_F32)
+    dequantize_impl(w, rows, count, static_cast<float*>(out), out_stride, num_threads);
+  else if (dtype == CVK_BF16)
+    dequantize_impl(w, rows, count, static_cast<uint16_t*>(out), out_stride, num_threads);
+  else
+    return CVK_ERR_BADARG;
+  return CVK_OK;
+}
+
+}  // namespace cvk

@@ -1,0 +1,107 @@
+// The integer dot products of the quantized GEMM (gemm_quant.cpp) at 256 bits: a 64-byte quad of 16 columns x
+// 4 k is two halves of 8 columns; VPMADDUBSW + VPMADDWD against 4 broadcast activation bytes (AVX2 has no VNNI).
+// Included by qdot.h only.
+#pragma once
+
+namespace cvk {
+namespace qdot {
+
+constexpr int kRows = 2;  // 16 registers: 8 weight vectors, 2 x 2 accumulators and temporaries
+
+inline int hsum_i32(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+  return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1)));
+}
+
+// One block of 32 floats -> 32 int8 (round to nearest even), its scale d (max |x| / 127) and d * sum(q).
+inline void quantize_block(const float* x, int8_t* q, float* d, float* s) {
+  __m256 v[4];
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 m = _mm256_setzero_ps();
+  for (int i = 0; i < 4; i++) {
+    v[i] = _mm256_loadu_ps(x + 8 * i);
+    m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[i]));
+  }
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+  const float dd = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
+  __m256i i[4];
+  for (int k = 0; k < 4; k++) i[k] = _mm256_cvtps_epi32(_mm256_mul_ps(v[k], _mm256_set1_ps(id)));
+  // the packs interleave 128-bit lanes; the permute puts the 32 values back in order
+  const __m256i p16a = _mm256_packs_epi32(i[0], i[1]), p16b = _mm256_packs_epi32(i[2], i[3]);
+  const __m256i p8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p16a, p16b),
+                                                 _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), p8);
+  *d = dd;
+  *s = dd * float(hsum_i32(_mm256_add_epi32(_mm256_add_epi32(i[0], i[1]), _mm256_add_epi32(i[2], i[3]))));
+}
+
+// Half h (columns 8h .. 8h + 7) of the block's 8 quads, as unsigned bytes.
+template <bool Q4>
+inline void load_half(const uint8_t* qs, int h, __m256i w[8]) {
+  if constexpr (Q4) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    for (int u = 0; u < 4; u++) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + u * 64 + h * 32));
+      w[2 * u] = _mm256_and_si256(v, m4);
+      w[2 * u + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+    }
+  } else {
+    for (int t = 0; t < 8; t++) w[t] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + t * 64 + h * 32));
+  }
+}
+
+// Sum over the block's 32 k per column: q x for 4-bit weights; (q - 128) x for 8-bit ones, whose q up to 255
+// would saturate VPMADDUBSW's int16 pair sums (|q - 128| against x carrying its sign instead; the caller adds
+// 128 * sum(x) back through the offset).
+template <bool Q4>
+inline __m256i block_dot(const __m256i w[8], const int8_t* xq) {
+  int32_t quads[8];
+  memcpy(quads, xq, 32);
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256i d = _mm256_setzero_si256();
+  for (int t = 0; t < 8; t++) {
+    const __m256i x = _mm256_set1_epi32(quads[t]);
+    __m256i p;
+    if constexpr (Q4) {
+      p = _mm256_maddubs_epi16(w[t], x);
+    } else {
+      const __m256i ws = _mm256_xor_si256(w[t], _mm256_set1_epi8(char(0x80)));
+      p = _mm256_maddubs_epi16(_mm256_abs_epi8(ws), _mm256_sign_epi8(x, ws));
+    }
+    d = _mm256_add_epi32(d, _mm256_madd_epi16(p, ones));
+  }
+  return d;
+}
+
+constexpr bool kSignedQ8Dot = true;
+
+// out[r][0..16) = sum over blocks j of scale_j * d_rj * <q_j, x_rj> + offset_j * s_rj, for one group of 16
+// columns and R rows.
+template <int R, bool Q4>
+inline void group_dot(const uint8_t* qs, const float* scale, const float* offset, const QRow* xr, int64_t nb,
+                      float* out) {
+  constexpr int64_t block_bytes = Q4 ? 256 : 512;
+  for (int h = 0; h < 2; h++) {
+    __m256 acc[R];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < nb; j++) {
+      __m256i w[8];
+      load_half<Q4>(qs + j * block_bytes, h, w);
+      const __m256 a = _mm256_loadu_ps(scale + j * 16 + h * 8);
+      __m256 b = _mm256_loadu_ps(offset + j * 16 + h * 8);
+      if constexpr (!Q4) b = _mm256_fmadd_ps(a, _mm256_set1_ps(128.f), b);
+      for (int r = 0; r < R; r++) {
+        const __m256i d = block_dot<Q4>(w, xr[r].q + j * 32);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_mul_ps(a, _mm256_set1_ps(xr[r].d[j])), acc[r]);
+        acc[r] = _mm256_fmadd_ps(b, _mm256_set1_ps(xr[r].s[j]), acc[r]);
+      }
+    }
+    for (int r = 0; r < R; r++) _mm256_storeu_ps(out + r * 16 + h * 8, acc[r]);
+  }
+}
+
+}  // namespace qdot
+}  // namespace cvk

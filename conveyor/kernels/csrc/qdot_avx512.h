@@ -1,0 +1,97 @@
+// The integer dot products of the quantized GEMM (gemm_quant.cpp) at 512 bits: one 64-byte load is 16 columns x
+// 4 k, multiplied against 4 activation bytes broadcast to every lane, by VPDPBUSD where the level has
+// AVX512_VNNI (CVK_VNNI), by VPMADDUBSW + VPMADDWD otherwise. Included by qdot.h only.
+#pragma once
+
+namespace cvk {
+namespace qdot {
+
+constexpr int kRows = 4;  // activation rows per register tile: 8 weight + 4 accumulator vectors + temporaries
+
+// One block of 32 floats -> 32 int8 (round to nearest even), its scale d (max |x| / 127) and d * sum(q).
+inline void quantize_block(const float* x, int8_t* q, float* d, float* s) {
+  const __m512 v0 = _mm512_loadu_ps(x), v1 = _mm512_loadu_ps(x + 16);
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+  const float dd = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
+  const __m512i i0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, _mm512_set1_ps(id)));
+  const __m512i i1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, _mm512_set1_ps(id)));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtsepi32_epi8(i0));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtsepi32_epi8(i1));
+  *d = dd;
+  *s = dd * float(_mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1)));
+}
+
+// The block's 8 quads of weights, 16 columns x 4 k each, as unsigned bytes.
+template <bool Q4>
+inline void load_block(const uint8_t* qs, __m512i w[8]) {
+  if constexpr (Q4) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    for (int u = 0; u < 4; u++) {
+      const __m512i v = _mm512_loadu_si512(qs + u * 64);
+      w[2 * u] = _mm512_and_si512(v, m4);
+      w[2 * u + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+    }
+  } else {
+    for (int t = 0; t < 8; t++) w[t] = _mm512_loadu_si512(qs + t * 64);
+  }
+}
+
+// Sum over the block's 32 k of w (unsigned) x x (signed), per column, as int32 lanes.
+template <bool Q4>
+inline __m512i block_dot(const __m512i w[8], const int8_t* xq) {
+  int32_t quads[8];
+  memcpy(quads, xq, 32);
+  __m512i d = _mm512_setzero_si512();
+#if defined(CVK_VNNI)
+  for (int t = 0; t < 8; t++) d = _mm512_dpbusd_epi32(d, w[t], _mm512_set1_epi32(quads[t]));
+#else
+  const __m512i ones = _mm512_set1_epi16(1);
+  for (int t = 0; t < 8; t++) {
+    const __m512i x = _mm512_set1_epi32(quads[t]);
+    __m512i p;
+    if constexpr (Q4) {  // weights <= 15: VPMADDUBSW's int16 pair sums cannot saturate
+      p = _mm512_maddubs_epi16(w[t], x);
+    } else {  // weights up to 255 would: multiply |q - 128| by x carrying q - 128's sign instead
+      const __m512i ws = _mm512_xor_si512(w[t], _mm512_set1_epi8(char(0x80)));
+      const __m512i xs = _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(ws), _mm512_setzero_si512(), x);
+      p = _mm512_maddubs_epi16(_mm512_abs_epi8(ws), xs);
+    }
+    d = _mm512_add_epi32(d, _mm512_madd_epi16(p, ones));
+  }
+#endif
+  return d;
+}
+
+// Whether block_dot returned sum((q - 128) x) for 8-bit weights (the signed detour above) instead of sum(q x);
+// the caller adds 128 * sum(x) back through the offset.
+#if defined(CVK_VNNI)
+constexpr bool kSignedQ8Dot = false;
+#else
+constexpr bool kSignedQ8Dot = true;
+#endif
+
+// out[r][0..16) = sum over blocks j of scale_j * d_rj * <q_j, x_rj> + offset_j * s_rj, for one group of 16
+// columns and R rows (qs, scale, offset: the group's part of the weight).
+template <int R, bool Q4>
+inline void group_dot(const uint8_t* qs, const float* scale, const float* offset, const QRow* xr, int64_t nb,
+                      float* out) {
+  __m512 acc[R];
+  for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+  constexpr int64_t block_bytes = Q4 ? 256 : 512;
+  for (int64_t j = 0; j < nb; j++) {
+    __m512i w[8];
+    load_block<Q4>(qs + j * block_bytes, w);
+    const __m512 a = _mm512_loadu_ps(scale + j * 16);
+    __m512 b = _mm512_loadu_ps(offset + j * 16);
+    if constexpr (!Q4 && kSignedQ8Dot) b = _mm512_fmadd_ps(a, _mm512_set1_ps(128.f), b);
+    for (int r = 0; r < R; r++) {
+      const __m512i d = block_dot<Q4>(w, xr[r].q + j * 32);
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(a, _mm512_set1_ps(xr[r].d[j])), acc[r]);
+      acc[r] = _mm512_fmadd_ps(b, _mm512_set1_ps(xr[r].s[j]), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; r++) _mm512_storeu_ps(out + r * 16, acc[r]);
+}
+
+}  // namespace qdot
+}  // namespace cvk

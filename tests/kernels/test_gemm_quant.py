@@ -1,0 +1,189 @@
+"""The quantized weights and their GEMM: every GGUF format's repacking against the ``gguf`` package's own
+dequantization (bit for bit), and the native integer GEMM at every instruction-set level this CPU runs against a
+dequantize-then-matmul reference, for row counts 1-256 (rows not a multiple of the register tile included)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf import quants as gq
+
+from conveyor.layers.quantized import (
+    GGUF_KERNEL_TYPES,
+    QuantEmbedding,
+    QuantizedTensor,
+    QuantLinear,
+    from_gguf,
+    quantize_int8,
+)
+
+QUANTIZABLE = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")  # the gguf package writes these itself
+KQUANTS = ("Q4_K", "Q5_K")  # written here as random blocks with sane scales
+
+
+def gguf_bytes(qtype: str, n: int, k: int, seed: int = 0) -> np.ndarray:
+    """A [n, k] tensor's stored bytes in ``qtype``."""
+    rng = np.random.default_rng(seed)
+    qt = GGMLQuantizationType[qtype]
+    if qtype in QUANTIZABLE:
+        return gq.quantize(rng.standard_normal((n, k)).astype(np.float32) * 0.1, qt).reshape(-1)
+    block, size = GGML_QUANT_SIZES[qt]
+    blocks = rng.integers(0, 256, size=(n * k // block, size), dtype=np.uint8)
+    nblocks = blocks.shape[0]
+    blocks[:, 0:2] = rng.uniform(0.001, 0.01, nblocks).astype(np.float16).view(np.uint8).reshape(nblocks, 2)  # d
+    blocks[:, 2:4] = rng.uniform(0.001, 0.01, nblocks).astype(np.float16).view(np.uint8).reshape(nblocks, 2)  # dmin
+    return blocks.reshape(-1)
+
+
+def reference_dequant(raw: np.ndarray, qtype: str, n: int, k: int) -> torch.Tensor:
+    return torch.from_numpy(gq.dequantize(raw, GGMLQuantizationType[qtype]).reshape(n, k).astype(np.float32))
+
+
+@pytest.mark.parametrize("qtype", GGUF_KERNEL_TYPES)
+@pytest.mark.parametrize("k", [256, 576, 1536])
+def test_repacked_gguf_dequantizes_as_the_gguf_package(qtype, k):
+    n = 24
+    raw = gguf_bytes(qtype, n, k, seed=k)
+    qt = from_gguf(raw, qtype, (n, k))
+    assert qt is not None and qt.shape == (n, k) and qt.source == qtype
+    assert qt.kind == ("q4" if qtype in ("Q4_0", "Q4_1", "Q4_K") else "q8")
+    torch.testing.assert_close(qt.dequantize(), reference_dequant(raw, qtype, n, k), atol=1e-6, rtol=1e-6)
+
+
+def test_types_without_a_kernel_are_left_to_dequantization():
+    assert from_gguf(np.zeros(210, np.uint8), "Q6_K", (1, 256)) is None
+    assert from_gguf(np.zeros(64, np.uint8), "F32", (4, 4)) is None
+
+
+def emulate(x: torch.Tensor, qt: QuantizedTensor) -> torch.Tensor:
+    """What the kernel computes, in float64: x quantized per block of 32 (max |x| / 127, round half to even),
+    integer dot products per block, scaled by both scales, plus the offsets against d * sum(q)."""
+    m, k = x.shape
+    kp = qt.scale.shape[1] * 32
+    xp = torch.nn.functional.pad(x.to(torch.float32), (0, kp - k)).view(m, -1, 32)
+    amax = xp.abs().amax(-1, keepdim=True)
+    d = amax / 127
+    q = torch.round(xp * torch.where(amax > 0, 127 / amax, 0.0)).to(torch.float64)
+    wq = torch.nn.functional.pad(qt.q, (0, kp - k)).view(qt.shape[0], -1, 32).to(torch.float64)
+    dots = torch.einsum("mjc,njc->mnj", q, wq)
+    y = (dots * d.squeeze(-1).double()[:, None, :] * qt.scale.double()[None]).sum(-1)
+    return y + ((d.squeeze(-1).double() * q.sum(-1))[:, None, :] * qt.offset.double()[None]).sum(-1)
+
+
+def weights_of_every_kind(n: int, k: int):
+    for qtype in GGUF_KERNEL_TYPES:
+        if k % 256 and qtype in KQUANTS:
+            continue
+        yield qtype, from_gguf(gguf_bytes(qtype, n, k, seed=n + k), qtype, (n, k))
+    gen = torch.Generator().manual_seed(k)
+    yield "int8", quantize_int8(torch.randn(n, k, generator=gen) * 0.05)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 16, 33, 128, 256])
+@pytest.mark.parametrize("n,k", [(40, 256), (21, 576), (8, 96)])
+def test_quant_gemm_matches_the_integer_reference(kernels, rows, n, k):
+    """float32 activations: the kernel equals the exact integer emulation to float32 rounding, and the float
+    matmul on the dequantized weight to the activations' int8 quantization error."""
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, k, generator=gen)
+    bias = torch.randn(n, generator=gen)
+    for name, qt in weights_of_every_kind(n, k):
+        out = torch.empty(rows, n)
+        packed = qt.pack()
+        kernels.quant_linear(x, packed.descriptor(), bias, out)
+        want = emulate(x, qt) + bias.double()
+        torch.testing.assert_close(out.double(), want, atol=1e-4, rtol=1e-4, msg=f"{name} at {kernels.level}")
+        exact = x.double() @ qt.dequantize().double().t() + bias.double()
+        err = (out.double() - exact).norm() / exact.norm()
+        assert err < 0.02, f"{name}: relative error {err:.4f} against the float matmul"
+
+
+@pytest.mark.parametrize("rows", [1, 6])
+def test_quant_gemm_bfloat16_activations(kernels, rows):
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(rows, 576, generator=gen).to(torch.bfloat16)
+    for name, qt in weights_of_every_kind(33, 576):
+        out = torch.empty(rows, 33, dtype=torch.bfloat16)
+        packed = qt.pack()
+        kernels.quant_linear(x, packed.descriptor(), None, out)
+        torch.testing.assert_close(out.double(), emulate(x.float(), qt), atol=2e-2, rtol=2e-2, msg=name)
+
+
+def test_quant_gemm_reads_strided_rows_and_writes_strided_outputs(kernels):
+    qt = from_gguf(gguf_bytes("Q4_1", 16, 256), "Q4_1", (16, 256))
+    x = torch.randn(5, 300)[:, :256]
+    out = torch.zeros(5, 20)
+    packed = qt.pack()
+    kernels.quant_linear(x, packed.descriptor(), None, out[:, :16])
+    torch.testing.assert_close(out[:, :16].double(), emulate(x, qt), atol=1e-4, rtol=1e-4)
+    assert out[:, 16:].abs().sum() == 0
+
+
+def test_dequantize_kernel_matches_torch(kernels):
+    for name, qt in weights_of_every_kind(19, 576):
+        full = torch.empty(19, 576)
+        packed = qt.pack()
+        kernels.quant_dequantize(packed.descriptor(), None, full)
+        # scale * q + offset may be one fused multiply-add in the kernel and two roundings in torch: one ulp apart
+        reference = qt.dequantize()
+        ulp = reference.abs().max().item() * 2.0**-23
+        torch.testing.assert_close(full, reference, atol=2 * ulp, rtol=0, msg=name)
+        rows = torch.tensor([3, 0, 18, 3])
+        picked = torch.empty(4, 576, dtype=torch.bfloat16)
+        kernels.quant_dequantize(packed.descriptor(), rows, picked)
+        torch.testing.assert_close(picked.float(), full[rows].to(torch.bfloat16).float(), atol=0, rtol=0, msg=name)
+
+
+def test_dequantize_rejects_a_row_out_of_range(kernels):
+    from conveyor.kernels.cpu_ops import KernelError
+
+    packed = quantize_int8(torch.randn(4, 64)).pack()
+    with pytest.raises(KernelError, match="bad argument"):
+        kernels.quant_dequantize(packed.descriptor(), torch.tensor([4]), torch.empty(1, 64))
+
+
+def test_quant_linear_switches_to_the_float_gemm_above_its_row_limit(kernels):
+    """Above ``max_rows`` the layer dequantizes and runs the float GEMM: exact against the dequantized weight,
+    and within the activation quantization error of the integer path."""
+    qt = from_gguf(gguf_bytes("Q4_K", 64, 512), "Q4_K", (64, 512))
+    layer = QuantLinear(qt, torch.randn(64), kernels, torch.float32)
+    x = torch.randn(200, 512)
+    layer.max_rows = 128
+    big = layer(x)
+    torch.testing.assert_close(big, x @ qt.dequantize().t() + layer.bias, atol=1e-4, rtol=1e-4)
+    layer.max_rows = 256
+    small = layer(x)
+    assert (small - big).norm() / big.norm() < 0.02
+
+
+def test_quant_embedding_looks_up_dequantized_rows(kernels):
+    qt = from_gguf(gguf_bytes("Q8_0", 50, 64), "Q8_0", (50, 64))
+    emb = QuantEmbedding(qt, kernels, torch.float32)
+    ids = torch.tensor([[1, 49], [0, 1]])
+    torch.testing.assert_close(emb(ids), qt.dequantize()[ids], atol=0, rtol=0)
+
+
+def test_fusing_and_permuting_rows_keeps_values():
+    a = from_gguf(gguf_bytes("Q4_1", 8, 64, seed=1), "Q4_1", (8, 64))
+    b = from_gguf(gguf_bytes("Q4_0", 4, 64, seed=2), "Q4_0", (4, 64))
+    fused = QuantizedTensor.cat([a, b])
+    torch.testing.assert_close(fused.dequantize(), torch.cat([a.dequantize(), b.dequantize()]))
+    perm = torch.tensor([3, 1, 0, 2, 7, 6, 5, 4, 8, 9, 11, 10])
+    torch.testing.assert_close(fused.take_rows(perm).dequantize(), fused.dequantize()[perm])
+    mixed = QuantizedTensor.cat([a, quantize_int8(torch.randn(2, 64))])  # held as 8-bit, values unchanged
+    assert mixed.kind == "q8"
+    torch.testing.assert_close(mixed.dequantize()[:8], a.dequantize())
+    with pytest.raises(ValueError, match="different in_features"):
+        QuantizedTensor.cat([a, quantize_int8(torch.randn(2, 32))])
+
+
+def test_int8_is_per_channel_symmetric():
+    w = torch.randn(6, 100) * torch.arange(1, 7).unsqueeze(1)
+    qt = quantize_int8(w)
+    assert qt.kind == "q8" and qt.scale.shape == (6, 4)
+    scales = qt.scale
+    assert torch.equal(scales, scales[:, :1].expand(6, 4))  # one scale per row
+    torch.testing.assert_close(scales[:, 0], w.abs().amax(1) / 127)
+    assert (qt.dequantize() - w).abs().max() <= scales.max() / 2 + 1e-6
