@@ -10,12 +10,12 @@ serves every format, and the packed weight stays within 0.75 bytes per value for
 0.625). Q6_K (scales per 16 values) and the IQ types have no such form: they are dequantized at load as before.
 
 ``QuantLinear`` picks per call: up to ``QUANT_INT_MAX_ROWS[dtype]`` rows the integer kernel (activations
-quantized per block to int8, as llama.cpp's q8_0); above, the weight is dequantized into a transient float copy
-and the float GEMM runs. Measured with benchmarks/gemm_quant.py (SmolLM2's four layer shapes, Q4_1 and Q8_0,
-2 threads, AMD Zen 5): in float32 the integer kernel takes 0.4-0.55x the float32-weight GEMM's time at every row
-count from 1 to 1024, and beats dequantize + GEMM by 5-25x (on the AVX2 level as well, 0.8-0.9x at 256-2048
-rows); in bfloat16, where oneDNN's bfloat16 GEMM is twice float32's rate, dequantize + GEMM overtakes it
-between 512 and 1024 rows (docs/kernels.md has the table).
+quantized per block to 15-bit integers, csrc/qdot.h); above, the weight is dequantized into a transient float
+copy and the float GEMM runs. Measured with benchmarks/gemm_quant.py (SmolLM2's four layer shapes, Q4_1, 2
+threads, AMD Zen 5, another job on one core): in float32 the integer kernel takes 0.44-0.88x the float32-weight
+GEMM's time at every row count from 1 to 512 and 0.05-0.36x dequantize + GEMM's; in bfloat16, where oneDNN's
+bfloat16 GEMM runs at twice float32's rate, dequantize + GEMM is on par at 128 rows (2.96 vs 2.90 ms) and wins
+above (3.7 vs 4.5 ms at 256, 5.6 vs 7.7 at 512).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ BLOCK = 32  # values per block along K
 GROUP = 16  # output columns per group in the packed layout
 KINDS = {"q4": 1, "q8": 2}  # csrc/cvk.h's CVK_Q4, CVK_Q8
 # Rows up to which the integer kernel runs, per activation dtype; above, dequantize + float GEMM (module doc).
-QUANT_INT_MAX_ROWS = {torch.float32: 1 << 30, torch.bfloat16: 512}
+QUANT_INT_MAX_ROWS = {torch.float32: 1 << 30, torch.bfloat16: 128}
 GGUF_KERNEL_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K")
 
 

@@ -1,10 +1,11 @@
 // The GEMM on quantized weights (cvk_quant_gemm: CvkQuantWeight in cvk.h) and their dequantization.
 //
-// How: the activations are quantized per block of 32 to int8 (as llama.cpp's q8_0, plus d * sum(q) per block
-// for the weights' offsets), then every (row, column) is a sum over blocks of
-//   scale_w * d_x * <q_w, q_x>  +  offset_w * d_x * sum(q_x)
-// Columns go 16 at a time, so a block's integer dot products for 16 columns are 8 VPDPBUSDs (qdot_*.h) and its
-// scaling one float FMA for all 16: the float work per block is shared by 16 columns instead of done per
+// How: the activations are quantized per block of 32 to 15-bit integers n held as two int8 digits (qdot.h; as
+// llama.cpp's q8_0, at twice the digits, plus d * sum(n) per block for the weights' offsets), then every
+// (row, column) is a sum over blocks of
+//   scale_w * d_x * <q_w, n_x>  +  offset_w * d_x * sum(n_x)
+// Columns go 16 at a time, so a block's integer dot products for 16 columns are 2 x 8 VPDPBUSDs (qdot_*.h)
+// and its scaling one float FMA for all 16: the float work per block is shared by 16 columns instead of done per
 // column. At decode sizes the step is bound by the weight stream, 4-6x smaller than float32's. Which row
 // counts take this path and which dequantize to float and take the float GEMM is decided in
 // conveyor/layers/quantized.py (QUANT_INT_MAX_ROWS) from benchmarks/gemm_quant.py.
@@ -32,8 +33,9 @@ inline int64_t block_bytes(int kind) { return kind == CVK_Q4 ? 256 : 512; }
 template <typename T>
 void quantize_row(const T* x, int64_t K, int64_t KP, char* out) {
   const int64_t nb = blocks(KP);
-  int8_t* q = reinterpret_cast<int8_t*>(out);
-  float* d = reinterpret_cast<float*>(out + KP);
+  int8_t* hi = reinterpret_cast<int8_t*>(out);
+  int8_t* lo = hi + KP;
+  float* d = reinterpret_cast<float*>(out + 2 * KP);
   float* s = d + nb;
   alignas(64) float tmp[QB];
   for (int64_t j = 0; j < nb; j++) {
@@ -45,13 +47,14 @@ void quantize_row(const T* x, int64_t K, int64_t KP, char* out) {
     if (src == tmp) {
       for (int i = 0; i < QB; i++) tmp[i] = i < n ? to_f32(x[k0 + i]) : 0.f;
     }
-    qdot::quantize_block(src, q + k0, d + j, s + j);
+    qdot::quantize_block(src, hi + k0, lo + k0, d + j, s + j);
   }
 }
 
 inline QRow row_view(const char* base, int64_t KP) {
-  const float* d = reinterpret_cast<const float*>(base + KP);
-  return QRow{reinterpret_cast<const int8_t*>(base), d, d + blocks(KP)};
+  const int8_t* hi = reinterpret_cast<const int8_t*>(base);
+  const float* d = reinterpret_cast<const float*>(base + 2 * KP);
+  return QRow{hi, hi + KP, d, d + blocks(KP)};
 }
 
 template <int R>
@@ -140,7 +143,7 @@ bool valid(const CvkQuantWeight* w) {
 
 }  // namespace
 
-int64_t quant_row_bytes(int64_t KP) { return (KP + 8 * blocks(KP) + 63) / 64 * 64; }
+int64_t quant_row_bytes(int64_t KP) { return (2 * KP + 8 * blocks(KP) + 63) / 64 * 64; }
 
 int quant_gemm(const CvkQuantGemmArgs& a) {
   if (!valid(a.w)) return CVK_ERR_BADARG;

@@ -14,8 +14,17 @@ inline int hsum_i32(__m256i v) {
   return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1)));
 }
 
-// One block of 32 floats -> 32 int8 (round to nearest even), its scale d (max |x| / 127) and d * sum(q).
-inline void quantize_block(const float* x, int8_t* q, float* d, float* s) {
+// 8-bit signed lanes of 32 int32 values (|v| <= 127), in order: the packs interleave 128-bit lanes; the permute
+// puts the values back in order.
+inline void store_i8(const __m256i v[4], int8_t* out) {
+  const __m256i p16a = _mm256_packs_epi32(v[0], v[1]), p16b = _mm256_packs_epi32(v[2], v[3]);
+  const __m256i p8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p16a, p16b),
+                                                 _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), p8);
+}
+
+// One block of 32 floats -> its integers n (qdot.h) as digits, its unit d (max |x| / kActMax) and d * sum(n).
+inline void quantize_block(const float* x, int8_t* hi, int8_t* lo, float* d, float* s) {
   __m256 v[4];
   const __m256 sign = _mm256_set1_ps(-0.0f);
   __m256 m = _mm256_setzero_ps();
@@ -26,16 +35,17 @@ inline void quantize_block(const float* x, int8_t* q, float* d, float* s) {
   __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
   m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
   const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
-  const float dd = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
-  __m256i i[4];
-  for (int k = 0; k < 4; k++) i[k] = _mm256_cvtps_epi32(_mm256_mul_ps(v[k], _mm256_set1_ps(id)));
-  // the packs interleave 128-bit lanes; the permute puts the 32 values back in order
-  const __m256i p16a = _mm256_packs_epi32(i[0], i[1]), p16b = _mm256_packs_epi32(i[2], i[3]);
-  const __m256i p8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p16a, p16b),
-                                                 _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), p8);
-  *d = dd;
-  *s = dd * float(hsum_i32(_mm256_add_epi32(_mm256_add_epi32(i[0], i[1]), _mm256_add_epi32(i[2], i[3]))));
+  const float id = amax > 0.f ? float(kActMax) / amax : 0.f;
+  __m256i n[4], h[4], l[4];
+  for (int k = 0; k < 4; k++) {
+    n[k] = _mm256_cvtps_epi32(_mm256_mul_ps(v[k], _mm256_set1_ps(id)));
+    h[k] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_cvtepi32_ps(n[k]), _mm256_set1_ps(1.f / kDigit)));
+    l[k] = _mm256_sub_epi32(n[k], _mm256_sub_epi32(_mm256_slli_epi32(h[k], 8), h[k]));
+  }
+  store_i8(h, hi);
+  store_i8(l, lo);
+  *d = amax / float(kActMax);
+  *s = *d * float(hsum_i32(_mm256_add_epi32(_mm256_add_epi32(n[0], n[1]), _mm256_add_epi32(n[2], n[3]))));
 }
 
 // Half h (columns 8h .. 8h + 7) of the block's 8 quads, as unsigned bytes.
@@ -53,11 +63,11 @@ inline void load_half(const uint8_t* qs, int h, __m256i w[8]) {
   }
 }
 
-// Sum over the block's 32 k per column: q x for 4-bit weights; (q - 128) x for 8-bit ones, whose q up to 255
-// would saturate VPMADDUBSW's int16 pair sums (|q - 128| against x carrying its sign instead; the caller adds
-// 128 * sum(x) back through the offset).
+// Sum over the block's 32 k per column of w x one digit of x: q x for 4-bit weights; (q - 128) x for 8-bit
+// ones, whose q up to 255 would saturate VPMADDUBSW's int16 pair sums (|q - 128| against x carrying its sign
+// instead; the caller adds 128 * sum(n) back through the offset).
 template <bool Q4>
-inline __m256i block_dot(const __m256i w[8], const int8_t* xq) {
+inline __m256i digit_dot(const __m256i w[8], const int8_t* xq) {
   int32_t quads[8];
   memcpy(quads, xq, 32);
   const __m256i ones = _mm256_set1_epi16(1);
@@ -76,9 +86,16 @@ inline __m256i block_dot(const __m256i w[8], const int8_t* xq) {
   return d;
 }
 
+// Sum over the block's 32 k of w x n per column: 255 <w, hi> + <w, lo>.
+template <bool Q4>
+inline __m256i block_dot(const __m256i w[8], const int8_t* hi, const int8_t* lo) {
+  const __m256i h = digit_dot<Q4>(w, hi);
+  return _mm256_add_epi32(_mm256_sub_epi32(_mm256_slli_epi32(h, 8), h), digit_dot<Q4>(w, lo));
+}
+
 constexpr bool kSignedQ8Dot = true;
 
-// out[r][0..16) = sum over blocks j of scale_j * d_rj * <q_j, x_rj> + offset_j * s_rj, for one group of 16
+// out[r][0..16) = sum over blocks j of scale_j * d_rj * <q_j, n_rj> + offset_j * s_rj, for one group of 16
 // columns and R rows.
 template <int R, bool Q4>
 inline void group_dot(const uint8_t* qs, const float* scale, const float* offset, const QRow* xr, int64_t nb,
@@ -94,7 +111,7 @@ inline void group_dot(const uint8_t* qs, const float* scale, const float* offset
       __m256 b = _mm256_loadu_ps(offset + j * 16 + h * 8);
       if constexpr (!Q4) b = _mm256_fmadd_ps(a, _mm256_set1_ps(128.f), b);
       for (int r = 0; r < R; r++) {
-        const __m256i d = block_dot<Q4>(w, xr[r].q + j * 32);
+        const __m256i d = block_dot<Q4>(w, xr[r].hi + j * 32, xr[r].lo + j * 32);
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_mul_ps(a, _mm256_set1_ps(xr[r].d[j])), acc[r]);
         acc[r] = _mm256_fmadd_ps(b, _mm256_set1_ps(xr[r].s[j]), acc[r]);
       }

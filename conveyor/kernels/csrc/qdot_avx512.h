@@ -8,17 +8,25 @@ namespace qdot {
 
 constexpr int kRows = 4;  // activation rows per register tile: 8 weight + 4 accumulator vectors + temporaries
 
-// One block of 32 floats -> 32 int8 (round to nearest even), its scale d (max |x| / 127) and d * sum(q).
-inline void quantize_block(const float* x, int8_t* q, float* d, float* s) {
+// 16 integers n (|n| <= kActMax) -> their base-255 digits (qdot.h), stored as int8.
+inline void store_digits(__m512i n, int8_t* hi, int8_t* lo) {
+  const __m512i h = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_cvtepi32_ps(n), _mm512_set1_ps(1.f / kDigit)));
+  const __m512i l = _mm512_sub_epi32(n, _mm512_sub_epi32(_mm512_slli_epi32(h, 8), h));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(hi), _mm512_cvtsepi32_epi8(h));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(lo), _mm512_cvtsepi32_epi8(l));
+}
+
+// One block of 32 floats -> its integers n (qdot.h) as digits, its unit d (max |x| / kActMax) and d * sum(n).
+inline void quantize_block(const float* x, int8_t* hi, int8_t* lo, float* d, float* s) {
   const __m512 v0 = _mm512_loadu_ps(x), v1 = _mm512_loadu_ps(x + 16);
   const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
-  const float dd = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
-  const __m512i i0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, _mm512_set1_ps(id)));
-  const __m512i i1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, _mm512_set1_ps(id)));
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtsepi32_epi8(i0));
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtsepi32_epi8(i1));
-  *d = dd;
-  *s = dd * float(_mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1)));
+  const float id = amax > 0.f ? float(kActMax) / amax : 0.f;
+  const __m512i n0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, _mm512_set1_ps(id)));
+  const __m512i n1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, _mm512_set1_ps(id)));
+  store_digits(n0, hi, lo);
+  store_digits(n1, hi + 16, lo + 16);
+  *d = amax / float(kActMax);
+  *s = *d * float(_mm512_reduce_add_epi32(_mm512_add_epi32(n0, n1)));
 }
 
 // The block's 8 quads of weights, 16 columns x 4 k each, as unsigned bytes.
@@ -36,9 +44,9 @@ inline void load_block(const uint8_t* qs, __m512i w[8]) {
   }
 }
 
-// Sum over the block's 32 k of w (unsigned) x x (signed), per column, as int32 lanes.
+// Sum over the block's 32 k of w (unsigned) x one digit of x (signed), per column, as int32 lanes.
 template <bool Q4>
-inline __m512i block_dot(const __m512i w[8], const int8_t* xq) {
+inline __m512i digit_dot(const __m512i w[8], const int8_t* xq) {
   int32_t quads[8];
   memcpy(quads, xq, 32);
   __m512i d = _mm512_setzero_si512();
@@ -62,15 +70,22 @@ inline __m512i block_dot(const __m512i w[8], const int8_t* xq) {
   return d;
 }
 
-// Whether block_dot returned sum((q - 128) x) for 8-bit weights (the signed detour above) instead of sum(q x);
-// the caller adds 128 * sum(x) back through the offset.
+// Sum over the block's 32 k of w x n per column: 255 <w, hi> + <w, lo>.
+template <bool Q4>
+inline __m512i block_dot(const __m512i w[8], const int8_t* hi, const int8_t* lo) {
+  const __m512i h = digit_dot<Q4>(w, hi);
+  return _mm512_add_epi32(_mm512_sub_epi32(_mm512_slli_epi32(h, 8), h), digit_dot<Q4>(w, lo));
+}
+
+// Whether block_dot returned sum((q - 128) n) for 8-bit weights (the signed detour above) instead of sum(q x);
+// the caller adds 128 * sum(n) back through the offset.
 #if defined(CVK_VNNI)
 constexpr bool kSignedQ8Dot = false;
 #else
 constexpr bool kSignedQ8Dot = true;
 #endif
 
-// out[r][0..16) = sum over blocks j of scale_j * d_rj * <q_j, x_rj> + offset_j * s_rj, for one group of 16
+// out[r][0..16) = sum over blocks j of scale_j * d_rj * <q_j, n_rj> + offset_j * s_rj, for one group of 16
 // columns and R rows (qs, scale, offset: the group's part of the weight).
 template <int R, bool Q4>
 inline void group_dot(const uint8_t* qs, const float* scale, const float* offset, const QRow* xr, int64_t nb,
@@ -85,7 +100,7 @@ inline void group_dot(const uint8_t* qs, const float* scale, const float* offset
     __m512 b = _mm512_loadu_ps(offset + j * 16);
     if constexpr (!Q4 && kSignedQ8Dot) b = _mm512_fmadd_ps(a, _mm512_set1_ps(128.f), b);
     for (int r = 0; r < R; r++) {
-      const __m512i d = block_dot<Q4>(w, xr[r].q + j * 32);
+      const __m512i d = block_dot<Q4>(w, xr[r].hi + j * 32, xr[r].lo + j * 32);
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(a, _mm512_set1_ps(xr[r].d[j])), acc[r]);
       acc[r] = _mm512_fmadd_ps(b, _mm512_set1_ps(xr[r].s[j]), acc[r]);
     }
