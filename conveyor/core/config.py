@@ -8,6 +8,8 @@ KV_LAYOUTS = ("paged", "slab")
 # --attention-backend: "auto" and "cpu" choose for the machine (layers.attention.resolve_backend); the rest name
 # one backend each. Here, not in the torch package, so the flag's choices are known without importing torch.
 ATTENTION_BACKENDS = ("auto", "cpu", "cpu-native", "cpu-torch", "reference", "cuda")
+# --quantization: what becomes of a GGUF file's blocks or a float checkpoint's weights at load (models.quantize)
+QUANTIZATION_CHOICES = ("auto", "none", "int8")
 
 
 @dataclass

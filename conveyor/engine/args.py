@@ -11,7 +11,7 @@ import argparse
 import typing
 from dataclasses import MISSING, dataclass, field, fields
 
-from conveyor.core.config import ATTENTION_BACKENDS, KV_LAYOUTS, CacheConfig, SchedulerConfig
+from conveyor.core.config import ATTENTION_BACKENDS, KV_LAYOUTS, QUANTIZATION_CHOICES, CacheConfig, SchedulerConfig
 from conveyor.core.policies import POLICIES
 
 DTYPE_CHOICES = ("float32", "bfloat16", "float16", "auto")
@@ -32,6 +32,10 @@ class EngineArgs:
                                    "a GGUF file or a directory holding one, or a Hugging Face model directory")
     dtype: str = _arg("auto", "weights and KV cache dtype; auto: bfloat16 on CPUs that multiply it in hardware "
                               "(AVX512_BF16 / AMX), else float32", choices=DTYPE_CHOICES)
+    quantization: str = _arg("auto", "auto: a GGUF file's weights stay in their blocks and run on the integer "
+                                     "kernels (CPU); none: dequantize them into --dtype; int8: quantize a float "
+                                     "checkpoint's linear layers to per-channel int8 at load",
+                             choices=QUANTIZATION_CHOICES)
     device: str = _arg("auto", '"auto" (CUDA when available, else CPU), "cpu", "cuda", ...')
     seed: int = _arg(0, "seed of unseeded sampling and of the embedded model's random weights")
     policy: str = _arg(SchedulerConfig.policy, "batching policy", choices=tuple(POLICIES))

@@ -65,7 +65,8 @@ class LLMEngine:
             self.model, self.model_info, self.tokenizer = shared_model
         else:
             self.tokenizer = load_tokenizer(args.model)
-            self.model, self.model_info = load_model(args.model, dtype=args.dtype, device=device, seed=args.seed)
+            self.model, self.model_info = load_model(args.model, dtype=args.dtype, device=device, seed=args.seed,
+                                                         quantization=args.quantization)
             logger.info("model %s, dtype %s (%s)", self.model_info.name, self.model_info.dtype,
                         self.model_info.dtype_reason)
         self.load_time_s = time.perf_counter() - start  # tokenizer + weights (read, dequantized, laid out)

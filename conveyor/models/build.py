@@ -67,8 +67,10 @@ def choose_dtype(dtype: str | torch.dtype, device: str | torch.device = "cpu",
     return DTYPES[dtype], "as asked"
 
 
-def build_model(cfg: ModelConfig, dtype: torch.dtype, device: str | torch.device) -> torch.nn.Module:
-    """A model with uninitialised parameters of ``dtype`` on ``device``, for a checkpoint to fill.
+def build_model(cfg: ModelConfig, dtype: torch.dtype, device: str | torch.device,
+                on_meta: frozenset[str] = frozenset()) -> torch.nn.Module:
+    """A model with uninitialised parameters of ``dtype`` on ``device``, for a checkpoint to fill; the parameters
+    named in ``on_meta`` stay on the meta device (weights kept quantized: their modules are replaced).
 
     It is built on the meta device, so that its layers' random init (which the checkpoint, or the embedded
     model's seeded init, would overwrite anyway) costs nothing, and every parameter is then given real, empty
@@ -77,12 +79,22 @@ def build_model(cfg: ModelConfig, dtype: torch.dtype, device: str | torch.device
     cls = GPT2LMHeadModel if cfg.architecture in GPT2_LIKE else LlamaForCausalLM
     with torch.device("meta"):
         model = cls(cfg)
-    for module in model.modules():
+    for module_name, module in model.named_modules():
         for name, param in list(module.named_parameters(recurse=False)):
+            if (f"{module_name}.{name}" if module_name else name) in on_meta:
+                module.register_parameter(name, torch.nn.Parameter(torch.empty(param.shape, dtype=dtype,
+                                                                               device="meta"), requires_grad=False))
+                continue
             # torch.empty, not Module.to_empty: its empty_like on meta tensors pulls in sympy (seconds at start-up).
             storage = torch.empty(param.shape, dtype=dtype, device=device)
             module.register_parameter(name, torch.nn.Parameter(storage, requires_grad=False))
-    return model.to(device=device, dtype=dtype).eval()
+    if not on_meta:
+        return model.to(device=device, dtype=dtype).eval()
+    # Module.to would try to copy the meta parameters: move the buffers (RoPE's table) as it would
+    for module in model.modules():
+        for name, buf in list(module.named_buffers(recurse=False)):
+            setattr(module, name, buf.to(device=device, dtype=dtype if buf.is_floating_point() else buf.dtype))
+    return model.eval()
 
 
 def make_info(name: str, cfg: ModelConfig, model: torch.nn.Module, dtype: torch.dtype,

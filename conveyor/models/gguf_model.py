@@ -87,8 +87,35 @@ def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(a).reshape(w.shape))
 
 
-def gguf_weights(f: GGUFFile, cfg: ModelConfig, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-    """(Hugging Face name, tensor in ``dtype``) for every tensor the model uses, dequantized one at a time.
+def qk_row_order(rows: int, n_heads: int) -> torch.Tensor:
+    """The row permutation ``unpermute_qk`` applies, as indices (for weights kept quantized, moved row by row)."""
+    return unpermute_qk(torch.arange(rows, dtype=torch.float32).unsqueeze(1), n_heads)[:, 0].to(torch.int64)
+
+
+def gguf_quantized(f: GGUFFile, cfg: ModelConfig, plan: dict[str, list[str]]):
+    """{model parameter -> its QuantizedTensor} for the parameters ``plan`` keeps quantized (models.quantize
+    .plan_gguf): each GGUF part read in its blocks, q/k rows unpermuted, fused parts stacked in row order."""
+    from conveyor.layers.quantized import QuantizedTensor, from_gguf
+
+    permuted = GGUF_ARCHITECTURES[f.get("general.architecture")][1]
+    out = {}
+    for param, names in plan.items():
+        parts = []
+        for name in names:
+            info = f.tensors[name]
+            quant = from_gguf(f.raw(name), info.qtype.name, info.shape)
+            if permuted and (".attn_q." in name or ".attn_k." in name):
+                heads = cfg.num_heads if ".attn_q." in name else cfg.num_kv_heads
+                quant = quant.take_rows(qk_row_order(info.shape[0], heads))
+            parts.append(quant)
+        out[param] = QuantizedTensor.cat(parts)
+    return out
+
+
+def gguf_weights(f: GGUFFile, cfg: ModelConfig, dtype: torch.dtype,
+                 skip: frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
+    """(Hugging Face name, tensor in ``dtype``) for every tensor the model uses but those named in ``skip`` (kept
+    quantized), dequantized one at a time.
 
     Tensors of other architectures' layouts (e.g. a fused attn_qkv) are an error, not silently skipped."""
     arch = f.get("general.architecture")
@@ -98,6 +125,8 @@ def gguf_weights(f: GGUFFile, cfg: ModelConfig, dtype: torch.dtype) -> Iterator[
         if target is None:
             if name.startswith("blk.") or name in ("output.weight", "token_embd.weight"):
                 raise GGUFError(f"{f.path}: tensor {name!r} has no place in a {arch} model")
+            continue
+        if name in skip:
             continue
         tensor = f.load(name, torch.float32)
         if permuted and (".attn_q." in name or ".attn_k." in name):

@@ -3,18 +3,22 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 
 import torch
 
-from conveyor.models.build import ModelInfo, build_model, choose_dtype, make_info
+from conveyor.models.build import ModelInfo, build_model, choose_dtype, make_info, resolve_dtype
 from conveyor.models.config import parse_config
 from conveyor.models.cpu_layout import prepare_for_cpu
 from conveyor.models.embedded import load_embedded
 from conveyor.models.gguf_file import GGUFFile
-from conveyor.models.gguf_model import gguf_config, gguf_weights
+from conveyor.models.gguf_model import gguf_config, gguf_quantized, gguf_weights, hf_name
+from conveyor.models.quantize import QUANTIZATION_CHOICES, describe, install, plan_gguf, quantize_linears_int8
 from conveyor.models.sources import resolve_model
 from conveyor.models.weights import checkpoint_files, iter_weights, load_into
+
+logger = logging.getLogger("conveyor.models")
 
 
 def _generation_eos(model_dir: str) -> list[int]:
@@ -27,40 +31,68 @@ def _generation_eos(model_dir: str) -> list[int]:
 
 
 def load_model(model: str | None, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu",
-               seed: int = 0) -> tuple[torch.nn.Module, ModelInfo]:
+               seed: int = 0, quantization: str = "auto") -> tuple[torch.nn.Module, ModelInfo]:
     """Load a model by name, GGUF file or HF checkpoint directory; None is the default model (SmolLM2).
+
+    ``quantization`` (``models.quantize``): "auto" keeps a GGUF file's weights in their blocks where the CPU
+    kernels have them (else dequantizes, as "none" always does); "int8" quantizes a float checkpoint's linear
+    layers to per-channel int8. Quantized weights need the native CPU kernels: elsewhere "auto" dequantizes and
+    "int8" is a ValueError.
 
     Raises FileNotFoundError for a missing model / config / weights (``ModelNotInstalledError`` for a named model
     whose package is missing), ValueError (``GGUFError`` for GGUF files) for an unsupported architecture or
     dtype, a corrupt file, or a checkpoint that does not fit its config.
     """
+    if quantization not in QUANTIZATION_CHOICES:
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, got {quantization!r}")
     source = resolve_model(model)
+    kernels = None
+    if torch.device(device).type == "cpu":
+        from conveyor.kernels import load_cpu_kernels
+
+        kernels = load_cpu_kernels()
+    if quantization == "int8" and kernels is None:
+        raise ValueError("--quantization int8 runs on the native CPU kernels, which are not available here "
+                         f"(device {device}); use --quantization none")
+    if quantization == "int8" and source.kind == "gguf":
+        raise ValueError(f"{source.path} is a GGUF file, already quantized: --quantization auto keeps its blocks, "
+                         "none dequantizes them; int8 is for float checkpoints")
+    keep_quantized = kernels if quantization == "auto" else None
+    done: list[str] = []
     if source.kind == "embedded":
         torch_dtype, why = choose_dtype(dtype, device)
         net, info = load_embedded(torch_dtype, device, seed)
         info.dtype_reason = why
     elif source.kind == "gguf":
-        net, info = _load_gguf(source.path, source.name, dtype, device)
+        net, info, done = _load_gguf(source.path, source.name, dtype, device, keep_quantized)
     else:
         net, info = _load_hf_dir(source.path, dtype, device)
+    if quantization == "int8":
+        done = quantize_linears_int8(net, kernels, resolve_dtype(info.dtype))
     if torch.device(device).type == "cpu":
-        from conveyor.kernels import load_cpu_kernels
-
-        prepare_for_cpu(net, load_cpu_kernels())
+        prepare_for_cpu(net, kernels)
+        logger.info("%s", describe(done, net))
     return net, info
 
 
-def _load_gguf(path: str, name: str, dtype: str | torch.dtype,
-               device: str | torch.device) -> tuple[torch.nn.Module, ModelInfo]:
-    """A GGUF file's model, every tensor dequantized into ``dtype`` ("auto": as ``choose_dtype`` picks it for the
-    device, since a quantized checkpoint has no dtype of its own to keep)."""
+def _load_gguf(path: str, name: str, dtype: str | torch.dtype, device: str | torch.device,
+               kernels=None) -> tuple[torch.nn.Module, ModelInfo, list[str]]:
+    """A GGUF file's model: with ``kernels``, the weights ``plan_gguf`` picks stay in their blocks
+    (``QuantLinear`` / ``QuantEmbedding``); every other tensor is dequantized into ``dtype`` ("auto": as
+    ``choose_dtype`` picks it for the device, since a quantized checkpoint has no dtype of its own to keep).
+    Returns the model, its info and the parameters kept quantized."""
     torch_dtype, why = choose_dtype(dtype, device)
     with GGUFFile(path) as f:
         cfg = gguf_config(f)
-        net = build_model(cfg, torch_dtype, device)
+        plan: dict[str, list[str]] = {}
+        if kernels is not None:
+            plan = plan_gguf(build_model(cfg, torch_dtype, "meta"), f.tensors, hf_name)
+        net = build_model(cfg, torch_dtype, device, on_meta=frozenset(plan))
+        skip = frozenset(n for names in plan.values() for n in names)
         with torch.no_grad():
-            load_into(net, gguf_weights(f, cfg, torch_dtype), where=path)
-    return net, make_info(name, cfg, net, torch_dtype, why)
+            load_into(net, gguf_weights(f, cfg, torch_dtype, skip), where=path, exclude=frozenset(plan))
+            done = install(net, gguf_quantized(f, cfg, plan), kernels, torch_dtype) if plan else []
+    return net, make_info(name, cfg, net, torch_dtype, why), done
 
 
 def _load_hf_dir(model: str, dtype: str | torch.dtype, device: str | torch.device) -> tuple[torch.nn.Module, ModelInfo]:

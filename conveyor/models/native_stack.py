@@ -8,6 +8,10 @@ tensor each time. Measured on the bench model in bfloat16 at batch 4 (2 vCPU Xeo
 about as long as the GEMMs themselves. ``cvk_llama_layers`` runs the same kernels in the same order over every
 layer, so its results are bit-identical to the per-layer path (tests/models/test_native_stack.py checks it).
 
+With quantized linears (``layers.quantized.QuantLinear``, every one of them) the linear fields hold their
+``QuantWeight`` descriptors instead and every GEMM is the integer kernel's, in float32 or bfloat16, with or
+without AMX, up to ``QUANT_STACK_MAX_ROWS`` rows.
+
 ``NativeLayerStack.build(model, kernels)`` returns None where it cannot apply (no kernels, a linear without its
 native packing, norms in another dtype); ``accepts(num_tokens, attn)`` says per step whether this one can.
 """
@@ -17,6 +21,11 @@ from __future__ import annotations
 import torch
 
 from conveyor.layers.attention.base import AttentionBackend
+from conveyor.layers.quantized import QuantLinear, descriptor_address
+
+# Quantized stacks run steps up to this many rows, the float stacks' limit (the per-call crossings it saves
+# matter at decode sizes; above, the per-layer path runs the same integer kernels).
+QUANT_STACK_MAX_ROWS = 128
 
 # The order of the per-layer pointer fields cvk_llama_layers reads (see its comment in csrc/layer_stack.cpp).
 _FIELDS = ("in_norm", "qkv", "qkv_bias", "o", "o_bias", "post_norm", "gate_up", "gate_up_bias", "down", "down_bias",
@@ -32,21 +41,26 @@ class NativeLayerStack:
     """Runs ``model.layers`` for a step in one native call (see module doc). Holds only pointers into the
     model's own tensors, so the model must outlive it (it is the model's attribute)."""
 
-    def __init__(self, model: torch.nn.Module, kernels, max_rows: int) -> None:
+    def __init__(self, model: torch.nn.Module, kernels, max_rows: int, quantized: bool = False) -> None:
         cfg = model.config
-        self.kernels, self.max_rows = kernels, max_rows
+        self.kernels, self.max_rows, self.quantized = kernels, max_rows, quantized
         self.num_layers, self.hidden, self.inter = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.eps = model.layers[0].input_layernorm.eps
         self.scale = model.layers[0].self_attn.scale
         self.dtype = model.layers[0].input_layernorm.weight.dtype
+        weight = descriptor_address if quantized else (lambda lin: _ptr(lin.skinny))
         rows = []
         for layer in model.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            rows.append([_ptr(layer.input_layernorm.weight), _ptr(attn.qkv_proj.skinny), _ptr(attn.qkv_proj.bias),
-                         _ptr(attn.o_proj.skinny), _ptr(attn.o_proj.bias), _ptr(layer.post_attention_layernorm.weight),
-                         _ptr(mlp.gate_up_proj.skinny), _ptr(mlp.gate_up_proj.bias), _ptr(mlp.down_proj.skinny),
+            rows.append([_ptr(layer.input_layernorm.weight), weight(attn.qkv_proj), _ptr(attn.qkv_proj.bias),
+                         weight(attn.o_proj), _ptr(attn.o_proj.bias), _ptr(layer.post_attention_layernorm.weight),
+                         weight(mlp.gate_up_proj), _ptr(mlp.gate_up_proj.bias), weight(mlp.down_proj),
                          _ptr(mlp.down_proj.bias), 0, 0])
+        # the activations' int8 scratch is sized for the widest input (down_proj's, usually)
+        self.max_padded_in = max(lin.quant.padded_in for layer in model.layers
+                                 for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                             layer.mlp.gate_up_proj, layer.mlp.down_proj)) if quantized else 0
         # field-major [fields, layers] int64, as the kernel indexes it
         self._fields = torch.tensor(rows, dtype=torch.int64).t().contiguous()
         self._kv_key: tuple[int, ...] | None = None
@@ -61,17 +75,21 @@ class NativeLayerStack:
         if not kernels.supports(model.layers[0].input_layernorm.weight.dtype, cfg.head_dim):
             return None
         max_rows = None
+        quantized = isinstance(model.layers[0].self_attn.qkv_proj, QuantLinear)
         for layer in model.layers:
             norms = (layer.input_layernorm, layer.post_attention_layernorm)
             linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
-            if any(getattr(lin, "skinny", None) is None for lin in linears):
+            if quantized:  # all quantized, or none: the kernel reads every linear field one way
+                if not all(isinstance(lin, QuantLinear) for lin in linears):
+                    return None
+            elif any(getattr(lin, "skinny", None) is None for lin in linears):
                 return None
             dtypes = {n.weight.dtype for n in norms} | {lin.weight.dtype for lin in linears}
             if len(dtypes) != 1 or any(lin.bias is not None and lin.bias.dtype not in dtypes for lin in linears):
                 return None
-            rows = min(lin.max_rows for lin in linears)
+            rows = min(min(lin.max_rows, QUANT_STACK_MAX_ROWS) if quantized else lin.max_rows for lin in linears)
             max_rows = rows if max_rows is None else min(max_rows, rows)
-        return cls(model, kernels, max_rows) if max_rows else None
+        return cls(model, kernels, max_rows, quantized) if max_rows else None
 
     def accepts(self, num_tokens: int, attn) -> bool:
         """Whether a step of ``num_tokens`` rows with this attention object runs here."""
@@ -91,10 +109,13 @@ class NativeLayerStack:
                    torch.empty(t, self.inter, dtype=dt))
         residual = embeddings.contiguous()
         plan = attn.plan(self.num_heads, self.num_kv_heads, self.head_dim)  # the step's, shared with any other call
+        quant_scratch = None
+        if self.quantized:
+            quant_scratch = torch.empty(self.kernels.quant_scratch_bytes(t, self.max_padded_in), dtype=torch.uint8)
         self.kernels.llama_layers(self._fields, self.num_layers, self.hidden, self.inter, x, residual, scratch,
                                   attn.block_table, attn.query_start, attn.seq_lens, rope_table, self.num_heads,
                                   self.num_kv_heads, self.head_dim, kv_caches[0].shape[3], self.scale, self.eps,
-                                  plan=plan)
+                                  plan=plan, quant_scratch=quant_scratch)
         return x, residual
 
     def _bind_kv(self, kv_caches: list[torch.Tensor]) -> None:

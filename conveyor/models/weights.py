@@ -53,12 +53,13 @@ def copy_weight(dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src)
 
 
-def load_into(model: torch.nn.Module, weights, where: str) -> None:
+def load_into(model: torch.nn.Module, weights, where: str, exclude: frozenset[str] = frozenset()) -> None:
     """Copy checkpoint weights in through ``model.map_weight``; ValueError for unknown, misshapen or missing ones.
+    Parameters named in ``exclude`` are filled elsewhere (weights kept quantized) and not checked here.
 
     ``map_weight(name)`` returns the ``WeightTarget`` of a checkpoint tensor, or None to skip it.
     """
-    params = dict(model.named_parameters())
+    params = {n: p for n, p in model.named_parameters() if n not in exclude}
     rows_loaded = {name: 0 for name in params}
     for name, tensor in weights:
         target = model.map_weight(name)

@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from conveyor.bench.ppl import perplexity, windows
+from conveyor.bench.ppl import chunks, perplexity, windows
 from conveyor.cli import main
 from conveyor.engine.llm import LLM
 
@@ -23,6 +23,14 @@ def test_windows_score_every_token_once():
         assert all(end - begin <= window and begin <= first for begin, end, first in spans)
     with pytest.raises(ValueError):
         windows(100, 40, 0)
+
+
+def test_chunks_cut_as_llama_perplexity_does():
+    """llama-perplexity -c 40 on 100 tokens: 2 whole chunks (the last 20 tokens unused), scoring 20-39, 60-79."""
+    spans = chunks(100, 40)
+    assert spans == [(0, 40, 20), (40, 80, 60)]
+    assert [t for _, end, first in spans for t in range(first, end)] == [*range(20, 40), *range(60, 80)]
+    assert chunks(39, 40) == []
 
 
 @pytest.mark.slow  # a real (tiny) model and engine
@@ -51,3 +59,9 @@ def test_perplexity_matches_transformers(tiny_llama_dir, tmp_path, capsys):
     printed_ppl = float(printed.split("perplexity ")[1].split()[0])
     assert printed_ppl == pytest.approx(result.perplexity, rel=1e-4)  # float32 here, float64 above
     assert f"{count} tokens scored in {result.num_windows} windows of 40 (stride 16)" in printed
+
+    assert main(["bench", "ppl", "--text", str(tmp_path / "t.txt"), "--model", str(tiny_llama_dir),
+                 "--dtype", "float32", "--window", "40", "--chunks", "--num-kv-blocks", "64"]) == 0
+    printed = capsys.readouterr().out
+    whole = len(ids) // 40
+    assert f"{whole * 20} tokens scored in {whole} windows of 40 (as llama-perplexity scores them)" in printed

@@ -74,8 +74,9 @@ def gguf_tensor_name(hf_name: str) -> str:
 
 def write_llama_gguf(path: Path, model, qtype: str = "F32", vocab: str = "gpt2", arch: str = "llama",
                      tokenizer: bool = True, chat_template: str | None = CHAT_TEMPLATE, skip: tuple = (),
-                     pre: str = "smollm") -> Path:
-    """Write ``model`` (a transformers Llama/Qwen2 with vocab 384) as a GGUF file; 2-D weights in ``qtype``."""
+                     pre: str = "smollm", qtypes: dict[str, str] | None = None) -> Path:
+    """Write ``model`` (a transformers Llama/Qwen2 with vocab 384) as a GGUF file; 2-D weights in ``qtype``, or
+    in ``qtypes[hf_name]`` for the tensors it names (a mixed file, as llama.cpp's Q4_K_M is)."""
     import gguf
 
     cfg = model.config
@@ -121,8 +122,9 @@ def write_llama_gguf(path: Path, model, qtype: str = "F32", vocab: str = "gpt2",
         data = tensor.detach().float().numpy()
         if arch == "llama" and (".q_proj." in name or ".k_proj." in name):
             data = permute_qk(data, heads if ".q_proj." in name else kv_heads)
-        if data.ndim == 2 and qt != gguf.GGMLQuantizationType.F32:
-            w.add_tensor(gguf_tensor_name(name), gguf.quants.quantize(data, qt), raw_dtype=qt)
+        tensor_qt = gguf.GGMLQuantizationType[qtypes[name]] if qtypes and name in qtypes else qt
+        if data.ndim == 2 and tensor_qt != gguf.GGMLQuantizationType.F32:
+            w.add_tensor(gguf_tensor_name(name), gguf.quants.quantize(data, tensor_qt), raw_dtype=tensor_qt)
         else:
             w.add_tensor(gguf_tensor_name(name), data)
     w.write_header_to_file()

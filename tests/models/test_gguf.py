@@ -49,8 +49,10 @@ def tiny_gguf(hf_llama, tmp_path_factory):
     return write_llama_gguf(path, hf_llama, "Q8_0")
 
 
-def greedy_with_logprobs(model_path: str, n: int = 8):
-    llm = LLM(model_path, dtype="float32", num_kv_blocks=64)
+def greedy_with_logprobs(model_path: str, n: int = 8, quantization: str = "none"):
+    """Dequantized by default: these tests check the reading of every type against transformers' exactly (the
+    integer kernels' runs are tests/models/test_gguf_quantized.py's)."""
+    llm = LLM(model_path, dtype="float32", num_kv_blocks=64, quantization=quantization)
     out = llm.generate({"prompt_token_ids": PROMPT},
                        SamplingParams(max_tokens=n, temperature=0, logprobs=0, ignore_eos=True), use_tqdm=False)
     return out[0].outputs[0]

