@@ -40,16 +40,21 @@ def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device = "cpu", 
 
 
 def choose_dtype(dtype: str | torch.dtype, device: str | torch.device = "cpu",
-                 checkpoint_dtype=None) -> tuple[torch.dtype, str]:
+                 checkpoint_dtype=None, quantized: bool = False) -> tuple[torch.dtype, str]:
     """The torch dtype for a dtype name, and why (for the start-up log).
 
     "auto", as vLLM picks it but only where it pays: on a CPU, bfloat16 when the CPU multiplies bfloat16 in
     hardware (AVX512_BF16 or AMX-BF16: about 2-5x float32's matmul rate), float32 elsewhere (AVX2-only CPUs emulate
-    bfloat16 at a fraction of float32's speed); on a GPU, the checkpoint's 16-bit dtype when it has one.
+    bfloat16 at a fraction of float32's speed); on a GPU, the checkpoint's 16-bit dtype when it has one. With the
+    weights ``quantized`` (on the CPU's integer kernels), float32: bfloat16 would halve no weight bytes, only round
+    the activations and the KV cache (docs/kernels.md: on SmolLM2's Q4_1 it tips the greedy reply at a near-tie).
     """
     if isinstance(dtype, torch.dtype):
         return dtype, "as given"
     if dtype == "auto":
+        if torch.device(device).type == "cpu" and quantized:
+            return torch.float32, ("auto: float32, the weights run quantized on the integer kernels (bfloat16 would "
+                                   "only round the activations and the KV cache)")
         if torch.device(device).type == "cpu":
             from conveyor.kernels.cpu_features import cpu_features
 

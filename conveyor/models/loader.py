@@ -60,13 +60,13 @@ def load_model(model: str | None, dtype: str | torch.dtype = "float32", device: 
     keep_quantized = kernels if quantization == "auto" else None
     done: list[str] = []
     if source.kind == "embedded":
-        torch_dtype, why = choose_dtype(dtype, device)
+        torch_dtype, why = choose_dtype(dtype, device, quantized=quantization == "int8")
         net, info = load_embedded(torch_dtype, device, seed)
         info.dtype_reason = why
     elif source.kind == "gguf":
         net, info, done = _load_gguf(source.path, source.name, dtype, device, keep_quantized)
     else:
-        net, info = _load_hf_dir(source.path, dtype, device)
+        net, info = _load_hf_dir(source.path, dtype, device, quantized=quantization == "int8")
     if quantization == "int8":
         done = quantize_linears_int8(net, kernels, resolve_dtype(info.dtype))
     if torch.device(device).type == "cpu":
@@ -81,12 +81,12 @@ def _load_gguf(path: str, name: str, dtype: str | torch.dtype, device: str | tor
     (``QuantLinear`` / ``QuantEmbedding``); every other tensor is dequantized into ``dtype`` ("auto": as
     ``choose_dtype`` picks it for the device, since a quantized checkpoint has no dtype of its own to keep).
     Returns the model, its info and the parameters kept quantized."""
-    torch_dtype, why = choose_dtype(dtype, device)
     with GGUFFile(path) as f:
         cfg = gguf_config(f)
         plan: dict[str, list[str]] = {}
         if kernels is not None:
-            plan = plan_gguf(build_model(cfg, torch_dtype, "meta"), f.tensors, hf_name)
+            plan = plan_gguf(build_model(cfg, torch.float32, "meta"), f.tensors, hf_name)
+        torch_dtype, why = choose_dtype(dtype, device, quantized=bool(plan))
         net = build_model(cfg, torch_dtype, device, on_meta=frozenset(plan))
         skip = frozenset(n for names in plan.values() for n in names)
         with torch.no_grad():
@@ -95,7 +95,8 @@ def _load_gguf(path: str, name: str, dtype: str | torch.dtype, device: str | tor
     return net, make_info(name, cfg, net, torch_dtype, why), done
 
 
-def _load_hf_dir(model: str, dtype: str | torch.dtype, device: str | torch.device) -> tuple[torch.nn.Module, ModelInfo]:
+def _load_hf_dir(model: str, dtype: str | torch.dtype, device: str | torch.device,
+                 quantized: bool = False) -> tuple[torch.nn.Module, ModelInfo]:
     config_path = os.path.join(model, "config.json")
     if not os.path.isdir(model):
         raise FileNotFoundError(f"model directory {model!r} does not exist")
@@ -104,7 +105,7 @@ def _load_hf_dir(model: str, dtype: str | torch.dtype, device: str | torch.devic
     with open(config_path) as f:
         raw = json.load(f)
     cfg = parse_config(raw, where=config_path)
-    torch_dtype, why = choose_dtype(dtype, device, raw.get("torch_dtype") or raw.get("dtype"))
+    torch_dtype, why = choose_dtype(dtype, device, raw.get("torch_dtype") or raw.get("dtype"), quantized)
     cfg.eos_token_ids = sorted(set(cfg.eos_token_ids) | set(_generation_eos(model)))
     files = checkpoint_files(model)
     net = build_model(cfg, torch_dtype, device)

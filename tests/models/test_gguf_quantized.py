@@ -206,3 +206,16 @@ def test_bad_quantization_requests_are_clear_errors(untied, tmp_path):
         load_model(str(path), quantization="int8")
     with pytest.raises(ValueError, match="quantization must be one of"):
         load_model(str(path), quantization="int4")
+
+
+def test_auto_dtype_is_float32_when_the_weights_run_quantized(untied, tmp_path):
+    """bfloat16 halves no weight bytes of a quantized model: "auto" keeps its activations and KV in float32."""
+    from conveyor.models.build import choose_dtype
+
+    path = write_llama_gguf(tmp_path / "m.gguf", untied, "Q4_1")
+    _, info = load_model(str(path))
+    assert info.dtype == "float32" and "quantized" in info.dtype_reason
+    _, plain = load_model(str(path), quantization="none")
+    assert plain.dtype == str(choose_dtype("auto", "cpu")[0]).removeprefix("torch.")
+    _, asked = load_model(str(path), dtype="bfloat16")
+    assert asked.dtype == "bfloat16"
