@@ -91,8 +91,9 @@ def _load_gguf(path: str, name: str, dtype: str | torch.dtype, device: str | tor
         skip = frozenset(n for names in plan.values() for n in names)
         with torch.no_grad():
             load_into(net, gguf_weights(f, cfg, torch_dtype, skip), where=path, exclude=frozenset(plan))
+            info = make_info(name, cfg, net, torch_dtype, why)  # before a tied lm_head gets a module of its own
             done = install(net, gguf_quantized(f, cfg, plan), kernels, torch_dtype) if plan else []
-    return net, make_info(name, cfg, net, torch_dtype, why), done
+    return net, info, done
 
 
 def _load_hf_dir(model: str, dtype: str | torch.dtype, device: str | torch.device,

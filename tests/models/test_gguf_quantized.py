@@ -213,9 +213,9 @@ def test_auto_dtype_is_float32_when_the_weights_run_quantized(untied, tmp_path):
     from conveyor.models.build import choose_dtype
 
     path = write_llama_gguf(tmp_path / "m.gguf", untied, "Q4_1")
-    _, info = load_model(str(path))
+    _, info = load_model(str(path), dtype="auto")
     assert info.dtype == "float32" and "quantized" in info.dtype_reason
-    _, plain = load_model(str(path), quantization="none")
+    _, plain = load_model(str(path), dtype="auto", quantization="none")
     assert plain.dtype == str(choose_dtype("auto", "cpu")[0]).removeprefix("torch.")
     _, asked = load_model(str(path), dtype="bfloat16")
     assert asked.dtype == "bfloat16"

