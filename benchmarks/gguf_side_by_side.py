@@ -1,0 +1,357 @@
+#!/usr/bin/env python3
+"""conveyor serve against llama.cpp's llama-server, side by side: the same GGUF files, the same trace, the same
+streaming client (``conveyor bench serve``'s), one server after the other.
+
+    python benchmarks/gguf_side_by_side.py --gguf PATH/model.Q4_1.gguf [--gguf PATH/model.Q8_0.gguf] \
+        [--llama-server PATH/llama-server] [--llama-bench PATH/llama-bench] [--threads 2] \
+        [--num-requests 100] [--rate 4] [--output-tokens 128] [--conveyor-arg=--quantization=none] [--json out.json]
+
+For every (server, GGUF file) the server is started alone on 127.0.0.1 at a free port, waited for (``/health``
+200), warmed up with ``--warmup`` of the trace's requests at once (unmeasured), then measured three ways, and
+stopped (its whole process group) before the next one starts, so the two never share the cores:
+
+- burst: the whole trace sent at t=0; wall time and output tokens per second;
+- online: the trace at ``--rate`` req/s (Poisson arrivals, seed 0); TTFT, TPOT and ITL p50 / p99;
+- batch-1 decode: one streaming request of ``--output-tokens`` tokens with ``ignore_eos``, alone;
+  tok/s = (tokens - 1) / (last token time - first token time), so prefill is left out;
+
+and the peak RSS of the server's process tree (the server and every descendant, summed), sampled with psutil
+every 0.1 s for its whole run. Without ``--llama-server`` only conveyor runs. ``--llama-bench`` adds llama.cpp's
+own decode number per file (``llama-bench -p 0 -n 128``, tg128), which has no HTTP, sampling or scheduler in it.
+
+llama-server runs with ``-t N -tb N --parallel 32 -cb`` and ``-c`` = 32 x the per-slot context the longest
+request needs (llama-server splits ``-c`` evenly over its slots when ``--parallel`` is given), so up to 32
+requests decode together and none is cut short by a full slot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import replace
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+if REPO not in sys.path:  # run as a script from anywhere: import conveyor from this checkout
+    sys.path.insert(0, REPO)
+
+from conveyor.bench.metrics import summarize  # noqa: E402
+from conveyor.bench.serve_client import ServeBenchConfig, run_bench  # noqa: E402
+from conveyor.bench.workload import Workload, WorkloadRequest, load_workload  # noqa: E402
+
+DEFAULT_TRACE = os.path.join(REPO, "conveyor", "bench", "traces", "longtail_v1.json")  # side_by_side.py's
+LLAMA_SLOTS = 32
+CTX_ROUND = 256  # llama-server's per-slot context is rounded up to this (a whole number of KV pages)
+
+
+# ---- a server subprocess -----------------------------------------------------------------------------------
+def free_port() -> int:
+    """A port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RssSampler:
+    """Peak RSS of a process and all its descendants (summed), sampled in a thread every ``interval_s``.
+    The tree is re-read at every sample, because a server starts its children (conveyor's engine core) after
+    it has started itself."""
+
+    def __init__(self, pid: int, interval_s: float = 0.1) -> None:
+        self.pid, self.interval_s, self.peak_bytes = pid, interval_s, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def sample(self) -> int:
+        """The tree's RSS now, bytes (0 once the process is gone)."""
+        import psutil
+
+        try:
+            root = psutil.Process(self.pid)
+            procs = [root, *root.children(recursive=True)]
+        except psutil.Error:
+            return 0
+        total = 0
+        for p in procs:
+            try:
+                total += p.memory_info().rss
+            except psutil.Error:  # a child that exited between the listing and the read
+                pass
+        return total
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak_bytes = max(self.peak_bytes, self.sample())
+            self._stop.wait(self.interval_s)
+
+    def stop(self) -> int:
+        """Stop sampling (after one last sample); the peak, bytes."""
+        self.peak_bytes = max(self.peak_bytes, self.sample())
+        self._stop.set()
+        self._thread.join(5)
+        return self.peak_bytes
+
+
+class Server:
+    """A server command run in a session (process group) of its own, logging to a file; ``wait_ready`` polls
+    ``/health``, ``stop`` ends the whole group (SIGTERM, then SIGKILL)."""
+
+    def __init__(self, name: str, cmd: list[str], port: int, log_dir: str, env: dict | None = None) -> None:
+        self.name, self.cmd, self.url = name, cmd, f"http://127.0.0.1:{port}"
+        self.log_path = os.path.join(log_dir, f"{name}-{port}.log")
+        with open(self.log_path, "w") as log:
+            # a new session: the group can be killed as one, engine core and OpenMP threads' process included
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                         env=env, cwd=REPO)
+        self.rss = RssSampler(self.proc.pid)
+        self.started = time.monotonic()
+
+    def log_tail(self, n: int = 3000) -> str:
+        with open(self.log_path, errors="replace") as f:
+            return f.read()[-n:]
+
+    def wait_ready(self, timeout_s: float) -> float:
+        """Wait until ``/health`` answers 200 (llama-server answers 503 while it loads); seconds waited."""
+        import httpx
+
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode} at start-up:\n{self.log_tail()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return time.monotonic() - self.started
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() - self.started > timeout_s:
+                raise RuntimeError(f"{self.name} not ready after {timeout_s:.0f} s:\n{self.log_tail()}")
+            time.sleep(0.1)
+
+    def stop(self, timeout_s: float = 30.0) -> float:
+        """End the process group; the tree's peak RSS over the whole run, GiB."""
+        peak = self.rss.stop()
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(timeout_s)
+        except ProcessLookupError:
+            pass
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait(10)
+        return peak / 2**30
+
+
+# ---- the two servers' command lines ------------------------------------------------------------------------
+def slot_context(workload: Workload, output_tokens: int, batch1_prompt_len: int) -> int:
+    """The context one llama-server slot needs for the longest request of this run (the trace's and the
+    batch-1 request), rounded up to ``CTX_ROUND``."""
+    need = max([r.prompt_len + r.max_tokens for r in workload.requests] + [batch1_prompt_len + output_tokens])
+    return CTX_ROUND * math.ceil(need / CTX_ROUND)
+
+
+def llama_server_cmd(binary: str, gguf: str, port: int, threads: int, per_slot_ctx: int) -> list[str]:
+    """llama-server with 32 continuously batched slots, each ``per_slot_ctx`` tokens of context."""
+    return [binary, "-m", gguf, "--host", "127.0.0.1", "--port", str(port), "-t", str(threads), "-tb", str(threads),
+            "--parallel", str(LLAMA_SLOTS), "-cb", "-c", str(LLAMA_SLOTS * per_slot_ctx), "--no-webui"]
+
+
+def conveyor_cmd(gguf: str, port: int, threads: int, extra: list[str]) -> list[str]:
+    """``conveyor serve`` on the GGUF file, from this checkout, with ``extra`` (``--conveyor-arg``) last so they
+    override."""
+    return [sys.executable, "-m", "conveyor", "serve", "--model", gguf, "--host", "127.0.0.1", "--port", str(port),
+            "--num-threads", str(threads), "--disable-log-stats", *extra]
+
+
+# ---- the measurements --------------------------------------------------------------------------------------
+def batch1_prompt(workload: Workload) -> WorkloadRequest:
+    """The batch-1 request's prompt: the trace's first request's, so both servers get the same tokens."""
+    return workload.requests[0]
+
+
+async def batch1_decode(url: str, req: WorkloadRequest, output_tokens: int, timeout_s: float = 600.0) -> dict:
+    """One streaming completion of ``output_tokens`` tokens with ``ignore_eos``, alone on the server; decode
+    tok/s = (tokens - 1) / (last token time - first token time).
+
+    A chunk is a token when it carries text or is not the final one: llama-server ends a stream with an extra
+    chunk of empty text that only carries ``finish_reason``, which must not count as the last token's arrival
+    (conveyor puts ``finish_reason`` on the last token's own chunk)."""
+    import httpx
+
+    body = {"max_tokens": output_tokens, "stream": True, "stream_options": {"include_usage": True},
+            "ignore_eos": True, "temperature": 0.0,
+            "prompt": req.prompt_token_ids if req.prompt_token_ids is not None else req.prompt}
+    times, usage_tokens = [], None
+    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(timeout_s)) as client:
+        body["model"] = (await client.get("/v1/models")).json()["data"][0]["id"]
+        t0 = time.perf_counter()
+        async with client.stream("POST", "/v1/completions", json=body) as resp:
+            if resp.status_code != 200:
+                raise RuntimeError(f"batch-1 request: HTTP {resp.status_code}: {(await resp.aread())[:300]!r}")
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                now = time.perf_counter() - t0
+                chunk = json.loads(data)
+                for c in chunk.get("choices") or []:
+                    if c.get("text") or c.get("finish_reason") is None:
+                        times.append(now)
+                if chunk.get("usage"):
+                    usage_tokens = chunk["usage"].get("completion_tokens")
+    tokens = usage_tokens or len(times)
+    span = times[-1] - times[0] if len(times) > 1 else float("nan")
+    return dict(tokens=tokens, chunks=len(times), ttft_s=times[0] if times else float("nan"), decode_s=span,
+                tok_s=(tokens - 1) / span if span > 0 else float("nan"),
+                ignore_eos_honoured=tokens == output_tokens)  # a server that stopped at EOS gave fewer tokens
+
+
+def replay(url: str, workload: Workload, rate: float) -> dict:
+    """The trace against ``url`` at ``rate`` req/s (inf: all at t=0); the serve client's summary, as a dict."""
+    cfg = ServeBenchConfig(url, request_rate=rate, seed=0)
+    timings, duration = asyncio.run(run_bench(workload, cfg))
+    summary = summarize(timings, duration).to_dict()
+    failed = [t.error for t in timings if t.error]
+    if failed:
+        print(f"  {len(failed)} request(s) failed; first: {failed[0]}", file=sys.stderr, flush=True)
+    return summary
+
+
+def measure(server: Server, workload: Workload, ns: argparse.Namespace) -> dict:
+    """Warm-up, burst, online at ``--rate``, batch-1 decode, against a server that is up."""
+    if ns.warmup:
+        warm = Workload(workload.name, workload.requests[: ns.warmup], workload.seed)
+        asyncio.run(run_bench(warm, ServeBenchConfig(server.url, request_rate=math.inf)))
+    out = {}
+    t = time.monotonic()
+    out["burst"] = replay(server.url, workload, math.inf)
+    print(f"  burst: {out['burst']['duration_s']:.2f} s ({time.monotonic() - t:.1f} s)", file=sys.stderr, flush=True)
+    out["online"] = replay(server.url, workload, ns.rate)
+    print(f"  online at {ns.rate:g} req/s: done", file=sys.stderr, flush=True)
+    out["batch1"] = asyncio.run(batch1_decode(server.url, batch1_prompt(workload), ns.output_tokens))
+    print(f"  batch-1: {out['batch1']['tok_s']:.1f} tok/s ({out['batch1']['tokens']} tokens)", file=sys.stderr,
+          flush=True)
+    return out
+
+
+def run_server(name: str, cmd: list[str], gguf: str, workload: Workload, ns, log_dir: str,
+               port: int, env: dict | None = None) -> dict:
+    """Start one server, measure it, always stop it; one result row."""
+    print(f"[gguf side by side] {name} on {os.path.basename(gguf)}: {' '.join(cmd)}", file=sys.stderr, flush=True)
+    server = Server(name, cmd, port, log_dir, env)
+    try:
+        ready_s = server.wait_ready(ns.ready_timeout)
+        print(f"  ready after {ready_s:.1f} s", file=sys.stderr, flush=True)
+        res = measure(server, workload, ns)
+    finally:
+        rss_gib = server.stop()
+    return dict(server=name, gguf=gguf, command=cmd, ready_s=ready_s, rss_gib=rss_gib, log=server.log_path, **res)
+
+
+# ---- llama-bench -------------------------------------------------------------------------------------------
+def parse_llama_bench(text: str) -> dict[str, float]:
+    """``llama-bench -o json`` output -> tok/s by test name: "tg128" for ``n_prompt 0, n_gen 128``, "pp512" for
+    ``n_prompt 512, n_gen 0`` (``avg_ts``, the mean over its repetitions)."""
+    out = {}
+    for entry in json.loads(text):
+        n_prompt, n_gen = entry.get("n_prompt", 0), entry.get("n_gen", 0)
+        name = f"pp{n_prompt}" if n_gen == 0 else f"tg{n_gen}" if n_prompt == 0 else f"pp{n_prompt}+tg{n_gen}"
+        out[name] = float(entry["avg_ts"])
+    return out
+
+
+def run_llama_bench(binary: str, gguf: str, threads: int) -> dict[str, float]:
+    """``llama-bench -m GGUF -p 0 -n 128 -t THREADS -o json``, parsed."""
+    proc = subprocess.run([binary, "-m", gguf, "-p", "0", "-n", "128", "-t", str(threads), "-o", "json"],
+                          capture_output=True, text=True, timeout=1800)
+    if proc.returncode != 0:
+        raise RuntimeError(f"llama-bench failed ({proc.returncode}):\n{proc.stderr[-2000:]}")
+    return parse_llama_bench(proc.stdout)
+
+
+# ---- the table ---------------------------------------------------------------------------------------------
+def format_table(rows: list[dict]) -> str:
+    """One markdown row per (server, GGUF file)."""
+    lines = ["| server | GGUF | burst wall s | burst out tok/s | TTFT p50 / p99 ms | TPOT p50 / p99 ms "
+             "| ITL p50 / p99 ms | batch-1 decode tok/s | peak RSS GiB |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        b, o = r["burst"], r["online"]
+
+        def ms(key: str) -> str:
+            return f"{1e3 * o[key]['p50']:.1f} / {1e3 * o[key]['p99']:.1f}"
+
+        b1 = r["batch1"]
+        b1s = f"{b1['tok_s']:.1f}" + ("" if b1["ignore_eos_honoured"] else f" ({b1['tokens']} tokens!)")
+        lines.append(f"| {r['server']} | {os.path.basename(r['gguf'])} | {b['duration_s']:.2f} "
+                     f"| {b['output_throughput']:.1f} | {ms('ttft')} | {ms('tpot')} | {ms('itl')} | {b1s} "
+                     f"| {r['rss_gib']:.2f} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--gguf", action="append", required=True, help="a GGUF file both servers load (repeatable)")
+    ap.add_argument("--llama-server", default=None, help="llama.cpp's llama-server binary (without: conveyor only)")
+    ap.add_argument("--llama-bench", default=None, help="llama.cpp's llama-bench binary: also print its tg128")
+    ap.add_argument("--threads", type=int, default=os.cpu_count(), help="compute threads of each server")
+    ap.add_argument("--trace", default=DEFAULT_TRACE, help="a trace file or packaged trace name")
+    ap.add_argument("--num-requests", type=int, default=None, help="use only the trace's first N requests")
+    ap.add_argument("--rate", type=float, default=4.0, help="req/s of the online replay (Poisson)")
+    ap.add_argument("--output-tokens", type=int, default=128, help="tokens of the batch-1 decode request")
+    ap.add_argument("--warmup", type=int, default=4, help="trace requests sent at once, unmeasured, first")
+    ap.add_argument("--conveyor-arg", action="append", default=[], metavar="ARG",
+                    help="passed to conveyor serve (repeatable; write --conveyor-arg=--flag=value)")
+    ap.add_argument("--ready-timeout", type=float, default=300.0, help="seconds a server may take to start")
+    ap.add_argument("--log-dir", default=None, help="where the servers' logs go (default: a temporary folder)")
+    ap.add_argument("--json", default=None, help="write the raw numbers here too")
+    ns = ap.parse_args(argv)
+
+    workload = load_workload(ns.trace)
+    if ns.num_requests is not None:
+        workload = replace(workload, requests=workload.requests[: ns.num_requests])
+    log_dir = ns.log_dir or tempfile.mkdtemp(prefix="gguf-side-by-side-")
+    per_slot = slot_context(workload, ns.output_tokens, batch1_prompt(workload).prompt_len)
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), PYTHONUNBUFFERED="1")
+    rows, bench = [], {}
+    for gguf in ns.gguf:
+        gguf = os.path.abspath(gguf)
+        port = free_port()
+        rows.append(run_server("conveyor", conveyor_cmd(gguf, port, ns.threads, ns.conveyor_arg), gguf, workload,
+                               ns, log_dir, port, env))
+        if ns.llama_server:
+            port = free_port()
+            rows.append(run_server("llama.cpp", llama_server_cmd(ns.llama_server, gguf, port, ns.threads, per_slot),
+                                   gguf, workload, ns, log_dir, port))
+        if ns.llama_bench:  # after the servers have stopped: never two on the cores at once
+            bench[gguf] = run_llama_bench(ns.llama_bench, gguf, ns.threads)
+
+    print(f"\n{len(workload.requests)} requests of {workload.name}; burst: all at t=0; online: {ns.rate:g} req/s; "
+          f"batch-1: {ns.output_tokens} tokens; {ns.threads} threads\n")
+    print(format_table(rows))
+    for gguf, tests in bench.items():
+        print(f"\nllama-bench {os.path.basename(gguf)}: tg128 {tests.get('tg128', float('nan')):.1f} tok/s")
+    if ns.json:
+        with open(ns.json, "w") as f:
+            json.dump(dict(trace=workload.name, num_requests=len(workload.requests), rate=ns.rate,
+                           output_tokens=ns.output_tokens, threads=ns.threads, llama_slot_ctx=per_slot, rows=rows,
+                           llama_bench=bench), f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
