@@ -185,9 +185,11 @@ async def batch1_decode(url: str, req: WorkloadRequest, output_tokens: int, time
     """One streaming completion of ``output_tokens`` tokens with ``ignore_eos``, alone on the server; decode
     tok/s = (tokens - 1) / (last token time - first token time).
 
-    A chunk is a token when it carries text or is not the final one: llama-server ends a stream with an extra
-    chunk of empty text that only carries ``finish_reason``, which must not count as the last token's arrival
-    (conveyor puts ``finish_reason`` on the last token's own chunk)."""
+    Every chunk with choices is a token arrival (the serve client's rule, vLLM's). llama-server ends a stream
+    with an extra chunk of empty text that only carries ``finish_reason``; it is sent in the same server step as
+    the last token's chunk, so taking it as the last arrival moves the end by microseconds (``tail_gap_s``
+    records that gap), while dropping empty chunks could drop a real last token whose text conveyor holds back
+    or that decodes to nothing."""
     import httpx
 
     body = {"max_tokens": output_tokens, "stream": True, "stream_options": {"include_usage": True},
@@ -208,14 +210,14 @@ async def batch1_decode(url: str, req: WorkloadRequest, output_tokens: int, time
                     break
                 now = time.perf_counter() - t0
                 chunk = json.loads(data)
-                for c in chunk.get("choices") or []:
-                    if c.get("text") or c.get("finish_reason") is None:
-                        times.append(now)
+                if chunk.get("choices"):
+                    times.append(now)
                 if chunk.get("usage"):
                     usage_tokens = chunk["usage"].get("completion_tokens")
     tokens = usage_tokens or len(times)
     span = times[-1] - times[0] if len(times) > 1 else float("nan")
     return dict(tokens=tokens, chunks=len(times), ttft_s=times[0] if times else float("nan"), decode_s=span,
+                tail_gap_s=times[-1] - times[-2] if len(times) > 1 else float("nan"),
                 tok_s=(tokens - 1) / span if span > 0 else float("nan"),
                 ignore_eos_honoured=tokens == output_tokens)  # a server that stopped at EOS gave fewer tokens
 
