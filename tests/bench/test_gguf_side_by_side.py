@@ -1,0 +1,48 @@
+"""benchmarks/gguf_side_by_side.py: llama-bench's JSON read as llama-bench writes it, llama-server's command line,
+and the conveyor-only path end to end on the wheel's GGUF (a few requests)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).parents[2] / "benchmarks" / "gguf_side_by_side.py"
+spec = importlib.util.spec_from_file_location("gguf_side_by_side", SCRIPT)
+sbs = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(sbs)
+
+# the fields that matter of `llama-bench -m SmolLM2-135M-Instruct.Q4_1.gguf -p 0 -n 16 -r 1 -t 2 -o json` (Zen 5)
+LLAMA_BENCH_JSON = json.dumps([{"build_commit": "0c1e570", "model_type": "llama 256M Q4_1", "n_threads": 2,
+                                "n_prompt": 0, "n_gen": 16, "avg_ts": 179.223801, "stddev_ts": 0.0},
+                               {"build_commit": "0c1e570", "model_type": "llama 256M Q4_1", "n_threads": 2,
+                                "n_prompt": 512, "n_gen": 0, "avg_ts": 1500.5, "stddev_ts": 3.0}])
+
+
+def test_parse_llama_bench():
+    assert sbs.parse_llama_bench(LLAMA_BENCH_JSON) == {"tg16": 179.223801, "pp512": 1500.5}
+
+
+def test_llama_server_gets_32_slots_of_the_longest_requests_context():
+    cmd = sbs.llama_server_cmd("llama-server", "m.gguf", 8080, 2, 768)
+    assert cmd[cmd.index("-c") + 1] == str(32 * 768) and cmd[cmd.index("--parallel") + 1] == "32"
+    assert cmd[cmd.index("-t") + 1] == cmd[cmd.index("-tb") + 1] == "2" and "-cb" in cmd
+
+
+@pytest.mark.slow  # a real server on the real default model
+def test_conveyor_only_run_prints_its_row():
+    from conveyor.models.sources import DEFAULT_MODEL, packaged_model_path
+
+    gguf = packaged_model_path(DEFAULT_MODEL)
+    done = subprocess.run([sys.executable, str(SCRIPT), "--gguf", gguf, "--num-requests", "4", "--output-tokens",
+                           "8", "--warmup", "1", "--threads", "2"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [line for line in done.stdout.splitlines() if line.startswith("| conveyor |")]
+    assert len(rows) == 1
+    cells = [c.strip() for c in rows[0].strip("|").split("|")]
+    assert cells[1] == Path(gguf).name
+    assert float(cells[2]) > 0 and float(cells[3]) > 0 and float(cells[-2]) > 0 and float(cells[-1]) > 0
