@@ -4,7 +4,8 @@ streaming client (``conveyor bench serve``'s), one server after the other.
 
     python benchmarks/gguf_side_by_side.py --gguf PATH/model.Q4_1.gguf [--gguf PATH/model.Q8_0.gguf] \
         [--llama-server PATH/llama-server] [--llama-bench PATH/llama-bench] [--threads 2] \
-        [--num-requests 100] [--rate 4] [--output-tokens 128] [--conveyor-arg=--quantization=none] [--json out.json]
+        [--num-requests 100] [--rate 4] [--output-tokens 128] [--conveyor-arg=--quantization=none] \
+        [--llama-server-arg=--cache-prompt] [--json out.json]
 
 For every (server, GGUF file) the server is started alone on 127.0.0.1 at a free port, waited for (``/health``
 200), warmed up with ``--warmup`` of the trace's requests at once (unmeasured), then measured three ways, and
@@ -22,6 +23,14 @@ own decode number per file (``llama-bench -p 0 -n 128``, tg128), which has no HT
 llama-server runs with ``-t N -tb N --parallel 32 -cb`` and ``-c`` = 32 x the per-slot context the longest
 request needs (llama-server splits ``-c`` evenly over its slots when ``--parallel`` is given), so up to 32
 requests decode together and none is cut short by a full slot.
+
+Prompt caches are off in both servers (conveyor ``--no-enable-prefix-caching``; llama-server ``--no-cache-prompt
+--cache-ram 0``): the warm-up, the burst, the online replay and the batch-1 request send the same prompts again,
+and with a cache on the later phases would measure prefill of cached prompts, by each server's own reuse rules
+(llama-server's 32 slots keep their last prompt and a host-memory prompt cache of up to 8 GiB by default, which
+also counts in its RSS). ``--conveyor-arg=--enable-prefix-caching`` and ``--llama-server-arg=--cache-prompt
+--llama-server-arg=--cache-ram --llama-server-arg=8192`` turn them back on. Every phase checks that each request
+completed with exactly its ``max_tokens`` (``ignore_eos``); a cell whose phase did not is marked ``!``.
 """
 
 from __future__ import annotations
@@ -162,17 +171,20 @@ def slot_context(workload: Workload, output_tokens: int, batch1_prompt_len: int)
     return CTX_ROUND * math.ceil(need / CTX_ROUND)
 
 
-def llama_server_cmd(binary: str, gguf: str, port: int, threads: int, per_slot_ctx: int) -> list[str]:
-    """llama-server with 32 continuously batched slots, each ``per_slot_ctx`` tokens of context."""
+def llama_server_cmd(binary: str, gguf: str, port: int, threads: int, per_slot_ctx: int,
+                     extra: list[str] | tuple[str, ...] = ()) -> list[str]:
+    """llama-server with 32 continuously batched slots, each ``per_slot_ctx`` tokens of context, no prompt cache,
+    and ``extra`` (``--llama-server-arg``) last so they override."""
     return [binary, "-m", gguf, "--host", "127.0.0.1", "--port", str(port), "-t", str(threads), "-tb", str(threads),
-            "--parallel", str(LLAMA_SLOTS), "-cb", "-c", str(LLAMA_SLOTS * per_slot_ctx), "--no-webui"]
+            "--parallel", str(LLAMA_SLOTS), "-cb", "-c", str(LLAMA_SLOTS * per_slot_ctx), "--no-webui",
+            "--no-cache-prompt", "--cache-ram", "0", *extra]
 
 
 def conveyor_cmd(gguf: str, port: int, threads: int, extra: list[str]) -> list[str]:
-    """``conveyor serve`` on the GGUF file, from this checkout, with ``extra`` (``--conveyor-arg``) last so they
-    override."""
+    """``conveyor serve`` on the GGUF file, from this checkout, prefix caching off, with ``extra``
+    (``--conveyor-arg``) last so they override."""
     return [sys.executable, "-m", "conveyor", "serve", "--model", gguf, "--host", "127.0.0.1", "--port", str(port),
-            "--num-threads", str(threads), "--disable-log-stats", *extra]
+            "--num-threads", str(threads), "--disable-log-stats", "--no-enable-prefix-caching", *extra]
 
 
 # ---- the measurements --------------------------------------------------------------------------------------
@@ -227,10 +239,20 @@ def replay(url: str, workload: Workload, rate: float) -> dict:
     cfg = ServeBenchConfig(url, request_rate=rate, seed=0)
     timings, duration = asyncio.run(run_bench(workload, cfg))
     summary = summarize(timings, duration).to_dict()
-    failed = [t.error for t in timings if t.error]
-    if failed:
-        print(f"  {len(failed)} request(s) failed; first: {failed[0]}", file=sys.stderr, flush=True)
+    summary["short"] = short_requests(workload, timings)
+    if summary["short"]:
+        first = next(t for t in timings if t.request_id == summary["short"][0])
+        print(f"  {len(summary['short'])} request(s) failed or gave fewer / more tokens than max_tokens; first: "
+              f"{first.request_id}: {first.error or f'{first.output_tokens} tokens'}", file=sys.stderr, flush=True)
     return summary
+
+
+def short_requests(workload: Workload, timings: list) -> list[str]:
+    """Ids of the requests that failed or did not give exactly their ``max_tokens`` (the trace asks for
+    ``ignore_eos``, so a server that stops at EOS, or cuts a request at a full slot, does less work than the
+    other and its throughput would not compare)."""
+    want = {str(r.id): r.max_tokens for r in workload.requests}
+    return [t.request_id for t in timings if not t.completed or t.output_tokens != want[t.request_id]]
 
 
 def measure(server: Server, workload: Workload, ns: argparse.Namespace) -> dict:
@@ -297,11 +319,14 @@ def format_table(rows: list[dict]) -> str:
         def ms(key: str) -> str:
             return f"{1e3 * o[key]['p50']:.1f} / {1e3 * o[key]['p99']:.1f}"
 
+        def bad(phase: dict) -> str:  # some request of this phase failed or stopped early: numbers don't compare
+            return " !" if phase.get("short") else ""
+
         b1 = r["batch1"]
         b1s = f"{b1['tok_s']:.1f}" + ("" if b1["ignore_eos_honoured"] else f" ({b1['tokens']} tokens!)")
-        lines.append(f"| {r['server']} | {os.path.basename(r['gguf'])} | {b['duration_s']:.2f} "
-                     f"| {b['output_throughput']:.1f} | {ms('ttft')} | {ms('tpot')} | {ms('itl')} | {b1s} "
-                     f"| {r['rss_gib']:.2f} |")
+        lines.append(f"| {r['server']} | {os.path.basename(r['gguf'])} | {b['duration_s']:.2f}{bad(b)} "
+                     f"| {b['output_throughput']:.1f}{bad(b)} | {ms('ttft')}{bad(o)} | {ms('tpot')}{bad(o)} "
+                     f"| {ms('itl')}{bad(o)} | {b1s} | {r['rss_gib']:.2f} |")
     return "\n".join(lines)
 
 
@@ -318,6 +343,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=4, help="trace requests sent at once, unmeasured, first")
     ap.add_argument("--conveyor-arg", action="append", default=[], metavar="ARG",
                     help="passed to conveyor serve (repeatable; write --conveyor-arg=--flag=value)")
+    ap.add_argument("--llama-server-arg", action="append", default=[], metavar="ARG",
+                    help="passed to llama-server (repeatable; write --llama-server-arg=--flag=value)")
     ap.add_argument("--ready-timeout", type=float, default=300.0, help="seconds a server may take to start")
     ap.add_argument("--log-dir", default=None, help="where the servers' logs go (default: a temporary folder)")
     ap.add_argument("--json", default=None, help="write the raw numbers here too")
@@ -337,8 +364,8 @@ def main(argv: list[str] | None = None) -> int:
                                ns, log_dir, port, env))
         if ns.llama_server:
             port = free_port()
-            rows.append(run_server("llama.cpp", llama_server_cmd(ns.llama_server, gguf, port, ns.threads, per_slot),
-                                   gguf, workload, ns, log_dir, port))
+            cmd = llama_server_cmd(ns.llama_server, gguf, port, ns.threads, per_slot, ns.llama_server_arg)
+            rows.append(run_server("llama.cpp", cmd, gguf, workload, ns, log_dir, port))
         if ns.llama_bench:  # after the servers have stopped: never two on the cores at once
             bench[gguf] = run_llama_bench(ns.llama_bench, gguf, ns.threads)
 

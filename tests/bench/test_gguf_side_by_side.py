@@ -28,6 +28,25 @@ def test_llama_server_gets_32_slots_of_the_longest_requests_context():
     cmd = sbs.llama_server_cmd("llama-server", "m.gguf", 8080, 2, 768)
     assert cmd[cmd.index("-c") + 1] == str(32 * 768) and cmd[cmd.index("--parallel") + 1] == "32"
     assert cmd[cmd.index("-t") + 1] == cmd[cmd.index("-tb") + 1] == "2" and "-cb" in cmd
+    # no prompt cache (the phases resend the same prompts), and pass-through arguments last, so they override
+    assert "--no-cache-prompt" in cmd and cmd[cmd.index("--cache-ram") + 1] == "0"
+    assert sbs.llama_server_cmd("llama-server", "m.gguf", 8080, 2, 768, ["--cache-prompt"])[-1] == "--cache-prompt"
+
+
+def test_conveyor_runs_without_prefix_caching_unless_told():
+    cmd = sbs.conveyor_cmd("m.gguf", 8080, 2, ["--enable-prefix-caching"])
+    assert cmd.index("--no-enable-prefix-caching") < cmd.index("--enable-prefix-caching")
+
+
+def test_short_requests_are_the_failed_and_the_stopped_early():
+    from conveyor.bench.metrics import RequestTiming
+    from conveyor.bench.workload import Workload, WorkloadRequest
+
+    workload = Workload("w", [WorkloadRequest(i, max_tokens=4) for i in range(3)])
+    timings = [RequestTiming("0", 3, 4, 0.0, 0.1, [0.1] * 4, 0.5),
+               RequestTiming("1", 3, 2, 0.0, 0.1, [0.1] * 2, 0.5),  # stopped at EOS: less work
+               RequestTiming("2", 3, 0, 0.0, None, [], None, error="HTTP 500")]
+    assert sbs.short_requests(workload, timings) == ["1", "2"]
 
 
 @pytest.mark.slow  # a real server on the real default model
