@@ -76,12 +76,22 @@ def add_serve_parser(sub) -> None:
     p.set_defaults(func=run_serve)
 
 
-# OpenMP workers that spin between parallel regions (libgomp's default) stall every step when anything else needs
-# the cores: a batch-1 decode step of the bench model took 1,064 ms with spinning workers and 17 ms with passive
-# ones, alternated in one run at a load average of 10-12 on 2 cores (docs/serving-latency.md). A server always
-# shares its cores with its event loop and its clients, so it waits passively unless the user chose otherwise.
-# libgomp reads this when torch loads it, so it is set before anything imports torch.
-OMP_DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE"}
+# How long torch's OpenMP workers (libgomp) spin at the end of a parallel region before they sleep. A server shares
+# its cores with its event loop and its clients, so workers that spin for long (libgomp's default, 300,000 spins)
+# take the CPU the thread they wait for needs: at a load of 8-12 on 2 cores a step took a second. Workers that never
+# spin (OMP_WAIT_POLICY=PASSIVE) pay a futex sleep and wake-up at every region, hundreds per decode step, which cut
+# batch-1 decode over HTTP to a quarter. A short spin keeps consecutive regions of a step on awake workers and lets
+# them sleep between steps. The numbers are in docs/serving-latency.md. libgomp reads these when torch loads it, so
+# they are set before anything imports torch, and only when the user chose no wait policy of their own.
+OMP_WAIT_ENV = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+OMP_DEFAULTS = {"GOMP_SPINCOUNT": "10000"}
+
+
+def set_omp_defaults(environ=os.environ) -> None:
+    """Bound OpenMP's spin-wait for this process and the engine process it starts, unless ``environ`` already
+    names a wait policy or spin count."""
+    if not any(name in environ for name in OMP_WAIT_ENV):
+        environ.update(OMP_DEFAULTS)
 
 
 def _add_scale_out_args(p) -> None:
@@ -117,8 +127,7 @@ def split_cpus(ns: argparse.Namespace, args) -> tuple[list[int], str]:
 
 
 def run_serve(ns: argparse.Namespace) -> int:
-    for name, value in OMP_DEFAULTS.items():
-        os.environ.setdefault(name, value)  # the engine process inherits it
+    set_omp_defaults()  # the engine process inherits it
     from conveyor.engine.args import EngineArgs
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")

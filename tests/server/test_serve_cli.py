@@ -14,10 +14,12 @@ import sys
 import time
 
 import httpx
+import psutil
 import pytest
 
 from conveyor.kernels import load_cpu_kernels
 from conveyor.models.build import choose_dtype
+from conveyor.serve import OMP_DEFAULTS, OMP_WAIT_ENV, set_omp_defaults
 
 pytestmark = pytest.mark.slow  # a real model, engine or server: run by CI, skipped by -m "not slow"
 
@@ -28,13 +30,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(cmd: list[str], log, log_path) -> tuple[subprocess.Popen, str]:
-    """Start ``cmd`` (a server on 127.0.0.1 that takes ``--port``); wait until /health answers 200.
-    Returns (process, base URL)."""
+def start_server(cmd: list[str], log, log_path, env: dict | None = None) -> tuple[subprocess.Popen, str]:
+    """Start ``cmd`` (a server on 127.0.0.1 that takes ``--port``) with ``env`` (default: this process's); wait
+    until /health answers 200. Returns (process, base URL)."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     proc = subprocess.Popen([*cmd, "--port", str(port)], stdout=log, stderr=subprocess.STDOUT,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                            env={**(os.environ if env is None else env), "PYTHONUNBUFFERED": "1"})
     deadline = time.monotonic() + 300  # a bound, not a speed: at a load average of 25 a start took over 90 s
     try:
         while True:
@@ -51,12 +53,26 @@ def start_server(cmd: list[str], log, log_path) -> tuple[subprocess.Popen, str]:
         raise
 
 
+def test_omp_defaults_bound_the_spin_unless_the_user_chose_a_wait_policy():
+    env = {"PATH": "/bin"}
+    set_omp_defaults(env)
+    assert env == {"PATH": "/bin", **OMP_DEFAULTS} and 0 < int(env["GOMP_SPINCOUNT"]) < 300_000  # libgomp's default
+    for name in OMP_WAIT_ENV:
+        chosen = {name: "ACTIVE" if name == "OMP_WAIT_POLICY" else "5"}
+        set_omp_defaults(chosen)
+        assert chosen == {name: chosen[name]}, "a wait policy the user set is theirs"
+
+
 def test_default_model_answers_then_sigterm_ends_in_flight_stream_with_abort(tmp_path):
     log = open(tmp_path / "serve.log", "w")
     cmd = [sys.executable, "-m", "conveyor", "serve", "--shutdown-timeout", "1",
            "--max-model-len", "4096", "--num-kv-blocks", "300", "--log-stats-interval", "0.5"]
-    proc, url = start_server(cmd, log, tmp_path / "serve.log")
+    env = {k: v for k, v in os.environ.items() if k not in OMP_WAIT_ENV}
+    proc, url = start_server(cmd, log, tmp_path / "serve.log", env)
     try:
+        # the engine process (where torch's OpenMP workers run) started with the bounded spin
+        engines = psutil.Process(proc.pid).children()
+        assert engines and all(p.environ().get("GOMP_SPINCOUNT") == OMP_DEFAULTS["GOMP_SPINCOUNT"] for p in engines)
         assert httpx.get(url + "/v1/models").json()["data"][0]["id"] == "SmolLM2-135M-Instruct"
         chat = {"messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 32,
                 "temperature": 0}
