@@ -4,12 +4,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from conveyor.core.speculative import SpeculativeConfig
+
 KV_LAYOUTS = ("paged", "slab")
 # --attention-backend: "auto" and "cpu" choose for the machine (layers.attention.resolve_backend); the rest name
 # one backend each. Here, not in the torch package, so the flag's choices are known without importing torch.
 ATTENTION_BACKENDS = ("auto", "cpu", "cpu-native", "cpu-torch", "reference", "cuda")
 # --quantization: what becomes of a GGUF file's blocks or a float checkpoint's weights at load (models.quantize)
 QUANTIZATION_CHOICES = ("auto", "none", "int8")
+# Policies a request may speculate under: the baselines park finished requests in fixed slots and pad batches.
+SPECULATING_POLICIES = ("continuous", "chunked")
 
 
 @dataclass
@@ -24,6 +28,8 @@ class SchedulerConfig:
     max_model_len: int | None = None
     long_prefill_token_threshold: int = 0  # 0: a single prompt chunk may take the whole budget
     max_wait_ms: float = 0.0  # dynamic batching: how long the oldest waiting request may wait for a full batch
+    # speculative decoding (None: off); a dict or JSON string is parsed (vLLM's --speculative-config)
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens"):
@@ -35,6 +41,10 @@ class SchedulerConfig:
             raise ValueError(f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}")
         if self.max_wait_ms < 0:
             raise ValueError(f"max_wait_ms must be >= 0, got {self.max_wait_ms}")
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        if self.speculative_config is not None and self.policy not in SPECULATING_POLICIES:
+            raise ValueError(f"speculative decoding runs with the {' or '.join(SPECULATING_POLICIES)} policy, "
+                             f"not {self.policy!r}")
 
 
 @dataclass

@@ -86,19 +86,23 @@ class KVCacheManager:
         return hits, len(hits) * self.block_size
 
     def allocate_slots(
-        self, request: Request, num_new_tokens: int, computed_blocks: list[KVBlock] | None = None
+        self, request: Request, num_new_tokens: int, computed_blocks: list[KVBlock] | None = None,
+        num_lookahead_tokens: int = 0,
     ) -> list[int] | None:
         """Reserve slots for ``num_new_tokens`` more tokens; return the new block ids, or None if they don't fit.
 
         Checks and commits in one call: on None nothing changed. ``computed_blocks`` (a prefix hit from
         ``get_computed_blocks``, only for a request that holds no blocks yet) are referenced in the same commit.
+        ``num_lookahead_tokens`` more slots are reserved after them for proposed tokens (speculative decoding):
+        their tokens are not the request's yet, so no block they fill is offered to the prefix cache, and
+        ``trim`` gives back what verification rejects.
         """
         computed_blocks = computed_blocks or []
         held = self.req_blocks.get(request.request_id, [])
         assert not (held and computed_blocks), "a prefix hit is only taken at admission"
         num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
         total_tokens = num_computed + num_new_tokens
-        num_needed = cdiv(total_tokens, self.block_size) - len(held) - len(computed_blocks)
+        num_needed = cdiv(total_tokens + num_lookahead_tokens, self.block_size) - len(held) - len(computed_blocks)
         # Hit blocks that sit in the free list stop being free when touched: they count against the room.
         num_hits_free = sum(1 for b in computed_blocks if b.ref_cnt == 0)
         if num_needed + num_hits_free > self.pool.num_free_blocks:
@@ -123,6 +127,18 @@ class KVCacheManager:
             if blocks[i].block_hash is None:
                 self.pool.cache_full_block(blocks[i], hashes[i])
         self.num_cached_blocks[request.request_id] = n_full
+
+    def trim(self, request: Request, num_tokens: int) -> None:
+        """Give back the blocks past the first ``num_tokens`` tokens' (rejected proposals' slots), tail first.
+        Those blocks were never offered to the prefix cache: nothing findable is lost."""
+        blocks = self.req_blocks.get(request.request_id)
+        keep = cdiv(num_tokens, self.block_size)
+        if blocks is None or len(blocks) <= keep:
+            return
+        extra = blocks[keep:]
+        del blocks[keep:]
+        assert all(b.block_hash is None for b in extra), "a trimmed block was in the prefix cache"
+        self.pool.free(reversed(extra))
 
     def free(self, request: Request) -> None:
         """Release a request's blocks, tail first (see the ordering rule in block_pool)."""

@@ -60,6 +60,10 @@ class SchedulerOutput:
     # parked request kept decoding: computed for real, output discarded). The benchmark counts both as waste.
     num_padding_tokens: int = 0
     num_idle_slot_tokens: int = 0
+    # Speculative decoding: a request listed here computes its last token and then these proposed tokens
+    # (``num_scheduled_tokens`` counts them all) and returns the run of them the model agrees with
+    # (``ModelOutput.extra_token_ids``). The executor never keeps the proposals in its token list.
+    scheduled_spec_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -101,9 +105,12 @@ class PromptLogprobs:
 
 @dataclass
 class ModelOutput:
-    """What the executor returns for one ``SchedulerOutput``: one sampled token per request that sampled."""
+    """What the executor returns for one ``SchedulerOutput``: one sampled token per request that sampled, and,
+    for a request that verified proposed tokens, the tokens after it (``extra_token_ids``: the accepted
+    proposals but the first, then the token sampled after the last accepted one), in order."""
 
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
+    extra_token_ids: dict[str, list[int]] = field(default_factory=dict)
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)  # only for requests that asked
     prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)  # only for requests that asked
     # Requests whose per-request setup failed in the executor (id -> why). Their tokens were still computed
@@ -141,3 +148,9 @@ class SchedulerStats:
     num_preemptions: int = 0  # cumulative
     prefix_cache_queries: int = 0  # cumulative, in tokens
     prefix_cache_hits: int = 0  # cumulative, in tokens
+    # speculative decoding, cumulative (vLLM's spec_decode counters): proposals verified, tokens proposed,
+    # tokens accepted, and accepted tokens by their position in the proposal
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: tuple[int, ...] = ()

@@ -24,6 +24,14 @@ from conveyor.core.outputs import (
 )
 from conveyor.core.policies import OnFinish, SchedulingPolicy, make_policy
 from conveyor.core.request import Request, RequestStatus
+from conveyor.core.speculative import (
+    AcceptanceRate,
+    NgramIndex,
+    SpecDecodeCounters,
+    StepCostModel,
+    choose_lengths,
+    speculates,
+)
 
 # When a step schedules nothing while requests wait and none runs, only time or a new request can change that
 # (a dynamic batch forming until max_wait_ms; the engine's requests waiting for a grammar): a driver asks again
@@ -46,6 +54,14 @@ class Scheduler:
         self._seen_by_executor: set[str] = set()
         self.num_preemptions = 0
         self.num_steps = 0
+        self.spec = config.speculative_config  # None: no speculative decoding
+        if self.spec is not None and getattr(kv_manager, "layout", None) != "paged":
+            raise ValueError("speculative decoding needs the paged KV layout (its rejected slots are given back)")
+        self._ngrams: dict[str, NgramIndex] = {}
+        self._acceptance: dict[str, AcceptanceRate] = {}
+        self.spec_cost = StepCostModel()
+        self.spec_counters = SpecDecodeCounters()
+        self._step_start = 0.0
 
     # ---- queue ------------------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -82,6 +98,8 @@ class Scheduler:
         """Forget a request that is finished and out of the queues: free its blocks, tell the executor."""
         request.status = RequestStatus(request.finish_reason)  # FINISHED_*: the values are the finish reasons
         self.kv.free(request)
+        self._ngrams.pop(request.request_id, None)
+        self._acceptance.pop(request.request_id, None)
         del self.requests[request.request_id]
         if request.request_id in self._seen_by_executor:
             self._seen_by_executor.discard(request.request_id)
@@ -89,9 +107,10 @@ class Scheduler:
 
     def make_stats(self) -> SchedulerStats:
         """An immutable snapshot for readers on other threads."""
-        kv = self.kv
+        kv, spec = self.kv, self.spec_counters
         return SchedulerStats(self.num_running, self.num_waiting, kv.usage(), self.num_preemptions,
-                              kv.prefix_queries, kv.prefix_hits)
+                              kv.prefix_queries, kv.prefix_hits, spec.num_drafts, spec.num_draft_tokens,
+                              spec.num_accepted_tokens, tuple(spec.accepted_per_pos or ()))
 
     # ---- one step ---------------------------------------------------------------------------------------
     def schedule(self, now: float) -> SchedulerOutput:
@@ -104,6 +123,9 @@ class Scheduler:
         preempted_any = self._schedule_running(budget, out)
         if not preempted_any:  # admitting in a step that preempted would only thrash
             self._admit(budget, now, out)
+        if self.spec is not None:
+            self._speculate(budget, out)
+            self._step_start = now
         out.num_padding_tokens, out.num_idle_slot_tokens = self.policy.end_step(out, self.running)
         self.num_steps += 1
         return out
@@ -162,6 +184,59 @@ class Scheduler:
             self._emit(request, num_new, new_blocks, out)
             budget.spend(num_new)
 
+    def _speculate(self, budget: TokenBudget, out: SchedulerOutput) -> None:
+        """Give this step's decodes that may speculate their proposed tokens, as many as the rule in
+        ``core.speculative`` chooses, from the budget and the free blocks that the step left (speculation never
+        preempts or delays anyone's prompt)."""
+        proposals: dict[str, list[int]] = {}
+        for data in out.scheduled_cached_reqs:
+            rid = data.request_id
+            request = self.requests[rid]
+            if out.num_scheduled_tokens[rid] != 1 or request.num_computed_tokens + 1 != request.num_tokens or \
+                    not speculates(request.sampling_params, request.num_output_tokens):
+                continue
+            # beyond the token it always samples: what max_tokens and the context leave
+            room = request.max_output_tokens() - request.num_output_tokens - 1
+            if self.config.max_model_len is not None:
+                room = min(room, self.config.max_model_len - request.num_tokens - 1)
+            if room > 0 and (drafts := self._ngram_index(request).propose(min(self.spec.num_speculative_tokens,
+                                                                              room))):
+                proposals[rid] = drafts
+        if not proposals or budget.exhausted:
+            return
+        if self.spec.adaptive:
+            useful = sum(1 for rid, n in out.num_scheduled_tokens.items()
+                         if self.requests[rid].num_computed_tokens + n >= self.requests[rid].num_tokens)
+            alphas = {rid: self._acceptance.setdefault(rid, AcceptanceRate()).alpha for rid in proposals}
+            lengths = choose_lengths({rid: len(d) for rid, d in proposals.items()}, alphas,
+                                     out.total_num_scheduled_tokens, useful, self.spec_cost.fit(), budget.left)
+        else:
+            lengths = {rid: len(d) for rid, d in proposals.items()}
+        cached = {data.request_id: data for data in out.scheduled_cached_reqs}
+        for rid, k in lengths.items():
+            k = min(k, budget.left)
+            if k <= 0:
+                break
+            request = self.requests[rid]
+            new_blocks = self.kv.allocate_slots(request, 1, num_lookahead_tokens=k)
+            if new_blocks is None:
+                continue  # no free block for the proposals: it decodes one token, as without speculation
+            cached[rid].new_block_ids.extend(new_blocks)
+            out.scheduled_spec_tokens[rid] = proposals[rid][:k]
+            out.num_scheduled_tokens[rid] += k
+            out.total_num_scheduled_tokens += k
+            budget.spend(k)
+
+    def _ngram_index(self, request: Request) -> NgramIndex:
+        """The request's prompt-lookup index, brought up to its tokens so far."""
+        index = self._ngrams.get(request.request_id)
+        if index is None:
+            index = self._ngrams[request.request_id] = NgramIndex(self.spec.prompt_lookup_min,
+                                                                 self.spec.prompt_lookup_max)
+            index.extend(request.prompt_token_ids)
+        index.extend(request.output_token_ids[len(index.tokens) - request.num_prompt_tokens:])
+        return index
+
     def _emit(self, request: Request, num_new: int, new_blocks: list[int], out: SchedulerOutput) -> None:
         rid = request.request_id
         if rid in self._seen_by_executor:
@@ -195,30 +270,48 @@ class Scheduler:
     def update(self, sched_out: SchedulerOutput, model_out: ModelOutput, now: float) -> list[RequestUpdate]:
         """Advance computed counts, append sampled tokens, apply the policy's decision on finished requests."""
         updates: list[RequestUpdate] = []
+        if self.spec is not None:
+            self.spec_cost.observe(sched_out.total_num_scheduled_tokens, now - self._step_start)
         for rid, num_new in sched_out.num_scheduled_tokens.items():
             request = self.requests.get(rid)
             if request is None or not request.status.holds_slot:
                 continue  # aborted while the step ran
             request.num_computed_tokens += num_new
             token = model_out.sampled_token_ids.get(rid)
-            if token is None or not request.append_token(token):
-                continue  # mid-prefill, or a parked slot's token (computed for real, nobody's output)
-            if request.times.first_token is None:
-                request.times.first_token = now
-            request.times.last_token = now
-            stop = request.stop_decision(token)
-            if stop is not None:
-                request.mark_finished(stop.status, now)
-                if self.policy.on_finished(request) is OnFinish.PARK:
-                    request.status = RequestStatus.PARKED
-                else:
-                    self.running.remove(request)
-                    self._retire(request)
-            updates.append(RequestUpdate(rid, token, model_out.logprobs.get(rid), stop is not None,
-                                         request.finish_reason, stop.stop_reason if stop else None,
-                                         request.num_cached_prompt_tokens, request.num_preemptions,
-                                         request.times.first_scheduled))
+            drafts = sched_out.scheduled_spec_tokens.get(rid)
+            tokens = [] if token is None else [token]
+            if drafts:
+                tokens += model_out.extra_token_ids.get(rid, [])
+                self._verified(request, len(drafts), len(tokens) - 1 if tokens else 0)
+            for token in tokens:
+                if not request.append_token(token):
+                    break  # a parked slot's token (computed for real, nobody's output)
+                if request.times.first_token is None:
+                    request.times.first_token = now
+                request.times.last_token = now
+                stop = request.stop_decision(token)
+                if stop is not None:
+                    request.mark_finished(stop.status, now)
+                    if self.policy.on_finished(request) is OnFinish.PARK:
+                        request.status = RequestStatus.PARKED
+                    else:
+                        self.running.remove(request)
+                        self._retire(request)
+                updates.append(RequestUpdate(rid, token, model_out.logprobs.get(rid), stop is not None,
+                                             request.finish_reason, stop.stop_reason if stop else None,
+                                             request.num_cached_prompt_tokens, request.num_preemptions,
+                                             request.times.first_scheduled))
+                if stop is not None:
+                    break  # tokens accepted past a stop are nobody's
         return updates
+
+    def _verified(self, request: Request, proposed: int, accepted: int) -> None:
+        """Roll a request back past its rejected proposals: their KV is not its tokens' (the slots after
+        ``num_computed_tokens`` are rewritten by the next step), and the blocks only they used go back."""
+        request.num_computed_tokens -= proposed - accepted
+        self.kv.trim(request, request.num_computed_tokens + 1)
+        self._acceptance.setdefault(request.request_id, AcceptanceRate()).observe(proposed, accepted)
+        self.spec_counters.record(proposed, accepted)
 
     # ---- checks -----------------------------------------------------------------------------------------
     def check_invariants(self) -> None:

@@ -7,7 +7,7 @@ new block ids instead of rebuilding every table.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -92,6 +92,18 @@ class StepInputs:
     sampling: list[RequestState]  # in logits row order
     sampling_meta: SamplingMetadata  # of ``sampling``
     prompt_rows: list[PromptRows]  # hidden-state rows whose logits score prompt tokens (prompt_logprobs)
+    # requests verifying proposed tokens: their logits rows follow the sampling rows' (``SpecRows.logits_row``)
+    spec: list[SpecRows] = field(default_factory=list)
+
+
+@dataclass
+class SpecRows:
+    """A request that verifies ``drafts`` this step: logits rows [logits_row, logits_row + len(drafts)] predict
+    the tokens after its last one and after each proposal."""
+
+    state: RequestState
+    logits_row: int
+    drafts: list[int]
 
 
 @dataclass
@@ -195,9 +207,12 @@ class InputBatch:
         slot_mapping = block_table[req_of_token, positions // self.block_size] * self.block_size \
             + positions % self.block_size
 
+        spec_tokens = so.scheduled_spec_tokens
         input_ids: list[int] = []
         for s, c, n in zip(ordered, computed.tolist(), num_new.tolist()):
             input_ids += s.token_ids[c:c + n]
+            if s.req_id in spec_tokens:  # its proposals follow its last token; they are not its tokens yet
+                input_ids += spec_tokens[s.req_id]
         padding = None
         if so.num_padding_tokens:
             padding = self._padding(so.num_padding_tokens, int(num_new.max()) if len(ordered) else 0)
@@ -215,9 +230,19 @@ class InputBatch:
             if end > c:
                 prompt_rows.append(PromptRows(s, int(query_start[i]), c + 1, end - c))
         sampling = [ordered[i] for i in sampling_idx]
+        logits_rows = query_start[1:][sampling_idx] - 1
+        spec: list[SpecRows] = []
+        if spec_tokens:  # every row of a verifying request predicts a token: after the sampling rows, in order
+            rows_of, next_row = [logits_rows], len(sampling)
+            for i, s in enumerate(ordered):
+                if s.req_id in spec_tokens:
+                    spec.append(SpecRows(s, next_row, spec_tokens[s.req_id]))
+                    rows_of.append(np.arange(query_start[i], query_start[i + 1]))
+                    next_row += int(num_new[i])
+            logits_rows = np.concatenate(rows_of)
         logits_indices = None
-        if len(sampling) != num_tokens + pad:
-            logits_indices = torch.from_numpy(query_start[1:][sampling_idx] - 1).to(self.device)
+        if not np.array_equal(logits_rows, np.arange(num_tokens + pad)):  # else every row, in order
+            logits_indices = torch.from_numpy(logits_rows).to(self.device)
         dev = self.device
         meta = AttentionMetadata(
             num_tokens=num_tokens, block_size=self.block_size, slot_mapping=torch.from_numpy(slot_mapping).to(dev),
@@ -225,7 +250,7 @@ class InputBatch:
             block_table=torch.from_numpy(block_table).to(dev), num_decodes=len(decodes))
         return StepInputs(torch.tensor(input_ids, dtype=torch.int64, device=dev),
                           torch.from_numpy(positions).to(dev), meta, padding, logits_indices, sampling,
-                          SamplingMetadata.build(sampling, dev), prompt_rows)
+                          SamplingMetadata.build(sampling, dev), prompt_rows, spec)
 
     def _padding(self, num_pad_tokens: int, longest_chunk: int) -> Padding:
         """Pad rows form sequences no longer than the step's longest chunk: the rows a padded [batch, longest]

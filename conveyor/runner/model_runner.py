@@ -83,7 +83,7 @@ class ModelRunner:
         hidden = self.model(step.input_ids, step.positions, self.kv_caches, attn)
         prompt_lps = {rows.state.req_id: self._prompt_logprobs(hidden, rows) for rows in step.prompt_rows
                       if rows.state.error is None}
-        if not step.sampling:
+        if not step.sampling and not step.spec:
             return None, prompt_lps
         if step.logits_indices is not None:
             hidden = hidden.index_select(0, step.logits_indices)
@@ -94,6 +94,11 @@ class ModelRunner:
         """One token per sampling row; each is appended to its request's own token list (and consumed by its
         matcher when constrained: ``masks`` are the constrained rows and their bitmask)."""
         out = ModelOutput()
+        if step.spec:
+            self._verify(logits, step, out)
+            logits = logits[:len(step.sampling)]
+            if not step.sampling:
+                return out
         constraint = None
         if masks is not None:
             rows, bitmask = masks[0], masks[1].result()
@@ -116,6 +121,27 @@ class ModelRunner:
             if lp is not None:
                 out.logprobs[state.req_id] = lp
         return out
+
+    @staticmethod
+    def _verify(logits: torch.Tensor, step: StepInputs, out: ModelOutput) -> None:
+        """Greedy verification of proposed tokens (the scheduler only lets greedy requests with raw logits
+        propose): keep the proposals that match the argmax before them, then the argmax after the last kept
+        one; the same tokens decoding one at a time would give."""
+        best = logits[len(step.sampling):].argmax(dim=-1).tolist()
+        first = len(step.sampling)
+        for spec in step.spec:
+            state = spec.state
+            if state.error is not None:
+                continue
+            argmax = best[spec.logits_row - first:spec.logits_row - first + len(spec.drafts) + 1]
+            accepted = 0
+            while accepted < len(spec.drafts) and spec.drafts[accepted] == argmax[accepted]:
+                accepted += 1
+            tokens = argmax[:accepted + 1]
+            state.token_ids.extend(tokens)
+            out.sampled_token_ids[state.req_id] = tokens[0]
+            if accepted:
+                out.extra_token_ids[state.req_id] = tokens[1:]
 
     def _prompt_logprobs(self, hidden: torch.Tensor, rows: PromptRows) -> PromptLogprobs:
         targets = rows.state.token_ids[rows.start:rows.start + rows.count]

@@ -1,0 +1,207 @@
+"""Speculative decoding's scheduler side: the n-gram (prompt lookup) proposer and the per-step choice of how many
+proposed tokens each request verifies.
+
+A request that speculates is scheduled ``1 + k`` tokens: its last sampled token and ``k`` proposed ones. The
+executor computes all of them in the step's one forward pass (as a prompt chunk), keeps the longest run of
+proposals that the model itself would have produced, and returns those plus the token it sampled after them.
+The scheduler then rolls the computed count back past the rejected proposals and gives their blocks back.
+
+Only requests whose next token is the argmax of the raw logits speculate (greedy, with nothing that edits the
+logits: no penalties, bans, biases, grammars or logprobs): for them exact match is the verification and the
+output is token-identical to decoding without speculation. The others decode one token per step as before.
+
+How many: a step's time grows with the tokens in it, by a fixed part and a part per token, both fitted online
+from the steps this scheduler ran (``StepCostModel``); a proposal's ``i``-th token is accepted with probability
+``alpha ** i`` where ``alpha`` is the request's observed acceptance rate (``AcceptanceRate``). Adding one more
+proposed token to the step buys its expected tokens ``g`` for ``c`` more seconds (the per-token cost), so it raises
+the step's expected output tokens per second ``U / T`` exactly when ``g > c * U / T``. Tokens are added, best
+first, while that holds (``choose_lengths``). On a small batch the fixed cost dominates ``T`` and every plausible
+proposal pays; on a full step ``c * U / T`` nears one token and none does, which is the load-adaptive behaviour a
+fixed ``k`` lacks.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import deque
+from dataclasses import dataclass
+
+SPEC_METHODS = ("ngram",)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """vLLM's ``--speculative-config`` keys that apply here. ``adaptive`` (conveyor's): choose each step's
+    lengths by the cost rule above, up to ``num_speculative_tokens``; False: always propose that many."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
+    adaptive: bool = True
+
+    def __post_init__(self) -> None:
+        if self.method not in SPEC_METHODS:
+            raise ValueError(f"speculative method {self.method!r} is not supported; choose one of {SPEC_METHODS}")
+        if not 1 <= self.num_speculative_tokens <= 64:
+            raise ValueError(f"num_speculative_tokens must be in [1, 64], got {self.num_speculative_tokens}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError("prompt_lookup_min and prompt_lookup_max must satisfy 1 <= min <= max, got "
+                             f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
+
+    @classmethod
+    def parse(cls, value: SpeculativeConfig | dict | str | None) -> SpeculativeConfig | None:
+        """From what a user passes: a JSON object (the CLI), a dict (``LLM(speculative_config=...)``) or None."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"--speculative-config must be a JSON object: {exc}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a JSON object, got {value!r}")
+        unknown = set(value) - {f for f in cls.__dataclass_fields__}
+        if unknown:
+            raise ValueError(f"speculative_config: unknown keys {sorted(unknown)}")
+        return cls(**value)
+
+
+def speculates(params, num_output_tokens: int) -> bool:
+    """Whether a request with these ``SamplingParams`` may speculate now: its next token is the raw logits'
+    argmax, so exact match verifies it (see the module docstring)."""
+    return (params.greedy and params.logprobs is None and not params.has_penalties and not params.has_logit_edits
+            and params.structured_outputs is None and num_output_tokens >= params.min_tokens)
+
+
+class NgramIndex:
+    """Prompt lookup over one request's tokens: for each n-gram length, where each n-gram last ended.
+
+    ``propose`` finds the longest suffix (``max_n`` down to ``min_n`` tokens) that occurred earlier and returns the
+    tokens that followed its most recent earlier occurrence. The index grows by one entry per length per token
+    (``extend``), so a step costs O(max_n) per request, not a scan of the context."""
+
+    def __init__(self, min_n: int, max_n: int) -> None:
+        self.min_n, self.max_n = min_n, max_n
+        self.tokens: list[int] = []
+        # n -> {n-gram: end (exclusive) of its latest occurrence that is not the current suffix}
+        self._ends: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in range(min_n, max_n + 1)}
+
+    def extend(self, tokens: list[int]) -> None:
+        """Append ``tokens`` to the indexed sequence."""
+        seq = self.tokens
+        for token in tokens:
+            end = len(seq)  # n-grams ending here are no longer the suffix once ``token`` follows them
+            for n, ends in self._ends.items():
+                if end >= n:
+                    ends[tuple(seq[end - n:end])] = end
+            seq.append(token)
+
+    def propose(self, k: int) -> list[int]:
+        """Up to ``k`` tokens that followed the longest earlier match of the current suffix ([] when none)."""
+        seq = self.tokens
+        for n in range(self.max_n, self.min_n - 1, -1):
+            if len(seq) <= n:
+                continue
+            end = self._ends[n].get(tuple(seq[-n:]))
+            if end is not None:
+                return seq[end:end + k]
+        return []
+
+
+class AcceptanceRate:
+    """A request's per-token acceptance rate, from its verified proposals: each proposal of ``k`` tokens with
+    ``a`` accepted is ``a`` acceptances and, when ``a < k``, one rejection (the maximum-likelihood estimate of a
+    geometric acceptance). Starts from a prior worth a few proposals, so one early miss does not silence it."""
+
+    PRIOR_ACCEPTED, PRIOR_REJECTED = 1.0, 1.0
+
+    def __init__(self) -> None:
+        self.accepted = self.PRIOR_ACCEPTED
+        self.rejected = self.PRIOR_REJECTED
+
+    def observe(self, proposed: int, accepted: int) -> None:
+        self.accepted += accepted
+        self.rejected += accepted < proposed
+
+    @property
+    def alpha(self) -> float:
+        return self.accepted / (self.accepted + self.rejected)
+
+
+class StepCostModel:
+    """Step time as ``fixed + per_token * tokens``, a least-squares fit over the last ``window`` steps (the times
+    come from the scheduler's caller: the real clock in the engine, the cost model's in the simulator)."""
+
+    def __init__(self, window: int = 64) -> None:
+        self.samples: deque[tuple[int, float]] = deque(maxlen=window)
+
+    def observe(self, num_tokens: int, seconds: float) -> None:
+        if num_tokens > 0 and seconds > 0:
+            self.samples.append((num_tokens, seconds))
+
+    def fit(self) -> tuple[float, float] | None:
+        """(fixed seconds, seconds per token), or None until the steps seen span more than one size."""
+        n = len(self.samples)
+        if n < 2:
+            return None
+        mx = sum(x for x, _ in self.samples) / n
+        my = sum(y for _, y in self.samples) / n
+        sxx = sum((x - mx) ** 2 for x, _ in self.samples)
+        if sxx == 0:
+            return None
+        slope = sum((x - mx) * (y - my) for x, y in self.samples) / sxx
+        slope = max(slope, 0.0)
+        return max(my - slope * mx, 0.0), slope
+
+
+def choose_lengths(proposals: dict[str, int], alphas: dict[str, float], step_tokens: int, useful_tokens: float,
+                   cost: tuple[float, float] | None, budget: int) -> dict[str, int]:
+    """How many proposed tokens each request verifies this step (request id -> k, 0 included).
+
+    ``proposals``: the most each could verify (its proposal's length); ``step_tokens``: the tokens the step
+    already computes; ``useful_tokens``: the output tokens it already yields (one per decode); ``cost``: the
+    fitted (fixed, per-token) step time, None while unknown (then nobody speculates beyond one token, which is
+    how the fit learns a per-token cost); ``budget``: token budget left. The rule is the module docstring's."""
+    if cost is None:
+        return {rid: min(1, n) for rid, n in proposals.items()} if budget >= len(proposals) else {}
+    fixed, per_token = cost
+    lengths = {rid: 0 for rid in proposals}
+    time_s = fixed + per_token * step_tokens
+    # The marginal value of a request's next token is alpha ** (k + 1): take them best first.
+    while budget > 0:
+        best, gain = None, 0.0
+        for rid, most in proposals.items():
+            if lengths[rid] < most:
+                g = alphas[rid] ** (lengths[rid] + 1)
+                if g > gain:
+                    best, gain = rid, g
+        if best is None or gain * time_s <= per_token * useful_tokens:
+            break
+        lengths[best] += 1
+        useful_tokens += gain
+        time_s += per_token
+        budget -= 1
+    return {rid: k for rid, k in lengths.items() if k}
+
+
+@dataclass
+class SpecDecodeCounters:
+    """Cumulative counts, as vLLM's ``spec_decode`` metrics: proposals verified, tokens proposed (verified),
+    tokens accepted, and accepted tokens by position in the proposal."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] | None = None
+
+    def record(self, proposed: int, accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += proposed
+        self.num_accepted_tokens += accepted
+        if self.accepted_per_pos is None:
+            self.accepted_per_pos = []
+        while len(self.accepted_per_pos) < proposed:
+            self.accepted_per_pos.append(0)
+        for i in range(accepted):
+            self.accepted_per_pos[i] += 1
