@@ -128,17 +128,19 @@ class KVCacheManager:
                 self.pool.cache_full_block(blocks[i], hashes[i])
         self.num_cached_blocks[request.request_id] = n_full
 
-    def trim(self, request: Request, num_tokens: int) -> None:
-        """Give back the blocks past the first ``num_tokens`` tokens' (rejected proposals' slots), tail first.
-        Those blocks were never offered to the prefix cache: nothing findable is lost."""
+    def trim(self, request: Request, num_tokens: int) -> int | None:
+        """Give back the blocks past the first ``num_tokens`` tokens' (rejected proposals' slots), tail first;
+        returns how many blocks it kept, None when it gave none back. Those blocks were never offered to the
+        prefix cache: nothing findable is lost."""
         blocks = self.req_blocks.get(request.request_id)
         keep = cdiv(num_tokens, self.block_size)
         if blocks is None or len(blocks) <= keep:
-            return
+            return None
         extra = blocks[keep:]
         del blocks[keep:]
         assert all(b.block_hash is None for b in extra), "a trimmed block was in the prefix cache"
         self.pool.free(reversed(extra))
+        return keep
 
     def free(self, request: Request) -> None:
         """Release a request's blocks, tail first (see the ordering rule in block_pool)."""

@@ -36,6 +36,9 @@ class CachedRequestData:
     request_id: str
     new_block_ids: list[int]  # appended to its block table
     num_computed_tokens: int  # before this step
+    # Set when the request gave blocks back since its last step (rejected proposals' blocks): its block table
+    # keeps this many, then new_block_ids follow. None: nothing given back.
+    num_kept_blocks: int | None = None
 
 
 @dataclass

@@ -59,6 +59,7 @@ class Scheduler:
             raise ValueError("speculative decoding needs the paged KV layout (its rejected slots are given back)")
         self._ngrams: dict[str, NgramIndex] = {}
         self._acceptance: dict[str, AcceptanceRate] = {}
+        self._kept_blocks: dict[str, int] = {}  # requests trimmed since their last step: blocks they kept
         self.spec_cost = StepCostModel()
         self.spec_counters = SpecDecodeCounters()
         self._step_start = 0.0
@@ -100,6 +101,7 @@ class Scheduler:
         self.kv.free(request)
         self._ngrams.pop(request.request_id, None)
         self._acceptance.pop(request.request_id, None)
+        self._kept_blocks.pop(request.request_id, None)
         del self.requests[request.request_id]
         if request.request_id in self._seen_by_executor:
             self._seen_by_executor.discard(request.request_id)
@@ -240,7 +242,8 @@ class Scheduler:
     def _emit(self, request: Request, num_new: int, new_blocks: list[int], out: SchedulerOutput) -> None:
         rid = request.request_id
         if rid in self._seen_by_executor:
-            out.scheduled_cached_reqs.append(CachedRequestData(rid, new_blocks, request.num_computed_tokens))
+            out.scheduled_cached_reqs.append(CachedRequestData(rid, new_blocks, request.num_computed_tokens,
+                                                               self._kept_blocks.pop(rid, None)))
         else:
             self._seen_by_executor.add(rid)
             out.scheduled_new_reqs.append(NewRequestData(
@@ -258,6 +261,7 @@ class Scheduler:
             self._retire(request)
             return
         self.kv.free(request)
+        self._kept_blocks.pop(request.request_id, None)  # it is sent whole again
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -309,7 +313,9 @@ class Scheduler:
         """Roll a request back past its rejected proposals: their KV is not its tokens' (the slots after
         ``num_computed_tokens`` are rewritten by the next step), and the blocks only they used go back."""
         request.num_computed_tokens -= proposed - accepted
-        self.kv.trim(request, request.num_computed_tokens + 1)
+        kept = self.kv.trim(request, request.num_computed_tokens + 1)
+        if kept is not None:
+            self._kept_blocks[request.request_id] = kept
         self._acceptance.setdefault(request.request_id, AcceptanceRate()).observe(proposed, accepted)
         self.spec_counters.record(proposed, accepted)
 

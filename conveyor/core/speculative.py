@@ -112,17 +112,20 @@ class NgramIndex:
 class AcceptanceRate:
     """A request's per-token acceptance rate, from its verified proposals: each proposal of ``k`` tokens with
     ``a`` accepted is ``a`` acceptances and, when ``a < k``, one rejection (the maximum-likelihood estimate of a
-    geometric acceptance). Starts from a prior worth a few proposals, so one early miss does not silence it."""
+    geometric acceptance). Starts from a prior worth about one proposal, so one early miss does not silence it,
+    and forgets old proposals (``DECAY`` per proposal, about the last 20 weigh), because a request that copied a
+    passage and then writes its own text changes rate midway."""
 
     PRIOR_ACCEPTED, PRIOR_REJECTED = 1.0, 1.0
+    DECAY = 0.95
 
     def __init__(self) -> None:
         self.accepted = self.PRIOR_ACCEPTED
         self.rejected = self.PRIOR_REJECTED
 
     def observe(self, proposed: int, accepted: int) -> None:
-        self.accepted += accepted
-        self.rejected += accepted < proposed
+        self.accepted = self.DECAY * self.accepted + accepted
+        self.rejected = self.DECAY * self.rejected + (accepted < proposed)
 
     @property
     def alpha(self) -> float:

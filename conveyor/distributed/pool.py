@@ -54,7 +54,17 @@ def summed_stats(reports: list[ReplicaReport]) -> SchedulerStats:
                    kv_cache_usage=sum(s.kv_cache_usage for s in stats) / len(stats),
                    num_preemptions=sum(s.num_preemptions for s in stats),
                    prefix_cache_queries=sum(s.prefix_cache_queries for s in stats),
-                   prefix_cache_hits=sum(s.prefix_cache_hits for s in stats))
+                   prefix_cache_hits=sum(s.prefix_cache_hits for s in stats),
+                   spec_num_drafts=sum(s.spec_num_drafts for s in stats),
+                   spec_num_draft_tokens=sum(s.spec_num_draft_tokens for s in stats),
+                   spec_num_accepted_tokens=sum(s.spec_num_accepted_tokens for s in stats),
+                   spec_accepted_per_pos=summed_positions([s.spec_accepted_per_pos for s in stats]))
+
+
+def summed_positions(per_replica: list[tuple[int, ...]]) -> tuple[int, ...]:
+    """Accepted tokens by proposal position, summed over replicas whose proposals had different lengths."""
+    width = max((len(p) for p in per_replica), default=0)
+    return tuple(sum(p[i] for p in per_replica if i < len(p)) for i in range(width))
 
 
 def aborted_output(request_id: str, prompt: dict, params: SamplingParams,

@@ -180,6 +180,8 @@ class InputBatch:
         for cached in so.scheduled_cached_reqs:
             state = self.requests[cached.request_id]
             state.num_computed_tokens = cached.num_computed_tokens
+            if cached.num_kept_blocks is not None:  # blocks past these went back to the pool
+                state.num_blocks = cached.num_kept_blocks
             if cached.new_block_ids:
                 self._set_blocks(state, cached.new_block_ids)
 

@@ -51,9 +51,23 @@ class _EngineCounters:
             ("prefix_cache_queries", "Prefix cache queries, in tokens.", stats.prefix_cache_queries),
             ("prefix_cache_hits", "Prefix cache hits, in tokens.", stats.prefix_cache_hits),
         ]
+        speculating = self.async_engine.info.args.speculative_config is not None
+        if speculating:  # vLLM's spec_decode counters, where speculative decoding is on
+            values += [
+                ("spec_decode_num_drafts", "Proposals verified (speculative decoding).", stats.spec_num_drafts),
+                ("spec_decode_num_draft_tokens", "Proposed tokens verified.", stats.spec_num_draft_tokens),
+                ("spec_decode_num_accepted_tokens", "Proposed tokens accepted.", stats.spec_num_accepted_tokens),
+            ]
         for name, doc, value in values:
             family = CounterMetricFamily(P + name, doc, labels=list(self.labels))
             family.add_metric(list(self.labels.values()), value)
+            yield family
+        if speculating:
+            family = CounterMetricFamily(P + "spec_decode_num_accepted_tokens_per_pos",
+                                         "Accepted proposed tokens by their position in the proposal.",
+                                         labels=[*self.labels, "position"])
+            for position, value in enumerate(stats.spec_accepted_per_pos):
+                family.add_metric([*self.labels.values(), str(position)], value)
             yield family
 
 

@@ -1,0 +1,87 @@
+"""Speculative decoding (n-gram prompt lookup) in the real engine on the tiny Llama: greedy outputs identical to
+decoding without it, under chunked prefill, preemption and prefix caching; sampled requests in the same batch
+unchanged; the counters on /metrics. In float64, so that near-ties cannot flip between the verification's chunk
+path and the decode path."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from conveyor import LLM, SamplingParams
+from tests.helpers.engine import make_prompts, token_ids
+
+pytestmark = pytest.mark.slow  # a real model, engine or server: run by CI, skipped by -m "not slow"
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}
+GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+
+
+def make_llm(model_dir, **kw) -> LLM:
+    return LLM(str(model_dir), dtype="float64", debug_invariants=True, **kw)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return make_prompts(10)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama_dir, prompts):
+    return token_ids(make_llm(tiny_llama_dir).generate(prompts, GREEDY, use_tqdm=False))
+
+
+@pytest.mark.parametrize("knobs", [
+    dict(),
+    dict(adaptive=False),
+    dict(max_num_batched_tokens=16),  # prompts in chunks beside the proposals
+    dict(block_size=1),
+    dict(max_num_seqs=1),
+], ids=lambda k: ",".join(f"{a}={b}" for a, b in k.items()) or "default")
+def test_greedy_output_is_identical_with_speculation(tiny_llama_dir, prompts, reference, knobs):
+    spec = {**NGRAM, **{k: v for k, v in knobs.items() if k == "adaptive"}}
+    llm = make_llm(tiny_llama_dir, speculative_config=spec, **{k: v for k, v in knobs.items() if k != "adaptive"})
+    assert token_ids(llm.generate(prompts, GREEDY, use_tqdm=False)) == reference
+    counters = llm.engine.scheduler.spec_counters
+    assert counters.num_drafts > 0 and counters.num_accepted_tokens > 0  # it did speculate, and some paid
+    assert llm.engine.kv_manager.usage() == 0
+
+
+def test_preemption_and_prefix_caching_with_speculation_change_no_output(tiny_llama_dir, prompts, reference):
+    llm = make_llm(tiny_llama_dir, num_kv_blocks=16, block_size=8, max_model_len=128, max_num_batched_tokens=32,
+                   speculative_config=NGRAM)
+    assert token_ids(llm.generate(prompts, GREEDY, use_tqdm=False)) == reference
+    assert llm.engine.scheduler.num_preemptions > 0
+    cached = make_llm(tiny_llama_dir, speculative_config=NGRAM)
+    assert token_ids(cached.generate(prompts, GREEDY, use_tqdm=False)) == reference
+    again = cached.generate(prompts, GREEDY, use_tqdm=False)  # the prompts' blocks are cached now
+    assert token_ids(again) == reference
+    assert sum(o.metrics.num_cached_tokens for o in again) > 0
+
+
+def test_sampled_requests_beside_speculating_ones_are_unchanged(tiny_llama_dir, prompts):
+    sampled = [SamplingParams(temperature=0.9, top_p=0.9, seed=i, max_tokens=30, ignore_eos=True)
+               for i in range(5)]
+    params = sampled + [GREEDY] * 5
+    plain = token_ids(make_llm(tiny_llama_dir).generate(prompts, params, use_tqdm=False))
+    llm = make_llm(tiny_llama_dir, speculative_config=NGRAM)
+    assert token_ids(llm.generate(prompts, params, use_tqdm=False)) == plain
+    assert llm.engine.scheduler.spec_counters.num_drafts > 0
+
+
+def test_bad_speculative_config_is_a_clear_error(tiny_llama_dir):
+    with pytest.raises(ValueError, match="speculative method"):
+        make_llm(tiny_llama_dir, speculative_config={"method": "medusa"})
+
+
+def test_metrics_expose_the_spec_decode_counters(tiny_chat_dir):
+    from tests.helpers.server import serve_model
+
+    with serve_model(tiny_chat_dir, speculative_config=NGRAM) as (url, _):
+        body = {"model": "tiny", "prompt": "w5 w6 w7 w5 w6 w7 w5 w6", "max_tokens": 24, "temperature": 0,
+                "ignore_eos": True}
+        assert httpx.post(url + "/v1/completions", json=body, timeout=60).status_code == 200
+        text = httpx.get(url + "/metrics", timeout=10).text
+    drafts = [line for line in text.splitlines() if line.startswith("conveyor:spec_decode_num_drafts_total")]
+    assert drafts and float(drafts[0].rsplit(" ", 1)[1]) > 0
+    assert "conveyor:spec_decode_num_accepted_tokens_per_pos_total" in text
