@@ -31,6 +31,7 @@ from conveyor.core.speculative import (
     StepCostModel,
     choose_lengths,
     speculates,
+    worth_proposing,
 )
 
 # When a step schedules nothing while requests wait and none runs, only time or a new request can change that
@@ -190,13 +191,25 @@ class Scheduler:
         """Give this step's decodes that may speculate their proposed tokens, as many as the rule in
         ``core.speculative`` chooses, from the budget and the free blocks that the step left (speculation never
         preempts or delays anyone's prompt)."""
+        if budget.exhausted:
+            return
+        adaptive = self.spec.adaptive
+        cost = self.spec_cost.fit() if adaptive else None
+        step_tokens = out.total_num_scheduled_tokens
+        useful = sum(1 for rid, n in out.num_scheduled_tokens.items()
+                     if self.requests[rid].num_computed_tokens + n >= self.requests[rid].num_tokens)
         proposals: dict[str, list[int]] = {}
+        alphas: dict[str, float] = {}
         for data in out.scheduled_cached_reqs:
             rid = data.request_id
             request = self.requests[rid]
             if out.num_scheduled_tokens[rid] != 1 or request.num_computed_tokens + 1 != request.num_tokens or \
                     not speculates(request.sampling_params, request.num_output_tokens):
                 continue
+            rate = self._acceptance.get(rid)
+            alpha = alphas[rid] = rate.alpha if rate is not None else AcceptanceRate.PRIOR_ALPHA
+            if adaptive and not worth_proposing(alpha, step_tokens, useful, cost):
+                continue  # not even its first token would pay: skip the lookup
             # beyond the token it always samples: what max_tokens and the context leave
             room = request.max_output_tokens() - request.num_output_tokens - 1
             if self.config.max_model_len is not None:
@@ -204,14 +217,11 @@ class Scheduler:
             if room > 0 and (drafts := self._ngram_index(request).propose(min(self.spec.num_speculative_tokens,
                                                                               room))):
                 proposals[rid] = drafts
-        if not proposals or budget.exhausted:
+        if not proposals:
             return
-        if self.spec.adaptive:
-            useful = sum(1 for rid, n in out.num_scheduled_tokens.items()
-                         if self.requests[rid].num_computed_tokens + n >= self.requests[rid].num_tokens)
-            alphas = {rid: self._acceptance.setdefault(rid, AcceptanceRate()).alpha for rid in proposals}
-            lengths = choose_lengths({rid: len(d) for rid, d in proposals.items()}, alphas,
-                                     out.total_num_scheduled_tokens, useful, self.spec_cost.fit(), budget.left)
+        if adaptive:
+            lengths = choose_lengths({rid: len(d) for rid, d in proposals.items()}, alphas, step_tokens, useful,
+                                     cost, budget.left)
         else:
             lengths = {rid: len(d) for rid, d in proposals.items()}
         cached = {data.request_id: data for data in out.scheduled_cached_reqs}

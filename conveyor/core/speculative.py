@@ -22,6 +22,7 @@ fixed ``k`` lacks.
 
 from __future__ import annotations
 
+import heapq
 import json
 from collections import deque
 from dataclasses import dataclass
@@ -117,6 +118,7 @@ class AcceptanceRate:
     passage and then writes its own text changes rate midway."""
 
     PRIOR_ACCEPTED, PRIOR_REJECTED = 1.0, 1.0
+    PRIOR_ALPHA = PRIOR_ACCEPTED / (PRIOR_ACCEPTED + PRIOR_REJECTED)
     DECAY = 0.95
 
     def __init__(self) -> None:
@@ -160,32 +162,42 @@ class StepCostModel:
 
 def choose_lengths(proposals: dict[str, int], alphas: dict[str, float], step_tokens: int, useful_tokens: float,
                    cost: tuple[float, float] | None, budget: int) -> dict[str, int]:
-    """How many proposed tokens each request verifies this step (request id -> k, 0 included).
+    """How many proposed tokens each request verifies this step (request id -> k; requests with 0 left out).
 
     ``proposals``: the most each could verify (its proposal's length); ``step_tokens``: the tokens the step
     already computes; ``useful_tokens``: the output tokens it already yields (one per decode); ``cost``: the
-    fitted (fixed, per-token) step time, None while unknown (then nobody speculates beyond one token, which is
-    how the fit learns a per-token cost); ``budget``: token budget left. The rule is the module docstring's."""
+    fitted (fixed, per-token) step time, None while unknown (then each verifies one token, which is how the fit
+    learns a per-token cost); ``budget``: token budget left. The rule is the module docstring's; the next token
+    of each request is worth ``alpha ** (k + 1)``, so a heap hands them out best first."""
     if cost is None:
-        return {rid: min(1, n) for rid, n in proposals.items()} if budget >= len(proposals) else {}
+        return {rid: 1 for rid in list(proposals)[:budget]}
     fixed, per_token = cost
-    lengths = {rid: 0 for rid in proposals}
     time_s = fixed + per_token * step_tokens
-    # The marginal value of a request's next token is alpha ** (k + 1): take them best first.
-    while budget > 0:
-        best, gain = None, 0.0
-        for rid, most in proposals.items():
-            if lengths[rid] < most:
-                g = alphas[rid] ** (lengths[rid] + 1)
-                if g > gain:
-                    best, gain = rid, g
-        if best is None or gain * time_s <= per_token * useful_tokens:
-            break
-        lengths[best] += 1
-        useful_tokens += gain
+    lengths: dict[str, int] = {}
+    heap = [(-alphas[rid], rid) for rid in proposals]
+    heapq.heapify(heap)
+    while heap and budget > 0:
+        neg_gain, rid = heap[0]
+        if -neg_gain * time_s <= per_token * useful_tokens:
+            break  # the best token left costs more than it is expected to give; the rest are worse
+        k = lengths[rid] = lengths.get(rid, 0) + 1
+        useful_tokens -= neg_gain
         time_s += per_token
         budget -= 1
-    return {rid: k for rid, k in lengths.items() if k}
+        if k < proposals[rid]:
+            heapq.heapreplace(heap, (neg_gain * alphas[rid], rid))
+        else:
+            heapq.heappop(heap)
+    return lengths
+
+
+def worth_proposing(alpha: float, step_tokens: int, useful_tokens: float, cost: tuple[float, float] | None) -> bool:
+    """Whether a request with acceptance rate ``alpha`` could get even one proposed token this step (so whether
+    looking up its proposal is worth the time): ``choose_lengths``'s test for its first token."""
+    if cost is None:
+        return True
+    fixed, per_token = cost
+    return alpha * (fixed + per_token * step_tokens) > per_token * useful_tokens
 
 
 @dataclass
