@@ -6,9 +6,11 @@ executor computes all of them in the step's one forward pass (as a prompt chunk)
 proposals that the model itself would have produced, and returns those plus the token it sampled after them.
 The scheduler then rolls the computed count back past the rejected proposals and gives their blocks back.
 
-Only requests whose next token is the argmax of the raw logits speculate (greedy, with nothing that edits the
-logits: no penalties, bans, biases, grammars or logprobs): for them exact match is the verification and the
-output is token-identical to decoding without speculation. The others decode one token per step as before.
+A proposal is verified by drawing each of its rows' tokens as the request draws any token and keeping the
+proposals that equal the token drawn before them (``ModelRunner._verify``): for greedy requests exact match, so
+the output is token-identical to decoding without speculation; for sampled ones rejection sampling of a fixed
+proposal, so the distribution is unchanged. Requests whose draws depend on more than the logits (penalties,
+bans, biases, grammars, logprobs, min_tokens still due) or that are seeded decode one token per step as before.
 
 How many: a step's time grows with the tokens in it, by a fixed part and a part per token, both fitted online
 from the steps this scheduler ran (``StepCostModel``); a proposal's ``i``-th token is accepted with probability
@@ -69,10 +71,13 @@ class SpeculativeConfig:
 
 
 def speculates(params, num_output_tokens: int) -> bool:
-    """Whether a request with these ``SamplingParams`` may speculate now: its next token is the raw logits'
-    argmax, so exact match verifies it (see the module docstring)."""
-    return (params.greedy and params.logprobs is None and not params.has_penalties and not params.has_logit_edits
-            and params.structured_outputs is None and num_output_tokens >= params.min_tokens)
+    """Whether a request with these ``SamplingParams`` may speculate now (see the module docstring): its tokens
+    are drawn from the logits by temperature, top-k, top-p and min-p alone, and it is not seeded (a seeded
+    request draws the same tokens whatever else is in the batch; a proposal's rows would use its generator as
+    many more times as the step's lengths, which depend on the load)."""
+    return (params.seed is None and params.logprobs is None and not params.has_penalties
+            and not params.has_logit_edits and params.structured_outputs is None
+            and num_output_tokens >= params.min_tokens)
 
 
 class NgramIndex:

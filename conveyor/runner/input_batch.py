@@ -92,17 +92,16 @@ class StepInputs:
     sampling: list[RequestState]  # in logits row order
     sampling_meta: SamplingMetadata  # of ``sampling``
     prompt_rows: list[PromptRows]  # hidden-state rows whose logits score prompt tokens (prompt_logprobs)
-    # requests verifying proposed tokens: their logits rows follow the sampling rows' (``SpecRows.logits_row``)
+    # requests verifying proposed tokens: 1 + len(drafts) logits rows each, after the sampling rows, in order
     spec: list[SpecRows] = field(default_factory=list)
 
 
 @dataclass
 class SpecRows:
-    """A request that verifies ``drafts`` this step: logits rows [logits_row, logits_row + len(drafts)] predict
-    the tokens after its last one and after each proposal."""
+    """A request that verifies ``drafts`` this step: its 1 + len(drafts) logits rows predict the token after its
+    last one and after each proposal."""
 
     state: RequestState
-    logits_row: int
     drafts: list[int]
 
 
@@ -235,12 +234,11 @@ class InputBatch:
         logits_rows = query_start[1:][sampling_idx] - 1
         spec: list[SpecRows] = []
         if spec_tokens:  # every row of a verifying request predicts a token: after the sampling rows, in order
-            rows_of, next_row = [logits_rows], len(sampling)
+            rows_of = [logits_rows]
             for i, s in enumerate(ordered):
                 if s.req_id in spec_tokens:
-                    spec.append(SpecRows(s, next_row, spec_tokens[s.req_id]))
+                    spec.append(SpecRows(s, spec_tokens[s.req_id]))
                     rows_of.append(np.arange(query_start[i], query_start[i + 1]))
-                    next_row += int(num_new[i])
             logits_rows = np.concatenate(rows_of)
         logits_indices = None
         if not np.array_equal(logits_rows, np.arange(num_tokens + pad)):  # else every row, in order

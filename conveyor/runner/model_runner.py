@@ -11,6 +11,7 @@ from conveyor.layers.attention import allocate_kv_caches, make_attention, resolv
 from conveyor.models.build import ModelInfo, resolve_dtype
 from conveyor.runner.input_batch import InputBatch, PromptRows, StepInputs
 from conveyor.runner.sampler import Sampler, prompt_logprobs
+from conveyor.runner.spec_verify import verify_proposals
 
 PROMPT_LOGITS_ROWS = 256  # prompt logprobs in slices: [256, 49152] float32 logits are 50 MB
 
@@ -95,7 +96,7 @@ class ModelRunner:
         matcher when constrained: ``masks`` are the constrained rows and their bitmask)."""
         out = ModelOutput()
         if step.spec:
-            self._verify(logits, step, out)
+            self._verify(logits[len(step.sampling):], step, out)
             logits = logits[:len(step.sampling)]
             if not step.sampling:
                 return out
@@ -122,25 +123,16 @@ class ModelRunner:
                 out.logprobs[state.req_id] = lp
         return out
 
-    @staticmethod
-    def _verify(logits: torch.Tensor, step: StepInputs, out: ModelOutput) -> None:
-        """Greedy verification of proposed tokens (the scheduler only lets greedy requests with raw logits
-        propose): keep the proposals that match the argmax before them, then the argmax after the last kept
-        one; the same tokens decoding one at a time would give."""
-        best = logits[len(step.sampling):].argmax(dim=-1).tolist()
-        first = len(step.sampling)
-        for spec in step.spec:
+    def _verify(self, logits: torch.Tensor, step: StepInputs, out: ModelOutput) -> None:
+        """Verify the proposals of ``step.spec`` (``logits``: their rows, in order; ``runner.spec_verify``) and
+        append what each request produced to its tokens."""
+        for spec, tokens in zip(step.spec, verify_proposals(self.sampler, logits, step.spec)):
             state = spec.state
             if state.error is not None:
                 continue
-            argmax = best[spec.logits_row - first:spec.logits_row - first + len(spec.drafts) + 1]
-            accepted = 0
-            while accepted < len(spec.drafts) and spec.drafts[accepted] == argmax[accepted]:
-                accepted += 1
-            tokens = argmax[:accepted + 1]
             state.token_ids.extend(tokens)
             out.sampled_token_ids[state.req_id] = tokens[0]
-            if accepted:
+            if len(tokens) > 1:
                 out.extra_token_ids[state.req_id] = tokens[1:]
 
     def _prompt_logprobs(self, hidden: torch.Tensor, rows: PromptRows) -> PromptLogprobs:

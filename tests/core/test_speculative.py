@@ -158,11 +158,12 @@ def test_a_thousand_requests_leak_no_block_and_no_index():
     assert not scheduler._ngrams and not scheduler._acceptance and scheduler.spec_counters.num_drafts > 0
 
 
-def test_only_greedy_requests_with_raw_logits_speculate():
+def test_only_requests_drawn_from_the_logits_alone_speculate():
     spec = {"num_speculative_tokens": 4, "prompt_lookup_min": 1, "adaptive": False}
     scheduler = make_scheduler(64, 4, speculative_config=spec)
     prompt = [7, 8, 9] * 5  # repeats: prompt lookup always proposes
-    kinds = dict(greedy=dict(temperature=0.0), sampled=dict(temperature=0.8),
+    kinds = dict(greedy=dict(temperature=0.0), sampled=dict(temperature=0.8, top_p=0.9),
+                 seeded=dict(temperature=0.8, seed=1),
                  logprobs=dict(temperature=0.0, logprobs=1), penalty=dict(temperature=0.0, presence_penalty=0.5),
                  min_tokens=dict(temperature=0.0, min_tokens=5))
     for rid, params in kinds.items():
@@ -176,7 +177,7 @@ def test_only_greedy_requests_with_raw_logits_speculate():
         out = scheduler.schedule(0.0)
         seen |= set(out.scheduled_spec_tokens)
         scheduler.update(out, model.execute(out), 0.0)
-    assert seen == {"greedy"}
+    assert seen == {"greedy", "sampled"}
 
 
 def test_proposals_never_run_past_max_tokens_or_the_context():

@@ -85,3 +85,57 @@ def test_metrics_expose_the_spec_decode_counters(tiny_chat_dir):
     drafts = [line for line in text.splitlines() if line.startswith("conveyor:spec_decode_num_drafts_total")]
     assert drafts and float(drafts[0].rsplit(" ", 1)[1]) > 0
     assert "conveyor:spec_decode_num_accepted_tokens_per_pos_total" in text
+
+
+def chi2_critical(df: int, z: float = 3.719) -> float:
+    """The chi-square quantile with ``df`` degrees of freedom at the normal quantile ``z`` (3.719: p = 1e-4),
+    by Wilson and Hilferty's approximation (within 1% for df >= 3; scipy is not a dependency)."""
+    h = 2.0 / (9.0 * df)
+    return df * (1.0 - h + z * h ** 0.5) ** 3
+
+
+def two_sample_chi2(a: list, b: list, min_count: int = 10) -> tuple[float, int]:
+    """Pearson's two-sample chi-square statistic of two equal-size samples, and its degrees of freedom. Cells
+    with fewer than ``min_count`` draws in both samples together are pooled into one (the statistic is only
+    chi-square distributed for well-filled cells)."""
+    from collections import Counter
+
+    ca, cb = Counter(a), Counter(b)
+    cells, rare_a, rare_b = [], 0, 0
+    for c in set(ca) | set(cb):
+        if ca[c] + cb[c] >= min_count:
+            cells.append((ca[c], cb[c]))
+        else:
+            rare_a, rare_b = rare_a + ca[c], rare_b + cb[c]
+    if rare_a + rare_b:
+        cells.append((rare_a, rare_b))
+    return sum((x - y) ** 2 / (x + y) for x, y in cells), len(cells) - 1
+
+
+def test_sampled_requests_keep_their_distribution_under_speculation(tiny_llama_dir):
+    """Rejection sampling of n-gram proposals: each output position's token distribution, and the joint of two
+    neighbouring positions, with speculation equal those without it (two-sample chi-square, p = 1e-4 each), over
+    1,500 unseeded draws at temperature 1 with top-k 4 (so the proposals are often right and often wrong)."""
+    # the model's own greedy continuation in the prompt: its likely tokens have been seen, so lookups propose
+    seed = {"prompt_token_ids": [11, 12, 13, 14]}
+    greedy = make_llm(tiny_llama_dir).generate([seed], SamplingParams(temperature=0.0, max_tokens=30,
+                                                                      ignore_eos=True), use_tqdm=False)
+    prompt = {"prompt_token_ids": seed["prompt_token_ids"] + token_ids(greedy)[0]}
+    params = SamplingParams(temperature=1.0, top_k=4, max_tokens=8, ignore_eos=True)
+    n = 1500
+
+    def draws(spec):
+        llm = make_llm(tiny_llama_dir, speculative_config=spec, enable_prefix_caching=False, max_num_seqs=128,
+                       max_num_batched_tokens=8192)  # room for proposals beside the prompts
+        outs = token_ids(llm.generate([prompt] * n, params, use_tqdm=False))
+        return outs, llm.engine.scheduler.spec_counters
+
+    plain, _ = draws(None)
+    spec, counters = draws({**NGRAM, "num_speculative_tokens": 3, "adaptive": False})
+    assert counters.num_drafts > n // 4  # many verified proposals...
+    assert 0 < counters.num_accepted_tokens < counters.num_draft_tokens  # ...some kept, some rejected
+    samples = [([o[i] for o in plain], [o[i] for o in spec]) for i in range(8)]
+    samples += [([tuple(o[i:i + 2]) for o in plain], [tuple(o[i:i + 2]) for o in spec]) for i in (1, 4)]
+    for a, b in samples:
+        stat, df = two_sample_chi2(a, b)
+        assert df >= 1 and stat < chi2_critical(df), (stat, df)
