@@ -149,7 +149,12 @@ def run_all_simulated(ns, base_args, configs, workload: Workload, progress: bool
     flops = spec.forward_flops(*workload_work(workload.num_prompt_tokens, workload.num_output_tokens,
                                               len(workload.requests)))
     runs = []
-    for config in configs:
+    disaggregate = getattr(ns, "disaggregate", None)
+    if disaggregate:
+        runs = _cluster_runs(ns, base_args, configs, workload, spec, hw, flops, progress)
+        tp = max(run["cluster"]["gpus"] for run in runs)  # the table's peaks: the largest layout's GPUs
+        peak_flops, peak_bw = hw.peak_flops * tp, hw.mem_bandwidth * tp
+    for config in [] if disaggregate else configs:
         args = replace(base_args, **dict(config.overrides))
         cost = RooflineCostModel(spec, hw, tp)
         max_model_len = args.max_model_len or spec.max_position_embeddings
@@ -184,4 +189,22 @@ def run_all_simulated(ns, base_args, configs, workload: Workload, progress: bool
             "offline": ns.offline, "machine": machine, "model": spec.name, "model_flops": flops,
             "base_args": asdict(base_args), "runs": runs,
             "simulated": {"target": target.label, "hardware": hw.to_dict(), "tensor_parallel_size": tp,
-                          "model": asdict(spec), "cost_model": RooflineCostModel(spec, hw, tp).describe()}}
+                          "model": asdict(spec), "cost_model": RooflineCostModel(spec, hw, tp).describe(),
+                          "disaggregate": disaggregate}}
+
+
+def _cluster_runs(ns, base_args, configs, workload: Workload, spec: ModelSpec, hw: Hardware, flops: float,
+                  progress: bool) -> list[dict]:
+    """``--disaggregate``: every configuration on every layout (bench/simulate_cluster.py)."""
+    from conveyor.bench.simulate_cluster import run_layout
+    from conveyor.sim.kv_transfer import get_link
+    from conveyor.sim.layout import parse_layout
+
+    layouts = [parse_layout(text, ns.tensor_parallel_size) for text in ns.disaggregate.split(",")]
+    link = get_link(ns.kv_link)
+    if ns.kv_link_gbps:
+        link = replace(link, name=f"{link.name}@{ns.kv_link_gbps:g}Gbps", bandwidth=ns.kv_link_gbps * 1e9 / 8)
+    if progress:
+        print(f"layouts: {'; '.join(l.describe() for l in layouts)}; KV link {link.describe()}")
+    return [run_layout(ns, base_args, config, layout, spec, hw, link, workload, flops, progress)
+            for layout in layouts for config in configs]
