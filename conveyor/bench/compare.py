@@ -182,6 +182,9 @@ def add_compare_parser(sub) -> None:
                    "conveyor.sim.kv_transfer.LINKS (nvlink, rdma-400g, ethernet-25g, infinite)")
     p.add_argument("--kv-link-gbps", type=float, default=None, help="with --disaggregate: override the link's "
                    "bandwidth (Gb/s per GPU, or in all for a shared link)")
+    p.add_argument("--prefill-max-num-batched-tokens", type=int, default=None, help="with --disaggregate: the "
+                   "token budget of prefill instances (default: --max-num-batched-tokens); a prefill instance has "
+                   "no decodes to protect, so it may take whole prompts")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="with --disaggregate: share of each "
                    "GPU's memory for weights + KV (each instance's KV is what its GPUs have left)")
     p.add_argument("--flush-denormal", action=argparse.BooleanOptionalAction, default=True,

@@ -42,16 +42,19 @@ def instance_kv_blocks(args, cost: RooflineCostModel, max_model_len: int, utiliz
 
 
 def build_instances(layout: Layout, args, spec: ModelSpec, hw: Hardware, max_model_len: int,
-                    utilization: float) -> list[Instance]:
-    """The layout's instances, each with its scheduler (from ``args``), KV blocks, cost model and step recorder."""
+                    utilization: float, prefill_budget: int | None = None) -> list[Instance]:
+    """The layout's instances, each with its scheduler (from ``args``; prefill instances with the token budget
+    ``prefill_budget`` when given), KV blocks, cost model and step recorder."""
     roles = ([(COLOCATED, layout.tp_colocated)] * layout.num_colocated + [(PREFILL, layout.tp_prefill)]
              * layout.num_prefill + [(DECODE, layout.tp_decode)] * layout.num_decode)
     instances = []
     counters: dict[str, int] = {}
     for role, tp in roles:
         cost = RooflineCostModel(spec, hw, tp)
-        blocks = instance_kv_blocks(args, cost, max_model_len, utilization)
-        scheduler = build_scheduler(args, blocks, max_model_len)
+        role_args = replace(args, max_num_batched_tokens=prefill_budget) if role == PREFILL and prefill_budget \
+            else args
+        blocks = instance_kv_blocks(role_args, cost, max_model_len, utilization)
+        scheduler = build_scheduler(role_args, blocks, max_model_len)
         if role == PREFILL:
             scheduler.kv = HeldKVManager(scheduler.kv)
         n = counters[role] = counters.get(role, -1) + 1
@@ -96,7 +99,8 @@ def run_layout(ns, base_args, config, layout: Layout, spec: ModelSpec, hw: Hardw
     if args.kv_layout != "paged":
         raise ValueError("--disaggregate simulates the paged KV layout only")
     max_model_len = args.max_model_len or spec.max_position_embeddings
-    instances = build_instances(layout, args, spec, hw, max_model_len, ns.gpu_memory_utilization)
+    instances = build_instances(layout, args, spec, hw, max_model_len, ns.gpu_memory_utilization,
+                                getattr(ns, "prefill_max_num_batched_tokens", None))
     scale = time_scale_for(workload, config.request_rate, ns.time_scale)
     t0 = time.perf_counter()
     result = simulate_cluster(instances, sim_requests(workload, scale, max_model_len), link,
