@@ -43,6 +43,7 @@ WORKLOADS = {
 SUMMARY_ROWS = [("70b-8xh100", "longtail", 64), ("70b-8xh100", "longtail", 96), ("70b-8xh100", "rag", 2),
                 ("70b-8xh100", "rag", 4), ("8b-2xh100", "longtail", 128), ("8b-2xh100", "rag", 8),
                 ("8b-2xh100", "rag", 12)]
+LINK_SUMMARY = {("rag", 2), ("longtail", 64)}  # the link rows of the README's table
 PREFILL_BUDGET = "8192"  # a prefill instance has no decodes to protect: whole prompts per step
 # slow-link rows: setup, workload, rates, links
 LINK_ROWS = [("70b-8xh100", "rag", "2,3", ("nvlink", "rdma-400g", "ethernet-25g")),
@@ -160,7 +161,7 @@ def main() -> int:
         lines += ["", f"{SETUPS[setup][0]}, {setup}, {name}, 1P1D@4 over each link:", "",
                   *header(slos, link_column=True)]
         lines += rows(merged, slos, link_column=True)
-        for r in merged["runs"]:
+        for r in (r for r in merged["runs"] if (name, r["request_rate"]) in LINK_SUMMARY):
             shares = [goodput(r, slo)[1] for slo in slos]
             link_rows.append(f"| {SETUPS[setup][0]}, {name} | {r['request_rate']:g} | {r['cluster']['link']['name']} | "
                              f"{shares[0]:.0%} / {shares[1]:.0%} | {r['cluster']['transfer_s']['p99'] * 1e3:,.1f} | "

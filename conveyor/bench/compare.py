@@ -226,7 +226,10 @@ def _main(ns: argparse.Namespace) -> int:
     if ns.simulate:
         from conveyor.bench.simulate import run_all_simulated
 
-        results = run_all_simulated(ns, base_args, configs, workload)
+        cluster_runs = None
+        if ns.disaggregate:
+            from conveyor.bench.simulate_cluster import cluster_runs
+        results = run_all_simulated(ns, base_args, configs, workload, cluster_runs=cluster_runs)
     else:
         from conveyor.models import EMBEDDED_NAME
 

@@ -139,8 +139,12 @@ def timings_of(result) -> list[RequestTiming]:
     return out
 
 
-def run_all_simulated(ns, base_args, configs, workload: Workload, progress: bool = True) -> dict:
-    """Simulate every configuration; return the results document (the schema of ``compare.run_all``)."""
+def run_all_simulated(ns, base_args, configs, workload: Workload, progress: bool = True,
+                      cluster_runs=None) -> dict:
+    """Simulate every configuration; return the results document (the schema of ``compare.run_all``).
+
+    ``cluster_runs`` (``bench.simulate_cluster.cluster_runs``, passed in by ``--disaggregate``) runs every
+    configuration on every multi-instance layout instead of on one engine."""
     target = load_target(ns.simulate)
     spec = resolve_spec(base_args.model, target)
     tp = ns.tensor_parallel_size
@@ -151,7 +155,7 @@ def run_all_simulated(ns, base_args, configs, workload: Workload, progress: bool
     runs = []
     disaggregate = getattr(ns, "disaggregate", None)
     if disaggregate:
-        runs = _cluster_runs(ns, base_args, configs, workload, spec, hw, flops, progress)
+        runs = cluster_runs(ns, base_args, configs, workload, spec, hw, flops, progress)
         tp = max(run["cluster"]["gpus"] for run in runs)  # the table's peaks: the largest layout's GPUs
         peak_flops, peak_bw = hw.peak_flops * tp, hw.mem_bandwidth * tp
     for config in [] if disaggregate else configs:
@@ -192,19 +196,3 @@ def run_all_simulated(ns, base_args, configs, workload: Workload, progress: bool
                           "model": asdict(spec), "cost_model": RooflineCostModel(spec, hw, tp).describe(),
                           "disaggregate": disaggregate}}
 
-
-def _cluster_runs(ns, base_args, configs, workload: Workload, spec: ModelSpec, hw: Hardware, flops: float,
-                  progress: bool) -> list[dict]:
-    """``--disaggregate``: every configuration on every layout (bench/simulate_cluster.py)."""
-    from conveyor.bench.simulate_cluster import run_layout
-    from conveyor.sim.kv_transfer import get_link
-    from conveyor.sim.layout import parse_layout
-
-    layouts = [parse_layout(text, ns.tensor_parallel_size) for text in ns.disaggregate.split(",")]
-    link = get_link(ns.kv_link)
-    if ns.kv_link_gbps:
-        link = replace(link, name=f"{link.name}@{ns.kv_link_gbps:g}Gbps", bandwidth=ns.kv_link_gbps * 1e9 / 8)
-    if progress:
-        print(f"layouts: {'; '.join(l.describe() for l in layouts)}; KV link {link.describe()}")
-    return [run_layout(ns, base_args, config, layout, spec, hw, link, workload, flops, progress)
-            for layout in layouts for config in configs]

@@ -22,8 +22,8 @@ from conveyor.bench.workload import Workload, time_scale_for
 from conveyor.sim import Hardware, ModelSpec, RooflineCostModel, SimExecutor
 from conveyor.sim.cluster import COLOCATED, DECODE, PREFILL, ClusterResult, Instance, simulate_cluster
 from conveyor.sim.held_kv import HeldKVManager
-from conveyor.sim.kv_transfer import LinkSpec, kv_bytes_per_token
-from conveyor.sim.layout import Layout
+from conveyor.sim.kv_transfer import LinkSpec, get_link, kv_bytes_per_token
+from conveyor.sim.layout import Layout, parse_layout
 
 
 def instance_kv_blocks(args, cost: RooflineCostModel, max_model_len: int, utilization: float) -> int:
@@ -136,3 +136,16 @@ def run_layout(ns, base_args, config, layout: Layout, spec: ModelSpec, hw: Hardw
         "cluster": {"layout": layout.label, "description": layout.describe(), "gpus": gpus,
                     **cluster_summary(result, link)},
     }
+
+
+def cluster_runs(ns, base_args, configs, workload: Workload, spec: ModelSpec, hw: Hardware, flops: float,
+                 progress: bool) -> list[dict]:
+    """``--disaggregate``: every configuration on every layout, as runs of the results document."""
+    layouts = [parse_layout(text, ns.tensor_parallel_size) for text in ns.disaggregate.split(",")]
+    link = get_link(ns.kv_link)
+    if ns.kv_link_gbps:
+        link = replace(link, name=f"{link.name}@{ns.kv_link_gbps:g}Gbps", bandwidth=ns.kv_link_gbps * 1e9 / 8)
+    if progress:
+        print(f"layouts: {'; '.join(l.describe() for l in layouts)}; KV link {link.describe()}")
+    return [run_layout(ns, base_args, config, layout, spec, hw, link, workload, flops, progress)
+            for layout in layouts for config in configs]
