@@ -218,7 +218,8 @@ def test_cluster_modules_import_no_torch():
     import subprocess
     import sys
 
-    code = ("import sys, conveyor.sim.cluster, conveyor.sim.held_kv, conveyor.sim.kv_transfer, conveyor.sim.layout\n"
+    code = ("import sys, conveyor.sim.cluster, conveyor.sim.instance, conveyor.sim.held_kv, conveyor.sim.kv_transfer\n"
+            "import conveyor.sim.layout\n"
             "bad = [m for m in ('torch', 'numpy', 'transformers') if m in sys.modules]\n"
             "assert not bad, bad\n")
     subprocess.run([sys.executable, "-c", code], check=True)
