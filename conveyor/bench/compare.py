@@ -174,6 +174,19 @@ def add_compare_parser(sub) -> None:
                         "else the bench model). Real runs default to the random-weights bench model, "
                         "conveyor-embedded-llama-40m-random")
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="devices per model when simulating")
+    p.add_argument("--disaggregate", default=None, metavar="LAYOUTS",
+                   help="with --simulate: multi-instance layouts, comma-separated: <n>C[@tp] colocated replicas, "
+                        "<x>P<y>D[@tp[/tp_decode]] prefill + decode instances with the KV moved between them, "
+                        "e.g. 2C@4,1P1D@4,2P1D@2/4 (TP defaults to --tensor-parallel-size); least-loaded routing")
+    p.add_argument("--kv-link", default="nvlink", help="with --disaggregate: the prefill-to-decode link, one of "
+                   "conveyor.sim.kv_transfer.LINKS (nvlink, rdma-400g, ethernet-25g, infinite)")
+    p.add_argument("--kv-link-gbps", type=float, default=None, help="with --disaggregate: override the link's "
+                   "bandwidth (Gb/s per GPU, or in all for a shared link)")
+    p.add_argument("--prefill-max-num-batched-tokens", type=int, default=None, help="with --disaggregate: the "
+                   "token budget of prefill instances (default: --max-num-batched-tokens); a prefill instance has "
+                   "no decodes to protect, so it may take whole prompts")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="with --disaggregate: share of each "
+                   "GPU's memory for weights + KV (each instance's KV is what its GPUs have left)")
     p.add_argument("--flush-denormal", action=argparse.BooleanOptionalAction, default=True,
                    help="flush denormal floats to zero on CPU (default: on, for every configuration)")
     p.set_defaults(func=_main)
@@ -201,6 +214,8 @@ def _main(ns: argparse.Namespace) -> int:
     from conveyor.bench.report import format_table, write_report
 
     ns.slo_ms = {k: float(v) for k, v in (kv.split("=") for kv in ns.slo.split(","))} if ns.slo else None
+    if getattr(ns, "disaggregate", None) and not ns.simulate:
+        raise SystemExit("--disaggregate needs --simulate (the real disaggregated engine is not built yet)")
     sweeps = sweeps_from_args(ns)
     configs = expand_configs(sweeps)
     workload = prepare_workload(load_workload(ns.workload), ns.num_requests, ns.offline)
@@ -211,7 +226,10 @@ def _main(ns: argparse.Namespace) -> int:
     if ns.simulate:
         from conveyor.bench.simulate import run_all_simulated
 
-        results = run_all_simulated(ns, base_args, configs, workload)
+        cluster_runs = None
+        if ns.disaggregate:
+            from conveyor.bench.simulate_cluster import cluster_runs
+        results = run_all_simulated(ns, base_args, configs, workload, cluster_runs=cluster_runs)
     else:
         from conveyor.models import EMBEDDED_NAME
 

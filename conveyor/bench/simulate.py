@@ -139,8 +139,12 @@ def timings_of(result) -> list[RequestTiming]:
     return out
 
 
-def run_all_simulated(ns, base_args, configs, workload: Workload, progress: bool = True) -> dict:
-    """Simulate every configuration; return the results document (the schema of ``compare.run_all``)."""
+def run_all_simulated(ns, base_args, configs, workload: Workload, progress: bool = True,
+                      cluster_runs=None) -> dict:
+    """Simulate every configuration; return the results document (the schema of ``compare.run_all``).
+
+    ``cluster_runs`` (``bench.simulate_cluster.cluster_runs``, passed in by ``--disaggregate``) runs every
+    configuration on every multi-instance layout instead of on one engine."""
     target = load_target(ns.simulate)
     spec = resolve_spec(base_args.model, target)
     tp = ns.tensor_parallel_size
@@ -149,7 +153,12 @@ def run_all_simulated(ns, base_args, configs, workload: Workload, progress: bool
     flops = spec.forward_flops(*workload_work(workload.num_prompt_tokens, workload.num_output_tokens,
                                               len(workload.requests)))
     runs = []
-    for config in configs:
+    disaggregate = getattr(ns, "disaggregate", None)
+    if disaggregate:
+        runs = cluster_runs(ns, base_args, configs, workload, spec, hw, flops, progress)
+        tp = max(run["cluster"]["gpus"] for run in runs)  # the table's peaks: the largest layout's GPUs
+        peak_flops, peak_bw = hw.peak_flops * tp, hw.mem_bandwidth * tp
+    for config in [] if disaggregate else configs:
         args = replace(base_args, **dict(config.overrides))
         cost = RooflineCostModel(spec, hw, tp)
         max_model_len = args.max_model_len or spec.max_position_embeddings
@@ -184,4 +193,6 @@ def run_all_simulated(ns, base_args, configs, workload: Workload, progress: bool
             "offline": ns.offline, "machine": machine, "model": spec.name, "model_flops": flops,
             "base_args": asdict(base_args), "runs": runs,
             "simulated": {"target": target.label, "hardware": hw.to_dict(), "tensor_parallel_size": tp,
-                          "model": asdict(spec), "cost_model": RooflineCostModel(spec, hw, tp).describe()}}
+                          "model": asdict(spec), "cost_model": RooflineCostModel(spec, hw, tp).describe(),
+                          "disaggregate": disaggregate}}
+

@@ -105,11 +105,26 @@ def shared_prefix(num_requests: int = 100, seed: int = 1, num_prefixes: int = 4,
                    f"{suffix_len[0]}-{suffix_len[1]}, out {output_len[0]}-{output_len[1]} (log-uniform)")
 
 
-GENERATORS = {"longtail": longtail, "uniform": uniform, "shared-prefix": shared_prefix}
+def rag(num_requests: int = 100, seed: int = 1, prompt_len: tuple[int, int] = (2048, 7168),
+        output_len: tuple[int, int] = (32, 256), arrival: str = "poisson", rate: float | None = 2.0,
+        burstiness: float = 1.0, vocab_size: int = 32000) -> Workload:
+    """Prefill-heavy: long retrieval-augmented prompts (2k-7k tokens) with short answers (32-256), log-uniform.
+
+    The traffic disaggregated serving is built for: prompt work dwarfs decode work, so colocated prefills keep
+    interrupting decodes. The bounds keep prompt + answer within an 8k context (Llama-3's)."""
+    rng = random.Random(seed)
+    reqs = [("rag", random_tokens(rng, log_uniform(rng, *prompt_len), vocab_size), log_uniform(rng, *output_len))
+            for _ in range(num_requests)]
+    return _finish("rag", reqs, seed, arrival, rate, rng, burstiness,
+                   f"prefill-heavy rag: prompt {prompt_len[0]}-{prompt_len[1]}, out {output_len[0]}-{output_len[1]} "
+                   "(log-uniform)")
+
+
+GENERATORS = {"longtail": longtail, "uniform": uniform, "shared-prefix": shared_prefix, "rag": rag}
 
 
 def add_workload_parser(sub) -> None:
-    p = sub.add_parser("workload", help="generate a synthetic workload trace (long-tail, uniform, shared-prefix)")
+    p = sub.add_parser("workload", help="generate a synthetic workload trace (long-tail, uniform, shared-prefix, rag)")
     p.add_argument("kind", choices=sorted(GENERATORS))
     p.add_argument("--num-requests", type=int, default=100)
     p.add_argument("--seed", type=int, default=1)

@@ -167,10 +167,15 @@ class Scheduler:
             request = self.waiting[0]
             if not self.policy.admits(request):
                 break
+            # A waiting request normally holds no KV (new, or preempted and reset to 0): it starts from a prefix-
+            # cache lookup. One handed over with its KV already computed elsewhere (a disaggregated prefill
+            # instance's, see sim/disagg.py) keeps that count: blocks are allocated here for all its tokens and only
+            # the rest is scheduled, as vLLM's scheduler counts a KV connector's external tokens.
+            handed_over = request.num_computed_tokens
             hit_blocks, hit_tokens = ([], 0)
-            if request.num_computed_tokens == 0:
+            if handed_over == 0:
                 hit_blocks, hit_tokens = self.kv.get_computed_blocks(request)
-            num_new = budget.grant(request.num_tokens - hit_tokens)
+            num_new = budget.grant(request.num_tokens - handed_over - hit_tokens)
             if num_new == 0:
                 break
             new_blocks = self.kv.allocate_slots(request, num_new, hit_blocks)
@@ -179,7 +184,7 @@ class Scheduler:
             self.waiting.popleft()
             if request.num_preemptions == 0:
                 request.num_cached_prompt_tokens = hit_tokens
-            request.num_computed_tokens = hit_tokens
+            request.num_computed_tokens = handed_over + hit_tokens
             request.status = RequestStatus.RUNNING
             if request.times.first_scheduled is None:
                 request.times.first_scheduled = now
