@@ -129,7 +129,7 @@ class LLMEngine:
             from conveyor.core.slab_manager import SlabKVManager
 
             return SlabKVManager(num_blocks, cache.block_size, self.max_model_len)
-        return KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
+        return KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching, cache.prefix_cache_eviction)
 
     @functools.cached_property
     def info(self) -> EngineInfo:
