@@ -159,7 +159,7 @@ def make_free_blocks(policy: str, blocks: list[KVBlock]) -> FreeBlockList | Cost
     if policy == "lru":
         return FreeBlockList(blocks)
     if policy == "cost":
-        return CostAwareFreeBlocks(blocks)
+        return CostAwareFreeBlocks(FreeBlockList(blocks), len(blocks))
     raise ValueError(f"prefix_cache_eviction must be one of {', '.join(PREFIX_EVICTION_POLICIES)}, got {policy!r}")
 
 

@@ -25,11 +25,11 @@ only when every free cached block has one (their children are in use), the lowes
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from conveyor.core.block_pool import KVBlock
+if TYPE_CHECKING:  # block_pool builds this class: a runtime import back would be a cycle
+    from conveyor.core.block_pool import FreeBlockList, KVBlock
 
 PREFIX_EVICTION_POLICIES = ("lru", "cost")
 # Rebuild the heap when stale entries outnumber live ones by this factor (plus a floor): amortized O(1) per
@@ -45,12 +45,10 @@ class CostAwareFreeBlocks:
     iteration) plus the hooks the pool calls on a hit, on caching a block and on dropping a block's hash.
     """
 
-    def __init__(self, blocks: Iterable[KVBlock]) -> None:
-        from conveyor.core.block_pool import FreeBlockList  # the module that imports this one
-
-        blocks = list(blocks)
-        n = max((b.block_id for b in blocks), default=-1) + 1
-        self.unhashed = FreeBlockList(blocks)
+    def __init__(self, unhashed: FreeBlockList, num_blocks: int) -> None:
+        """``unhashed``: a ``FreeBlockList`` holding the pool's free blocks (all of them, at start)."""
+        n = num_blocks
+        self.unhashed = unhashed
         self.heap: list[tuple[int, float, int, KVBlock]] = []
         self.clock = 0.0  # GDSF's L: the priority of the last block evicted
         self._seq = 0  # ties (equal priority) go in freed order: LRU among equals

@@ -135,10 +135,13 @@ class LLMEngine:
     def info(self) -> EngineInfo:
         """This engine's facts fixed for the run, as a server reads them of any engine (``ServedEngine.info``)."""
         from conveyor.models import EMBEDDED_NAME
+        from conveyor.models.flops import per_token_linear_params
 
+        m = self.model_info
+        hit_flops = (2.0 * per_token_linear_params(self.model), 4.0 * m.num_layers * m.num_heads * m.head_dim)
         return EngineInfo(self.args, self.tokenizer, self.model_info, self.max_model_len, self.max_seqs_per_request,
                           self.num_kv_blocks, os.getpid(), self.load_time_s, self.init_time_s,
-                          self.model_info.name == EMBEDDED_NAME)
+                          self.model_info.name == EMBEDDED_NAME, hit_flops)
 
     # ---- requests ---------------------------------------------------------------------------------------
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
