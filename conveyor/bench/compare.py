@@ -19,6 +19,7 @@ from pathlib import Path
 
 from conveyor.bench.engine_metrics import engine_stats, step_dict
 from conveyor.bench.metrics import summarize
+from conveyor.bench.prefix_savings import prefix_savings
 from conveyor.bench.workload import Workload, load_workload, time_scale_for
 
 # knob -> (EngineArgs field, parser, label prefix, policies it matters to (None: all))
@@ -29,6 +30,7 @@ SWEEPS = {
     "block_size": ("block_size", int, "bs=", None),
     "max_num_batched_tokens": ("max_num_batched_tokens", int, "T=", ("chunked",)),
     "kv_layout": ("kv_layout", str, "", None),
+    "prefix_cache_eviction": ("prefix_cache_eviction", str, "evict=", None),
     "kv_cache_memory": ("kv_cache_memory", float, "kv=", None),
     "request_rate": ("request_rate", float, "rate=", None),
 }
@@ -80,6 +82,11 @@ def expand_configs(sweeps: dict[str, list]) -> list[RunConfig]:
     return labelled
 
 
+def workload_prompts(workload: Workload) -> dict[str, list[int]]:
+    """Request id -> prompt token ids, for the requests that carry them (the by-prefix hit table)."""
+    return {str(r.id): r.prompt_token_ids for r in workload.requests if r.prompt_token_ids is not None}
+
+
 def prepare_workload(workload: Workload, num_requests: int | None, offline: bool) -> Workload:
     if num_requests:
         workload = Workload(workload.name, workload.requests[:num_requests], workload.seed,
@@ -119,6 +126,11 @@ def _run_configs(ns, base_args, configs: list[RunConfig], workload: Workload, pr
     weight_bytes = sum(p.numel() * p.element_size() for p in base.model.parameters())
     flops = model_flops(base.model, base.model_info, workload.num_prompt_tokens, workload.num_output_tokens,
                         len(workload.requests))
+    from conveyor.models.flops import per_token_linear_params
+
+    info = base.model_info  # a prefix hit's FLOPs: per token through the layers, per key attended
+    hit_flops = (2.0 * per_token_linear_params(base.model), 4.0 * info.num_layers * info.num_heads * info.head_dim)
+    prompts = workload_prompts(workload)
     runs = []
     for config in configs:
         args = replace(base_args, **dict(config.overrides))
@@ -134,6 +146,8 @@ def _run_configs(ns, base_args, configs: list[RunConfig], workload: Workload, pr
             "offered_rate": (len(workload.requests) / (max(r.arrival_s for r in workload.requests) * scale)
                              if scale and workload.requests[-1].arrival_s > 0 else None),
             "num_kv_blocks": engine.num_kv_blocks, "summary": summary.to_dict(), "engine": stats.to_dict(),
+            "prefix": prefix_savings(result.steps, *hit_flops, prompts, args.block_size,
+                                     kv=engine.kv_manager).to_dict(),
             "timings": [asdict(t) for t in result.timings], "steps": [step_dict(s) for s in result.steps],
             "output_token_ids": result.output_token_ids,
         })

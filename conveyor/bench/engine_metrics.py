@@ -84,7 +84,8 @@ def step_dict(s) -> dict:
     return {k: getattr(s, k) for k in ("start", "end", "num_reqs", "num_prefill_tokens", "num_decode_tokens",
                                        "num_padding_tokens", "num_idle_slot_tokens", "num_running", "num_waiting",
                                        "kv_usage", "kv_reserved_slots", "kv_stored_tokens", "num_preempted",
-                                       "num_scheduled_tokens")}
+                                       "num_scheduled_tokens", "num_cached_tokens",
+                                       "num_admitted_tokens")}
 
 
 def slot_intervals(scheduled: list[dict[str, int]]) -> dict[str, tuple[int, int]]:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from conveyor.bench.prefix_savings import format_top_prefixes
+
 COLUMNS = [  # header, how to get it from one run, format
     ("config", lambda r: r["label"], "{}"),
     ("wall s", lambda r: r["summary"]["duration_s"], "{:.1f}"),
@@ -21,6 +23,11 @@ COLUMNS = [  # header, how to get it from one run, format
     ("batch", lambda r: r["engine"]["mean_batch_size"], "{:.1f}"),
     ("preempt", lambda r: r["engine"]["preemptions"], "{}"),
     ("% matmul", lambda r: r["engine"]["matmul_fraction"] or 0.0, "{:.0%}"),
+    # what the prefix cache saved (prefix_savings); absent in results written before it existed
+    ("hit rate", lambda r: r.get("prefix", {}).get("hit_rate", 0.0), "{:.0%}"),
+    ("saved tok", lambda r: r.get("prefix", {}).get("saved_tokens", 0), "{}"),
+    ("saved PFLOP", lambda r: r.get("prefix", {}).get("saved_flops", 0.0) / 1e15, "{:.3g}"),
+    ("saved s", lambda r: r.get("prefix", {}).get("saved_seconds", 0.0), "{:.2f}"),
 ]
 
 
@@ -44,6 +51,34 @@ def markdown_table(results: dict) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(row) + " |" for row in table_rows(results)]
     return "\n".join(lines)
+
+
+def prefix_section(results: dict) -> list[str]:
+    """The prefix cache's savings per run, and each run's top prefixes by prompt tokens with their hit rates."""
+    runs = [r for r in results["runs"] if r.get("prefix", {}).get("admitted_tokens")]
+    if not runs:
+        return []
+    lines = ["## prefix cache", "",
+             "*hit rate* = prompt tokens served from the cache / tokens of the requests admitted; *saved s* = each "
+             "step's saved tokens at that step's measured rate (duration / tokens computed; overstates where small "
+             "steps are bound by weight streaming), and at the run's fastest step's rate (a lower bound); *saved PFLOP* = the "
+             "skipped forward passes (linear layers + causal attention over the hit). Lookup counters are vLLM's "
+             "prefix_cache_queries / hits (per lookup: an admission that found no room looks again).", "",
+             "| config | hit rate | saved tokens | saved PFLOP | saved s (step rate) | saved s (peak rate) | busy s | "
+             "evictions | lookup hit rate |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in runs:
+        p = r["prefix"]
+        q, h = p.get("lookup_queries"), p.get("lookup_hits")
+        lookup = f"{h / q:.1%}" if q else "-"
+        lines.append(f"| {r['label']} | {p['hit_rate']:.1%} | {p['saved_tokens']} | {p['saved_flops'] / 1e15:.3g} | "
+                     f"{p['saved_seconds']:.2f} | {p.get('saved_seconds_at_peak', 0.0):.2f} | {p['busy_s']:.2f} | "
+                     f"{p.get('evictions')} | {lookup} |")
+    for r in runs:
+        if r["prefix"].get("top_prefixes"):
+            lines += ["", f"Top prefixes, {r['label']} (first-block key, hit rate at first admission):", ""]
+            lines += format_top_prefixes(r["prefix"]["top_prefixes"])
+    return lines + [""]
 
 
 def write_report(results: dict, out: Path, plots: list[Path]) -> Path:
@@ -70,6 +105,7 @@ def write_report(results: dict, out: Path, plots: list[Path]) -> Path:
         "wall / measured square-GEMM rate. Static and dynamic report a request finished when its own output "
         "completes; its slot stays busy (and is counted as waste) until the batch drains.", "",
     ]
+    lines += prefix_section(results)
     for path in plots:
         lines += [f"## {path.stem.replace('_', ' ')}", "", f"![{path.stem}]({path.name})", ""]
     report = out / "report.md"

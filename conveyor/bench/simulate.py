@@ -16,6 +16,7 @@ from pathlib import Path
 from conveyor.bench.engine_metrics import engine_stats, step_dict
 from conveyor.bench.metrics import RequestTiming, summarize
 from conveyor.bench.offline import workload_work
+from conveyor.bench.prefix_savings import prefix_savings
 from conveyor.bench.workload import Workload, time_scale_for
 from conveyor.core.kv_manager import KVCacheManager
 from conveyor.core.request import Request
@@ -95,7 +96,7 @@ def build_scheduler(args, blocks: int, max_model_len: int) -> Scheduler:
     if args.kv_layout == "slab":
         kv = SlabKVManager(blocks, args.block_size, max_model_len)
     else:
-        kv = KVCacheManager(blocks, args.block_size, args.enable_prefix_caching)
+        kv = KVCacheManager(blocks, args.block_size, args.enable_prefix_caching, args.prefix_cache_eviction)
     return Scheduler(args.scheduler_config(max_model_len), kv)
 
 
@@ -152,6 +153,7 @@ def run_all_simulated(ns, base_args, configs, workload: Workload, progress: bool
     peak_flops, peak_bw = hw.peak_flops * tp, hw.mem_bandwidth * tp
     flops = spec.forward_flops(*workload_work(workload.num_prompt_tokens, workload.num_output_tokens,
                                               len(workload.requests)))
+    prompts = {str(r.id): r.prompt_token_ids for r in workload.requests if r.prompt_token_ids is not None}
     runs = []
     disaggregate = getattr(ns, "disaggregate", None)
     if disaggregate:
@@ -166,8 +168,8 @@ def run_all_simulated(ns, base_args, configs, workload: Workload, progress: bool
         scale = time_scale_for(workload, config.request_rate, ns.time_scale)
         recorder = StepRecorder()
         t0 = time.perf_counter()
-        result = simulate(build_scheduler(args, blocks, max_model_len), SimExecutor(cost),
-                          sim_requests(workload, scale, max_model_len), recorder)
+        scheduler = build_scheduler(args, blocks, max_model_len)
+        result = simulate(scheduler, SimExecutor(cost), sim_requests(workload, scale, max_model_len), recorder)
         if progress:
             print(f"{config.label}: {len(result.requests)} requests, {result.num_steps} steps, "
                   f"{result.duration_s:.1f} virtual s in {time.perf_counter() - t0:.1f} s")
@@ -180,6 +182,8 @@ def run_all_simulated(ns, base_args, configs, workload: Workload, progress: bool
             "offered_rate": len(workload.requests) / (last_arrival * scale) if scale and last_arrival > 0 else None,
             "num_kv_blocks": blocks, "summary": summarize(timings_of(result), duration, ns.slo_ms).to_dict(),
             "engine": stats.to_dict(), "timings": [asdict(t) for t in timings_of(result)],
+            "prefix": prefix_savings(recorder.steps, 2.0 * spec.per_token_linear_params, 4.0 * spec.num_layers
+                                     * spec.q_dim, prompts, args.block_size, kv=scheduler.kv).to_dict(),
             "steps": [step_dict(s) for s in recorder.steps], "output_token_ids": {},
             "sim": {"flops": recorder.flops, "bytes": recorder.bytes, "busy_s": result.busy_s,
                     "mfu": flops / duration / peak_flops if duration > 0 else 0.0,

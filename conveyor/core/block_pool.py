@@ -9,6 +9,8 @@ a later request can reuse, so it goes to the *head* instead: it is handed out be
 and the blocks in use stay the recently used ones (their memory already committed and likely still in the CPU's
 cache) instead of walking the whole KV cache.
 A cache hit on a free block unlinks it from the middle of the list in O(1) (intrusive doubly linked list).
+That is the ``lru`` eviction policy (the default); ``--prefix-cache-eviction cost`` swaps the free list for the
+cost-aware one of ``prefix_eviction`` (unhashed blocks still go first there).
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from __future__ import annotations
 import struct
 from collections.abc import Callable, Iterable, Sequence
 from hashlib import sha256
+
+from conveyor.core.prefix_eviction import PREFIX_EVICTION_POLICIES, CostAwareFreeBlocks
 
 # A block's prefix-cache key: a SHA-256 digest (32 bytes). See hash_block and docs/prefix-cache-keys.md.
 BlockHash = bytes
@@ -133,16 +137,44 @@ class FreeBlockList:
             yield block
             block = block.next_free
 
+    # The eviction-policy hooks (see prefix_eviction): LRU's order is the list itself, so it keeps no score.
+    def on_hit(self, block: KVBlock) -> None:
+        pass
+
+    def on_cached(self, block: KVBlock, parent: KVBlock | None, position: int) -> None:
+        pass
+
+    def on_evicted(self, block: KVBlock) -> None:
+        pass
+
+    def on_reset(self) -> None:
+        pass
+
+    def check_invariants(self, blocks: list[KVBlock], cached: dict) -> None:
+        pass
+
+
+def make_free_blocks(policy: str, blocks: list[KVBlock]) -> FreeBlockList | CostAwareFreeBlocks:
+    """The free-block structure that implements eviction policy ``policy`` (``PREFIX_EVICTION_POLICIES``)."""
+    if policy == "lru":
+        return FreeBlockList(blocks)
+    if policy == "cost":
+        return CostAwareFreeBlocks(FreeBlockList(blocks), len(blocks))
+    raise ValueError(f"prefix_cache_eviction must be one of {', '.join(PREFIX_EVICTION_POLICIES)}, got {policy!r}")
+
 
 class BlockPool:
-    """``num_blocks`` blocks, their ref counts, and the hash -> block table of cached full blocks."""
+    """``num_blocks`` blocks, their ref counts, and the hash -> block table of cached full blocks.
 
-    def __init__(self, num_blocks: int) -> None:
+    ``eviction`` names the order in which cached free blocks are given up (``lru``, ``cost``: prefix_eviction)."""
+
+    def __init__(self, num_blocks: int, eviction: str = "lru") -> None:
         if num_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
+        self.eviction = eviction
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
-        self.free_list = FreeBlockList(self.blocks)
+        self.free_list = make_free_blocks(eviction, self.blocks)
         self.cached: dict[BlockHash, KVBlock] = {}
         self.num_evictions = 0
 
@@ -174,6 +206,7 @@ class BlockPool:
                 del self.cached[block.block_hash]
                 block.reset_hash()
                 self.num_evictions += 1
+                self.free_list.on_evicted(block)
             block.ref_cnt = 1
             out.append(block)
         return out
@@ -184,6 +217,7 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self.free_list.remove(block)
             block.ref_cnt += 1
+            self.free_list.on_hit(block)
 
     def free(self, blocks_in_eviction_order: Iterable[KVBlock]) -> None:
         """Drop one reference each; blocks reaching zero join the free list: cached ones at the tail in the given
@@ -197,17 +231,25 @@ class BlockPool:
                 else:
                     self.free_list.append(block)
 
-    def cache_full_block(self, block: KVBlock, block_hash: BlockHash) -> None:
-        """Make a full block findable by its hash (first writer wins; a duplicate stays unhashed)."""
+    def cache_full_block(self, block: KVBlock, block_hash: BlockHash, parent_hash: BlockHash | None = None,
+                         position: int = 0) -> None:
+        """Make a full block findable by its hash (first writer wins; a duplicate stays unhashed).
+
+        ``parent_hash`` (the key before it in its chain, None for a first block) and ``position`` (its index in
+        the chain) tell the eviction policy where the block sits: the holder of the parent key is the block whose
+        eviction would make this one unreachable."""
         if block.block_hash is None and block_hash not in self.cached:
             block.block_hash = block_hash
             self.cached[block_hash] = block
+            parent = None if parent_hash is None else self.cached.get(parent_hash)
+            self.free_list.on_cached(block, parent, position)
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached hash (e.g. after a weight reload)."""
         for block in self.cached.values():
             block.reset_hash()
         self.cached.clear()
+        self.free_list.on_reset()
 
     def check_invariants(self, owners: dict[int, int]) -> None:
         """Raise AssertionError unless the pool is consistent. ``owners``: block id -> number of owning requests."""
@@ -223,3 +265,4 @@ class BlockPool:
         used = sum(1 for b in self.blocks if b.ref_cnt > 0)
         assert used + self.num_free_blocks == self.num_blocks, "free + used != total"
         assert all(b.block_hash == h for h, b in self.cached.items()), "hash table points at a re-hashed block"
+        self.free_list.check_invariants(self.blocks, self.cached)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from conveyor.core.prefix_eviction import PREFIX_EVICTION_POLICIES
 from conveyor.core.speculative import SpeculativeConfig
 
 KV_LAYOUTS = ("paged", "slab")
@@ -56,6 +57,7 @@ class CacheConfig:
     kv_cache_memory: float = 1.0  # GiB, used when num_kv_blocks is None
     enable_prefix_caching: bool = True
     kv_layout: str = "paged"
+    prefix_cache_eviction: str = "lru"  # which cached free block goes first: core.prefix_eviction
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -66,3 +68,6 @@ class CacheConfig:
             raise ValueError(f"kv_cache_memory must be > 0 GiB, got {self.kv_cache_memory}")
         if self.kv_layout not in KV_LAYOUTS:
             raise ValueError(f"kv_layout must be one of {', '.join(KV_LAYOUTS)}, got {self.kv_layout!r}")
+        if self.prefix_cache_eviction not in PREFIX_EVICTION_POLICIES:
+            raise ValueError(f"prefix_cache_eviction must be one of {', '.join(PREFIX_EVICTION_POLICIES)}, "
+                             f"got {self.prefix_cache_eviction!r}")

@@ -22,6 +22,7 @@ class KVManager(Protocol):
     num_blocks: int
     prefix_queries: int  # prompt tokens looked up in the prefix cache, cumulative
     prefix_hits: int  # of which found
+    prefix_saved_tokens: int  # prompt tokens served from the cache at admission, not recomputed, cumulative
 
     def usage(self) -> float:
         """Fraction of the cache's blocks held by requests (1.0: full)."""

@@ -22,12 +22,13 @@ class KVCacheManager:
 
     layout = "paged"
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 prefix_cache_eviction: str = "lru") -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.pool = BlockPool(num_blocks)
+        self.pool = BlockPool(num_blocks, prefix_cache_eviction)
         self.req_blocks: dict[str, list[KVBlock]] = {}
         # How many leading blocks of each table were offered to the cache: each step looks only at the blocks that
         # filled since (a decode fills one block in block_size steps), not the whole table again. A block whose
@@ -35,6 +36,10 @@ class KVCacheManager:
         self.num_cached_blocks: dict[str, int] = {}
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0  # of which found
+        # Of the hits, the tokens whose KV a request really took (committed by allocate_slots): what the cache
+        # saved. Less than prefix_hits when an admission found its prefix but had no room and looked again later
+        # (vLLM counts queries and hits the same way, per lookup).
+        self.prefix_saved_tokens = 0
 
     @property
     def num_blocks(self) -> int:
@@ -108,6 +113,7 @@ class KVCacheManager:
         if num_needed + num_hits_free > self.pool.num_free_blocks:
             return None
         self.pool.touch(computed_blocks)
+        self.prefix_saved_tokens += len(computed_blocks) * self.block_size
         new_blocks = self.pool.allocate(max(num_needed, 0))
         blocks = self.req_blocks.setdefault(request.request_id, [])
         blocks.extend(computed_blocks)
@@ -125,7 +131,7 @@ class KVCacheManager:
         hashes = self._update_block_hashes(request, num_tokens)
         for i in range(start, n_full):
             if blocks[i].block_hash is None:
-                self.pool.cache_full_block(blocks[i], hashes[i])
+                self.pool.cache_full_block(blocks[i], hashes[i], hashes[i - 1] if i else None, i)
         self.num_cached_blocks[request.request_id] = n_full
 
     def trim(self, request: Request, num_tokens: int) -> int | None:

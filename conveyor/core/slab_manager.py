@@ -40,6 +40,7 @@ class SlabKVManager:
         self.req_slab: dict[str, int] = {}
         self.prefix_queries = 0  # no prefix caching in this layout: always 0
         self.prefix_hits = 0
+        self.prefix_saved_tokens = 0
 
     def usage(self) -> float:
         return len(self.req_slab) * self.blocks_per_slab / self.num_blocks

@@ -13,6 +13,7 @@ from dataclasses import MISSING, dataclass, field, fields
 
 from conveyor.core.config import ATTENTION_BACKENDS, KV_LAYOUTS, QUANTIZATION_CHOICES, CacheConfig, SchedulerConfig
 from conveyor.core.policies import POLICIES
+from conveyor.core.prefix_eviction import PREFIX_EVICTION_POLICIES
 
 DTYPE_CHOICES = ("float32", "bfloat16", "float16", "auto")
 
@@ -58,6 +59,10 @@ class EngineArgs:
     kv_cache_memory: float = _arg(CacheConfig.kv_cache_memory, "KV cache size in GiB")
     enable_prefix_caching: bool = _arg(CacheConfig.enable_prefix_caching, "reuse the KV of shared prompt prefixes")
     kv_layout: str = _arg(CacheConfig.kv_layout, "KV cache layout", choices=KV_LAYOUTS)
+    prefix_cache_eviction: str = _arg(CacheConfig.prefix_cache_eviction, "which cached prefix block a full KV "
+                                      "cache gives up first: lru (least recently freed) or cost (GDSF: hits x "
+                                      "recompute cost, aged; leaves of a chain first)",
+                                      choices=PREFIX_EVICTION_POLICIES)
     attention_backend: str = _arg("auto", "attention implementation: auto and cpu pick the fastest this machine "
                                           "runs (see conveyor.layers.attention)", choices=ATTENTION_BACKENDS)
     max_num_queued_reqs: int | None = _arg(None, "bound on waiting requests (default: unbounded)")

@@ -51,6 +51,9 @@ class EngineInfo:
     load_time_s: float  # tokenizer + weights
     init_time_s: float  # plus the KV cache and runner
     random_weights: bool  # the embedded bench model: the server warns that its output is noise
+    # What a prefix-cache hit saves, from the model: (FLOPs per token through the layers, FLOPs per key attended);
+    # a hit of H tokens skips a * H + b * H(H+1)/2 (StepRecord.saved_attended_keys). Zeros: unknown.
+    prefix_hit_flops: tuple[float, float] = (0.0, 0.0)
 
     def encode(self, text: str, add_special_tokens: bool = True, field: str = "prompt") -> list[int]:
         """Token ids of ``text``, as the engine's own ``encode`` (``prompts.encode_text``)."""

@@ -129,16 +129,19 @@ class LLMEngine:
             from conveyor.core.slab_manager import SlabKVManager
 
             return SlabKVManager(num_blocks, cache.block_size, self.max_model_len)
-        return KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
+        return KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching, cache.prefix_cache_eviction)
 
     @functools.cached_property
     def info(self) -> EngineInfo:
         """This engine's facts fixed for the run, as a server reads them of any engine (``ServedEngine.info``)."""
         from conveyor.models import EMBEDDED_NAME
+        from conveyor.models.flops import per_token_linear_params
 
+        m = self.model_info
+        hit_flops = (2.0 * per_token_linear_params(self.model), 4.0 * m.num_layers * m.num_heads * m.head_dim)
         return EngineInfo(self.args, self.tokenizer, self.model_info, self.max_model_len, self.max_seqs_per_request,
                           self.num_kv_blocks, os.getpid(), self.load_time_s, self.init_time_s,
-                          self.model_info.name == EMBEDDED_NAME)
+                          self.model_info.name == EMBEDDED_NAME, hit_flops)
 
     # ---- requests ---------------------------------------------------------------------------------------
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:

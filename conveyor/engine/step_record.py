@@ -25,6 +25,10 @@ class StepRecord:
     kv_usage: float = 0.0
     kv_reserved_slots: int = 0  # token slots held by requests (paged: their blocks; slab: whole slabs)
     kv_stored_tokens: int = 0  # tokens actually in the cache
+    # Prefix-cache hits taken this step, per admitted request (its prompt tokens served from the cache; 0 for a
+    # miss), from SchedulerOutput: the tokens the step did not recompute (docs/prefix-cache.md).
+    num_cached_tokens: dict[str, int] = field(default_factory=dict)
+    num_admitted_tokens: int = 0  # tokens of those requests (prompt, plus outputs for a resumed one): the asked
 
     @property
     def duration(self) -> float:
@@ -34,6 +38,23 @@ class StepRecord:
     def num_tokens(self) -> int:
         """Every token the forward pass computed, useful or not."""
         return self.num_prefill_tokens + self.num_decode_tokens + self.num_padding_tokens
+
+    @property
+    def num_saved_tokens(self) -> int:
+        """Prompt tokens this step took from the prefix cache instead of computing them."""
+        return sum(self.num_cached_tokens.values())
+
+    def saved_attended_keys(self) -> int:
+        """Keys the saved tokens' queries would have attended to: a hit of H tokens at the start of a prompt is
+        positions 0..H-1, attending to 1..H keys (causal), H(H+1)/2 in all. With ``models.flops``'s
+        (FLOPs per token, FLOPs per attended key) that prices the hit as ``forward_flops(H, 0, H(H+1)/2)``."""
+        return sum(h * (h + 1) // 2 for h in self.num_cached_tokens.values())
+
+    def saved_seconds(self) -> float:
+        """The saved tokens at this step's measured rate (its duration / tokens it computed): what computing them
+        in this step would have added, linearly (attention's growth with position is not in a per-token rate)."""
+        n = self.num_tokens
+        return self.num_saved_tokens * self.duration / n if n and self.end > self.start else 0.0
 
     @classmethod
     def before(cls, start: float, out: SchedulerOutput, scheduler) -> StepRecord:
@@ -45,8 +66,13 @@ class StepRecord:
                 decode += 1
             else:
                 prefill += n
+        # A new request's num_computed_tokens at scheduling is its prefix hit (0 for a miss; a resumed preempted
+        # request is new to the executor again, and its hit is again what this step does not recompute).
+        cached = {n.request_id: n.num_computed_tokens for n in out.scheduled_new_reqs}
+        admitted = sum(len(n.token_ids) for n in out.scheduled_new_reqs)
         return cls(start, out.num_reqs, prefill, decode, out.num_padding_tokens, out.num_idle_slot_tokens,
-                   out.num_scheduled_tokens, len(out.preempted_req_ids))
+                   out.num_scheduled_tokens, len(out.preempted_req_ids), num_cached_tokens=cached,
+                   num_admitted_tokens=admitted)
 
     def finish(self, end: float, scheduler) -> None:
         self.end = end

@@ -6,7 +6,10 @@ Where the numbers come from:
   after every step and every command (so they are exact even while the engine idles): the event loop never
   reads the live scheduler;
 - per-request histograms and token counters come from every ``RequestOutput`` (``ServedEngine.output_listeners``);
-- tokens per step come from ``StepRecord`` (``ServedEngine.step_listeners``).
+- tokens per step, and what the prefix cache saved (tokens not recomputed, their FLOPs, their seconds at the
+  step's measured rate), come from ``StepRecord`` (``ServedEngine.step_listeners``). The hit rate is
+  ``rate(prefix_cache_hits) / rate(prefix_cache_queries)``, as in vLLM; no per-prefix label (unbounded
+  cardinality): the bench report has the hit rate by prefix.
 Listeners run on the engine thread (an engine in this process) or on the event loop (an engine in its own
 process, whose records and outputs arrive with each step's message); prometheus-client metrics are thread-safe.
 """
@@ -108,6 +111,14 @@ class ServerMetrics:
                                     REQUEST_LATENCY_BUCKETS)
         self.iteration_tokens = histogram("iteration_tokens_total", "Tokens computed per engine step.",
                                           ITERATION_TOKEN_BUCKETS)
+        # vLLM has no names for these; they sit beside its prefix_cache_queries / prefix_cache_hits.
+        self.saved_tokens = counter("prefix_cache_saved_tokens", "Prompt tokens taken from the prefix cache at "
+                                    "admission instead of computed.")
+        self.saved_flops = counter("prefix_cache_saved_flops", "Model FLOPs of the prompt tokens taken from the "
+                                   "prefix cache (linear layers + causal attention over the hit).")
+        self.saved_seconds = counter("prefix_cache_saved_seconds", "The saved tokens priced at the measured rate "
+                                     "(duration / tokens computed) of the step that admitted them.")
+        self._hit_flops = getattr(async_engine.info, "prefix_hit_flops", (0.0, 0.0))
         self._labels = labels
         self._counted: dict[str, int] = {}  # request id -> generated tokens already counted
         # Plain totals for the periodic log line (reading prometheus objects back is not their purpose).
@@ -124,6 +135,12 @@ class ServerMetrics:
     # ---- listeners (engine thread or loop) ---------------------------------------------------------------
     def on_step(self, record: StepRecord) -> None:
         self.iteration_tokens.observe(record.num_tokens)
+        saved = record.num_saved_tokens
+        if saved:
+            per_token, per_key = self._hit_flops
+            self.saved_tokens.inc(saved)
+            self.saved_flops.inc(per_token * saved + per_key * record.saved_attended_keys())
+            self.saved_seconds.inc(record.saved_seconds())
 
     def on_output(self, out: RequestOutput) -> None:
         m = out.metrics

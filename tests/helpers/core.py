@@ -10,9 +10,10 @@ from conveyor.core.kv_manager import KVCacheManager
 EOS = 2
 
 
-def make_scheduler(num_blocks: int = 64, block_size: int = 4, enable_prefix_caching: bool = True, **overrides):
+def make_scheduler(num_blocks: int = 64, block_size: int = 4, enable_prefix_caching: bool = True,
+                   prefix_cache_eviction: str = "lru", **overrides):
     config = SchedulerConfig(**{"max_model_len": 1024, "max_num_batched_tokens": 64, **overrides})
-    return Scheduler(config, KVCacheManager(num_blocks, block_size, enable_prefix_caching))
+    return Scheduler(config, KVCacheManager(num_blocks, block_size, enable_prefix_caching, prefix_cache_eviction))
 
 
 def make_request(rid: str, prompt_len: int = 8, max_tokens: int = 4, first_token: int = 10, **params) -> Request:

@@ -283,6 +283,27 @@ def test_metrics_parse_and_move(server, client):
     assert json.dumps(after)  # plain numbers only
 
 
+def test_metrics_count_what_the_prefix_cache_saved(server, client):
+    # The same long prompt twice: the second finds the first's full blocks cached and skips them.
+    prompt = " ".join(f"w{i}" for i in range(20, 60))
+    client.completions.create(model="tiny", prompt=prompt, **GREEDY)
+    before = metrics(server.url)
+    client.completions.create(model="tiny", prompt=prompt, **GREEDY)
+    after = metrics(server.url)
+
+    def delta(name):
+        return after.get(f"conveyor:{name}", 0.0) - before.get(f"conveyor:{name}", 0.0)
+
+    saved = delta("prefix_cache_saved_tokens_total")
+    block_size = server.engine.info.args.block_size
+    assert saved >= block_size and saved % block_size == 0
+    assert saved == delta("prefix_cache_hits_total")  # no cache pressure: every hit found was taken
+    per_token, per_key = server.engine.info.prefix_hit_flops
+    assert per_token > 0 and per_key > 0
+    assert delta("prefix_cache_saved_flops_total") == pytest.approx(per_token * saved + per_key * saved * (saved + 1) / 2)
+    assert delta("prefix_cache_saved_seconds_total") > 0
+
+
 # ---- a bounded queue and an API key: a second, small server -----------------------------------------------
 @pytest.fixture(scope="module")
 def guarded(model_dir):

@@ -89,6 +89,29 @@ def test_prefix_cache_hits_are_reproduced(tiny_llama_dir):
     assert simulated_schedule(replace(base, enable_prefix_caching=False), workload) != real
 
 
+@pytest.mark.parametrize("eviction", ["lru", "cost"])
+def test_prefix_cache_eviction_under_pressure_is_reproduced(tiny_llama_dir, eviction):
+    """A KV cache small enough that cached prefixes are evicted: the simulator, driving the same KV manager with
+    the same eviction policy, schedules what the real engine schedules, hits and all."""
+    args = EngineArgs(model=str(tiny_llama_dir), dtype="float32", block_size=16, max_model_len=MAX_MODEL_LEN,
+                      detokenize=False, policy="chunked", max_num_seqs=8, max_num_batched_tokens=128,
+                      num_kv_blocks=40, prefix_cache_eviction=eviction)
+    workload = tiny_longtail(16, seed=7, shared_prefix=48)
+    from conveyor.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(args)
+    result = replay(engine, workload)
+    assert engine.kv_manager.pool.num_evictions > 0  # the pressure is real
+    real_hits = [dict(s.num_cached_tokens) for s in result.steps]
+    recorder = StepRecorder()
+    scheduler = build_scheduler(args, args.num_kv_blocks, MAX_MODEL_LEN)
+    simulate(scheduler, SimExecutor(ConstantCostModel(0.01)), sim_requests(workload, 1.0, MAX_MODEL_LEN), recorder)
+    assert [dict(s.num_scheduled_tokens) for s in recorder.steps] == [dict(s.num_scheduled_tokens)
+                                                                       for s in result.steps]
+    assert [dict(s.num_cached_tokens) for s in recorder.steps] == real_hits
+    assert sum(sum(h.values()) for h in real_hits) == engine.kv_manager.prefix_saved_tokens > 0
+
+
 @pytest.mark.parametrize("policy", ["static", "dynamic"])
 def test_a_preempted_batch_member_gets_the_blocks_of_parked_slots(policy):
     """On this trace a batch member is preempted while another member, parked at max_model_len, holds 32 of the
