@@ -62,6 +62,7 @@ class Scheduler:
         self._acceptance: dict[str, AcceptanceRate] = {}
         self._kept_blocks: dict[str, int] = {}  # requests trimmed since their last step: blocks they kept
         self.spec_cost = StepCostModel()
+        self.spec_rate = AcceptanceRate()  # over every request: a new request's prior
         self.spec_counters = SpecDecodeCounters()
         self._step_start = 0.0
 
@@ -169,7 +170,7 @@ class Scheduler:
                 break
             # A waiting request normally holds no KV (new, or preempted and reset to 0): it starts from a prefix-
             # cache lookup. One handed over with its KV already computed elsewhere (a disaggregated prefill
-            # instance's, see sim/disagg.py) keeps that count: blocks are allocated here for all its tokens and only
+            # instance's, see sim/cluster.py) keeps that count: blocks are allocated here for all its tokens and only
             # the rest is scheduled, as vLLM's scheduler counts a KV connector's external tokens.
             handed_over = request.num_computed_tokens
             hit_blocks, hit_tokens = ([], 0)
@@ -199,12 +200,15 @@ class Scheduler:
         if budget.exhausted:
             return
         adaptive = self.spec.adaptive
-        cost = self.spec_cost.fit() if adaptive else None
         step_tokens = out.total_num_scheduled_tokens
         useful = sum(1 for rid, n in out.num_scheduled_tokens.items()
                      if self.requests[rid].num_computed_tokens + n >= self.requests[rid].num_tokens)
+        # the step's cost around the sizes this decision can reach: up to every decode's full proposal, twice
+        reach = 2 * (step_tokens + self.spec.num_speculative_tokens * useful)
+        cost = self.spec_cost.fit(up_to=reach) if adaptive else None
         proposals: dict[str, list[int]] = {}
         alphas: dict[str, float] = {}
+        probes: set[str] = set()  # requests whose low rate is tried again with one token
         for data in out.scheduled_cached_reqs:
             rid = data.request_id
             request = self.requests[rid]
@@ -212,9 +216,12 @@ class Scheduler:
                     not speculates(request.sampling_params, request.num_output_tokens):
                 continue
             rate = self._acceptance.get(rid)
-            alpha = alphas[rid] = rate.alpha if rate is not None else AcceptanceRate.PRIOR_ALPHA
+            alpha = alphas[rid] = rate.alpha if rate is not None else self.spec_rate.alpha
             if adaptive and not worth_proposing(alpha, step_tokens, useful, cost):
-                continue  # not even its first token would pay: skip the lookup
+                affordable = worth_proposing(self.spec_rate.alpha, step_tokens, useful, cost)
+                if rate is None or not (rate.due_for_probe() and affordable):
+                    continue  # not even its first token would pay: skip the lookup
+                probes.add(rid)
             # beyond the token it always samples: what max_tokens and the context leave
             room = request.max_output_tokens() - request.num_output_tokens - 1
             if self.config.max_model_len is not None:
@@ -225,8 +232,11 @@ class Scheduler:
         if not proposals:
             return
         if adaptive:
+            has_chunk = any(n > 1 for n in out.num_scheduled_tokens.values())
             lengths = choose_lengths({rid: len(d) for rid, d in proposals.items()}, alphas, step_tokens, useful,
-                                     cost, budget.left)
+                                     cost, budget.left, has_chunk)
+            for rid in probes & proposals.keys():
+                lengths.setdefault(rid, 1)
         else:
             lengths = {rid: len(d) for rid, d in proposals.items()}
         cached = {data.request_id: data for data in out.scheduled_cached_reqs}
@@ -290,7 +300,8 @@ class Scheduler:
         """Advance computed counts, append sampled tokens, apply the policy's decision on finished requests."""
         updates: list[RequestUpdate] = []
         if self.spec is not None:
-            self.spec_cost.observe(sched_out.total_num_scheduled_tokens, now - self._step_start)
+            self.spec_cost.observe(sched_out.total_num_scheduled_tokens, now - self._step_start,
+                                   any(n > 1 for n in sched_out.num_scheduled_tokens.values()))
         for rid, num_new in sched_out.num_scheduled_tokens.items():
             request = self.requests.get(rid)
             if request is None or not request.status.holds_slot:
@@ -331,7 +342,9 @@ class Scheduler:
         kept = self.kv.trim(request, request.num_computed_tokens + 1)
         if kept is not None:
             self._kept_blocks[request.request_id] = kept
-        self._acceptance.setdefault(request.request_id, AcceptanceRate()).observe(proposed, accepted)
+        self._acceptance.setdefault(request.request_id, AcceptanceRate(self.spec_rate.alpha)).observe(proposed,
+                                                                                                   accepted)
+        self.spec_rate.observe(proposed, accepted)
         self.spec_counters.record(proposed, accepted)
 
     # ---- checks -----------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ proposal, so the distribution is unchanged. Requests whose draws depend on more 
 bans, biases, grammars, logprobs, min_tokens still due) or that are seeded decode one token per step as before.
 
 How many: a step's time grows with the tokens in it, by a fixed part and a part per token, both fitted online
-from the steps this scheduler ran (``StepCostModel``); a proposal's ``i``-th token is accepted with probability
+from the steps this scheduler ran near the step's size (``StepCostModel``); a proposal's ``i``-th token is accepted with probability
 ``alpha ** i`` where ``alpha`` is the request's observed acceptance rate (``AcceptanceRate``). Adding one more
 proposed token to the step buys its expected tokens ``g`` for ``c`` more seconds (the per-token cost), so it raises
 the step's expected output tokens per second ``U / T`` exactly when ``g > c * U / T``. Tokens are added, best
@@ -116,23 +116,34 @@ class NgramIndex:
 
 
 class AcceptanceRate:
-    """A request's per-token acceptance rate, from its verified proposals: each proposal of ``k`` tokens with
-    ``a`` accepted is ``a`` acceptances and, when ``a < k``, one rejection (the maximum-likelihood estimate of a
-    geometric acceptance). Starts from a prior worth about one proposal, so one early miss does not silence it,
-    and forgets old proposals (``DECAY`` per proposal, about the last 20 weigh), because a request that copied a
-    passage and then writes its own text changes rate midway."""
+    """A per-token acceptance rate, from verified proposals: each proposal of ``k`` tokens with ``a`` accepted is
+    ``a`` acceptances and, when ``a < k``, one rejection (the maximum-likelihood estimate of a geometric
+    acceptance). A request's estimate starts from a prior worth ``prior_weight`` proposals: the scheduler's rate
+    over every request (what this traffic's text is like), so one early miss does not silence it. It forgets old
+    proposals (``DECAY`` per proposal, about the last 20 weigh), because a request that copied a passage and then
+    writes its own text changes rate midway."""
 
-    PRIOR_ACCEPTED, PRIOR_REJECTED = 1.0, 1.0
-    PRIOR_ALPHA = PRIOR_ACCEPTED / (PRIOR_ACCEPTED + PRIOR_REJECTED)
+    PRIOR_ALPHA = 0.5
     DECAY = 0.95
+    # A rate only moves when the request verifies, and a low one stops it verifying: after this many steps
+    # without, it probes with one token (when the step could afford a request of the prior's rate), so a
+    # request whose text turned copyable is found again.
+    PROBE_AFTER_STEPS = 16
 
-    def __init__(self) -> None:
-        self.accepted = self.PRIOR_ACCEPTED
-        self.rejected = self.PRIOR_REJECTED
+    def __init__(self, prior_alpha: float = PRIOR_ALPHA, prior_weight: float = 2.0) -> None:
+        self.accepted = prior_alpha * prior_weight
+        self.rejected = (1.0 - prior_alpha) * prior_weight
+        self.steps_without = 0
 
     def observe(self, proposed: int, accepted: int) -> None:
         self.accepted = self.DECAY * self.accepted + accepted
         self.rejected = self.DECAY * self.rejected + (accepted < proposed)
+        self.steps_without = 0
+
+    def due_for_probe(self) -> bool:
+        """Count a step this request did not verify in; True when it is time to try one token again."""
+        self.steps_without += 1
+        return self.steps_without >= self.PROBE_AFTER_STEPS
 
     @property
     def alpha(self) -> float:
@@ -140,44 +151,77 @@ class AcceptanceRate:
 
 
 class StepCostModel:
-    """Step time as ``fixed + per_token * tokens``, a least-squares fit over the last ``window`` steps (the times
-    come from the scheduler's caller: the real clock in the engine, the cost model's in the simulator)."""
+    """Step time as ``fixed + per_token * tokens + chunk * [the step computes a multi-token row]``, a least-squares
+    fit over the last ``window`` steps (the times come from the scheduler's caller: the real clock in the engine,
+    the cost model's in the simulator). ``chunk`` is there because a step with a multi-token row (a prompt chunk,
+    or a proposal being verified) takes another path through the attention and the layer stack, with a fixed cost
+    of its own: a line through decode-only and verifying steps alone would charge that jump to every token."""
 
     def __init__(self, window: int = 64) -> None:
-        self.samples: deque[tuple[int, float]] = deque(maxlen=window)
+        self.samples: deque[tuple[int, int, float]] = deque(maxlen=window)
 
-    def observe(self, num_tokens: int, seconds: float) -> None:
+    def observe(self, num_tokens: int, seconds: float, has_chunk: bool = False) -> None:
         if num_tokens > 0 and seconds > 0:
-            self.samples.append((num_tokens, seconds))
+            self.samples.append((num_tokens, int(has_chunk), seconds))
 
-    def fit(self) -> tuple[float, float] | None:
-        """(fixed seconds, seconds per token), or None until the steps seen span more than one size."""
-        n = len(self.samples)
-        if n < 2:
+    def fit(self, up_to: int | None = None) -> tuple[float, float, float] | None:
+        """(fixed seconds, seconds per token, chunk seconds) over the steps of at most ``up_to`` tokens (all:
+        None), or None until those span more than one size. A step's cost is not linear over its whole range (a
+        few tokens more cost little while the weights' reads dominate, a long prompt chunk is compute-bound), so a
+        decision about a few more tokens fits the steps near its own size. ``chunk`` is 0 unless both kinds of
+        step were seen."""
+        samples = [s for s in self.samples if up_to is None or s[0] <= up_to]
+        if len({x for x, _, _ in samples}) < 2:
             return None
-        mx = sum(x for x, _ in self.samples) / n
-        my = sum(y for _, y in self.samples) / n
-        sxx = sum((x - mx) ** 2 for x, _ in self.samples)
-        if sxx == 0:
+        if len({m for _, m, _ in samples}) == 2:
+            solved = _least_squares([(1.0, x, m) for x, m, _ in samples], [y for _, _, y in samples])
+            if solved is not None:
+                fixed, slope, chunk = solved
+                return max(fixed, 0.0), max(slope, 0.0), max(chunk, 0.0)
+        n = len(samples)
+        mx = sum(x for x, _, _ in samples) / n
+        my = sum(y for _, _, y in samples) / n
+        sxx = sum((x - mx) ** 2 for x, _, _ in samples)
+        slope = max(sum((x - mx) * (y - my) for x, _, y in samples) / sxx, 0.0)
+        return max(my - slope * mx, 0.0), slope, 0.0
+
+
+def _least_squares(rows: list[tuple[float, ...]], ys: list[float]) -> list[float] | None:
+    """The coefficients minimising the squared error of ``rows @ c`` against ``ys`` (normal equations, Gaussian
+    elimination with partial pivoting); None when they are not determined."""
+    k = len(rows[0])
+    a = [[sum(r[i] * r[j] for r in rows) for j in range(k)] + [sum(r[i] * y for r, y in zip(rows, ys))]
+         for i in range(k)]
+    for col in range(k):
+        pivot = max(range(col, k), key=lambda i: abs(a[i][col]))
+        if abs(a[pivot][col]) < 1e-12:
             return None
-        slope = sum((x - mx) * (y - my) for x, y in self.samples) / sxx
-        slope = max(slope, 0.0)
-        return max(my - slope * mx, 0.0), slope
+        a[col], a[pivot] = a[pivot], a[col]
+        for i in range(k):
+            if i != col:
+                f = a[i][col] / a[col][col]
+                a[i] = [x - f * y for x, y in zip(a[i], a[col])]
+    return [a[i][k] / a[i][i] for i in range(k)]
 
 
 def choose_lengths(proposals: dict[str, int], alphas: dict[str, float], step_tokens: int, useful_tokens: float,
-                   cost: tuple[float, float] | None, budget: int) -> dict[str, int]:
+                   cost: tuple[float, ...] | None, budget: int, has_chunk: bool = True) -> dict[str, int]:
     """How many proposed tokens each request verifies this step (request id -> k; requests with 0 left out).
 
     ``proposals``: the most each could verify (its proposal's length); ``step_tokens``: the tokens the step
     already computes; ``useful_tokens``: the output tokens it already yields (one per decode); ``cost``: the
-    fitted (fixed, per-token) step time, None while unknown (then each verifies one token, which is how the fit
-    learns a per-token cost); ``budget``: token budget left. The rule is the module docstring's; the next token
-    of each request is worth ``alpha ** (k + 1)``, so a heap hands them out best first."""
+    fitted (fixed, per-token[, chunk]) step time, None while unknown (then each verifies one token, which is how
+    the fit learns a per-token cost); ``budget``: token budget left; ``has_chunk``: whether the step already has a
+    multi-token row (else the first proposal also pays the chunk cost). The rule is the module docstring's; the
+    next token of each request is worth ``alpha ** (k + 1)``, so a heap hands them out best first. The chunk cost
+    is paid once, so it is judged on the whole choice: speculate only if the choice beats none with it."""
     if cost is None:
         return {rid: 1 for rid in list(proposals)[:budget]}
-    fixed, per_token = cost
-    time_s = fixed + per_token * step_tokens
+    fixed, per_token = cost[0], cost[1]
+    chunk_cost = cost[2] if len(cost) > 2 else 0.0
+    time_s = fixed + per_token * step_tokens + (chunk_cost if has_chunk else 0.0)
+    chunk = 0.0 if has_chunk else chunk_cost  # what the first proposal adds to this step
+    base_rate = useful_tokens / time_s
     lengths: dict[str, int] = {}
     heap = [(-alphas[rid], rid) for rid in proposals]
     heapq.heapify(heap)
@@ -193,15 +237,18 @@ def choose_lengths(proposals: dict[str, int], alphas: dict[str, float], step_tok
             heapq.heapreplace(heap, (neg_gain * alphas[rid], rid))
         else:
             heapq.heappop(heap)
+    if chunk and lengths and useful_tokens / (time_s + chunk) <= base_rate:
+        return {}
     return lengths
 
 
-def worth_proposing(alpha: float, step_tokens: int, useful_tokens: float, cost: tuple[float, float] | None) -> bool:
+def worth_proposing(alpha: float, step_tokens: int, useful_tokens: float, cost: tuple[float, ...] | None) -> bool:
     """Whether a request with acceptance rate ``alpha`` could get even one proposed token this step (so whether
-    looking up its proposal is worth the time): ``choose_lengths``'s test for its first token."""
+    looking up its proposal is worth the time): ``choose_lengths``'s test for its first token, before any chunk
+    cost (which the whole choice may still pay back)."""
     if cost is None:
         return True
-    fixed, per_token = cost
+    fixed, per_token = cost[0], cost[1]
     return alpha * (fixed + per_token * step_tokens) > per_token * useful_tokens
 
 

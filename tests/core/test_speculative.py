@@ -238,8 +238,24 @@ def test_acceptance_rate_and_cost_fit():
     assert model.fit() is None
     for n in (1, 5, 10, 50):
         model.observe(n, 0.002 + 0.0001 * n)
-    fixed, per_token = model.fit()
-    assert fixed == pytest.approx(0.002) and per_token == pytest.approx(0.0001)
+    fixed, per_token, chunk = model.fit()
+    assert fixed == pytest.approx(0.002) and per_token == pytest.approx(0.0001) and chunk == 0.0
+    with_chunks = StepCostModel()  # decode-only steps, and steps that verify (another path: 3 ms more)
+    for n in (1, 2, 4):
+        with_chunks.observe(n, 0.004 + 0.0001 * n)
+    for n in (5, 9, 13, 17):
+        with_chunks.observe(n, 0.007 + 0.0001 * n, has_chunk=True)
+    assert with_chunks.fit() == pytest.approx((0.004, 0.0001, 0.003))
+
+
+def test_the_chunk_cost_is_paid_once_for_the_whole_choice():
+    cost = (0.004, 0.0001, 0.003)
+    # a decode-only step of 4: one proposal of 2 does not repay the jump to the chunk path; four of 4 do
+    assert choose_lengths({"a": 2}, {"a": 0.6}, 4, 4, cost, 100, has_chunk=False) == {}
+    many = {f"r{i}": 4 for i in range(4)}
+    assert choose_lengths(many, {r: 0.9 for r in many}, 4, 4, cost, 100, has_chunk=False) == many
+    # in a step that already has a prompt chunk, the same single proposal pays
+    assert choose_lengths({"a": 2}, {"a": 0.6}, 4, 4, cost, 100, has_chunk=True) == {"a": 2}
 
 
 @pytest.mark.parametrize("bad", ['{"method": "eagle"}', '{"num_speculative_tokens": 0}', "not json",
@@ -258,3 +274,24 @@ def test_speculation_refuses_the_baselines_and_the_slab():
     with pytest.raises(ValueError, match="paged"):
         Scheduler(SchedulerConfig(max_model_len=32, speculative_config='{"method": "ngram"}'),
                   SlabKVManager(64, 4, 32))
+
+
+def test_cost_fit_near_a_size_ignores_long_prompt_chunks():
+    model = StepCostModel()
+    for n, t in ((1, 0.0040), (3, 0.0041), (5, 0.0042), (9, 0.0044), (512, 0.30), (600, 0.36)):
+        model.observe(n, t)
+    whole, near = model.fit(), model.fit(up_to=20)
+    assert whole[1] > 5e-4  # the prompt chunks' compute-bound cost per token
+    assert near[1] == pytest.approx(5e-5, rel=0.05) and near[0] == pytest.approx(0.00395, rel=0.05)
+    assert model.fit(up_to=1) is None  # one size only
+
+
+def test_a_request_with_a_low_rate_probes_again_after_a_while():
+    rate = AcceptanceRate()
+    for _ in range(30):
+        rate.observe(4, 0)
+    assert rate.alpha < 0.1
+    due = [rate.due_for_probe() for _ in range(AcceptanceRate.PROBE_AFTER_STEPS)]
+    assert due[-1] and not any(due[:-1])
+    rate.observe(1, 1)
+    assert not rate.due_for_probe()
