@@ -10,6 +10,7 @@ import pytest
 
 from conveyor import LLM, SamplingParams
 from tests.helpers.engine import make_prompts, token_ids
+from tests.helpers.stats import chi2_critical, two_sample_chi2
 
 pytestmark = pytest.mark.slow  # a real model, engine or server: run by CI, skipped by -m "not slow"
 
@@ -86,31 +87,6 @@ def test_metrics_expose_the_spec_decode_counters(tiny_chat_dir):
     drafts = [line for line in text.splitlines() if line.startswith("conveyor:spec_decode_num_drafts_total")]
     assert drafts and float(drafts[0].rsplit(" ", 1)[1]) > 0
     assert "conveyor:spec_decode_num_accepted_tokens_per_pos_total" in text
-
-
-def chi2_critical(df: int, z: float = 3.719) -> float:
-    """The chi-square quantile with ``df`` degrees of freedom at the normal quantile ``z`` (3.719: p = 1e-4),
-    by Wilson and Hilferty's approximation (within 1% for df >= 3; scipy is not a dependency)."""
-    h = 2.0 / (9.0 * df)
-    return df * (1.0 - h + z * h ** 0.5) ** 3
-
-
-def two_sample_chi2(a: list, b: list, min_count: int = 10) -> tuple[float, int]:
-    """Pearson's two-sample chi-square statistic of two equal-size samples, and its degrees of freedom. Cells
-    with fewer than ``min_count`` draws in both samples together are pooled into one (the statistic is only
-    chi-square distributed for well-filled cells)."""
-    from collections import Counter
-
-    ca, cb = Counter(a), Counter(b)
-    cells, rare_a, rare_b = [], 0, 0
-    for c in set(ca) | set(cb):
-        if ca[c] + cb[c] >= min_count:
-            cells.append((ca[c], cb[c]))
-        else:
-            rare_a, rare_b = rare_a + ca[c], rare_b + cb[c]
-    if rare_a + rare_b:
-        cells.append((rare_a, rare_b))
-    return sum((x - y) ** 2 / (x + y) for x, y in cells), len(cells) - 1
 
 
 def test_sampled_requests_keep_their_distribution_under_speculation(tiny_llama_dir):

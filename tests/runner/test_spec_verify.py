@@ -11,7 +11,7 @@ from conveyor.core.sampling_params import SamplingParams
 from conveyor.runner.input_batch import RequestState, SpecRows
 from conveyor.runner.sampler import Sampler
 from conveyor.runner.spec_verify import verify_proposals
-from tests.engine.test_speculative_engine import chi2_critical
+from tests.helpers.stats import chi2_critical
 
 V = 6
 
