@@ -251,6 +251,9 @@ class EngineCoreClient(EngineClient):
                 logger.exception("could not handle a message of the engine core process")
                 self._died(f"the API process could not handle the engine's message: {exc!r}")
                 return
+            # A message already queued comes back from recv() as a finished future, and awaiting one does not
+            # yield: while the engine keeps ahead of this loop, nothing else (HTTP, /metrics) would ever run.
+            await asyncio.sleep(0)
 
     def _watch_process(self) -> None:
         multiprocessing.connection.wait([self._proc.sentinel])
