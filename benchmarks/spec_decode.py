@@ -1,12 +1,15 @@
 #!/usr/bin/env python3
-"""Speculative decoding (n-gram prompt lookup) against none, on the same engine, model and prompts, in one run.
+"""Speculative decoding (n-gram prompt lookup, a draft model) against none, on the same engine, model and prompts,
+in one run.
 
-    python benchmarks/spec_decode.py [--model PATH] [--k 4] [--online-rate 4] [--num-requests 100] [--rounds 2] \
-        [--json out.json]
+    python benchmarks/spec_decode.py [--model PATH] [--quantization none] [--draft-model PATH] [--k 4] \
+        [--online-rate 4] [--num-requests 100] [--rounds 2] [--json out.json]
 
 Modes, each an ``LLM`` of its own on the same model (the default: SmolLM2-135M-Instruct, the wheel's Q4_1):
 ``none``; ``ngram-adaptive`` (``{"method": "ngram", "num_speculative_tokens": K}``: each step's lengths chosen
-from the load); ``ngram-k=K`` (the same with ``"adaptive": false``: always K when the lookup proposes).
+from the load); ``ngram-k=K`` (the same with ``"adaptive": false``: always K when the lookup proposes); with
+``--draft-model``, ``draft-adaptive`` and ``draft-k=K`` (``{"model": PATH, ...}``), e.g. the float32 model
+(``--quantization none``) drafted by its own 4-bit file.
 
 Workloads:
 
@@ -65,8 +68,8 @@ def copy_heavy_messages() -> list[list[dict]]:
     return [[{"role": "user", "content": f"{task}\n\n```python\n{src}```"}] for src in sources for task in COPY_TASKS]
 
 
-def make_llm(model: str | None, spec: dict | None) -> LLM:
-    return LLM(model, speculative_config=spec, enable_prefix_caching=False)
+def make_llm(model: str | None, spec: dict | None, quantization: str = "auto") -> LLM:
+    return LLM(model, speculative_config=spec, enable_prefix_caching=False, quantization=quantization)
 
 
 def counters(llm) -> dict:
@@ -122,6 +125,8 @@ def best_of(rounds: list[dict]) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="a model conveyor loads (default: SmolLM2-135M-Instruct)")
+    ap.add_argument("--quantization", default="auto", help="the target's --quantization (e.g. none: dequantized)")
+    ap.add_argument("--draft-model", default=None, help="also run a draft model's modes")
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     ap.add_argument("--num-requests", type=int, default=100, help="long-tail requests")
     ap.add_argument("--online-rate", type=float, default=4.0, help="req/s of the long-tail online replay")
@@ -131,9 +136,12 @@ def main(argv=None) -> int:
     ns = ap.parse_args(argv)
     modes = {"none": None, "ngram-adaptive": {"method": "ngram", "num_speculative_tokens": ns.k},
              f"ngram-k={ns.k}": {"method": "ngram", "num_speculative_tokens": ns.k, "adaptive": False}}
+    if ns.draft_model:
+        modes |= {"draft-adaptive": {"model": ns.draft_model, "num_speculative_tokens": ns.k},
+                  f"draft-k={ns.k}": {"model": ns.draft_model, "num_speculative_tokens": ns.k, "adaptive": False}}
     workload = load_workload(LONGTAIL)
     workload = Workload(workload.name, workload.requests[:ns.num_requests], workload.seed)
-    llms = {name: make_llm(ns.model, spec) for name, spec in modes.items()}
+    llms = {name: make_llm(ns.model, spec, ns.quantization) for name, spec in modes.items()}
     for llm in llms.values():  # warm-up: kernels, first-step allocations, the cost fit
         llm.chat(copy_heavy_messages()[:4], SamplingParams(temperature=0.0, max_tokens=32), use_tqdm=False)
     cells = {"copy_b1": lambda llm: copy_heavy(llm, 1), "copy_b4": lambda llm: copy_heavy(llm, 4)}

@@ -65,7 +65,8 @@ class SchedulerOutput:
     num_idle_slot_tokens: int = 0
     # Speculative decoding: a request listed here computes its last token and then these proposed tokens
     # (``num_scheduled_tokens`` counts them all) and returns the run of them the model agrees with
-    # (``ModelOutput.extra_token_ids``). The executor never keeps the proposals in its token list.
+    # (``ModelOutput.extra_token_ids``). The executor never keeps the proposals in its token list. With a draft
+    # model the tokens are ``speculative.DRAFT_PLACEHOLDER``s that the executor replaces by its draft's, in place.
     scheduled_spec_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @property

@@ -25,6 +25,7 @@ from conveyor.core.outputs import (
 from conveyor.core.policies import OnFinish, SchedulingPolicy, make_policy
 from conveyor.core.request import Request, RequestStatus
 from conveyor.core.speculative import (
+    DRAFT_PLACEHOLDER,
     AcceptanceRate,
     NgramIndex,
     SpecDecodeCounters,
@@ -226,8 +227,12 @@ class Scheduler:
             room = request.max_output_tokens() - request.num_output_tokens - 1
             if self.config.max_model_len is not None:
                 room = min(room, self.config.max_model_len - request.num_tokens - 1)
-            if room > 0 and (drafts := self._ngram_index(request).propose(min(self.spec.num_speculative_tokens,
-                                                                              room))):
+            if room <= 0:
+                continue
+            most = min(self.spec.num_speculative_tokens, room)
+            if self.spec.proposes_in_executor:  # the draft model fills them in, in the step
+                proposals[rid] = [DRAFT_PLACEHOLDER] * most
+            elif drafts := self._ngram_index(request).propose(most):
                 proposals[rid] = drafts
         if not proposals:
             return

@@ -29,23 +29,34 @@ import json
 from collections import deque
 from dataclasses import dataclass
 
-SPEC_METHODS = ("ngram",)
+SPEC_METHODS = ("ngram", "draft_model")
+# What the scheduler sends for each proposed token of a draft-model request: the executor runs the draft model
+# in the step and puts its tokens in their place (the scheduler needs only how many).
+DRAFT_PLACEHOLDER = -1
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """vLLM's ``--speculative-config`` keys that apply here. ``adaptive`` (conveyor's): choose each step's
-    lengths by the cost rule above, up to ``num_speculative_tokens``; False: always propose that many."""
+    """vLLM's ``--speculative-config`` keys that apply here. ``method`` "ngram" proposes by prompt lookup (in the
+    scheduler), "draft_model" by ``model``'s greedy tokens (in the executor; a ``model`` without a ``method``
+    means it, as in vLLM). ``adaptive`` (conveyor's): choose each step's lengths by the cost rule above, up to
+    ``num_speculative_tokens``; False: always propose that many."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 4
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
     adaptive: bool = True
+    model: str | None = None
 
     def __post_init__(self) -> None:
         if self.method not in SPEC_METHODS:
             raise ValueError(f"speculative method {self.method!r} is not supported; choose one of {SPEC_METHODS}")
+        if self.method == "draft_model" and not self.model:
+            raise ValueError('speculative method "draft_model" needs "model": the draft model to load')
+        if self.method != "draft_model" and self.model is not None:
+            raise ValueError(f'speculative_config: "model" is the draft model of method "draft_model", not of '
+                             f'{self.method!r}')
         if not 1 <= self.num_speculative_tokens <= 64:
             raise ValueError(f"num_speculative_tokens must be in [1, 64], got {self.num_speculative_tokens}")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
@@ -67,7 +78,14 @@ class SpeculativeConfig:
         unknown = set(value) - {f for f in cls.__dataclass_fields__}
         if unknown:
             raise ValueError(f"speculative_config: unknown keys {sorted(unknown)}")
+        if value.get("model") is not None and "method" not in value:
+            value = {**value, "method": "draft_model"}
         return cls(**value)
+
+    @property
+    def proposes_in_executor(self) -> bool:
+        """Whether the executor makes the proposals (a draft model): the scheduler sends placeholders."""
+        return self.method == "draft_model"
 
 
 def speculates(params, num_output_tokens: int) -> bool:

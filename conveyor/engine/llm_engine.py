@@ -76,9 +76,11 @@ class LLMEngine:
         self.max_model_len = args.max_model_len or limit
 
         cache = args.cache_config()
+        self.draft_model, self.draft_info = self._load_draft(args, device)
         num_blocks = cache.num_kv_blocks
-        if num_blocks is None:
-            per_block = ModelRunner.kv_cache_bytes_per_block(self.model_info, cache.block_size)
+        if num_blocks is None:  # the draft's K/V lives in the same blocks: the budget holds both
+            per_block = sum(ModelRunner.kv_cache_bytes_per_block(info, cache.block_size)
+                            for info in (self.model_info, self.draft_info) if info is not None)
             num_blocks = int(cache.kv_cache_memory * (1 << 30)) // per_block
         if num_blocks * cache.block_size < self.max_model_len:
             raise ValueError(
@@ -97,6 +99,8 @@ class LLMEngine:
             attention_backend=args.attention_backend, seed=args.seed,  # --seed seeds sampling too, as in vLLM
             structured=self.structured,
         )
+        if self.draft_model is not None and executor is None:
+            self.executor.attach_draft(self.draft_model, self.draft_info, args.attention_backend)
         self._pinned = contextlib.nullcontext  # a step's thread binding (CPU: see CoreBinding)
         if device == "cpu" and args.cpu_bind_threads:
             from conveyor.kernels import load_cpu_kernels
@@ -110,6 +114,25 @@ class LLMEngine:
         self.step_listeners: list[Callable[[StepRecord], None]] = []
         self._ids = itertools.count()
         self.init_time_s = time.perf_counter() - start  # plus the KV cache and runner
+
+    def _load_draft(self, args: EngineArgs, device: str):
+        """The draft model of ``--speculative-config``'s method "draft_model" (model, info), else (None, None).
+        Its proposals are target token ids, so both must share the vocabulary, and it must reach the context."""
+        from conveyor.core.speculative import SpeculativeConfig
+        from conveyor.models.loader import load_model
+
+        spec = SpeculativeConfig.parse(args.speculative_config)
+        if spec is None or not spec.proposes_in_executor:
+            return None, None
+        model, info = load_model(spec.model, dtype=args.dtype, device=device, seed=args.seed)
+        if info.vocab_size != self.model_info.vocab_size:
+            raise ValueError(f"the draft model's vocabulary ({info.vocab_size} tokens) is not the target's "
+                             f"({self.model_info.vocab_size}): proposals are token ids of one vocabulary")
+        if info.max_position_embeddings < self.max_model_len:
+            raise ValueError(f"the draft model's context ({info.max_position_embeddings}) is shorter than "
+                             f"max_model_len ({self.max_model_len})")
+        logger.info("speculative draft model %s, dtype %s", info.name, info.dtype)
+        return model, info
 
     @classmethod
     def sharing_model(cls, other: LLMEngine, args: EngineArgs) -> LLMEngine:

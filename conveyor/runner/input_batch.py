@@ -35,10 +35,18 @@ class RequestState:
     generator: torch.Generator | None  # only for seeded requests
     error: str | None = None  # per-request setup failed: computed as usual, sampled token discarded
     matcher: Any = None  # llguidance matcher of a constrained request (conveyor.structured), else None
+    draft_computed: int = 0  # leading tokens whose K/V the draft model has written (runner.draft_model)
 
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
+
+
+def slot_mapping_of(block_table: np.ndarray, req_of_token: np.ndarray, positions: np.ndarray,
+                    block_size: int) -> np.ndarray:
+    """The cache slot of each token: its request's block (``block_table`` row ``req_of_token``) holding its
+    position, and the offset in it."""
+    return block_table[req_of_token, positions // block_size] * block_size + positions % block_size
 
 
 @dataclass
@@ -205,8 +213,7 @@ class InputBatch:
         rows = np.fromiter((s.row for s in ordered), dtype=np.int64, count=len(ordered))
         max_blocks = cdiv(int(seq_lens.max()), self.block_size) if len(ordered) else 0
         block_table = self.block_table[rows, :max_blocks]
-        slot_mapping = block_table[req_of_token, positions // self.block_size] * self.block_size \
-            + positions % self.block_size
+        slot_mapping = slot_mapping_of(block_table, req_of_token, positions, self.block_size)
 
         spec_tokens = so.scheduled_spec_tokens
         input_ids: list[int] = []
@@ -214,6 +221,8 @@ class InputBatch:
             input_ids += s.token_ids[c:c + n]
             if s.req_id in spec_tokens:  # its proposals follow its last token; they are not its tokens yet
                 input_ids += spec_tokens[s.req_id]
+        if len(input_ids) != num_tokens:  # a step the runner's tokens cannot fill would write K/V out of bounds
+            raise ValueError(f"the step schedules {num_tokens} tokens but its requests hold {len(input_ids)}")
         padding = None
         if so.num_padding_tokens:
             padding = self._padding(so.num_padding_tokens, int(num_new.max()) if len(ordered) else 0)

@@ -41,6 +41,13 @@ class ModelRunner:
         # The constrained rows' bitmasks are filled on this thread while the forward pass runs.
         self._mask_filler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="conveyor-bitmask")
         self.sampler = Sampler(info.eos_token_ids, self.device, seed)
+        self.draft = None  # runner.draft_model.DraftModel (attach_draft): fills the scheduler's placeholders
+
+    def attach_draft(self, model: torch.nn.Module, info: ModelInfo, attention_backend: str = "auto") -> None:
+        """Propose with ``model`` (speculative decoding's draft model), on this runner's blocks."""
+        from conveyor.runner.draft_model import DraftModel
+
+        self.draft = DraftModel(model, info, self.num_blocks, self.block_size, self.device, attention_backend)
 
     @staticmethod
     def kv_cache_bytes_per_block(info: ModelInfo, block_size: int) -> int:
@@ -58,6 +65,8 @@ class ModelRunner:
         self.batch.update(so)
         if so.is_empty:
             return ModelOutput()
+        if self.draft is not None and so.scheduled_spec_tokens:
+            so.scheduled_spec_tokens.update(self.draft.propose(so.scheduled_spec_tokens, self.batch))
         step = self.batch.prepare(so)
         masks = self._start_masks(step)
         logits, prompt_lps = self.forward(step)
@@ -131,6 +140,8 @@ class ModelRunner:
             if state.error is not None:
                 continue
             state.token_ids.extend(tokens)
+            if self.draft is not None:
+                self.draft.verified(state)
             out.sampled_token_ids[state.req_id] = tokens[0]
             if len(tokens) > 1:
                 out.extra_token_ids[state.req_id] = tokens[1:]

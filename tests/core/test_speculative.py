@@ -1,6 +1,7 @@
 """Speculative decoding's scheduler side (``core.speculative``), with a fake model whose next token is a fixed
 function of the last one: the n-gram index, the length rule, and the scheduler driving proposals through
-verification, rollback, chunked prefill, preemption and prefix caching with its invariants checked every step."""
+verification, rollback, chunked prefill, preemption and prefix caching with its invariants checked every step;
+with a draft model, the scheduler sends placeholders that the fake executor fills (as ``runner.draft_model``)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 
 from conveyor.core import ModelOutput, SchedulerOutput
 from conveyor.core.speculative import (
+    DRAFT_PLACEHOLDER,
     AcceptanceRate,
     NgramIndex,
     SpeculativeConfig,
@@ -39,6 +41,14 @@ class NextTokenModel:
             return VOCAB[(last * 7 + len(tokens)) % len(VOCAB)]  # a function of the context, still exact
         return self.table[last]
 
+    def draft(self, tokens: list[int], k: int) -> list[int]:
+        """A draft model's greedy proposal: the table's chain, right wherever the noise is not."""
+        drafts: list[int] = []
+        for _ in range(k):
+            last = (tokens + drafts)[-1]
+            drafts.append(self.table[last] if last in self.table else 5)
+        return drafts
+
     def execute(self, out: SchedulerOutput) -> ModelOutput:
         for rid in out.finished_req_ids | out.preempted_req_ids:
             self.tokens.pop(rid, None)
@@ -58,6 +68,10 @@ class NextTokenModel:
         for rid, n in out.num_scheduled_tokens.items():
             toks = self.tokens[rid]
             drafts = out.scheduled_spec_tokens.get(rid, [])
+            if drafts and drafts[0] == DRAFT_PLACEHOLDER:  # a draft model's turn: the table, without the noise
+                assert set(drafts) == {DRAFT_PLACEHOLDER}
+                drafts = self.draft(toks, len(drafts))
+                out.scheduled_spec_tokens[rid] = drafts
             assert starts[rid] + n - len(drafts) <= len(toks), f"{rid}: scheduled past its tokens"
             if starts[rid] + n - len(drafts) < len(toks):
                 assert not drafts, "a prompt chunk got proposals"
@@ -134,6 +148,33 @@ def test_speculation_changes_no_token_and_keeps_the_invariants(seed, adaptive):
     assert model.verified == counters.num_drafts > 0
     assert 0 < counters.num_accepted_tokens <= counters.num_draft_tokens
     assert sum(counters.accepted_per_pos) == counters.num_accepted_tokens
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_draft_model_placeholders_change_no_token_and_keep_the_invariants(seed):
+    """Method draft_model: the scheduler sends only placeholders (the executor proposes), and everything after
+    (lengths, lookahead blocks, rollback) is the n-gram path's."""
+    rng = random.Random(seed)
+    kw = dict(policy="chunked", max_num_seqs=rng.choice([1, 4]), max_num_batched_tokens=32, max_model_len=64)
+    spec = {"model": "a draft", "num_speculative_tokens": 3, "adaptive": seed % 2 == 0}
+    results = []
+    for cfg in (None, spec):
+        scheduler = make_scheduler(40, 4, True, speculative_config=cfg, **kw)
+        model = NextTokenModel(seed, noise=0.2)
+        results.append(run(scheduler, model, traffic(random.Random(seed), 20, 64), random.Random(seed + 1)))
+        assert scheduler.kv.usage() == 0
+    assert results[0] == results[1]
+    counters = scheduler.spec_counters
+    assert model.verified == counters.num_drafts > 0 and 0 < counters.num_accepted_tokens < counters.num_draft_tokens
+    assert not scheduler._ngrams  # no prompt lookup ran
+
+
+def test_a_model_means_the_draft_model_method():
+    assert SpeculativeConfig.parse({"model": "/m"}).proposes_in_executor
+    assert not SpeculativeConfig.parse({"method": "ngram"}).proposes_in_executor
+    for bad in ({"method": "draft_model"}, {"method": "ngram", "model": "/m"}):
+        with pytest.raises(ValueError, match="model"):
+            SpeculativeConfig.parse(bad)
 
 
 def test_preemption_with_speculation_changes_no_token():

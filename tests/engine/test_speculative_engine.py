@@ -1,6 +1,6 @@
-"""Speculative decoding (n-gram prompt lookup) in the real engine on the tiny Llama: greedy outputs identical to
-decoding without it, under chunked prefill, preemption and prefix caching; sampled requests in the same batch
-unchanged; the counters on /metrics. In float64, so that near-ties cannot flip between the verification's chunk
+"""Speculative decoding (n-gram prompt lookup, and a draft model) in the real engine on the tiny Llama: greedy
+outputs identical to decoding without it, under chunked prefill, preemption and prefix caching; sampled requests
+in the same batch unchanged; the counters on /metrics. In float64, so that near-ties cannot flip between the verification's chunk
 path and the decode path."""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ import httpx
 import pytest
 
 from conveyor import LLM, SamplingParams
+from tests.helpers.checkpoints import save_tiny_llama
 from tests.helpers.engine import make_prompts, token_ids
 from tests.helpers.stats import chi2_critical, two_sample_chi2
 
@@ -18,6 +19,10 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
 GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
 
 
+def draft_config(model_dir, **kw) -> dict:
+    return {"model": str(model_dir), "num_speculative_tokens": 4, "adaptive": False, **kw}
+
+
 def make_llm(model_dir, **kw) -> LLM:
     return LLM(str(model_dir), dtype="float64", debug_invariants=True, **kw)
 
@@ -25,6 +30,13 @@ def make_llm(model_dir, **kw) -> LLM:
 @pytest.fixture(scope="module")
 def prompts():
     return make_prompts(10)
+
+
+@pytest.fixture(scope="module")
+def draft_dir(tmp_path_factory):
+    """A smaller tiny Llama on the target's vocabulary, of other random weights: its proposals are mostly wrong."""
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-draft"), seed=1, hidden_size=32, num_attention_heads=2,
+                           num_key_value_heads=1, num_hidden_layers=1)
 
 
 @pytest.fixture(scope="module")
@@ -71,9 +83,53 @@ def test_sampled_requests_beside_speculating_ones_are_unchanged(tiny_llama_dir, 
     assert llm.engine.scheduler.spec_counters.num_drafts > 0
 
 
-def test_bad_speculative_config_is_a_clear_error(tiny_llama_dir):
+def test_bad_speculative_config_is_a_clear_error(tiny_llama_dir, tmp_path):
     with pytest.raises(ValueError, match="speculative method"):
         make_llm(tiny_llama_dir, speculative_config={"method": "medusa"})
+    other_vocab = save_tiny_llama(tmp_path / "other-vocab", vocab_size=80)
+    with pytest.raises(ValueError, match="vocabulary"):
+        make_llm(tiny_llama_dir, speculative_config=draft_config(other_vocab))
+
+
+@pytest.mark.parametrize("knobs", [
+    dict(),
+    dict(adaptive=True),
+    dict(max_num_batched_tokens=16),
+    dict(block_size=1),
+    dict(max_num_seqs=1),
+], ids=lambda k: ",".join(f"{a}={b}" for a, b in k.items()) or "default")
+def test_greedy_output_is_identical_with_a_draft_model(tiny_llama_dir, draft_dir, prompts, reference, knobs):
+    """Two drafts: another model (its proposals mostly rejected) and the target itself (nearly all accepted,
+    which checks that the draft's K/V, caught up lazily and rolled back, is the target's own)."""
+    adaptive = knobs.pop("adaptive", False)
+    for draft, accepted in ((draft_dir, None), (tiny_llama_dir, 0.9)):
+        llm = make_llm(tiny_llama_dir, speculative_config=draft_config(draft, adaptive=adaptive), **knobs)
+        assert token_ids(llm.generate(prompts, GREEDY, use_tqdm=False)) == reference
+        counters = llm.engine.scheduler.spec_counters
+        if not adaptive:
+            assert counters.num_drafts > 0
+            if accepted is not None:
+                assert counters.num_accepted_tokens >= accepted * counters.num_draft_tokens, counters
+        assert llm.engine.kv_manager.usage() == 0
+
+
+def test_a_draft_model_under_preemption_and_prefix_caching_changes_no_output(tiny_llama_dir, prompts,
+                                                                           reference):
+    """The target as its own draft: after a preemption, and after a prefix-cache hit (whose shared blocks'
+    draft K/V was written by another request), the draft catches up from the first token and still agrees."""
+    spec = draft_config(tiny_llama_dir)
+    llm = make_llm(tiny_llama_dir, num_kv_blocks=24, block_size=8, max_model_len=128, max_num_batched_tokens=32,
+                   speculative_config=spec)
+    assert token_ids(llm.generate(prompts, GREEDY, use_tqdm=False)) == reference
+    assert llm.engine.scheduler.num_preemptions > 0
+    cached = make_llm(tiny_llama_dir, speculative_config=spec)
+    cached.generate(prompts, GREEDY, use_tqdm=False)
+    before = cached.engine.scheduler.spec_counters.num_draft_tokens
+    again = cached.generate(prompts, GREEDY, use_tqdm=False)
+    assert token_ids(again) == reference and sum(o.metrics.num_cached_tokens for o in again) > 0
+    counters = cached.engine.scheduler.spec_counters
+    assert counters.num_draft_tokens > before and counters.num_accepted_tokens >= 0.9 * counters.num_draft_tokens
+    assert cached.engine.kv_manager.usage() == 0
 
 
 def test_metrics_expose_the_spec_decode_counters(tiny_chat_dir):
@@ -89,16 +145,20 @@ def test_metrics_expose_the_spec_decode_counters(tiny_chat_dir):
     assert "conveyor:spec_decode_num_accepted_tokens_per_pos_total" in text
 
 
-def test_sampled_requests_keep_their_distribution_under_speculation(tiny_llama_dir):
-    """Rejection sampling of n-gram proposals: each output position's token distribution, and the joint of two
-    neighbouring positions, with speculation equal those without it (two-sample chi-square, p = 1e-4 each), over
-    1,500 unseeded draws at temperature 1 with top-k 4 (so the proposals are often right and often wrong)."""
+@pytest.mark.parametrize("proposer", ["ngram", "draft"])
+def test_sampled_requests_keep_their_distribution_under_speculation(tiny_llama_dir, proposer):
+    """Rejection sampling of n-gram proposals and of a draft model's greedy ones (the target as its own draft):
+    each output position's token distribution, and the joint of two neighbouring positions, with speculation
+    equal those without it (two-sample chi-square, p = 1e-4 each), over 1,500 unseeded draws at temperature 1
+    with top-k 4 (so the proposals are often right and often wrong)."""
     # the model's own greedy continuation in the prompt: its likely tokens have been seen, so lookups propose
     seed = {"prompt_token_ids": [11, 12, 13, 14]}
     greedy = make_llm(tiny_llama_dir).generate([seed], SamplingParams(temperature=0.0, max_tokens=30,
                                                                       ignore_eos=True), use_tqdm=False)
     prompt = {"prompt_token_ids": seed["prompt_token_ids"] + token_ids(greedy)[0]}
     params = SamplingParams(temperature=1.0, top_k=4, max_tokens=8, ignore_eos=True)
+    proposer = {"ngram": {**NGRAM, "num_speculative_tokens": 3, "adaptive": False},
+                "draft": draft_config(tiny_llama_dir, num_speculative_tokens=3)}[proposer]
     n = 1500
 
     def draws(spec):
@@ -108,7 +168,7 @@ def test_sampled_requests_keep_their_distribution_under_speculation(tiny_llama_d
         return outs, llm.engine.scheduler.spec_counters
 
     plain, _ = draws(None)
-    spec, counters = draws({**NGRAM, "num_speculative_tokens": 3, "adaptive": False})
+    spec, counters = draws(proposer)
     assert counters.num_drafts > n // 4  # many verified proposals...
     assert 0 < counters.num_accepted_tokens < counters.num_draft_tokens  # ...some kept, some rejected
     samples = [([o[i] for o in plain], [o[i] for o in spec]) for i in range(8)]

@@ -1,0 +1,104 @@
+"""The draft model of speculative decoding: a second model, in the target's runner, that proposes tokens.
+
+The scheduler decides how many tokens each request verifies and sends that many placeholders
+(``core.speculative.DRAFT_PLACEHOLDER``); at the start of the step, before the target's forward pass, the draft
+replaces them with its own greedy tokens. A deterministic proposal is what the target's verification assumes
+(``runner.spec_verify``), so greedy outputs stay token-identical and sampled ones keep their distribution: the
+draft decides only how many tokens a step gains.
+
+Its KV cache is its own tensors but the target's blocks: block ``b`` of a request holds the target's K/V in the
+target's cache and the draft's in the draft's, so the scheduler's allocation (lookahead slots included) and its
+rollback serve both, and nothing in ``core`` knows the draft exists (vLLM's draft and EAGLE proposers share the
+block table the same way). What differs is how far each is computed: ``RequestState.draft_computed`` counts the
+leading tokens whose draft K/V is written. The draft catches up lazily, only for a request about to verify, in
+one pass over everything since (a whole prompt after admission, one or two tokens between verifying steps), then
+runs one single-token pass per further proposed token, every verifying request batched in each pass.
+
+Proposals past the accepted ones leave draft K/V at positions the next tokens overwrite; ``verified`` pulls
+``draft_computed`` back to what the accepted tokens make true. A request that is preempted comes back as a new
+state (``draft_computed`` 0) and catches up from its first token; so does one admitted with a prefix-cache hit,
+since the shared blocks' draft K/V may never have been written.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from conveyor.core.block_pool import cdiv
+from conveyor.core.speculative import DRAFT_PLACEHOLDER
+from conveyor.layers.attention import AttentionMetadata, allocate_kv_caches, make_attention, resolve_backend
+from conveyor.models.build import ModelInfo, resolve_dtype
+from conveyor.runner.input_batch import InputBatch, RequestState, slot_mapping_of
+
+
+class DraftModel:
+    """A loaded model that proposes for the requests of ``InputBatch`` ``batch`` (the target runner's), on the
+    target's block table (``num_blocks`` x ``block_size``)."""
+
+    def __init__(self, model: torch.nn.Module, info: ModelInfo, num_blocks: int, block_size: int,
+                 device: str | torch.device = "cpu", attention_backend: str = "auto") -> None:
+        self.model, self.info = model, info
+        self.device = torch.device(device)
+        self.block_size = block_size
+        self.dtype = resolve_dtype(info.dtype)
+        self.backend = resolve_backend(attention_backend, self.device, self.dtype, info.head_dim, block_size)
+        self.kv_caches = allocate_kv_caches(self.backend, info.num_layers, num_blocks, block_size,
+                                            info.num_kv_heads, info.head_dim, self.dtype, self.device)
+
+    def propose(self, spec_tokens: dict[str, list[int]], batch: InputBatch) -> dict[str, list[int]]:
+        """The draft's tokens for every request whose entry in ``spec_tokens`` holds placeholders (as many as it
+        holds), each request's K/V written up to its last proposal but one."""
+        wanted = {rid: len(tokens) for rid, tokens in spec_tokens.items()
+                  if tokens and tokens[0] == DRAFT_PLACEHOLDER}
+        if not wanted:
+            return {}
+        states = [batch.requests[rid] for rid in wanted]
+        # the catch-up pass: every token since the draft's last, ending with the one the target computes now
+        firsts = self._pass(batch, [(s, s.draft_computed, s.token_ids[s.draft_computed:]) for s in states])
+        proposals = {s.req_id: [token] for s, token in zip(states, firsts)}
+        for i in range(1, max(wanted.values())):
+            active = [s for s in states if wanted[s.req_id] > i]
+            nexts = self._pass(batch, [(s, len(s.token_ids) + i - 1, proposals[s.req_id][-1:]) for s in active])
+            for s, token in zip(active, nexts):
+                proposals[s.req_id].append(token)
+        for s in states:  # written: its tokens and every proposal but the last
+            s.draft_computed = len(s.token_ids) + wanted[s.req_id] - 1
+        return proposals
+
+    @staticmethod
+    def verified(state: RequestState) -> None:
+        """After the target appended what it accepted (and the token after): draft K/V past the request's last
+        accepted proposal was written from rejected tokens."""
+        state.draft_computed = min(state.draft_computed, len(state.token_ids) - 1)
+
+    def _pass(self, batch: InputBatch, rows: list[tuple[RequestState, int, list[int]]]) -> list[int]:
+        """One forward pass of the draft over ``rows`` (state, position of the first token, tokens), writing their
+        K/V; the greedy next token after each row's last, in ``rows`` order."""
+        # single-token rows first, shortest context first, as the target's steps order them for the attention
+        order = sorted(range(len(rows)), key=lambda i: (len(rows[i][2]) != 1, rows[i][1]))
+        computed = np.array([rows[i][1] for i in order], dtype=np.int64)
+        num_new = np.array([len(rows[i][2]) for i in order], dtype=np.int64)
+        seq_lens = computed + num_new
+        query_start = np.zeros(len(order) + 1, dtype=np.int64)
+        np.cumsum(num_new, out=query_start[1:])
+        num_tokens = int(query_start[-1])
+        req_of_token = np.repeat(np.arange(len(order)), num_new)
+        positions = np.arange(num_tokens) + np.repeat(computed - query_start[:-1], num_new)
+        table_rows = np.array([rows[i][0].row for i in order], dtype=np.int64)
+        block_table = batch.block_table[table_rows, :cdiv(int(seq_lens.max()), self.block_size)]
+        slots = slot_mapping_of(block_table, req_of_token, positions, self.block_size)
+        dev = self.device
+        meta = AttentionMetadata(
+            num_tokens=num_tokens, block_size=self.block_size, slot_mapping=torch.from_numpy(slots).to(dev),
+            query_start_loc=query_start.tolist(), seq_lens=seq_lens.tolist(), num_computed=computed.tolist(),
+            block_table=torch.from_numpy(block_table).to(dev), num_decodes=int((num_new == 1).sum()))
+        input_ids = torch.tensor([t for i in order for t in rows[i][2]], dtype=torch.int64, device=dev)
+        attn = make_attention(self.backend, meta, self.dtype, None)
+        hidden = self.model(input_ids, torch.from_numpy(positions).to(dev), self.kv_caches, attn)
+        last = torch.from_numpy(query_start[1:] - 1).to(dev)
+        tokens = self.model.compute_logits(hidden.index_select(0, last)).argmax(dim=-1).tolist()
+        by_row = [0] * len(rows)
+        for slot, i in enumerate(order):
+            by_row[i] = tokens[slot]
+        return by_row
