@@ -29,6 +29,8 @@ import json
 from collections import deque
 from dataclasses import dataclass
 
+from conveyor.core.linalg import least_squares
+
 SPEC_METHODS = ("ngram", "draft_model")
 # What the scheduler sends for each proposed token of a draft-model request: the executor runs the draft model
 # in the step and puts its tokens in their place (the scheduler needs only how many).
@@ -192,7 +194,7 @@ class StepCostModel:
         if len({x for x, _, _ in samples}) < 2:
             return None
         if len({m for _, m, _ in samples}) == 2:
-            solved = _least_squares([(1.0, x, m) for x, m, _ in samples], [y for _, _, y in samples])
+            solved = least_squares([(1.0, x, m) for x, m, _ in samples], [y for _, _, y in samples])
             if solved is not None:
                 fixed, slope, chunk = solved
                 return max(fixed, 0.0), max(slope, 0.0), max(chunk, 0.0)
@@ -202,24 +204,6 @@ class StepCostModel:
         sxx = sum((x - mx) ** 2 for x, _, _ in samples)
         slope = max(sum((x - mx) * (y - my) for x, _, y in samples) / sxx, 0.0)
         return max(my - slope * mx, 0.0), slope, 0.0
-
-
-def _least_squares(rows: list[tuple[float, ...]], ys: list[float]) -> list[float] | None:
-    """The coefficients minimising the squared error of ``rows @ c`` against ``ys`` (normal equations, Gaussian
-    elimination with partial pivoting); None when they are not determined."""
-    k = len(rows[0])
-    a = [[sum(r[i] * r[j] for r in rows) for j in range(k)] + [sum(r[i] * y for r, y in zip(rows, ys))]
-         for i in range(k)]
-    for col in range(k):
-        pivot = max(range(col, k), key=lambda i: abs(a[i][col]))
-        if abs(a[pivot][col]) < 1e-12:
-            return None
-        a[col], a[pivot] = a[pivot], a[col]
-        for i in range(k):
-            if i != col:
-                f = a[i][col] / a[col][col]
-                a[i] = [x - f * y for x, y in zip(a[i], a[col])]
-    return [a[i][k] / a[i][i] for i in range(k)]
 
 
 def choose_lengths(proposals: dict[str, int], alphas: dict[str, float], step_tokens: int, useful_tokens: float,

@@ -51,7 +51,8 @@ class EngineArgs:
     speculative_config: str | None = _arg(
         None, 'speculative decoding as a JSON object (vLLM\'s keys), e.g. \'{"method": "ngram", '
               '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\'; conveyor\'s '
-              '"adaptive" (default true) picks each step\'s lengths from the load, up to num_speculative_tokens. '
+              '"adaptive" (default true) picks each step\'s lengths from the load, up to num_speculative_tokens; '
+              '"model": PATH proposes with a draft model instead (method draft_model). '
               'LLM(speculative_config=...) also takes a dict. Default: off')
     block_size: int = _arg(CacheConfig.block_size, "tokens per KV cache block")
     num_kv_blocks: int | None = _arg(CacheConfig.num_kv_blocks, "KV cache size in blocks (default: from "

@@ -13,6 +13,7 @@ import itertools
 import math
 from dataclasses import dataclass
 
+from conveyor.core.linalg import solve
 from conveyor.sim.cost_model import RooflineCostModel, StepShape
 from conveyor.sim.hardware import Hardware
 from conveyor.sim.model_specs import ModelSpec
@@ -34,23 +35,6 @@ class FitReport:
                 "num_points": self.num_points}
 
 
-def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
-    """Gaussian elimination with partial pivoting; None when singular."""
-    n = len(b)
-    m = [row[:] + [b[i]] for i, row in enumerate(a)]
-    for col in range(n):
-        pivot = max(range(col, n), key=lambda r: abs(m[r][col]))
-        if abs(m[pivot][col]) < 1e-30:
-            return None
-        m[col], m[pivot] = m[pivot], m[col]
-        for r in range(n):
-            if r != col:
-                f = m[r][col] / m[col][col]
-                for c in range(col, n + 1):
-                    m[r][c] -= f * m[col][c]
-    return [m[i][n] / m[i][i] for i in range(n)]
-
-
 def nonnegative_least_squares(features: list[list[float]], targets: list[float], weights: list[float]
                               ) -> list[float]:
     """min sum w (f . x - y)^2 over x >= 0, by trying every subset of free coefficients (there are three)."""
@@ -60,7 +44,7 @@ def nonnegative_least_squares(features: list[list[float]], targets: list[float],
         for subset in itertools.combinations(range(k), size):
             a = [[sum(w * f[i] * f[j] for f, w in zip(features, weights)) for j in subset] for i in subset]
             b = [sum(w * f[i] * y for f, w, y in zip(features, weights, targets)) for i in subset]
-            x = _solve(a, b)
+            x = solve(a, b)
             if x is None or min(x) < 0:
                 continue
             full = [0.0] * k
