@@ -10,9 +10,11 @@ Its KV cache is its own tensors but the target's blocks: block ``b`` of a reques
 target's cache and the draft's in the draft's, so the scheduler's allocation (lookahead slots included) and its
 rollback serve both, and nothing in ``core`` knows the draft exists (vLLM's draft and EAGLE proposers share the
 block table the same way). What differs is how far each is computed: ``RequestState.draft_computed`` counts the
-leading tokens whose draft K/V is written. The draft catches up lazily, only for a request about to verify, in
-one pass over everything since (a whole prompt after admission, one or two tokens between verifying steps), then
-runs one single-token pass per further proposed token, every verifying request batched in each pass.
+leading tokens whose draft K/V is written. Each step the draft runs the step's prompt chunks (so a prompt costs
+its draft pass in the prefill steps, which the scheduler's length rule does not fit on, and not in the first
+step that verifies) and catches up every request about to verify on the tokens since its last (one or two
+between verifying steps, more after steps without), in one pass; then it runs one single-token pass per further
+proposed token, every verifying request batched in each pass.
 
 Proposals past the accepted ones leave draft K/V at positions the next tokens overwrite; ``verified`` pulls
 ``draft_computed`` back to what the accepted tokens make true. A request that is preempted comes back as a new
@@ -26,6 +28,7 @@ import numpy as np
 import torch
 
 from conveyor.core.block_pool import cdiv
+from conveyor.core.outputs import SchedulerOutput
 from conveyor.core.speculative import DRAFT_PLACEHOLDER
 from conveyor.layers.attention import AttentionMetadata, allocate_kv_caches, make_attention, resolve_backend
 from conveyor.models.build import ModelInfo, resolve_dtype
@@ -46,18 +49,27 @@ class DraftModel:
         self.kv_caches = allocate_kv_caches(self.backend, info.num_layers, num_blocks, block_size,
                                             info.num_kv_heads, info.head_dim, self.dtype, self.device)
 
-    def propose(self, spec_tokens: dict[str, list[int]], batch: InputBatch) -> dict[str, list[int]]:
-        """The draft's tokens for every request whose entry in ``spec_tokens`` holds placeholders (as many as it
-        holds), each request's K/V written up to its last proposal but one."""
-        wanted = {rid: len(tokens) for rid, tokens in spec_tokens.items()
+    def propose(self, so: SchedulerOutput, batch: InputBatch) -> dict[str, list[int]]:
+        """The draft's tokens for every request whose entry in ``so.scheduled_spec_tokens`` holds placeholders
+        (as many as it holds), each request's K/V written up to its last proposal but one. Prompt chunks of the
+        step are run through the draft too, so that a request's first proposal does not pay for its prompt."""
+        wanted = {rid: len(tokens) for rid, tokens in so.scheduled_spec_tokens.items()
                   if tokens and tokens[0] == DRAFT_PLACEHOLDER}
-        if not wanted:
+        chunk_ends = {rid: batch.requests[rid].num_computed_tokens + n for rid, n in so.num_scheduled_tokens.items()
+                      if n > 1 and rid not in so.scheduled_spec_tokens}
+        chunks = [s for s in map(batch.requests.get, chunk_ends) if s.draft_computed < chunk_ends[s.req_id]]
+        if not wanted and not chunks:
             return {}
         states = [batch.requests[rid] for rid in wanted]
-        # the catch-up pass: every token since the draft's last, ending with the one the target computes now
-        firsts = self._pass(batch, [(s, s.draft_computed, s.token_ids[s.draft_computed:]) for s in states])
+        # the first pass: every verifying request's tokens since the draft's last, ending with the one the
+        # target computes now, and every prompt chunk (with whatever the draft has not seen before it)
+        rows = [(s, s.draft_computed, s.token_ids[s.draft_computed:]) for s in states]
+        rows += [(s, s.draft_computed, s.token_ids[s.draft_computed:chunk_ends[s.req_id]]) for s in chunks]
+        firsts = self._pass(batch, rows)
+        for s in chunks:
+            s.draft_computed = chunk_ends[s.req_id]
         proposals = {s.req_id: [token] for s, token in zip(states, firsts)}
-        for i in range(1, max(wanted.values())):
+        for i in range(1, max(wanted.values(), default=0)):
             active = [s for s in states if wanted[s.req_id] > i]
             nexts = self._pass(batch, [(s, len(s.token_ids) + i - 1, proposals[s.req_id][-1:]) for s in active])
             for s, token in zip(active, nexts):

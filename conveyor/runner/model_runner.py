@@ -65,8 +65,8 @@ class ModelRunner:
         self.batch.update(so)
         if so.is_empty:
             return ModelOutput()
-        if self.draft is not None and so.scheduled_spec_tokens:
-            so.scheduled_spec_tokens.update(self.draft.propose(so.scheduled_spec_tokens, self.batch))
+        if self.draft is not None:
+            so.scheduled_spec_tokens.update(self.draft.propose(so, self.batch))
         step = self.batch.prepare(so)
         masks = self._start_masks(step)
         logits, prompt_lps = self.forward(step)
