@@ -25,6 +25,7 @@ from conveyor.core.scheduler import Scheduler
 from conveyor.engine.args import EngineArgs, parse_cpu_ids
 from conveyor.engine.core_step import CoreOutput, CoreStepOutput, child_requests
 from conveyor.engine.engine_client import EngineInfo
+from conveyor.engine.kv_handoff import HandoffBook, KVHandoff
 from conveyor.engine.output_processor import OutputProcessor
 from conveyor.engine.outputs import RequestOutput
 from conveyor.engine.prompts import PromptType, encode_text, prompt_tokens
@@ -108,6 +109,7 @@ class LLMEngine:
                 self._pinned = binding.pinned
         self.output_processor = OutputProcessor(self.tokenizer, detokenize=args.detokenize)
         self.step_listeners: list[Callable[[StepRecord], None]] = []
+        self.handoffs = HandoffBook()  # disaggregated prefill / decode (engine.kv_handoff)
         self._ids = itertools.count()
         self.init_time_s = time.perf_counter() - start  # plus the KV cache and runner
 
@@ -268,6 +270,8 @@ class LLMEngine:
             self._awaiting_grammar = [(g, r) for g, r in self._awaiting_grammar if r.request_id not in ending]
         for child_id in child_ids:
             self.scheduler.finish_request(child_id, status, now)
+        if self.handoffs:
+            self.handoffs.drop(child_ids)
 
     def abort_request(self, request_id: str, error: str | None = None) -> RequestOutput | None:
         """Abort every completion of a request; its blocks are free when this returns."""
@@ -276,6 +280,92 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._awaiting_grammar) or self.scheduler.has_unfinished_requests()
+
+    # ---- disaggregated prefill / decode (engine.kv_handoff) ---------------------------------------------
+    @staticmethod
+    def can_hand_off(params: SamplingParams) -> bool:
+        """Whether a request can be split into prefill here and decode elsewhere: not ``n > 1`` (its completions
+        share the prompt's blocks) nor constrained (its grammar state lives here); serve those whole."""
+        return params.n == 1 and params.structured_outputs is None
+
+    def add_prefill_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams | None = None,
+                            arrival_time: float | None = None) -> str:
+        """Queue a request to run here only until its first token: then its KV is exported and its blocks freed
+        in the same step, and its last output (``finished``, the first token in it) carries ``kv_handoff`` for
+        ``add_handoff`` on a decode engine. One that finishes at its first token ends here, without one. Raises
+        ValueError for what ``can_hand_off`` refuses, as ``add_request`` does for bad input."""
+        params = params or SamplingParams()
+        if not self.can_hand_off(params):
+            raise ValueError("n > 1 and structured outputs are not handed over: serve the request whole")
+        request_id = self.add_request(request_id, prompt, params, arrival_time)
+        self.handoffs.exporting.add(request_id)
+        return request_id
+
+    def add_handoff(self, handoff: KVHandoff, arrival_time: float | None = None) -> str:
+        """Queue a request a prefill engine started (``add_prefill_request``): admitted as a decode whose prompt
+        KV is copied into the blocks the scheduler gives it, it generates from its second token on; its outputs
+        are cumulative from the first token. Raises ValueError (another model's KV, a bad prompt, an id in use)
+        or QueueFullError."""
+        h, params = handoff, handoff.sampling_params
+        rid, prompt = h.request_id, list(handoff.prompt_token_ids)
+        m = self.model_info
+        if not self.can_hand_off(params):
+            raise ValueError("n > 1 and structured outputs are not handed over")
+        if rid in self.output_processor.parents or rid in self.scheduler.requests:
+            raise ValueError(f"request id {rid!r} is already in use")
+        if len(h.kv_shape) != 5 or h.kv_shape[2] != len(prompt) or \
+                (h.kv_shape[0], h.kv_shape[3], h.kv_shape[4]) != (m.num_layers, m.num_kv_heads, m.head_dim):
+            raise ValueError(f"the handed-over KV ({h.kv_shape}) is not this model's for a {len(prompt)}-token "
+                             f"prompt ({m.num_layers} layers, {m.num_kv_heads} KV heads of {m.head_dim})")
+        self._check_queue_room(1)
+        self.validate_prompt(prompt, params)
+        now = time.monotonic() if arrival_time is None else arrival_time
+        request = Request(rid, prompt, params, tuple(m.eos_token_ids), self.max_model_len, now)
+        request.output_token_ids.append(h.first_token_id)
+        request.num_computed_tokens = len(prompt)  # the scheduler's hand-over path: admitted as a decode
+        self.scheduler.add_request(request)
+        self.handoffs.importing[rid] = h
+        self.output_processor.add(rid, h.prompt, prompt, [(rid, params)], now)
+        # The first token as the prefill side's output processor took it: text, logprobs, stop-string state.
+        self.output_processor.process(CoreStepOutput(now, [CoreOutput(
+            rid, h.first_token_id, h.first_logprobs, None, None, h.num_cached_tokens, 0, None)]))
+        return rid
+
+    def _import_admitted(self, sched_out) -> None:
+        """Write the K/V of handed-over requests this schedule admitted into their new blocks, before the step
+        reads them."""
+        for new in sched_out.scheduled_new_reqs:
+            h = self.handoffs.importing.pop(new.request_id, None)
+            if h is not None:
+                assert new.num_computed_tokens == len(h.prompt_token_ids), "a hand-over admitted as a prefill"
+                self.executor.import_kv(new.request_id, new.block_ids, h.kv(), h.generator())
+
+    def _export_first_tokens(self, outputs: list[RequestOutput]) -> None:
+        """Prefill-only requests that sampled their first token this step: export their KV, free their blocks,
+        and turn their output into the last one, carrying the hand-off."""
+        now = time.monotonic()
+        for out in outputs:
+            rid = out.request_id
+            if rid not in self.handoffs.exporting:
+                continue
+            request = self.scheduler.requests.get(rid)
+            if out.finished or request is None:  # ended at its first token (EOS, stop string, max_tokens=1)
+                self.handoffs.exporting.discard(rid)
+                continue
+            if request.num_output_tokens == 0:
+                continue
+            kv, gen = self.executor.export_kv(rid, self.kv_manager.block_ids(rid), request.num_prompt_tokens)
+            comp = out.outputs[0]
+            out.kv_handoff = KVHandoff.pack(
+                kv, gen, request_id=rid, prompt=out.prompt, prompt_token_ids=list(request.prompt_token_ids),
+                first_token_id=request.output_token_ids[0], first_logprobs=comp.logprobs[0] if comp.logprobs else None,
+                sampling_params=request.sampling_params, num_cached_tokens=request.num_cached_prompt_tokens,
+                timings={"arrival": request.times.arrival, "first_token": request.times.first_token or now,
+                         "exported": time.monotonic()})
+            self.handoffs.exporting.discard(rid)
+            self.scheduler.finish_request(rid, RequestStatus.FINISHED_LENGTH, now)  # its blocks are free now
+            self.output_processor.forget(rid)
+            out.finished = True
 
     # ---- the step ---------------------------------------------------------------------------------------
     @staticmethod
@@ -307,6 +397,8 @@ class LLMEngine:
                 logger.error("request %s failed and was aborted: %s", request_id, why)
                 if (out := self.abort_request(request_id, why)) is not None:
                     outputs.append(out)
+        if self.handoffs.exporting:
+            self._export_first_tokens(outputs)
         return outputs
 
     def core_step(self) -> CoreStepOutput | None:
@@ -317,6 +409,8 @@ class LLMEngine:
         sched_out = self.scheduler.schedule(start)
         if sched_out.is_empty:
             return CoreStepOutput(start, failed=grammar_failed) if grammar_failed else None
+        if self.handoffs.importing:
+            self._import_admitted(sched_out)
         record = StepRecord.before(start, sched_out, self.scheduler) if self.step_listeners else None
         with self._pinned():
             model_out = self.executor.execute(sched_out)
