@@ -43,13 +43,21 @@ class ReplicaReport:
 
 @ray.remote(num_cpus=0)
 class ReplicaBoard:
-    """The latest report of every replica, with its age (seconds since it was posted)."""
+    """The latest report of every replica, with its age (seconds since it was posted); and, for disaggregated
+    serving, the hand-offs whose KV a prefill replica may let go (``release``), handed back at its next post."""
 
     def __init__(self) -> None:
         self._reports: dict[str, tuple[float, ReplicaReport]] = {}
+        self._released: dict[str, list[str]] = {}
 
-    def post(self, report: ReplicaReport) -> None:
+    def post(self, report: ReplicaReport) -> list[str]:
+        """Record ``report``; return the request ids released to this replica since its last post."""
         self._reports[report.replica_id] = (time.monotonic(), report)
+        return self._released.pop(report.replica_id, [])
+
+    def release(self, replica_id: str, request_id: str) -> None:
+        """The KV that ``replica_id`` holds for ``request_id`` is no longer needed (fetched, or abandoned)."""
+        self._released.setdefault(replica_id, []).append(request_id)
 
     def read(self) -> list[tuple[float, ReplicaReport]]:
         now = time.monotonic()
@@ -113,10 +121,13 @@ class EngineReplica:
         return ReplicaReport(self.replica_id, self.async_engine.stats, self.metrics.total_prompt_tokens,
                              self.metrics.total_generation_tokens, self.metrics.render())
 
+    def on_released(self, request_ids: list[str]) -> None:
+        """Hand-offs released on the board (``ReplicaBoard.release``): only prefill replicas hold any."""
+
     async def _report_forever(self) -> None:
         while True:
             try:
-                await self._board.post.remote(self.report())
+                self.on_released(await self._board.post.remote(self.report()))
             except Exception:  # noqa: BLE001 - a missed report only ages this replica's numbers
                 logger.warning("replica %s could not post its report", self.replica_id, exc_info=True)
             await asyncio.sleep(REPORT_PERIOD_S)
