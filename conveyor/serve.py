@@ -116,6 +116,9 @@ def _add_scale_out_args(p) -> None:
                    help="disaggregated prefill/decode: x prefill and y decode replicas (e.g. 1P1D), the prompt's KV "
                    "handed over through Ray's object store (docs/disaggregation.md); replaces --data-parallel-size")
     g.add_argument("--cpus-per-replica", type=float, default=1.0, help="Ray CPUs (and torch threads) per replica")
+    g.add_argument("--pin-replica-cpus", action="store_true",
+                   help="pin each replica to --cpus-per-replica CPUs of its own (Ray counts CPUs but does not place "
+                   "them: without it, replicas on one machine may share cores)")
     g.add_argument("--autoscaling-config", default=None,
                    help="Ray Serve autoscaling_config as JSON (e.g. '{\"min_replicas\": 1, \"max_replicas\": 4}'); "
                    "replaces --data-parallel-size")

@@ -41,8 +41,8 @@ HOLD_S = 300.0  # a hand-off never released (its ingress died) is dropped after 
 class PrefillReplica(EngineReplica):
     """Prefill only: ``prefill`` streams a request up to its first token and hands its KV over."""
 
-    async def __init__(self, *args) -> None:
-        await super().__init__(*args)
+    async def __init__(self, *args, pin_cpus: bool = False) -> None:
+        await super().__init__(*args, pin_cpus=pin_cpus)
         self._outbox: dict[str, tuple[float, object]] = {}  # request id -> (when put, reference to its KV)
 
     def on_released(self, request_ids: list[str]) -> None:
@@ -93,8 +93,8 @@ class DecodeReplica(EngineReplica):
     ``prefill`` is the prefill deployment, bound here only so that both deployments form one Serve application
     (deployed and deleted together); requests reach it through the ingress's own handle."""
 
-    async def __init__(self, *args, prefill=None) -> None:
-        await super().__init__(*args)
+    async def __init__(self, *args, prefill=None, pin_cpus: bool = False) -> None:
+        await super().__init__(*args, pin_cpus=pin_cpus)
         self.fetch_delay_s = 0.0
 
     def set_fetch_delay(self, seconds: float) -> None:

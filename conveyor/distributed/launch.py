@@ -37,7 +37,7 @@ CONSTRUCTOR_RETRIES = 2
 
 def deploy_disaggregated(args: EngineArgs, model_name: str | None, num_prefill: int, num_decode: int,
                          router: str = "prefix", cpus_per_replica: float = 1.0, router_kwargs: dict | None = None,
-                         max_ongoing_requests: int = 1024) -> DisaggPool:
+                         max_ongoing_requests: int = 1024, pin_cpus: bool = False) -> DisaggPool:
     """Deploy ``num_prefill`` prefill and ``num_decode`` decode replicas as one Serve application and return the
     pool that fronts them (``disagg_pool``). ``router`` routes among the prefill replicas (the prefix router
     keeps a prompt's head where it is cached); decode replicas are picked by power of two choices (their KV
@@ -57,7 +57,8 @@ def deploy_disaggregated(args: EngineArgs, model_name: str | None, num_prefill: 
     decode = serve.deployment(DecodeReplica).options(name=DECODE_DEPLOYMENT, num_replicas=num_decode, **common)
     threads = max(1, int(cpus_per_replica))
     engine = (args, model_name, threads, board)
-    serve.run(decode.bind(*engine, prefill=prefill.bind(*engine)), name=APP_NAME, route_prefix=None)
+    serve.run(decode.bind(*engine, prefill=prefill.bind(*engine, pin_cpus=pin_cpus), pin_cpus=pin_cpus),
+              name=APP_NAME, route_prefix=None)
     prefill_handle = DeploymentHandle(PREFILL_DEPLOYMENT, APP_NAME)
     decode_handle = DeploymentHandle(DECODE_DEPLOYMENT, APP_NAME)
     info = decode_handle.info.remote().result().loaded()
@@ -66,7 +67,7 @@ def deploy_disaggregated(args: EngineArgs, model_name: str | None, num_prefill: 
 
 def deploy(args: EngineArgs, model_name: str, num_replicas: int, router: str, cpus_per_replica: float = 1.0,
            autoscaling_config: dict | None = None, router_kwargs: dict | None = None,
-           max_ongoing_requests: int = 1024) -> ReplicaPool:
+           max_ongoing_requests: int = 1024, pin_cpus: bool = False) -> ReplicaPool:
     """Deploy the engine replicas on the connected Ray and return the pool that fronts them (start it on the
     event loop that serves). ``max_ongoing_requests`` is high on purpose: queueing and its 503 belong to each
     engine's own bounded queue, not to Ray Serve's router."""
@@ -86,7 +87,8 @@ def deploy(args: EngineArgs, model_name: str, num_replicas: int, router: str, cp
         max_constructor_retry_count=CONSTRUCTOR_RETRIES,
     )
     threads = max(1, int(cpus_per_replica))
-    serve.run(deployment.bind(args, model_name, threads, board), name=APP_NAME, route_prefix=None)
+    serve.run(deployment.bind(args, model_name, threads, board, pin_cpus=pin_cpus), name=APP_NAME,
+              route_prefix=None)
     # Not serve.run's return value: that is this process's cached handle for the deployment, whose request router
     # was fixed when it first routed, so a second deploy in one process with another router would keep the first.
     handle = DeploymentHandle(DEPLOYMENT_NAME, APP_NAME)
@@ -145,10 +147,11 @@ def run_serve_data_parallel(ns: argparse.Namespace, args: EngineArgs) -> int:
         router_kwargs = {"imbalance_threshold": ns.router_imbalance_threshold} if ns.router == "prefix" else {}
         try:
             if split:
-                pool = deploy_disaggregated(args, model_name, *split, ns.router, ns.cpus_per_replica, router_kwargs)
+                pool = deploy_disaggregated(args, model_name, *split, ns.router, ns.cpus_per_replica, router_kwargs,
+                                            pin_cpus=ns.pin_replica_cpus)
             else:
                 pool = deploy(args, model_name, ns.data_parallel_size, ns.router, ns.cpus_per_replica, autoscaling,
-                              router_kwargs)
+                              router_kwargs, pin_cpus=ns.pin_replica_cpus)
         except RuntimeError as exc:  # the replicas' own errors are in the log above, as Ray printed them
             logger.critical("the engine replicas could not start: %s", exc)
             return 1

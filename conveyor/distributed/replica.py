@@ -28,6 +28,7 @@ from conveyor.engine.engine_client import EngineInfo
 logger = logging.getLogger("conveyor.distributed")
 
 REPORT_PERIOD_S = 1.0
+CLAIM_STALE_S = 10.0  # a replica silent this long has let go of its CPUs
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,7 @@ class ReplicaBoard:
     def __init__(self) -> None:
         self._reports: dict[str, tuple[float, ReplicaReport]] = {}
         self._released: dict[str, list[str]] = {}
+        self._claims: dict[str, list[int]] = {}  # replica id -> the CPUs it computes on (claim_cpus)
 
     def post(self, report: ReplicaReport) -> list[str]:
         """Record ``report``; return the request ids released to this replica since its last post."""
@@ -59,6 +61,21 @@ class ReplicaBoard:
         """The KV that ``replica_id`` holds for ``request_id`` is no longer needed (fetched, or abandoned)."""
         self._released.setdefault(replica_id, []).append(request_id)
 
+    def claim_cpus(self, replica_id: str, allowed: list[int], count: int) -> list[int]:
+        """``count`` of the ``allowed`` CPUs for ``replica_id``, the least claimed first: claims of replicas that
+        stopped reporting (dead, replaced) no longer count."""
+        now = time.monotonic()
+        live = {rid for rid, (t, _) in self._reports.items() if now - t <= CLAIM_STALE_S}
+        self._claims = {rid: c for rid, c in self._claims.items() if rid in live or rid not in self._reports}
+        load = {cpu: 0 for cpu in allowed}
+        for claimed in self._claims.values():
+            for cpu in claimed:
+                if cpu in load:
+                    load[cpu] += 1
+        cpus = sorted(allowed, key=lambda cpu: (load[cpu], cpu))[:max(1, count)]
+        self._claims[replica_id] = cpus
+        return cpus
+
     def read(self) -> list[tuple[float, ReplicaReport]]:
         now = time.monotonic()
         return [(now - t, r) for t, r in self._reports.values()]
@@ -67,7 +84,14 @@ class ReplicaBoard:
 class EngineReplica:
     """A Ray Serve deployment class: one ``LLMEngine`` in an ``AsyncEngine``, built from ``EngineArgs``."""
 
-    async def __init__(self, args: EngineArgs, model_name: str | None, torch_threads: int, board) -> None:
+    async def __init__(self, args: EngineArgs, model_name: str | None, torch_threads: int, board,
+                       pin_cpus: bool = False) -> None:
+        """``pin_cpus``: compute on ``torch_threads`` CPUs of this machine that no other live replica claimed
+        (``ReplicaBoard.claim_cpus``, then the engine's own ``cpu_ids``), so that replicas on one machine do not
+        share cores; Ray's ``num_cpus`` only counts CPUs, it does not place them."""
+        import dataclasses
+        import os
+
         import torch
 
         from conveyor.engine.async_engine import AsyncEngine
@@ -75,12 +99,16 @@ class EngineReplica:
         from conveyor.server.metrics import ServerMetrics
 
         torch.set_num_threads(torch_threads)  # the replica's CPU share, not the machine's core count
+        self.replica_id = serve.get_replica_context().replica_id.unique_id
+        if pin_cpus:
+            cpus = await board.claim_cpus.remote(self.replica_id, sorted(os.sched_getaffinity(0)), torch_threads)
+            args = dataclasses.replace(args, cpu_ids=",".join(map(str, cpus)))
+            logger.warning("replica %s computes on CPUs %s", self.replica_id, cpus)
         self.engine = LLMEngine(args)
         self.async_engine = AsyncEngine(self.engine)
         self.metrics = ServerMetrics(self.async_engine, model_name or self.engine.model_info.name)
         self.metrics.attach()
         self.async_engine.start()
-        self.replica_id = serve.get_replica_context().replica_id.unique_id
         self._board = board
         self._reporter = asyncio.create_task(self._report_forever())
 

@@ -44,7 +44,7 @@ def cluster(tiny_chat_dir):
     with ray_head(num_cpus=2) as address:
         join(address)
         try:
-            pool = deploy_disaggregated(args, "tiny", 1, 1, router="prefix")
+            pool = deploy_disaggregated(args, "tiny", 1, 1, router="prefix", pin_cpus=True)  # a CPU each
             app = build_app(pool, "tiny", log_stats_interval_s=0.0, shutdown_timeout_s=2.0,
                             metrics=PoolMetrics(pool), health_detail=pool.health)
             with running_server(app) as url:
