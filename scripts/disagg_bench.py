@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import signal
 import statistics
 import subprocess
@@ -30,6 +31,7 @@ import tempfile
 import time
 
 import httpx
+import psutil
 
 PIN = ["--cpus-per-replica", "1", "--pin-replica-cpus"]
 CONFIGS = {
@@ -63,6 +65,34 @@ def warm_up(url: str) -> None:
                    json={"prompt": [1, 2] * (20 + 8 * i), "max_tokens": 8, "ignore_eos": True}).raise_for_status()
 
 
+def busy_cores_s() -> float:
+    """CPU seconds the whole machine has been busy (all CPUs, /proc/stat: everything but idle and iowait)."""
+    t = psutil.cpu_times()
+    return sum(t) - t.idle - getattr(t, "iowait", 0.0)
+
+
+def tree_cpu_s(proc: subprocess.Popen) -> float:
+    """CPU seconds of ``proc`` and its live descendants (the server, its Ray processes, the replicas)."""
+    total = 0.0
+    try:
+        root = psutil.Process(proc.pid)
+        for p in [root, *root.children(recursive=True)]:
+            try:
+                t = p.cpu_times()
+                total += t.user + t.system + t.children_user + t.children_system
+            except psutil.Error:
+                pass
+    except psutil.Error:
+        pass
+    return total
+
+
+def waited_children_cpu_s() -> float:
+    """CPU seconds of this process's finished children (the benchmark client, once it has run)."""
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
 def row(summary: dict) -> dict:
     return {"ttft_p50_ms": summary["ttft"]["p50"] * 1e3, "ttft_p99_ms": summary["ttft"]["p99"] * 1e3,
             "itl_p50_ms": summary["itl"]["p50"] * 1e3, "itl_p99_ms": summary["itl"]["p99"] * 1e3,
@@ -78,10 +108,15 @@ def run_real(name: str, workload: str, port: int, serve_args: list[str]) -> dict
     try:
         wait_ready(url, proc)
         warm_up(url)
+        # Everyone else's CPU while the trace runs: the machine's busy time minus this server's and this client's.
+        t0, busy0, mine0, client0 = time.monotonic(), busy_cores_s(), tree_cpu_s(proc), waited_children_cpu_s()
         with tempfile.NamedTemporaryFile(suffix=".json") as out:
             subprocess.run(CONVEYOR + ["bench", "serve", "--base-url", url, "--workload", workload,
                                        "--json", out.name], check=True, stdout=subprocess.DEVNULL)
             summary = json.load(open(out.name))["summary"]
+        wall = time.monotonic() - t0
+        mine = tree_cpu_s(proc) - mine0 + waited_children_cpu_s() - client0
+        others = (busy_cores_s() - busy0 - mine) / wall
     finally:
         proc.send_signal(signal.SIGINT)
         try:
@@ -89,7 +124,8 @@ def run_real(name: str, workload: str, port: int, serve_args: list[str]) -> dict
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-    return {"config": name, **row(summary), "load": os.getloadavg()[0]}
+    return {"config": name, **row(summary), "load": os.getloadavg()[0], "others_cores": max(others, 0.0),
+            "mine_cores": mine / wall}
 
 
 def without_model(args: list[str]) -> list[str]:
@@ -141,21 +177,22 @@ def main() -> int:
     if ns.json:
         with open(ns.json, "w") as f:
             json.dump({"real": runs, "simulated": sim}, f, indent=1)
-    print("| config | source | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | TPOT p50 | out tok/s | req/s | failed | load |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| config | source | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | TPOT p50 | out tok/s | req/s | failed | load "
+          "| others' cores | ours |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name in names:
         for res in [x for x in runs if x["config"] == name]:
             print(f"| {name} | real, round {res['round'] + 1} | " + " | ".join(
                 f"{res[k]:.0f}" if "ms" in k else f"{res[k]:.2f}" for k in METRICS) +
-                  f" | {res['failed']} | {res['load']:.1f} |")
+                  f" | {res['failed']} | {res['load']:.1f} | {res['others_cores']:.2f} | {res['mine_cores']:.2f} |")
         mine = [x for x in runs if x["config"] == name]
         if len(mine) > 1:
             print(f"| {name} | real, median | " + " | ".join(
                 f"{statistics.median(x[k] for x in mine):.0f}" if "ms" in k else
-                f"{statistics.median(x[k] for x in mine):.2f}" for k in METRICS) + " | | |")
+                f"{statistics.median(x[k] for x in mine):.2f}" for k in METRICS) + " | | | | |")
         for res in [x for x in sim if x["config"] == name]:
             print(f"| {name} | simulated | " + " | ".join(
-                f"{res[k]:.0f}" if "ms" in k else f"{res[k]:.2f}" for k in METRICS) + " | | |")
+                f"{res[k]:.0f}" if "ms" in k else f"{res[k]:.2f}" for k in METRICS) + " | | | | |")
     return 0
 
 

@@ -285,8 +285,9 @@ class LLMEngine:
     @staticmethod
     def can_hand_off(params: SamplingParams) -> bool:
         """Whether a request can be split into prefill here and decode elsewhere: not ``n > 1`` (its completions
-        share the prompt's blocks) nor constrained (its grammar state lives here); serve those whole."""
-        return params.n == 1 and params.structured_outputs is None
+        share the prompt's blocks), constrained (its grammar state lives here) or with prompt logprobs (the final
+        output carries them, and only the prefill side has them); serve those whole."""
+        return params.n == 1 and params.structured_outputs is None and params.prompt_logprobs is None
 
     def add_prefill_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams | None = None,
                             arrival_time: float | None = None) -> str:
@@ -296,7 +297,8 @@ class LLMEngine:
         ValueError for what ``can_hand_off`` refuses, as ``add_request`` does for bad input."""
         params = params or SamplingParams()
         if not self.can_hand_off(params):
-            raise ValueError("n > 1 and structured outputs are not handed over: serve the request whole")
+            raise ValueError("n > 1, structured outputs and prompt logprobs are not handed over: serve the request "
+                             "whole")
         request_id = self.add_request(request_id, prompt, params, arrival_time)
         self.handoffs.exporting.add(request_id)
         return request_id
@@ -310,7 +312,7 @@ class LLMEngine:
         rid, prompt = h.request_id, list(handoff.prompt_token_ids)
         m = self.model_info
         if not self.can_hand_off(params):
-            raise ValueError("n > 1 and structured outputs are not handed over")
+            raise ValueError("n > 1, structured outputs and prompt logprobs are not handed over")
         if rid in self.output_processor.parents or rid in self.scheduler.requests:
             raise ValueError(f"request id {rid!r} is already in use")
         if len(h.kv_shape) != 5 or h.kv_shape[2] != len(prompt) or \
