@@ -18,6 +18,7 @@ and pickle carry without copies), and ``distributed.disagg`` moves it between re
 
 from __future__ import annotations
 
+import time
 import warnings
 from dataclasses import dataclass, field
 
@@ -25,6 +26,7 @@ import numpy as np
 import torch
 
 from conveyor.core.outputs import TokenLogprobs
+from conveyor.core.request import Request, RequestStatus
 from conveyor.core.sampling_params import SamplingParams
 
 
@@ -84,3 +86,61 @@ class HandoffBook:
 
     def __len__(self) -> int:
         return len(self.exporting) + len(self.importing)
+
+
+# ---- the engine's two halves (``LLMEngine`` calls these; ``engine`` is one) ----------------------------------
+def export_first_tokens(engine, outputs) -> None:
+    """Prefill-only requests that sampled their first token this step: export their KV, free their blocks, and
+    turn their output into the last one, carrying the hand-off (``RequestOutput.kv_handoff``)."""
+    now = time.monotonic()
+    book, scheduler = engine.handoffs, engine.scheduler
+    for out in outputs:
+        rid = out.request_id
+        if rid not in book.exporting:
+            continue
+        request = scheduler.requests.get(rid)
+        if out.finished or request is None:  # ended at its first token (EOS, stop string, max_tokens=1)
+            book.exporting.discard(rid)
+            continue
+        if request.num_output_tokens == 0:
+            continue
+        kv, gen = engine.executor.export_kv(rid, engine.kv_manager.block_ids(rid), request.num_prompt_tokens)
+        comp = out.outputs[0]
+        out.kv_handoff = KVHandoff.pack(
+            kv, gen, request_id=rid, prompt=out.prompt, prompt_token_ids=list(request.prompt_token_ids),
+            first_token_id=request.output_token_ids[0], first_logprobs=comp.logprobs[0] if comp.logprobs else None,
+            sampling_params=request.sampling_params, num_cached_tokens=request.num_cached_prompt_tokens,
+            timings={"arrival": request.times.arrival, "first_token": request.times.first_token or now,
+                     "exported": time.monotonic()})
+        book.exporting.discard(rid)
+        scheduler.finish_request(rid, RequestStatus.FINISHED_LENGTH, now)  # its blocks are free now
+        engine.output_processor.forget(rid)
+        out.finished = True
+
+
+def check_fits(h: KVHandoff, model_info) -> None:
+    """ValueError unless ``h``'s KV is this model's (layers, KV heads, head size) for its prompt's length."""
+    m, n = model_info, len(h.prompt_token_ids)
+    if len(h.kv_shape) != 5 or h.kv_shape[2] != n or \
+            (h.kv_shape[0], h.kv_shape[3], h.kv_shape[4]) != (m.num_layers, m.num_kv_heads, m.head_dim):
+        raise ValueError(f"the handed-over KV ({h.kv_shape}) is not this model's for a {n}-token prompt "
+                         f"({m.num_layers} layers, {m.num_kv_heads} KV heads of {m.head_dim})")
+
+
+def decode_request(h: KVHandoff, eos_token_ids: tuple[int, ...], max_model_len: int, now: float) -> Request:
+    """The decode side's request: the prompt's KV counted as computed (the scheduler's hand-over path admits it
+    as a decode), the first token already in its output."""
+    request = Request(h.request_id, list(h.prompt_token_ids), h.sampling_params, eos_token_ids, max_model_len, now)
+    request.output_token_ids.append(h.first_token_id)
+    request.num_computed_tokens = len(h.prompt_token_ids)
+    return request
+
+
+def write_admitted(engine, sched_out) -> None:
+    """Write the K/V of the handed-over requests this schedule admitted into their new blocks, before the step
+    that first reads them."""
+    for new in sched_out.scheduled_new_reqs:
+        h = engine.handoffs.importing.pop(new.request_id, None)
+        if h is not None:
+            assert new.num_computed_tokens == len(h.prompt_token_ids), "a hand-over admitted as a prefill"
+            engine.executor.import_kv(new.request_id, new.block_ids, h.kv(), h.generator())

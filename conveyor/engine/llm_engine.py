@@ -25,7 +25,9 @@ from conveyor.core.scheduler import Scheduler
 from conveyor.engine.args import EngineArgs, parse_cpu_ids
 from conveyor.engine.core_step import CoreOutput, CoreStepOutput, child_requests
 from conveyor.engine.engine_client import EngineInfo
-from conveyor.engine.kv_handoff import HandoffBook, KVHandoff
+from conveyor.engine.kv_handoff import (
+    HandoffBook, KVHandoff, check_fits, decode_request, export_first_tokens, write_admitted,
+)
 from conveyor.engine.output_processor import OutputProcessor
 from conveyor.engine.outputs import RequestOutput
 from conveyor.engine.prompts import PromptType, encode_text, prompt_tokens
@@ -310,64 +312,21 @@ class LLMEngine:
         or QueueFullError."""
         h, params = handoff, handoff.sampling_params
         rid, prompt = h.request_id, list(handoff.prompt_token_ids)
-        m = self.model_info
         if not self.can_hand_off(params):
             raise ValueError("n > 1, structured outputs and prompt logprobs are not handed over")
         if rid in self.output_processor.parents or rid in self.scheduler.requests:
             raise ValueError(f"request id {rid!r} is already in use")
-        if len(h.kv_shape) != 5 or h.kv_shape[2] != len(prompt) or \
-                (h.kv_shape[0], h.kv_shape[3], h.kv_shape[4]) != (m.num_layers, m.num_kv_heads, m.head_dim):
-            raise ValueError(f"the handed-over KV ({h.kv_shape}) is not this model's for a {len(prompt)}-token "
-                             f"prompt ({m.num_layers} layers, {m.num_kv_heads} KV heads of {m.head_dim})")
+        check_fits(h, self.model_info)
         self._check_queue_room(1)
         self.validate_prompt(prompt, params)
         now = time.monotonic() if arrival_time is None else arrival_time
-        request = Request(rid, prompt, params, tuple(m.eos_token_ids), self.max_model_len, now)
-        request.output_token_ids.append(h.first_token_id)
-        request.num_computed_tokens = len(prompt)  # the scheduler's hand-over path: admitted as a decode
-        self.scheduler.add_request(request)
+        self.scheduler.add_request(decode_request(h, tuple(self.model_info.eos_token_ids), self.max_model_len, now))
         self.handoffs.importing[rid] = h
         self.output_processor.add(rid, h.prompt, prompt, [(rid, params)], now)
         # The first token as the prefill side's output processor took it: text, logprobs, stop-string state.
         self.output_processor.process(CoreStepOutput(now, [CoreOutput(
             rid, h.first_token_id, h.first_logprobs, None, None, h.num_cached_tokens, 0, None)]))
         return rid
-
-    def _import_admitted(self, sched_out) -> None:
-        """Write the K/V of handed-over requests this schedule admitted into their new blocks, before the step
-        reads them."""
-        for new in sched_out.scheduled_new_reqs:
-            h = self.handoffs.importing.pop(new.request_id, None)
-            if h is not None:
-                assert new.num_computed_tokens == len(h.prompt_token_ids), "a hand-over admitted as a prefill"
-                self.executor.import_kv(new.request_id, new.block_ids, h.kv(), h.generator())
-
-    def _export_first_tokens(self, outputs: list[RequestOutput]) -> None:
-        """Prefill-only requests that sampled their first token this step: export their KV, free their blocks,
-        and turn their output into the last one, carrying the hand-off."""
-        now = time.monotonic()
-        for out in outputs:
-            rid = out.request_id
-            if rid not in self.handoffs.exporting:
-                continue
-            request = self.scheduler.requests.get(rid)
-            if out.finished or request is None:  # ended at its first token (EOS, stop string, max_tokens=1)
-                self.handoffs.exporting.discard(rid)
-                continue
-            if request.num_output_tokens == 0:
-                continue
-            kv, gen = self.executor.export_kv(rid, self.kv_manager.block_ids(rid), request.num_prompt_tokens)
-            comp = out.outputs[0]
-            out.kv_handoff = KVHandoff.pack(
-                kv, gen, request_id=rid, prompt=out.prompt, prompt_token_ids=list(request.prompt_token_ids),
-                first_token_id=request.output_token_ids[0], first_logprobs=comp.logprobs[0] if comp.logprobs else None,
-                sampling_params=request.sampling_params, num_cached_tokens=request.num_cached_prompt_tokens,
-                timings={"arrival": request.times.arrival, "first_token": request.times.first_token or now,
-                         "exported": time.monotonic()})
-            self.handoffs.exporting.discard(rid)
-            self.scheduler.finish_request(rid, RequestStatus.FINISHED_LENGTH, now)  # its blocks are free now
-            self.output_processor.forget(rid)
-            out.finished = True
 
     # ---- the step ---------------------------------------------------------------------------------------
     @staticmethod
@@ -400,7 +359,7 @@ class LLMEngine:
                 if (out := self.abort_request(request_id, why)) is not None:
                     outputs.append(out)
         if self.handoffs.exporting:
-            self._export_first_tokens(outputs)
+            export_first_tokens(self, outputs)
         return outputs
 
     def core_step(self) -> CoreStepOutput | None:
@@ -412,7 +371,7 @@ class LLMEngine:
         if sched_out.is_empty:
             return CoreStepOutput(start, failed=grammar_failed) if grammar_failed else None
         if self.handoffs.importing:
-            self._import_admitted(sched_out)
+            write_admitted(self, sched_out)
         record = StepRecord.before(start, sched_out, self.scheduler) if self.step_listeners else None
         with self._pinned():
             model_out = self.executor.execute(sched_out)
