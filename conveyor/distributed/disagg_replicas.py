@@ -24,15 +24,12 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import logging
 import time
 
 import ray
 
 from conveyor.core.sampling_params import SamplingParams
 from conveyor.distributed.replica import EngineReplica
-
-logger = logging.getLogger("conveyor.distributed")
 
 FETCH_TIMEOUT_S = 60.0  # the KV is on this machine's store, or its owner's node: milliseconds unless lost
 HOLD_S = 300.0  # a hand-off never released (its ingress died) is dropped after this long

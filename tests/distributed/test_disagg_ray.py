@@ -21,7 +21,6 @@ from conveyor import LLM, SamplingParams
 from tests.helpers.server import TEST_DTYPE, running_server
 
 ray = pytest.importorskip("ray", reason="the ray extra is not installed (pip install 'conveyor[ray]')")
-from ray import serve  # noqa: E402
 
 from conveyor.distributed.launch import (  # noqa: E402
     APP_NAME, DECODE_DEPLOYMENT, PREFILL_DEPLOYMENT, deploy_disaggregated, stop_ray,
