@@ -110,7 +110,13 @@ def _add_scale_out_args(p) -> None:
     g.add_argument("--router-imbalance-threshold", type=int, default=8,
                    help="prefix router: while replicas' queues differ by at most this many requests, the prefix "
                    "decides; beyond it, power of two choices")
+    g.add_argument("--disaggregate", default=None, metavar="xPyD",
+                   help="disaggregated prefill/decode: x prefill and y decode replicas (e.g. 1P1D), the prompt's KV "
+                   "handed over through Ray's object store (docs/disaggregation.md); replaces --data-parallel-size")
     g.add_argument("--cpus-per-replica", type=float, default=1.0, help="Ray CPUs (and torch threads) per replica")
+    g.add_argument("--pin-replica-cpus", action="store_true",
+                   help="pin each replica to --cpus-per-replica CPUs of its own (Ray counts CPUs but does not place "
+                   "them: without it, replicas on one machine may share cores)")
     g.add_argument("--autoscaling-config", default=None,
                    help="Ray Serve autoscaling_config as JSON (e.g. '{\"min_replicas\": 1, \"max_replicas\": 4}'); "
                    "replaces --data-parallel-size")
@@ -135,12 +141,20 @@ def run_serve(ns: argparse.Namespace) -> int:
     if ns.model_tag and not ns.model:
         ns.model = ns.model_tag
     args = EngineArgs.from_cli_args(ns)
-    if ns.data_parallel_size > 1 or ns.ray_address or ns.autoscaling_config:
+    if ns.data_parallel_size > 1 or ns.ray_address or ns.autoscaling_config or ns.disaggregate:
         if args.cpu_ids or ns.frontend_cpus:  # each replica would pin itself to the same CPUs
             raise SystemExit("--cpu-ids and --frontend-cpus place one engine; with --data-parallel-size, Ray places "
                              "the replicas (--cpus-per-replica CPUs each)")
-        from conveyor.distributed import require_ray
+        from conveyor.distributed import parse_disaggregate, require_ray
 
+        if ns.disaggregate:
+            if ns.autoscaling_config or ns.data_parallel_size > 1:
+                raise SystemExit("--disaggregate xPyD sets the replicas; drop --data-parallel-size and "
+                                 "--autoscaling-config")
+            try:
+                parse_disaggregate(ns.disaggregate)
+            except ValueError as exc:
+                raise SystemExit(str(exc)) from None
         require_ray()
         from conveyor.distributed.launch import run_serve_data_parallel
 

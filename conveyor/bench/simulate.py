@@ -197,6 +197,9 @@ def run_all_simulated(ns, base_args, configs, workload: Workload, progress: bool
             "offline": ns.offline, "machine": machine, "model": spec.name, "model_flops": flops,
             "base_args": asdict(base_args), "runs": runs,
             "simulated": {"target": target.label, "hardware": hw.to_dict(), "tensor_parallel_size": tp,
-                          "model": asdict(spec), "cost_model": RooflineCostModel(spec, hw, tp).describe(),
+                          # per instance: a cluster's tp above is its GPU count, which a CPU profile (no
+                          # device-to-device link) cannot price as one tensor-parallel model
+                          "model": asdict(spec),
+                          "cost_model": RooflineCostModel(spec, hw, ns.tensor_parallel_size).describe(),
                           "disaggregate": disaggregate}}
 

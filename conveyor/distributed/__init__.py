@@ -7,6 +7,8 @@ Python and needs no Ray.
 
 from __future__ import annotations
 
+import re
+
 ROUTER_NAMES = ("prefix", "pow2", "round-robin")  # --router choices (routers.ROUTERS implements them)
 RAY_EXTRA_HINT = "pip install 'conveyor[ray]'  (Ray Serve 2.60)"
 
@@ -19,3 +21,11 @@ def require_ray() -> None:
     except ImportError as exc:
         raise SystemExit(f"data-parallel serving runs on Ray Serve, which is not installed ({exc}); install the "
                          f"extra: {RAY_EXTRA_HINT}") from None
+
+
+def parse_disaggregate(spec: str) -> tuple[int, int]:
+    """``--disaggregate``'s ``"1P1D"`` -> (1 prefill replica, 1 decode replica); ValueError for anything else."""
+    m = re.fullmatch(r"\s*(\d+)\s*[pP]\s*(\d+)\s*[dD]\s*", spec or "")
+    if not m or int(m.group(1)) < 1 or int(m.group(2)) < 1:
+        raise ValueError(f"--disaggregate wants xPyD with x, y >= 1 (e.g. 1P1D), got {spec!r}")
+    return int(m.group(1)), int(m.group(2))

@@ -28,6 +28,7 @@ from conveyor.engine.engine_client import EngineInfo
 logger = logging.getLogger("conveyor.distributed")
 
 REPORT_PERIOD_S = 1.0
+CLAIM_STALE_S = 10.0  # a replica silent this long has let go of its CPUs
 
 
 @dataclass(frozen=True)
@@ -43,13 +44,37 @@ class ReplicaReport:
 
 @ray.remote(num_cpus=0)
 class ReplicaBoard:
-    """The latest report of every replica, with its age (seconds since it was posted)."""
+    """The latest report of every replica, with its age (seconds since it was posted); and, for disaggregated
+    serving, the hand-offs whose KV a prefill replica may let go (``release``), handed back at its next post."""
 
     def __init__(self) -> None:
         self._reports: dict[str, tuple[float, ReplicaReport]] = {}
+        self._released: dict[str, list[str]] = {}
+        self._claims: dict[str, list[int]] = {}  # replica id -> the CPUs it computes on (claim_cpus)
 
-    def post(self, report: ReplicaReport) -> None:
+    def post(self, report: ReplicaReport) -> list[str]:
+        """Record ``report``; return the request ids released to this replica since its last post."""
         self._reports[report.replica_id] = (time.monotonic(), report)
+        return self._released.pop(report.replica_id, [])
+
+    def release(self, replica_id: str, request_id: str) -> None:
+        """The KV that ``replica_id`` holds for ``request_id`` is no longer needed (fetched, or abandoned)."""
+        self._released.setdefault(replica_id, []).append(request_id)
+
+    def claim_cpus(self, replica_id: str, allowed: list[int], count: int) -> list[int]:
+        """``count`` of the ``allowed`` CPUs for ``replica_id``, the least claimed first: claims of replicas that
+        stopped reporting (dead, replaced) no longer count."""
+        now = time.monotonic()
+        live = {rid for rid, (t, _) in self._reports.items() if now - t <= CLAIM_STALE_S}
+        self._claims = {rid: c for rid, c in self._claims.items() if rid in live or rid not in self._reports}
+        load = {cpu: 0 for cpu in allowed}
+        for claimed in self._claims.values():
+            for cpu in claimed:
+                if cpu in load:
+                    load[cpu] += 1
+        cpus = sorted(allowed, key=lambda cpu: (load[cpu], cpu))[:max(1, count)]
+        self._claims[replica_id] = cpus
+        return cpus
 
     def read(self) -> list[tuple[float, ReplicaReport]]:
         now = time.monotonic()
@@ -59,7 +84,14 @@ class ReplicaBoard:
 class EngineReplica:
     """A Ray Serve deployment class: one ``LLMEngine`` in an ``AsyncEngine``, built from ``EngineArgs``."""
 
-    async def __init__(self, args: EngineArgs, model_name: str | None, torch_threads: int, board) -> None:
+    async def __init__(self, args: EngineArgs, model_name: str | None, torch_threads: int, board,
+                       pin_cpus: bool = False) -> None:
+        """``pin_cpus``: compute on ``torch_threads`` CPUs of this machine that no other live replica claimed
+        (``ReplicaBoard.claim_cpus``, then the engine's own ``cpu_ids``), so that replicas on one machine do not
+        share cores; Ray's ``num_cpus`` only counts CPUs, it does not place them."""
+        import dataclasses
+        import os
+
         import torch
 
         from conveyor.engine.async_engine import AsyncEngine
@@ -67,12 +99,16 @@ class EngineReplica:
         from conveyor.server.metrics import ServerMetrics
 
         torch.set_num_threads(torch_threads)  # the replica's CPU share, not the machine's core count
+        self.replica_id = serve.get_replica_context().replica_id.unique_id
+        if pin_cpus:
+            cpus = await board.claim_cpus.remote(self.replica_id, sorted(os.sched_getaffinity(0)), torch_threads)
+            args = dataclasses.replace(args, cpu_ids=",".join(map(str, cpus)))
+            logger.warning("replica %s computes on CPUs %s", self.replica_id, cpus)
         self.engine = LLMEngine(args)
         self.async_engine = AsyncEngine(self.engine)
         self.metrics = ServerMetrics(self.async_engine, model_name or self.engine.model_info.name)
         self.metrics.attach()
         self.async_engine.start()
-        self.replica_id = serve.get_replica_context().replica_id.unique_id
         self._board = board
         self._reporter = asyncio.create_task(self._report_forever())
 
@@ -113,10 +149,13 @@ class EngineReplica:
         return ReplicaReport(self.replica_id, self.async_engine.stats, self.metrics.total_prompt_tokens,
                              self.metrics.total_generation_tokens, self.metrics.render())
 
+    def on_released(self, request_ids: list[str]) -> None:
+        """Hand-offs released on the board (``ReplicaBoard.release``): only prefill replicas hold any."""
+
     async def _report_forever(self) -> None:
         while True:
             try:
-                await self._board.post.remote(self.report())
+                self.on_released(await self._board.post.remote(self.report()))
             except Exception:  # noqa: BLE001 - a missed report only ages this replica's numbers
                 logger.warning("replica %s could not post its report", self.replica_id, exc_info=True)
             await asyncio.sleep(REPORT_PERIOD_S)

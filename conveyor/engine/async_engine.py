@@ -81,6 +81,18 @@ class AsyncEngine(EngineClient):
         await self.call(lambda e: e.add_request(request_id, prompt(self.info) if callable(prompt) else prompt,
                                                 params, arrival))
 
+    async def add_prefill_request(self, request_id: str, prompt, params) -> RequestStream:
+        """``add_request`` run only to the first token (``LLMEngine.add_prefill_request``): the stream's last
+        output carries ``kv_handoff``, unless the request ended at its first token."""
+        return await self._open_stream(request_id, None, lambda arrival: self.call(
+            lambda e: e.add_prefill_request(request_id, prompt, params, arrival)))
+
+    async def add_handoff(self, handoff) -> RequestStream:
+        """Continue a request a prefill engine started (``LLMEngine.add_handoff``); its stream's outputs are
+        cumulative from the first token."""
+        return await self._open_stream(handoff.request_id, None, lambda arrival: self.call(
+            lambda e: e.add_handoff(handoff, arrival)))
+
     def abort(self, request_id: str) -> None:
         """Abort a request (no-op when finished); its blocks are free before the next step runs."""
         if request_id in self._streams and self.is_running:

@@ -275,6 +275,12 @@ class EngineClient:
         ``prompt`` may be a ``Prepare``, a function ``info -> prompt`` (tokenizing, chat templates, length
         checks), which the subclass runs off the event loop before the add.
         """
+        return await self._open_stream(request_id, arrival_time,
+                                       lambda arrival: self._add(request_id, prompt, params, arrival))
+
+    async def _open_stream(self, request_id: str, arrival_time: float | None, add) -> RequestStream:
+        """Register the request's stream, then ``await add(arrival)`` (hands it to the engine; raises what
+        refused it); the admission checks and the clean-up on failure of every kind of add."""
         if self.dead_error is not None:
             raise EngineDeadError(f"the engine has stopped: {self.dead_error!r}")
         if not self._accepting:
@@ -284,7 +290,7 @@ class EngineClient:
         self._idle.clear()
         arrival = time.monotonic() if arrival_time is None else arrival_time
         try:
-            await self._add(request_id, prompt, params, arrival)
+            await add(arrival)
         except asyncio.CancelledError:
             self.abort(request_id)  # the caller left while the add was queued: it may have been admitted
             self._forget(request_id)

@@ -25,6 +25,9 @@ from conveyor.core.scheduler import Scheduler
 from conveyor.engine.args import EngineArgs, parse_cpu_ids
 from conveyor.engine.core_step import CoreOutput, CoreStepOutput, child_requests
 from conveyor.engine.engine_client import EngineInfo
+from conveyor.engine.kv_handoff import (
+    HandoffBook, KVHandoff, check_fits, decode_request, export_first_tokens, write_admitted,
+)
 from conveyor.engine.output_processor import OutputProcessor
 from conveyor.engine.outputs import RequestOutput
 from conveyor.engine.prompts import PromptType, encode_text, prompt_tokens
@@ -112,6 +115,7 @@ class LLMEngine:
                 self._pinned = binding.pinned
         self.output_processor = OutputProcessor(self.tokenizer, detokenize=args.detokenize)
         self.step_listeners: list[Callable[[StepRecord], None]] = []
+        self.handoffs = HandoffBook()  # disaggregated prefill / decode (engine.kv_handoff)
         self._ids = itertools.count()
         self.init_time_s = time.perf_counter() - start  # plus the KV cache and runner
 
@@ -291,6 +295,8 @@ class LLMEngine:
             self._awaiting_grammar = [(g, r) for g, r in self._awaiting_grammar if r.request_id not in ending]
         for child_id in child_ids:
             self.scheduler.finish_request(child_id, status, now)
+        if self.handoffs:
+            self.handoffs.drop(child_ids)
 
     def abort_request(self, request_id: str, error: str | None = None) -> RequestOutput | None:
         """Abort every completion of a request; its blocks are free when this returns."""
@@ -299,6 +305,51 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._awaiting_grammar) or self.scheduler.has_unfinished_requests()
+
+    # ---- disaggregated prefill / decode (engine.kv_handoff) ---------------------------------------------
+    @staticmethod
+    def can_hand_off(params: SamplingParams) -> bool:
+        """Whether a request can be split into prefill here and decode elsewhere: not ``n > 1`` (its completions
+        share the prompt's blocks), constrained (its grammar state lives here) or with prompt logprobs (the final
+        output carries them, and only the prefill side has them); serve those whole."""
+        return params.n == 1 and params.structured_outputs is None and params.prompt_logprobs is None
+
+    def add_prefill_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams | None = None,
+                            arrival_time: float | None = None) -> str:
+        """Queue a request to run here only until its first token: then its KV is exported and its blocks freed
+        in the same step, and its last output (``finished``, the first token in it) carries ``kv_handoff`` for
+        ``add_handoff`` on a decode engine. One that finishes at its first token ends here, without one. Raises
+        ValueError for what ``can_hand_off`` refuses, as ``add_request`` does for bad input."""
+        params = params or SamplingParams()
+        if not self.can_hand_off(params):
+            raise ValueError("n > 1, structured outputs and prompt logprobs are not handed over: serve the request "
+                             "whole")
+        request_id = self.add_request(request_id, prompt, params, arrival_time)
+        self.handoffs.exporting.add(request_id)
+        return request_id
+
+    def add_handoff(self, handoff: KVHandoff, arrival_time: float | None = None) -> str:
+        """Queue a request a prefill engine started (``add_prefill_request``): admitted as a decode whose prompt
+        KV is copied into the blocks the scheduler gives it, it generates from its second token on; its outputs
+        are cumulative from the first token. Raises ValueError (another model's KV, a bad prompt, an id in use)
+        or QueueFullError."""
+        h, params = handoff, handoff.sampling_params
+        rid, prompt = h.request_id, list(handoff.prompt_token_ids)
+        if not self.can_hand_off(params):
+            raise ValueError("n > 1, structured outputs and prompt logprobs are not handed over")
+        if rid in self.output_processor.parents or rid in self.scheduler.requests:
+            raise ValueError(f"request id {rid!r} is already in use")
+        check_fits(h, self.model_info)
+        self._check_queue_room(1)
+        self.validate_prompt(prompt, params)
+        now = time.monotonic() if arrival_time is None else arrival_time
+        self.scheduler.add_request(decode_request(h, tuple(self.model_info.eos_token_ids), self.max_model_len, now))
+        self.handoffs.importing[rid] = h
+        self.output_processor.add(rid, h.prompt, prompt, [(rid, params)], now)
+        # The first token as the prefill side's output processor took it: text, logprobs, stop-string state.
+        self.output_processor.process(CoreStepOutput(now, [CoreOutput(
+            rid, h.first_token_id, h.first_logprobs, None, None, h.num_cached_tokens, 0, None)]))
+        return rid
 
     # ---- the step ---------------------------------------------------------------------------------------
     @staticmethod
@@ -330,6 +381,8 @@ class LLMEngine:
                 logger.error("request %s failed and was aborted: %s", request_id, why)
                 if (out := self.abort_request(request_id, why)) is not None:
                     outputs.append(out)
+        if self.handoffs.exporting:
+            export_first_tokens(self, outputs)
         return outputs
 
     def core_step(self) -> CoreStepOutput | None:
@@ -340,6 +393,8 @@ class LLMEngine:
         sched_out = self.scheduler.schedule(start)
         if sched_out.is_empty:
             return CoreStepOutput(start, failed=grammar_failed) if grammar_failed else None
+        if self.handoffs.importing:
+            write_admitted(self, sched_out)
         record = StepRecord.before(start, sched_out, self.scheduler) if self.step_listeners else None
         with self._pinned():
             model_out = self.executor.execute(sched_out)

@@ -180,6 +180,13 @@ class OutputProcessor:
         out.error = error
         return out
 
+    def forget(self, request_id: str) -> None:
+        """Drop a request's output state without a final output (its KV was handed to another engine, which
+        reports the rest)."""
+        parent = self.parents.pop(request_id, None)
+        for child in parent.children if parent else ():
+            self.children.pop(child.request_id, None)
+
     def _collect(self, touched: dict[str, _Parent], now: float) -> list[RequestOutput]:
         outputs = []
         for parent in touched.values():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from conveyor.core.outputs import TokenLogprobs
 
@@ -66,6 +67,9 @@ class RequestOutput:
     # Set when the engine could not process this request (a per-request failure it survived); the request is
     # then finished, its completions with finish_reason "abort".
     error: str | None = None
+    # A prefill-only request's last output (``LLMEngine.add_prefill_request``): its first token is in
+    # ``outputs``, and this ``engine.kv_handoff.KVHandoff`` continues it on a decode engine.
+    kv_handoff: Any = None
 
     @property
     def num_generated_tokens(self) -> int:

@@ -7,9 +7,11 @@ import torch
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from conveyor.core.outputs import ModelOutput, PromptLogprobs, SchedulerOutput
-from conveyor.layers.attention import allocate_kv_caches, make_attention, resolve_backend
+from conveyor.layers.attention import allocate_kv_caches, backend_class, make_attention, resolve_backend
+from conveyor.layers.attention.base import token_major_kv_shape
 from conveyor.models.build import ModelInfo, resolve_dtype
 from conveyor.runner.input_batch import InputBatch, PromptRows, StepInputs
+from conveyor.runner.kv_io import gather_kv, scatter_kv
 from conveyor.runner.sampler import Sampler, prompt_logprobs
 from conveyor.runner.spec_verify import verify_proposals
 
@@ -41,6 +43,10 @@ class ModelRunner:
         # The constrained rows' bitmasks are filled on this thread while the forward pass runs.
         self._mask_filler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="conveyor-bitmask")
         self.sampler = Sampler(info.eos_token_ids, self.device, seed)
+        probe = (1, 2, 3, 4)  # distinct sizes: which axis is the block's slot
+        self._head_major = backend_class(self.backend).kv_cache_shape(*probe) != token_major_kv_shape(*probe)
+        # Handed-over requests' sampling generators, set once the batch has built their state (``import_kv``).
+        self._imported_generators: dict[str, torch.Tensor] = {}
         self.draft = None  # runner.draft_model.DraftModel (attach_draft): fills the scheduler's placeholders
 
     def attach_draft(self, model: torch.nn.Module, info: ModelInfo, attention_backend: str = "auto") -> None:
@@ -60,9 +66,36 @@ class ModelRunner:
         states = (self.batch.requests.get(r.request_id) for r in so.scheduled_new_reqs)
         return {s.req_id: s.error for s in states if s is not None and s.error is not None}
 
+    # ---- KV hand-over (disaggregated prefill / decode: engine.kv_handoff) -------------------------------
+    def export_kv(self, request_id: str, block_ids: list[int], num_tokens: int) -> tuple[torch.Tensor,
+                                                                                           torch.Tensor | None]:
+        """The K/V of a request's first ``num_tokens`` tokens (``runner.kv_io``'s wire form, on the CPU) and its
+        seeded generator's state (None when unseeded), to continue it on another engine."""
+        kv = gather_kv(self.kv_caches, block_ids, num_tokens, self.block_size, self._head_major)
+        state = self.batch.requests.get(request_id)
+        gen = state.generator.get_state() if state is not None and state.generator is not None else None
+        return kv, gen
+
+    def import_kv(self, request_id: str, block_ids: list[int], kv: torch.Tensor,
+                  generator_state: torch.Tensor | None) -> None:
+        """Write a handed-over request's K/V into its blocks (call after ``schedule`` admitted it, before the
+        ``execute`` that first sees it); its generator takes ``generator_state`` in that ``execute``."""
+        scatter_kv(self.kv_caches, block_ids, kv, self.block_size, self._head_major)
+        if generator_state is not None:
+            self._imported_generators[request_id] = generator_state
+
+    def _restore_generators(self) -> None:
+        for rid, gen_state in self._imported_generators.items():
+            state = self.batch.requests.get(rid)
+            if state is not None and state.generator is not None:
+                state.generator.set_state(gen_state)
+        self._imported_generators.clear()
+
     @torch.inference_mode()
     def execute(self, so: SchedulerOutput) -> ModelOutput:
         self.batch.update(so)
+        if self._imported_generators:
+            self._restore_generators()
         if so.is_empty:
             return ModelOutput()
         if self.draft is not None:

@@ -121,6 +121,7 @@ class ServerMetrics:
         self._hit_flops = getattr(async_engine.info, "prefix_hit_flops", (0.0, 0.0))
         self._labels = labels
         self._counted: dict[str, int] = {}  # request id -> generated tokens already counted
+        self._handed_over: set[str] = set()  # continued here from another engine's prefill (note_handed_over)
         # Plain totals for the periodic log line (reading prometheus objects back is not their purpose).
         self.total_prompt_tokens = 0
         self.total_generation_tokens = 0
@@ -142,7 +143,26 @@ class ServerMetrics:
             self.saved_flops.inc(per_token * saved + per_key * record.saved_attended_keys())
             self.saved_seconds.inc(record.saved_seconds())
 
+    def note_handed_over(self, request_id: str) -> None:
+        """A request this engine continues from another's first token (disaggregated decode): its prompt and
+        first token, and its time to first token, were counted where it was prefilled."""
+        self._counted[request_id] = 1
+        self._handed_over.add(request_id)
+
     def on_output(self, out: RequestOutput) -> None:
+        m = out.metrics
+        if out.kv_handoff is not None:  # prefilled here, decoded elsewhere: its TTFT is ours, its end is not
+            self._count_tokens(out)
+            self._counted.pop(out.request_id, None)
+            if m.first_token_time is not None:
+                self.ttft.observe(m.first_token_time - m.arrival_time)
+            return
+        self._count_tokens(out)
+        if out.finished:
+            self._counted.pop(out.request_id, None)
+            self._observe_finished(out)
+
+    def _count_tokens(self, out: RequestOutput) -> None:
         m = out.metrics
         seen = self._counted.get(out.request_id)
         if seen is None and m.first_token_time is not None:
@@ -154,9 +174,6 @@ class ServerMetrics:
             self.generation_tokens.inc(delta)
             self.total_generation_tokens += delta
             self._counted[out.request_id] = out.num_generated_tokens
-        if out.finished:
-            self._counted.pop(out.request_id, None)
-            self._observe_finished(out)
 
     def _observe_finished(self, out: RequestOutput) -> None:
         m = out.metrics
@@ -167,8 +184,9 @@ class ServerMetrics:
             self.e2e.observe(m.finished_time - m.arrival_time)
         if m.first_scheduled_time is not None:
             self.queue_time.observe(max(0.0, m.first_scheduled_time - m.arrival_time))
-        if m.first_token_time is not None:
+        if m.first_token_time is not None and out.request_id not in self._handed_over:
             self.ttft.observe(m.first_token_time - m.arrival_time)
+        self._handed_over.discard(out.request_id)
         for c in out.outputs:
             times = c.token_times
             for a, b in zip(times, times[1:]):

@@ -50,6 +50,10 @@ LINKS: dict[str, LinkSpec] = {
     "rdma-400g": LinkSpec("rdma-400g", 400 * GBIT, 50e-6, 0.8),
     # The slow case: one 25 Gb/s Ethernet NIC for the whole instance, TCP (60% achieved, 200 us per transfer).
     "ethernet-25g": LinkSpec("ethernet-25g", 25 * GBIT, 200e-6, 0.6, per_device=False),
+    # One machine, Ray's object store between two replica processes (conveyor serve --disaggregate): measured by
+    # scripts/kv_transfer_bench.py on a 2-vCPU EPYC (docs/disaggregation.md), end to end, so 100% "efficiency";
+    # the latency is the hand-off's extra Serve hop and fetch. --kv-link-gbps resets the bandwidth.
+    "local-object-store": LinkSpec("local-object-store", 0.85e9, 10e-3, 1.0, per_device=False),
     # The ideal: no transfer time at all (the tests' bound, and "what if the link were free").
     "infinite": LinkSpec("infinite", float("inf"), 0.0, 1.0),
 }

@@ -1,0 +1,146 @@
+"""Disaggregated prefill / decode at the engine level: a request's prompt KV handed from one engine to another.
+
+The prefill side (``LLMEngine.add_prefill_request``) runs a request until its first token is sampled, then
+exports what the decode side needs to go on as if it had computed the prompt itself: the prompt's K/V (every
+layer, ``runner.kv_io``'s per-token wire form), the token ids, the first token (and its logprobs), the sampling
+params and the seeded generator's state. Its blocks are freed in the same step. A request that finishes at its
+first token (EOS, a stop string, ``max_tokens=1``) needs no decode side and ends there as usual.
+
+The decode side (``LLMEngine.add_handoff``) queues the request with ``num_computed_tokens`` = prompt length and
+the first token in its output: the scheduler's hand-over path admits it as a one-token decode, allocating blocks
+for every token; between that ``schedule`` and the step's ``execute`` the engine writes the K/V into those blocks
+(``ModelRunner.import_kv``). A request aborted before it is admitted leaves nothing behind; a preempted one
+recomputes its prompt here, as any preempted request does.
+
+Nothing here needs Ray: ``KVHandoff`` is plain data (the K/V as a numpy byte array, which Ray's object store
+and pickle carry without copies), and ``distributed.disagg`` moves it between replicas.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from conveyor.core.outputs import TokenLogprobs
+from conveyor.core.request import Request, RequestStatus
+from conveyor.core.sampling_params import SamplingParams
+
+
+@dataclass
+class KVHandoff:
+    """Everything a decode engine needs to continue a request that a prefill engine started."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    first_token_id: int
+    first_logprobs: TokenLogprobs | None
+    sampling_params: SamplingParams
+    kv_bytes: np.ndarray  # uint8, the wire-form tensor's bytes
+    kv_shape: tuple[int, ...]  # [layers, 2, prompt tokens, kv heads, head dim]
+    kv_dtype: str  # torch dtype name, e.g. "float32"
+    generator_state: np.ndarray | None = None  # uint8: the seeded generator after the first draw
+    num_cached_tokens: int = 0  # prompt tokens the prefill side's prefix cache served
+    timings: dict[str, float] = field(default_factory=dict)  # monotonic s: arrival, first_token, exported
+
+    @property
+    def num_bytes(self) -> int:
+        return int(self.kv_bytes.nbytes)
+
+    @classmethod
+    def pack(cls, kv: torch.Tensor, generator_state: torch.Tensor | None, **fields) -> KVHandoff:
+        kv = kv.contiguous()
+        raw = kv.view(torch.uint8)
+        gen = generator_state.numpy().copy() if generator_state is not None else None
+        return cls(kv_bytes=raw.reshape(-1).numpy(), kv_shape=tuple(kv.shape),
+                   kv_dtype=str(kv.dtype).removeprefix("torch."), generator_state=gen, **fields)
+
+    def kv(self) -> torch.Tensor:
+        """The wire-form K/V tensor (a view of ``kv_bytes``, which may be read-only: it is only read)."""
+        with warnings.catch_warnings():  # a read-only buffer out of Ray's object store: copied into the cache
+            warnings.simplefilter("ignore", UserWarning)
+            raw = torch.from_numpy(self.kv_bytes)
+        return raw.view(getattr(torch, self.kv_dtype)).reshape(self.kv_shape)
+
+    def generator(self) -> torch.Tensor | None:
+        return None if self.generator_state is None else torch.from_numpy(self.generator_state.copy())
+
+
+@dataclass
+class HandoffBook:
+    """An engine's requests in hand-over: prefill-only ones to export at their first token, and handed-over
+    ones whose K/V waits for the step that admits them."""
+
+    exporting: set[str] = field(default_factory=set)
+    importing: dict[str, KVHandoff] = field(default_factory=dict)
+
+    def drop(self, request_ids) -> None:
+        """Aborted (or failed): forget them on both counts."""
+        for rid in request_ids:
+            self.exporting.discard(rid)
+            self.importing.pop(rid, None)
+
+    def __len__(self) -> int:
+        return len(self.exporting) + len(self.importing)
+
+
+# ---- the engine's two halves (``LLMEngine`` calls these; ``engine`` is one) ----------------------------------
+def export_first_tokens(engine, outputs) -> None:
+    """Prefill-only requests that sampled their first token this step: export their KV, free their blocks, and
+    turn their output into the last one, carrying the hand-off (``RequestOutput.kv_handoff``)."""
+    now = time.monotonic()
+    book, scheduler = engine.handoffs, engine.scheduler
+    for out in outputs:
+        rid = out.request_id
+        if rid not in book.exporting:
+            continue
+        request = scheduler.requests.get(rid)
+        if out.finished or request is None:  # ended at its first token (EOS, stop string, max_tokens=1)
+            book.exporting.discard(rid)
+            continue
+        if request.num_output_tokens == 0:
+            continue
+        kv, gen = engine.executor.export_kv(rid, engine.kv_manager.block_ids(rid), request.num_prompt_tokens)
+        comp = out.outputs[0]
+        out.kv_handoff = KVHandoff.pack(
+            kv, gen, request_id=rid, prompt=out.prompt, prompt_token_ids=list(request.prompt_token_ids),
+            first_token_id=request.output_token_ids[0], first_logprobs=comp.logprobs[0] if comp.logprobs else None,
+            sampling_params=request.sampling_params, num_cached_tokens=request.num_cached_prompt_tokens,
+            timings={"arrival": request.times.arrival, "first_token": request.times.first_token or now,
+                     "exported": time.monotonic()})
+        book.exporting.discard(rid)
+        scheduler.finish_request(rid, RequestStatus.FINISHED_LENGTH, now)  # its blocks are free now
+        engine.output_processor.forget(rid)
+        out.finished = True
+
+
+def check_fits(h: KVHandoff, model_info) -> None:
+    """ValueError unless ``h``'s KV is this model's (layers, KV heads, head size) for its prompt's length."""
+    m, n = model_info, len(h.prompt_token_ids)
+    if len(h.kv_shape) != 5 or h.kv_shape[2] != n or \
+            (h.kv_shape[0], h.kv_shape[3], h.kv_shape[4]) != (m.num_layers, m.num_kv_heads, m.head_dim):
+        raise ValueError(f"the handed-over KV ({h.kv_shape}) is not this model's for a {n}-token prompt "
+                         f"({m.num_layers} layers, {m.num_kv_heads} KV heads of {m.head_dim})")
+
+
+def decode_request(h: KVHandoff, eos_token_ids: tuple[int, ...], max_model_len: int, now: float) -> Request:
+    """The decode side's request: the prompt's KV counted as computed (the scheduler's hand-over path admits it
+    as a decode), the first token already in its output."""
+    request = Request(h.request_id, list(h.prompt_token_ids), h.sampling_params, eos_token_ids, max_model_len, now)
+    request.output_token_ids.append(h.first_token_id)
+    request.num_computed_tokens = len(h.prompt_token_ids)
+    return request
+
+
+def write_admitted(engine, sched_out) -> None:
+    """Write the K/V of the handed-over requests this schedule admitted into their new blocks, before the step
+    that first reads them."""
+    for new in sched_out.scheduled_new_reqs:
+        h = engine.handoffs.importing.pop(new.request_id, None)
+        if h is not None:
+            assert new.num_computed_tokens == len(h.prompt_token_ids), "a hand-over admitted as a prefill"
+            engine.executor.import_kv(new.request_id, new.block_ids, h.kv(), h.generator())

@@ -1,0 +1,52 @@
+"""Copy a request's KV out of the paged cache and into another one (disaggregated prefill / decode).
+
+The wire form is per token, not per block: ``[num_layers, 2 (K, V), num_tokens, num_kv_heads, head_dim]``,
+contiguous, on the CPU. Per token because the two engines need not agree on the block size or on the attention
+backend's layout (token-major ``[2, blocks, block_size, heads, d]`` for the torch backends, head-major
+``[2, blocks, heads, block_size, d]`` for the native CPU one): each side maps token t to its own slot
+``block_ids[t // block_size] * block_size + t % block_size``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _slots(block_ids: list[int], num_tokens: int, block_size: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    t = torch.arange(num_tokens, device=device)
+    blocks = torch.tensor(block_ids, dtype=torch.int64, device=device)[t // block_size]
+    return blocks, t % block_size
+
+
+def gather_kv(kv_caches: list[torch.Tensor], block_ids: list[int], num_tokens: int, block_size: int,
+              head_major: bool) -> torch.Tensor:
+    """The K/V of the first ``num_tokens`` tokens held in ``block_ids``, every layer, in the wire form."""
+    blocks, offsets = _slots(block_ids, num_tokens, block_size, kv_caches[0].device)
+    layers = []
+    for cache in kv_caches:
+        if head_major:  # advanced indices around a slice: the indexed dim comes first -> [T, 2, heads, d]
+            layers.append(cache[:, blocks, :, offsets, :].transpose(0, 1))
+        else:
+            layers.append(cache[:, blocks, offsets])
+    return torch.stack(layers).contiguous().cpu()
+
+
+def scatter_kv(kv_caches: list[torch.Tensor], block_ids: list[int], kv: torch.Tensor, block_size: int,
+               head_major: bool) -> None:
+    """Write wire-form ``kv`` (its tokens 0..T-1) into the slots of ``block_ids``, every layer; converts dtype
+    and device. Raises ValueError when the shapes say another model."""
+    cache0 = kv_caches[0]
+    heads, dim = (cache0.shape[2], cache0.shape[4]) if head_major else (cache0.shape[3], cache0.shape[4])
+    if kv.dim() != 5 or kv.shape[0] != len(kv_caches) or kv.shape[1] != 2 or tuple(kv.shape[3:]) != (heads, dim):
+        raise ValueError(f"handed-over KV of shape {tuple(kv.shape)} does not fit this model's cache "
+                         f"({len(kv_caches)} layers, {heads} KV heads of {dim})")
+    num_tokens = kv.shape[2]
+    if len(block_ids) * block_size < num_tokens:
+        raise ValueError(f"{num_tokens} handed-over tokens do not fit in {len(block_ids)} blocks")
+    blocks, offsets = _slots(block_ids, num_tokens, block_size, cache0.device)
+    kv = kv.to(device=cache0.device, dtype=cache0.dtype)
+    for cache, layer in zip(kv_caches, kv):
+        if head_major:
+            cache[:, blocks, :, offsets, :] = layer.transpose(0, 1)
+        else:
+            cache[:, blocks, offsets] = layer

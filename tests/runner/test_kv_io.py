@@ -1,0 +1,37 @@
+"""``runner.kv_io``: a request's K/V leaves one paged cache and lands in another, whatever the two block sizes and
+layouts (token-major for the torch backends, head-major for the native CPU one)."""
+
+import pytest
+import torch
+
+from conveyor.runner.kv_io import gather_kv, scatter_kv
+
+LAYERS, HEADS, DIM = 3, 2, 4
+
+
+def cache(num_blocks: int, block_size: int, head_major: bool) -> list[torch.Tensor]:
+    shape = (2, num_blocks, HEADS, block_size, DIM) if head_major else (2, num_blocks, block_size, HEADS, DIM)
+    return [torch.zeros(shape) for _ in range(LAYERS)]
+
+
+@pytest.mark.parametrize("src_major,dst_major", [(False, False), (False, True), (True, False), (True, True)])
+def test_round_trip_across_block_sizes_and_layouts(src_major, dst_major):
+    torch.manual_seed(0)
+    kv = torch.randn(LAYERS, 2, 21, HEADS, DIM)  # 21 tokens: a partial last block either way
+    src = cache(10, 8, src_major)
+    scatter_kv(src, [7, 2, 5], kv, 8, src_major)
+    out = gather_kv(src, [7, 2, 5], 21, 8, src_major)
+    assert torch.equal(out, kv)
+    dst = cache(12, 4, dst_major)
+    blocks = [11, 0, 3, 9, 4, 6]
+    scatter_kv(dst, blocks, out, 4, dst_major)
+    assert torch.equal(gather_kv(dst, blocks, 21, 4, dst_major), kv)
+    untouched = [b for b in range(12) if b not in blocks]
+    assert all(float(c[:, untouched].abs().sum()) == 0.0 for c in dst)
+
+
+def test_another_models_kv_is_refused():
+    with pytest.raises(ValueError, match="does not fit"):
+        scatter_kv(cache(4, 4, False), [0, 1], torch.zeros(LAYERS, 2, 5, HEADS + 1, DIM), 4, False)
+    with pytest.raises(ValueError, match="do not fit"):
+        scatter_kv(cache(4, 4, False), [0], torch.zeros(LAYERS, 2, 5, HEADS, DIM), 4, False)
