@@ -41,6 +41,7 @@ class ModelRunner:
         # The constrained rows' bitmasks are filled on this thread while the forward pass runs.
         self._mask_filler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="conveyor-bitmask")
         self.sampler = Sampler(info.eos_token_ids, self.device, seed)
+        self._scored_attention = None  # the step's KeyMassAttention while its scores wait to be returned
 
     @staticmethod
     def kv_cache_bytes_per_block(info: ModelInfo, block_size: int) -> int:
@@ -63,6 +64,9 @@ class ModelRunner:
         logits, prompt_lps = self.forward(step)
         out = ModelOutput() if logits is None else self.sample(logits, step, masks)
         out.prompt_logprobs = prompt_lps
+        if self._scored_attention is not None:  # KV eviction by score asked for this step's attention mass
+            out.kv_block_scores = {step.req_ids[i]: s for i, s in self._scored_attention.block_scores().items()}
+            self._scored_attention = None
         out.failed = {**self._failed(so), **out.failed}
         return out
 
@@ -80,7 +84,8 @@ class ModelRunner:
         sample, in ``step.sampling`` order (None when none does), and the logprobs of the prompt tokens this step
         scores for requests that asked (``prompt_logprobs``): those need rows that do not sample, so they are
         taken here, while every row's hidden state is at hand."""
-        attn = make_attention(self.backend, step.attn_meta, self.dtype, step.padding)
+        attn = make_attention(self.backend, step.attn_meta, self.dtype, step.padding, step.scored)
+        self._scored_attention = attn if step.scored else None
         hidden = self.model(step.input_ids, step.positions, self.kv_caches, attn)
         prompt_lps = {rows.state.req_id: self._prompt_logprobs(hidden, rows) for rows in step.prompt_rows
                       if rows.state.error is None}
