@@ -81,8 +81,8 @@ class KeyMassAttention:
         s.masked_fill_(~self._dec_valid[:, None, None, :], float("-inf"))  # also hides unwritten slots' garbage
         mass = s.softmax(dim=-1).sum(dim=(1, 2))  # [n, L]
         per_block = mass.view(n, -1, bs).sum(dim=-1)
-        for j, i in enumerate(self.decodes):
-            self._add(i, per_block[j])
+        for j, i in enumerate(self.decodes):  # each its own table's blocks, not the batch's widest
+            self._add(i, per_block[j, :-(-meta.seq_lens[i] // bs)])
 
     def _chunk_mass(self, i: int, q: torch.Tensor, kv_cache: torch.Tensor, kv_heads: int, scale: float) -> None:
         meta, bs = self.meta, self.meta.block_size
