@@ -268,7 +268,8 @@ class InputBatch:
         meta = AttentionMetadata(
             num_tokens=num_tokens, block_size=self.block_size, slot_mapping=torch.from_numpy(slot_mapping).to(dev),
             query_start_loc=query_start.tolist(), seq_lens=kv_seq_lens.tolist(), num_computed=kv_computed.tolist(),
-            block_table=torch.from_numpy(block_table).to(dev), num_decodes=len(decodes))
+            block_table=torch.from_numpy(block_table).to(dev), num_decodes=len(decodes),
+            slots_shifted=kv_seq_lens is not seq_lens)
         scored = {i: so.kv_score_rows[s.req_id] for i, s in enumerate(ordered) if s.req_id in so.kv_score_rows} \
             if so.kv_score_rows else {}
         return StepInputs(torch.tensor(input_ids, dtype=torch.int64, device=dev),

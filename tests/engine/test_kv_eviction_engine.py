@@ -96,3 +96,24 @@ def test_per_request_budget_and_its_refusal(tiny_llama_dir, prompts):
         plain.generate(prompts[:1], params, use_tqdm=False)
     with pytest.raises(ValueError, match="paged"):
         make_llm(tiny_llama_dir, kv_layout="slab", kv_eviction="sink", kv_budget_tokens=32)
+
+
+@pytest.mark.parametrize("policy", ["sink", "h2o"])
+def test_native_backend_takes_positions_not_slots_under_eviction(tiny_llama_dir, policy):
+    # Regression: the native kernels derive a token's RoPE angle from its KV slot; after an eviction that is
+    # below its position, so such steps must rotate in the model (layers.attention.RopeOutside). Streamed prompt
+    # logprobs under eviction, native against the reference, agree to float32 rounding.
+    from conveyor.kernels import load_cpu_kernels
+
+    if load_cpu_kernels() is None:
+        pytest.skip("native kernels not built here")
+    prompt = make_prompts(1, seed=5, lo=160, hi=160)
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+    runs = []
+    for backend in ("reference", "cpu"):
+        llm = make_llm(tiny_llama_dir, block_size=4, max_num_batched_tokens=8, attention_backend=backend,
+                       kv_eviction=policy, kv_budget_tokens=32, enable_prefix_caching=False)
+        out = llm.generate(prompt, params, use_tqdm=False)[0]
+        assert llm.engine.kv_manager.num_evicted_blocks > 0
+        runs.append([e.logprob for e in out.prompt_logprobs if e is not None])
+    assert runs[0] == pytest.approx(runs[1], abs=2e-3)

@@ -81,10 +81,32 @@ def make_attention(backend: str, meta: AttentionMetadata, dtype: torch.dtype,
     with ``scored`` (request index -> trailing query rows), wrapped to add up their attention mass per KV block
     (``KeyMassAttention.block_scores``)."""
     attention = _make_backend(backend, meta, dtype)
+    if meta.slots_shifted and attention.fuses_rope:
+        attention = RopeOutside(attention)
     if scored:
         assert padding is None, "KV eviction does not run beside the padded baselines"
         return KeyMassAttention(attention, meta, scored, kv_is_head_major(backend))
     return attention if padding is None else PaddedAttention(attention, meta.num_tokens, padding)
+
+
+class RopeOutside:
+    """A RoPE-fusing backend run with q and k rotated by the model, for a step whose KV slots are not positions.
+
+    The native kernels (attention and the layer stack) take the RoPE angle of a new token from its KV slot
+    (``seq_len - n + j``), which KV eviction shifts below the token's position; the model's own rotation uses the
+    step's real positions. Only such steps pay for it (the per-layer path, rotation in torch)."""
+
+    fuses_rope = False
+    supports_layer_stack = False
+
+    def __init__(self, inner: AttentionBackend) -> None:
+        self.inner = inner
+        self.name = inner.name
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, scale: float,
+                rope: torch.Tensor | None = None) -> torch.Tensor:
+        assert rope is None, "q and k come rotated"
+        return self.inner.forward(q, k, v, kv_cache, scale)
 
 
 def kv_is_head_major(backend: str) -> bool:

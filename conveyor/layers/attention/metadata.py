@@ -30,6 +30,9 @@ class AttentionMetadata:
     num_computed: list[int]  # [num_reqs]: KV slots already in the cache before this step
     block_table: torch.Tensor  # [num_reqs, max_blocks] int64, rows padded with 0
     num_decodes: int  # the first num_decodes requests have exactly one new token
+    # Some request's KV slots are not its positions (KV eviction dropped blocks): a backend that derives a token's
+    # RoPE angle from its KV slot must not rotate this step (``make_attention`` sees to it)
+    slots_shifted: bool = False
 
     @property
     def num_reqs(self) -> int:
