@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from conveyor.core.kv_eviction import EvictionConfig
+from conveyor.core.kv_eviction import H2O_SCORE_PERIOD, EvictionConfig
 from conveyor.core.prefix_eviction import PREFIX_EVICTION_POLICIES
 from conveyor.core.speculative import SpeculativeConfig
 
@@ -61,6 +61,7 @@ class CacheConfig:
     prefix_cache_eviction: str = "lru"  # which cached free block goes first: core.prefix_eviction
     kv_eviction: str = "none"  # which blocks a request over its KV budget gives back: core.kv_eviction
     kv_budget_tokens: int | None = None  # the default per-request budget of kv_eviction
+    kv_score_period: int = H2O_SCORE_PERIOD  # h2o: a decode's attention is scored every this many steps
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -81,4 +82,4 @@ class CacheConfig:
 
     def eviction_config(self) -> EvictionConfig:
         """The KV eviction settings (``core.kv_eviction``)."""
-        return EvictionConfig(self.kv_eviction, self.kv_budget_tokens)
+        return EvictionConfig(self.kv_eviction, self.kv_budget_tokens, score_period=self.kv_score_period)

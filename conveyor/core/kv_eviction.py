@@ -44,6 +44,10 @@ KV_EVICTION_POLICIES = ("none", "sink", "h2o", "snapkv")
 SCORED_POLICIES = ("h2o", "snapkv")  # the runner returns attention mass for these
 SINK_TOKENS = 4  # StreamingLLM keeps four initial tokens: the attention sink
 SNAPKV_WINDOW = 32  # SnapKV's observation window: the last prompt tokens whose attention scores the rest
+# h2o scores a decode every this many of its steps (prompt chunks always): the side pass costs about as much as
+# the step's attention again (docs/kv-eviction.md), while a decode evicts at most once per block_size steps and
+# its accumulated mass moves slowly, so a sample of the steps ranks blocks nearly as the full sum does.
+H2O_SCORE_PERIOD = 8
 
 
 @dataclass(frozen=True)
@@ -55,8 +59,11 @@ class EvictionConfig:
     budget_tokens: int | None = None
     sink_tokens: int = SINK_TOKENS
     snapkv_window: int = SNAPKV_WINDOW
+    score_period: int = H2O_SCORE_PERIOD  # h2o: score a decode every this many steps (1: every step, as H2O)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.score_period, int) or self.score_period < 1:
+            raise ValueError(f"kv_score_period must be an integer >= 1, got {self.score_period!r}")
         if self.policy not in KV_EVICTION_POLICIES:
             raise ValueError(f"kv_eviction must be one of {', '.join(KV_EVICTION_POLICIES)}, got {self.policy!r}")
         if self.budget_tokens is not None and (not isinstance(self.budget_tokens, int) or self.budget_tokens < 1):
@@ -161,11 +168,13 @@ class KVEvictor:
     def score_rows(self, request: Request, num_new: int) -> int:
         """How many of this step's last query rows of ``request`` the runner should score (0: none).
 
-        h2o: every row, every step. snapkv: the rows that are among the prompt's last ``snapkv_window`` tokens,
+        h2o: every row of a prompt chunk; a decode's row every ``score_period`` steps. snapkv: the rows that are among the prompt's last ``snapkv_window`` tokens,
         before its compression."""
         if self.config.policy not in SCORED_POLICIES or self.budget_blocks(request) is None:
             return 0
         if self.config.policy == "h2o":
+            if num_new == 1 and request.num_computed_tokens % self.config.score_period:
+                return 0  # a decode between samples (see H2O_SCORE_PERIOD)
             return num_new
         state = self._state.get(request.request_id)
         if state is not None and state.compressed:

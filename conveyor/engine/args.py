@@ -71,6 +71,8 @@ class EngineArgs:
     kv_budget_tokens: int | None = _arg(CacheConfig.kv_budget_tokens, "default KV budget per request in tokens "
                                         "under --kv-eviction (a request's kv_budget_tokens overrides it; "
                                         "default: only requests that set one are evicted from)")
+    kv_score_period: int = _arg(CacheConfig.kv_score_period, "h2o: score a decode's attention every N of its "
+                                "steps (1: every step, as the paper; prompt chunks are always scored)")
     attention_backend: str = _arg("auto", "attention implementation: auto and cpu pick the fastest this machine "
                                           "runs (see conveyor.layers.attention)", choices=ATTENTION_BACKENDS)
     max_num_queued_reqs: int | None = _arg(None, "bound on waiting requests (default: unbounded)")
