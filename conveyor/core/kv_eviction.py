@@ -24,8 +24,8 @@ Policies:
 
 - ``sink`` (StreamingLLM): the first ``sink_tokens`` tokens' blocks plus the most recent ones; no scores.
 - ``h2o`` (Heavy-Hitter Oracle): sink blocks, a protected recent window of half the rest, and of the older
-  blocks those with the most accumulated attention mass (the runner returns each step's mass per block: summed
-  over heads, layers and the step's queries).
+  blocks those with the most accumulated attention mass (the runner returns a step's mass per block, summed
+  over heads, layers and the step's queries, for every prompt chunk and every ``score_period``-th decode).
 - ``snapkv``: the prompt is prefilled exactly; right after it, the prompt's blocks are scored by the attention
   of its last ``snapkv_window`` tokens and the lowest scored are dropped down to the budget (the window's blocks
   kept); generation then runs exactly, so the KV grows by the output from there.
@@ -168,8 +168,8 @@ class KVEvictor:
     def score_rows(self, request: Request, num_new: int) -> int:
         """How many of this step's last query rows of ``request`` the runner should score (0: none).
 
-        h2o: every row of a prompt chunk; a decode's row every ``score_period`` steps. snapkv: the rows that are among the prompt's last ``snapkv_window`` tokens,
-        before its compression."""
+        h2o: every row of a prompt chunk; a decode's row every ``score_period`` steps. snapkv: the rows among
+        the prompt's last ``snapkv_window`` tokens, before its compression."""
         if self.config.policy not in SCORED_POLICIES or self.budget_blocks(request) is None:
             return 0
         if self.config.policy == "h2o":

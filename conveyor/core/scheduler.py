@@ -438,4 +438,5 @@ class Scheduler:
                 # shared blocks are never evicted: the ones it held at its last eviction choice may keep it over
                 allowance = max(self.evictor.over_budget_allowance(request.request_id),
                                 sum(1 for b in blocks if b.ref_cnt > 1))
-                assert len(blocks) <= budget + 1 + allowance, f"{request.request_id}: {len(blocks)} blocks, budget {budget}"
+                assert len(blocks) <= budget + 1 + allowance, \
+                    f"{request.request_id}: {len(blocks)} blocks, budget {budget}"
