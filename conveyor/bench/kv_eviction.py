@@ -127,7 +127,9 @@ def _engine(base, ns, **knobs):
 def _main(ns) -> int:
     fractions = [float(f) for f in ns.fractions.split(",") if f]
     policies = [p for p in ns.policies.split(",") if p]
-    base = _engine(None, ns, max_model_len=max(ns.max_model_len or 0, ns.tokens + 64, 4096 + 64))
+    lengths = [int(x) for x in ns.passkey_lengths.split(",") if x]
+    longest = max([ns.tokens, *lengths, 2048 if ns.cost else 0])  # --cost streams a 2,048-token prompt
+    base = _engine(None, ns, max_model_len=max(ns.max_model_len or 0, longest + 64))
     info = base.model_info
     ids = base.tokenizer.encode(long_text())[:ns.tokens]
     print(f"model {info.name} ({info.dtype}), block size {ns.block_size}, text: pydoc_data topics, "
@@ -145,7 +147,6 @@ def _main(ns) -> int:
                                                     **streaming), ids)
             print(f"| {policy} | {100 * f:g}% | {budget} | {ppl:.3f} | {100 * (ppl / exact - 1):+.1f}% | "
                   f"{peak * bs} | {wall:.1f} |", flush=True)
-    lengths = [int(x) for x in ns.passkey_lengths.split(",") if x]
     if lengths:
         print("\n| length | policy | budget | passkey accuracy |")
         print("|---|---|---|---|")
