@@ -50,6 +50,7 @@ class KeyMassAttention:
         self.decodes = [i for i in sorted(scored) if i < meta.num_decodes]
         self.chunks = [i for i in sorted(scored) if i >= meta.num_decodes]
         self.mass: dict[int, torch.Tensor] = {}
+        self._kbuf: torch.Tensor | None = None  # the decodes' gathered keys, reused by every layer
         if self.decodes:
             lens = torch.tensor([meta.seq_lens[i] for i in self.decodes], device=meta.block_table.device)
             nb = -(-int(lens.max()) // bs)
@@ -75,12 +76,24 @@ class KeyMassAttention:
         meta, bs = self.meta, self.meta.block_size
         rows = [meta.query_start_loc[i] for i in self.decodes]
         n, d = len(rows), q.shape[2]
-        qd = q[rows].float().view(n, kv_heads, -1, d)  # [n, KVH, G, d]
-        keys = keys_of(kv_cache, self._dec_ids, self.head_major).float()  # [n, KVH, L, d]
-        s = torch.einsum("nkgd,nkld->nkgl", qd, keys) * scale
-        s.masked_fill_(~self._dec_valid[:, None, None, :], float("-inf"))  # also hides unwritten slots' garbage
-        mass = s.softmax(dim=-1).sum(dim=(1, 2))  # [n, L]
-        per_block = mass.view(n, -1, bs).sum(dim=-1)
+        ids = self._dec_ids
+        nb = ids.shape[1]
+        # Gather whole blocks into one buffer that every layer reuses (a fresh 3 MB tensor per layer page-faults),
+        # and keep the cache's block layout: the scores come out [n, blocks, KVH, G, slots] with no transposed
+        # copy of the keys, and the softmax runs over (blocks, slots) by hand.
+        if self._kbuf is None:
+            self._kbuf = kv_cache.new_empty(ids.numel(), *kv_cache.shape[2:])
+        torch.index_select(kv_cache[0], 0, ids.flatten(), out=self._kbuf)
+        keys = self._kbuf.view(n, nb, *kv_cache.shape[2:])
+        if not self.head_major:
+            keys = keys.transpose(2, 3)  # [n, nb, KVH, bs, d] (a strided view: matmul copies it)
+        qd = q[rows].view(n, 1, kv_heads, -1, d).to(keys.dtype)  # [n, 1, KVH, G, d]
+        s = torch.matmul(qd, keys.transpose(-1, -2)).float() * scale  # [n, nb, KVH, G, bs]
+        s.masked_fill_(~self._dec_valid.view(n, nb, 1, 1, bs), float("-inf"))  # also hides unwritten slots
+        peak = s.amax(dim=(1, 4), keepdim=True)
+        p = (s - peak).exp_()
+        p /= p.sum(dim=(1, 4), keepdim=True)
+        per_block = p.sum(dim=(2, 3, 4))  # [n, nb]
         for j, i in enumerate(self.decodes):  # each its own table's blocks, not the batch's widest
             self._add(i, per_block[j, :-(-meta.seq_lens[i] // bs)])
 
