@@ -35,6 +35,7 @@ This module decides; ``KVCacheManager.evict_blocks`` gives the blocks back and t
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from conveyor.core.block_pool import KVBlock, cdiv
@@ -211,6 +212,27 @@ class KVEvictor:
         """How many blocks over budget + 1 the request may hold: the shared blocks it could not evict."""
         state = self._state.get(request_id)
         return state.shared if state is not None else 0
+
+    def check_invariants(self, kv, requests: Iterable[Request], running: Iterable[Request]) -> None:
+        """Eviction's own invariants over the scheduler's requests and the paged ``kv`` manager: evicted counts in
+        whole blocks and only in running requests; every table holds exactly its present tokens' blocks; sink and
+        h2o requests within budget + 1 blocks but for the shared ones they could not evict."""
+        bs = self.block_size
+        running_ids = {r.request_id for r in running}
+        for request in requests:
+            rid = request.request_id
+            if rid not in running_ids:
+                assert request.num_evicted_tokens == 0, f"{rid} holds no KV but counts evictions"
+                continue
+            assert request.num_evicted_tokens % bs == 0, "evicted tokens are whole blocks"
+            blocks = kv.req_blocks.get(rid, [])
+            present = request.num_computed_tokens - request.num_evicted_tokens
+            assert len(blocks) == cdiv(present, bs), f"{rid}: {len(blocks)} blocks for {present} tokens"
+            budget = self.budget_blocks(request)
+            if budget is not None and self.config.policy != "snapkv":
+                # shared blocks are never evicted: those held at its last eviction choice may keep it over
+                allowance = max(self.over_budget_allowance(rid), sum(1 for b in blocks if b.ref_cnt > 1))
+                assert len(blocks) <= budget + 1 + allowance, f"{rid}: {len(blocks)} blocks, budget {budget}"
 
     def scores(self, request_id: str) -> list[float]:
         state = self._state.get(request_id)

@@ -418,25 +418,4 @@ class Scheduler:
             assert request.status.holds_slot, f"running {request.request_id} is {request.status}"
             assert request.num_computed_tokens <= request.num_tokens
         if self.evictor is not None:
-            self._check_eviction()
-
-    def _check_eviction(self) -> None:
-        """Eviction's own invariants: evicted counts in whole blocks and only in running requests; every table holds
-        exactly its present tokens' blocks; sink / h2o requests within budget + 1 blocks but for shared ones."""
-        bs = self.kv.block_size
-        running = {r.request_id for r in self.running}
-        for request in self.requests.values():
-            if request.request_id not in running:
-                assert request.num_evicted_tokens == 0, f"{request.request_id} holds no KV but counts evictions"
-                continue
-            assert request.num_evicted_tokens % bs == 0, "evicted tokens are whole blocks"
-            blocks = self.kv.req_blocks.get(request.request_id, [])
-            present = request.num_computed_tokens - request.num_evicted_tokens
-            assert len(blocks) == -(-present // bs), f"{request.request_id}: {len(blocks)} blocks for {present} tokens"
-            budget = self.evictor.budget_blocks(request)
-            if budget is not None and self.evictor.config.policy != "snapkv":
-                # shared blocks are never evicted: the ones it held at its last eviction choice may keep it over
-                allowance = max(self.evictor.over_budget_allowance(request.request_id),
-                                sum(1 for b in blocks if b.ref_cnt > 1))
-                assert len(blocks) <= budget + 1 + allowance, \
-                    f"{request.request_id}: {len(blocks)} blocks, budget {budget}"
+            self.evictor.check_invariants(self.kv, self.requests.values(), self.running)

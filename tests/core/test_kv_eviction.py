@@ -299,3 +299,21 @@ def test_thousand_requests_leak_nothing_under_pressure():
     assert s.kv.num_evicted_blocks > 0
     assert s.kv.pool.num_free_blocks == s.kv.num_blocks and not s.kv.req_blocks
     assert s.evictor._state == {}
+
+
+def test_invariants_catch_a_table_out_of_step_and_a_request_over_budget():
+    s = make_evicting("sink", budget=16, block_size=4)
+    s.add_request(make_request("a", prompt_len=8, max_tokens=40))
+    ex = TableMirror()
+    for t in range(20):
+        out = s.schedule(float(t))
+        s.update(out, ex.execute(out), float(t))
+    s.check_invariants()
+    r = s.requests["a"]
+    r.num_evicted_tokens += 4  # a block counted as evicted that is still in the table
+    with pytest.raises(AssertionError, match="blocks for"):
+        s.check_invariants()
+    r.num_evicted_tokens -= 4
+    s.evictor.config = EvictionConfig("sink", 8)  # the same table, judged against a smaller budget
+    with pytest.raises(AssertionError, match="budget"):
+        s.check_invariants()
