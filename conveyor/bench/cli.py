@@ -24,6 +24,9 @@ def add_bench_parser(sub) -> None:
     from conveyor.bench.step import add_step_parser
 
     add_step_parser(bench_sub)
+    from conveyor.bench.kv_eviction import add_kv_eviction_parser
+
+    add_kv_eviction_parser(bench_sub)
 
 
 def add_sim_parser(sub) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from conveyor.core.kv_eviction import H2O_SCORE_PERIOD, EvictionConfig
 from conveyor.core.prefix_eviction import PREFIX_EVICTION_POLICIES
 from conveyor.core.speculative import SpeculativeConfig
 
@@ -58,6 +59,9 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     kv_layout: str = "paged"
     prefix_cache_eviction: str = "lru"  # which cached free block goes first: core.prefix_eviction
+    kv_eviction: str = "none"  # which blocks a request over its KV budget gives back: core.kv_eviction
+    kv_budget_tokens: int | None = None  # the default per-request budget of kv_eviction
+    kv_score_period: int = H2O_SCORE_PERIOD  # h2o: a decode's attention is scored every this many steps
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -71,3 +75,11 @@ class CacheConfig:
         if self.prefix_cache_eviction not in PREFIX_EVICTION_POLICIES:
             raise ValueError(f"prefix_cache_eviction must be one of {', '.join(PREFIX_EVICTION_POLICIES)}, "
                              f"got {self.prefix_cache_eviction!r}")
+        eviction = self.eviction_config()  # checks the policy name and the budget
+        if eviction.enabled and self.kv_layout != "paged":
+            raise ValueError(f"kv_eviction {self.kv_eviction!r} needs the paged KV layout (it gives blocks back to "
+                             f"the pool); the {self.kv_layout} layout reserves a whole slab per request")
+
+    def eviction_config(self) -> EvictionConfig:
+        """The KV eviction settings (``core.kv_eviction``)."""
+        return EvictionConfig(self.kv_eviction, self.kv_budget_tokens, score_period=self.kv_score_period)

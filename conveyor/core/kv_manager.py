@@ -40,6 +40,7 @@ class KVCacheManager:
         # saved. Less than prefix_hits when an admission found its prefix but had no room and looked again later
         # (vLLM counts queries and hits the same way, per lookup).
         self.prefix_saved_tokens = 0
+        self.num_evicted_blocks = 0  # blocks given back by KV eviction (core.kv_eviction), cumulative
 
     @property
     def num_blocks(self) -> int:
@@ -105,7 +106,9 @@ class KVCacheManager:
         computed_blocks = computed_blocks or []
         held = self.req_blocks.get(request.request_id, [])
         assert not (held and computed_blocks), "a prefix hit is only taken at admission"
-        num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
+        # KV slots, not positions: blocks evicted from the middle of the table hold none of the request's tokens
+        num_computed = request.num_computed_tokens - request.num_evicted_tokens \
+            + len(computed_blocks) * self.block_size
         total_tokens = num_computed + num_new_tokens
         num_needed = cdiv(total_tokens + num_lookahead_tokens, self.block_size) - len(held) - len(computed_blocks)
         # Hit blocks that sit in the free list stop being free when touched: they count against the room.
@@ -124,6 +127,10 @@ class KVCacheManager:
     def _cache_full_blocks(self, request: Request, blocks: list[KVBlock], num_tokens: int) -> None:
         # request.block_hashes may run ahead (a prefix lookup hashes the whole prompt): only blocks that are
         # full once this step's tokens are computed may become findable.
+        if request.num_evicted_tokens:
+            # After an eviction the table's index is no longer the token block's, and the KV written from then on
+            # attended to fewer keys than the exact model's would: no later request may be served it.
+            return
         n_full = num_tokens // self.block_size
         start = self.num_cached_blocks.get(request.request_id, 0)
         if n_full <= start:
@@ -148,10 +155,30 @@ class KVCacheManager:
         self.pool.free(reversed(extra))
         return keep
 
+    def evict_blocks(self, request: Request, indices: list[int]) -> None:
+        """KV eviction: drop the blocks at ``indices`` (ascending) of the request's table and give them back to the
+        pool. Each must be full, computed and held by this request alone (``core.kv_eviction`` chooses only
+        those): a shared block is another request's KV too, and dropping our reference would free nothing.
+
+        A dropped block that carries a hash stays findable in the free list: its KV was computed exactly (no
+        block is hashed after a request's first eviction), so a later prefix hit on it is still right."""
+        blocks = self.req_blocks[request.request_id]
+        n_full = (request.num_computed_tokens - request.num_evicted_tokens) // self.block_size
+        gone = set(indices)
+        assert len(gone) == len(indices) and all(0 <= i < n_full for i in gone), f"bad eviction {indices}"
+        removed = [blocks[i] for i in indices]
+        assert all(b.ref_cnt == 1 for b in removed), "evicting a shared block"
+        blocks[:] = [b for i, b in enumerate(blocks) if i not in gone]
+        self.num_cached_blocks.pop(request.request_id, None)  # nothing of it is offered to the cache again
+        request.num_evicted_tokens += len(removed) * self.block_size
+        self.num_evicted_blocks += len(removed)
+        self.pool.free(reversed(removed))
+
     def free(self, request: Request) -> None:
         """Release a request's blocks, tail first (see the ordering rule in block_pool)."""
         blocks = self.req_blocks.pop(request.request_id, [])
         self.num_cached_blocks.pop(request.request_id, None)
+        request.num_evicted_tokens = 0  # its KV is gone: a recompute starts exact
         self.pool.free(reversed(blocks))
 
     def reset_prefix_cache(self) -> None:

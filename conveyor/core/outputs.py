@@ -39,6 +39,11 @@ class CachedRequestData:
     # Set when the request gave blocks back since its last step (rejected proposals' blocks): its block table
     # keeps this many, then new_block_ids follow. None: nothing given back.
     num_kept_blocks: int | None = None
+    # KV eviction (core.kv_eviction): indices of its block table dropped before this step (applied after
+    # num_kept_blocks, before new_block_ids are appended), and its evicted tokens in all, after them: its KV slot
+    # of position p is p - num_evicted_tokens. None / 0: nothing evicted.
+    evicted_block_indices: list[int] | None = None
+    num_evicted_tokens: int = 0
 
 
 @dataclass
@@ -68,6 +73,10 @@ class SchedulerOutput:
     # (``ModelOutput.extra_token_ids``). The executor never keeps the proposals in its token list. With a draft
     # model the tokens are ``speculative.DRAFT_PLACEHOLDER``s that the executor replaces by its draft's, in place.
     scheduled_spec_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # KV eviction by attention score (h2o, snapkv): the runner returns, for each listed request, the attention
+    # mass its last ``kv_score_rows[id]`` query rows of this step put on each block of its table
+    # (``ModelOutput.kv_block_scores``). Empty unless such a policy is on: no cost otherwise.
+    kv_score_rows: dict[str, int] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -120,6 +129,9 @@ class ModelOutput:
     # Requests whose per-request setup failed in the executor (id -> why). Their tokens were still computed
     # (the KV cache stays consistent for blocks they share) but they sampled nothing; the engine fails them.
     failed: dict[str, str] = field(default_factory=dict)
+    # For the requests in SchedulerOutput.kv_score_rows: attention mass per block of the table (in table order),
+    # summed over heads, layers and the scored query rows.
+    kv_block_scores: dict[str, list[float]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)

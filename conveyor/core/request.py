@@ -98,6 +98,9 @@ class Request:
     times: RequestTimes = field(default_factory=RequestTimes)
     # Block hashes of this request's full blocks, computed lazily by the KV manager (prefix caching).
     block_hashes: list[bytes] = field(default_factory=list)
+    # KV eviction (core.kv_eviction): tokens whose KV blocks were given back. Positions stay the original ones;
+    # the request's KV slots are its positions minus this (0 unless evicted from; reset when its KV is freed).
+    num_evicted_tokens: int = 0
 
     def __post_init__(self) -> None:
         self.times.arrival = self.arrival_time

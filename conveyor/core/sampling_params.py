@@ -78,6 +78,9 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # the same for every prompt token but the first (vLLM's; echo needs it)
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None  # constrained decoding (conveyor.structured)
+    # KV eviction budget of this request in tokens (core.kv_eviction), under the engine's --kv-eviction policy;
+    # None: the engine's --kv-budget-tokens
+    kv_budget_tokens: int | None = None
     # Edits of the logits, applied after the raw logprobs are taken, in this order (vLLM's):
     allowed_token_ids: list[int] | None = None  # only these may be sampled
     bad_words: list[str] = field(default_factory=list)  # never end the output with one of these words
@@ -153,6 +156,8 @@ class SamplingParams:
         if self.logit_bias is not None and any(
                 t < 0 or not finite(b) or not -100.0 <= b <= 100.0 for t, b in self.logit_bias.items()):
             raise bad("logit_bias", "must map token ids to biases in [-100, 100]")
+        if self.kv_budget_tokens is not None and (not integer(self.kv_budget_tokens) or self.kv_budget_tokens < 1):
+            raise bad("kv_budget_tokens", "must be an integer >= 1")
         if self.structured_outputs is not None and self.ignore_eos:
             raise bad("ignore_eos", "cannot be combined with structured outputs (the grammar decides where the "
                                     "output ends)")

@@ -13,6 +13,7 @@ from collections import deque
 from conveyor.core.budget import TokenBudget
 from conveyor.core.config import SchedulerConfig
 from conveyor.core.interfaces import KVManager
+from conveyor.core.kv_eviction import EvictionConfig, KVEvictor
 from conveyor.core.outputs import (
     CachedRequestData,
     ModelOutput,
@@ -45,7 +46,8 @@ IDLE_POLL_S = 0.001
 class Scheduler:
     """Owns the waiting queue and running batch; talks to a KV manager, never to the model."""
 
-    def __init__(self, config: SchedulerConfig, kv_manager: KVManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv_manager: KVManager,
+                 kv_eviction: EvictionConfig | None = None) -> None:
         self.config = config
         self.kv = kv_manager
         self.policy: SchedulingPolicy = make_policy(config)
@@ -66,6 +68,23 @@ class Scheduler:
         self.spec_rate = AcceptanceRate()  # over every request: a new request's prior
         self.spec_counters = SpecDecodeCounters()
         self._step_start = 0.0
+        # KV eviction (None: off, and nothing below it runs): blocks dropped this step, to tell the executor
+        self.evictor = self._make_evictor(kv_eviction)
+        self._evicted: dict[str, list[int]] = {}
+
+    def _make_evictor(self, eviction: EvictionConfig | None) -> KVEvictor | None:
+        """The eviction policy's decisions, after refusing what it cannot run beside."""
+        if eviction is None or not eviction.enabled:
+            return None
+        if getattr(self.kv, "layout", None) != "paged":
+            raise ValueError("KV eviction needs the paged KV layout (it gives blocks back to the pool)")
+        if self.spec is not None:
+            raise ValueError("KV eviction and speculative decoding do not run together yet (a rejected proposal's "
+                             "slots are given back by position, which eviction shifts)")
+        if self.config.policy not in ("continuous", "chunked"):
+            raise ValueError(f"KV eviction runs with the continuous or chunked policy, not {self.config.policy!r} "
+                             f"(the baselines pad batches and park finished requests in fixed slots)")
+        return KVEvictor(eviction, self.kv.block_size)
 
     # ---- queue ------------------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -105,6 +124,7 @@ class Scheduler:
         self._ngrams.pop(request.request_id, None)
         self._acceptance.pop(request.request_id, None)
         self._kept_blocks.pop(request.request_id, None)
+        self._forget_eviction(request.request_id)
         del self.requests[request.request_id]
         if request.request_id in self._seen_by_executor:
             self._seen_by_executor.discard(request.request_id)
@@ -148,9 +168,11 @@ class Scheduler:
                 break
             if not request.status.holds_slot:
                 continue  # preempted (or retired) earlier in this loop
-            num_new = budget.grant(behind[request.request_id])
+            num_new = budget.grant(self._capped(request, behind[request.request_id]))
             if num_new == 0:
                 continue
+            if self.evictor is not None:
+                self._evict(request, num_new)
             while (new_blocks := self.kv.allocate_slots(request, num_new)) is None:
                 victim = self.policy.choose_victim([r for r in self.running if r.request_id not in scheduled])
                 self._preempt(victim, out)
@@ -177,7 +199,11 @@ class Scheduler:
             hit_blocks, hit_tokens = ([], 0)
             if handed_over == 0:
                 hit_blocks, hit_tokens = self.kv.get_computed_blocks(request)
-            num_new = budget.grant(request.num_tokens - handed_over - hit_tokens)
+                if self.evictor is not None and (most := self.evictor.max_hit_blocks(request)) is not None \
+                        and len(hit_blocks) > most:  # a hit and the first chunk must fit the budget
+                    hit_blocks = hit_blocks[:most]
+                    hit_tokens = most * self.kv.block_size
+            num_new = budget.grant(self._capped(request, request.num_tokens - handed_over - hit_tokens))
             if num_new == 0:
                 break
             new_blocks = self.kv.allocate_slots(request, num_new, hit_blocks)
@@ -269,12 +295,38 @@ class Scheduler:
         index.extend(request.output_token_ids[len(index.tokens) - request.num_prompt_tokens:])
         return index
 
+    def _capped(self, request: Request, behind: int) -> int:
+        """``behind``, or less where KV eviction caps a prompt chunk to fit the request's budget."""
+        if self.evictor is None or (cap := self.evictor.chunk_cap(request)) is None:
+            return behind
+        return min(behind, cap)
+
+    def _evict(self, request: Request, num_new: int) -> None:
+        """Give back the blocks the eviction policy drops before ``num_new`` more tokens are allocated."""
+        rid = request.request_id
+        indices = self.evictor.choose(request, self.kv.req_blocks[rid], num_new)
+        if indices:
+            assert rid not in self._evicted, "evicted twice in one step"
+            self.kv.evict_blocks(request, indices)
+            self.evictor.on_evicted(rid, indices)
+            self._evicted[rid] = indices
+
+    def _forget_eviction(self, request_id: str) -> None:
+        if self.evictor is not None:
+            self.evictor.forget(request_id)
+            self._evicted.pop(request_id, None)
+
     def _emit(self, request: Request, num_new: int, new_blocks: list[int], out: SchedulerOutput) -> None:
         rid = request.request_id
+        if self.evictor is not None and (rows := self.evictor.score_rows(request, num_new)):
+            out.kv_score_rows[rid] = rows
         if rid in self._seen_by_executor:
             out.scheduled_cached_reqs.append(CachedRequestData(rid, new_blocks, request.num_computed_tokens,
-                                                               self._kept_blocks.pop(rid, None)))
+                                                               self._kept_blocks.pop(rid, None),
+                                                               self._evicted.pop(rid, None),
+                                                               request.num_evicted_tokens))
         else:
+            assert request.num_evicted_tokens == 0, "a request is sent whole only with its whole KV"
             self._seen_by_executor.add(rid)
             out.scheduled_new_reqs.append(NewRequestData(
                 rid, request.all_token_ids, request.num_prompt_tokens, request.sampling_params,
@@ -292,6 +344,7 @@ class Scheduler:
             return
         self.kv.free(request)
         self._kept_blocks.pop(request.request_id, None)  # it is sent whole again
+        self._forget_eviction(request.request_id)  # and recomputed exactly
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -307,6 +360,10 @@ class Scheduler:
         if self.spec is not None:
             self.spec_cost.observe(sched_out.total_num_scheduled_tokens, now - self._step_start,
                                    any(n > 1 for n in sched_out.num_scheduled_tokens.values()))
+        if self.evictor is not None:
+            for rid, scores in model_out.kv_block_scores.items():
+                if rid in self.requests and self.requests[rid].status.holds_slot:
+                    self.evictor.add_scores(rid, scores)
         for rid, num_new in sched_out.num_scheduled_tokens.items():
             request = self.requests.get(rid)
             if request is None or not request.status.holds_slot:
@@ -365,3 +422,5 @@ class Scheduler:
         for request in self.running:
             assert request.status.holds_slot, f"running {request.request_id} is {request.status}"
             assert request.num_computed_tokens <= request.num_tokens
+        if self.evictor is not None:
+            self.evictor.check_invariants(self.kv, self.requests.values(), self.running)

@@ -12,6 +12,7 @@ import typing
 from dataclasses import MISSING, dataclass, field, fields
 
 from conveyor.core.config import ATTENTION_BACKENDS, KV_LAYOUTS, QUANTIZATION_CHOICES, CacheConfig, SchedulerConfig
+from conveyor.core.kv_eviction import KV_EVICTION_POLICIES
 from conveyor.core.policies import POLICIES
 from conveyor.core.prefix_eviction import PREFIX_EVICTION_POLICIES
 
@@ -64,6 +65,15 @@ class EngineArgs:
                                       "cache gives up first: lru (least recently freed) or cost (GDSF: hits x "
                                       "recompute cost, aged; leaves of a chain first)",
                                       choices=PREFIX_EVICTION_POLICIES)
+    kv_eviction: str = _arg(CacheConfig.kv_eviction, "KV eviction policy for requests over their KV budget: none "
+                            "(exact, the default), sink (first tokens + a recent window), h2o (accumulated "
+                            "attention + recent), snapkv (compress the prompt once after prefill); paged layout "
+                            "only (docs/kv-eviction.md)", choices=KV_EVICTION_POLICIES)
+    kv_budget_tokens: int | None = _arg(CacheConfig.kv_budget_tokens, "default KV budget per request in tokens "
+                                        "under --kv-eviction (a request's kv_budget_tokens overrides it; "
+                                        "default: only requests that set one are evicted from)")
+    kv_score_period: int = _arg(CacheConfig.kv_score_period, "h2o: score a decode's attention every N of its "
+                                "steps (1: every step, as the paper; prompt chunks are always scored)")
     attention_backend: str = _arg("auto", "attention implementation: auto and cpu pick the fastest this machine "
                                           "runs (see conveyor.layers.attention)", choices=ATTENTION_BACKENDS)
     max_num_queued_reqs: int | None = _arg(None, "bound on waiting requests (default: unbounded)")

@@ -92,7 +92,8 @@ class LLMEngine:
             )
         self.num_kv_blocks = num_blocks
         self.kv_manager = self._make_kv_manager(cache, num_blocks)
-        self.scheduler = Scheduler(args.scheduler_config(self.max_model_len), self.kv_manager)
+        self.scheduler = Scheduler(args.scheduler_config(self.max_model_len), self.kv_manager,
+                                   cache.eviction_config())
         # Constrained decoding: grammars compile on a thread of their own; a constrained request waits here,
         # outside the scheduler, until its grammar is ready (the grammar gate: see _admit_compiled).
         self.structured = StructuredOutputs(self.tokenizer, self.model_info.vocab_size)
@@ -206,6 +207,8 @@ class LLMEngine:
             raise ValueError(f"allowed_token_ids must be token ids in [0, {vocab})")
         if any(t >= vocab for t in params.logit_bias or ()):
             raise ValueError(f"logit_bias keys must be token ids in [0, {vocab})")
+        if params.kv_budget_tokens is not None and self.scheduler.evictor is None:
+            raise ValueError("kv_budget_tokens needs a KV eviction policy: this engine runs with --kv-eviction none")
 
     @property
     def max_seqs_per_request(self) -> int | None:

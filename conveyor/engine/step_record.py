@@ -81,4 +81,4 @@ class StepRecord:
         kv = scheduler.kv
         self.kv_usage = kv.usage()
         self.kv_reserved_slots = kv.num_reserved_slots()
-        self.kv_stored_tokens = sum(r.num_computed_tokens for r in scheduler.running)
+        self.kv_stored_tokens = sum(r.num_computed_tokens - r.num_evicted_tokens for r in scheduler.running)

@@ -36,6 +36,9 @@ class RequestState:
     error: str | None = None  # per-request setup failed: computed as usual, sampled token discarded
     matcher: Any = None  # llguidance matcher of a constrained request (conveyor.structured), else None
     draft_computed: int = 0  # leading tokens whose K/V the draft model has written (runner.draft_model)
+    # KV eviction (core.kv_eviction): tokens whose blocks left its table; its KV slot of position p is
+    # p - num_evicted_tokens, and attention sees num_computed - num_evicted cached keys
+    num_evicted_tokens: int = 0
 
     @property
     def num_output_tokens(self) -> int:
@@ -102,6 +105,9 @@ class StepInputs:
     prompt_rows: list[PromptRows]  # hidden-state rows whose logits score prompt tokens (prompt_logprobs)
     # requests verifying proposed tokens: 1 + len(drafts) logits rows each, after the sampling rows, in order
     spec: list[SpecRows] = field(default_factory=list)
+    # KV eviction by score: request index in the step -> its trailing query rows whose attention mass is wanted
+    scored: dict[int, int] = field(default_factory=dict)
+    req_ids: list[str] = field(default_factory=list)  # request ids in step order (attention metadata rows)
 
 
 @dataclass
@@ -189,8 +195,17 @@ class InputBatch:
             state.num_computed_tokens = cached.num_computed_tokens
             if cached.num_kept_blocks is not None:  # blocks past these went back to the pool
                 state.num_blocks = cached.num_kept_blocks
+            if cached.evicted_block_indices:  # blocks from the middle of its table went back to the pool
+                self._drop_blocks(state, cached.evicted_block_indices)
+            state.num_evicted_tokens = cached.num_evicted_tokens
             if cached.new_block_ids:
                 self._set_blocks(state, cached.new_block_ids)
+
+    def _drop_blocks(self, state: RequestState, indices: list[int]) -> None:
+        row = self.block_table[state.row]
+        kept = np.delete(row[:state.num_blocks], indices)
+        row[:len(kept)] = kept
+        state.num_blocks = len(kept)
 
     def prepare(self, so: SchedulerOutput) -> StepInputs:
         """Flatten the step: decodes first (shortest context first, for the attention buckets), then the rest."""
@@ -203,6 +218,11 @@ class InputBatch:
         num_new = np.fromiter((scheduled[s.req_id] for s in ordered), dtype=np.int64, count=len(ordered))
         computed = np.fromiter((s.num_computed_tokens for s in ordered), dtype=np.int64, count=len(ordered))
         seq_lens = computed + num_new
+        # Attention and the cache work in KV slots, RoPE in positions: they differ by the tokens a KV eviction
+        # policy dropped (none unless one is on: then these are the same arrays, and the step is unchanged).
+        evicted = np.fromiter((s.num_evicted_tokens for s in ordered), dtype=np.int64, count=len(ordered))
+        kv_computed, kv_seq_lens = (computed, seq_lens) if not evicted.any() else \
+            (computed - evicted, seq_lens - evicted)
         query_start = np.zeros(len(ordered) + 1, dtype=np.int64)
         np.cumsum(num_new, out=query_start[1:])
         num_tokens = int(query_start[-1])
@@ -211,9 +231,10 @@ class InputBatch:
         req_of_token = np.repeat(np.arange(len(ordered)), num_new)
         positions = np.arange(num_tokens) + np.repeat(computed - query_start[:-1], num_new)
         rows = np.fromiter((s.row for s in ordered), dtype=np.int64, count=len(ordered))
-        max_blocks = cdiv(int(seq_lens.max()), self.block_size) if len(ordered) else 0
+        max_blocks = cdiv(int(kv_seq_lens.max()), self.block_size) if len(ordered) else 0
         block_table = self.block_table[rows, :max_blocks]
-        slot_mapping = slot_mapping_of(block_table, req_of_token, positions, self.block_size)
+        slots = positions if kv_seq_lens is seq_lens else positions - np.repeat(evicted, num_new)
+        slot_mapping = slot_mapping_of(block_table, req_of_token, slots, self.block_size)
 
         spec_tokens = so.scheduled_spec_tokens
         input_ids: list[int] = []
@@ -255,11 +276,15 @@ class InputBatch:
         dev = self.device
         meta = AttentionMetadata(
             num_tokens=num_tokens, block_size=self.block_size, slot_mapping=torch.from_numpy(slot_mapping).to(dev),
-            query_start_loc=query_start.tolist(), seq_lens=seq_lens.tolist(), num_computed=computed.tolist(),
-            block_table=torch.from_numpy(block_table).to(dev), num_decodes=len(decodes))
+            query_start_loc=query_start.tolist(), seq_lens=kv_seq_lens.tolist(), num_computed=kv_computed.tolist(),
+            block_table=torch.from_numpy(block_table).to(dev), num_decodes=len(decodes),
+            slots_shifted=kv_seq_lens is not seq_lens)
+        scored = {i: so.kv_score_rows[s.req_id] for i, s in enumerate(ordered) if s.req_id in so.kv_score_rows} \
+            if so.kv_score_rows else {}
         return StepInputs(torch.tensor(input_ids, dtype=torch.int64, device=dev),
                           torch.from_numpy(positions).to(dev), meta, padding, logits_indices, sampling,
-                          SamplingMetadata.build(sampling, dev), prompt_rows, spec)
+                          SamplingMetadata.build(sampling, dev), prompt_rows, spec, scored,
+                          [s.req_id for s in ordered])
 
     def _padding(self, num_pad_tokens: int, longest_chunk: int) -> Padding:
         """Pad rows form sequences no longer than the step's longest chunk: the rows a padded [batch, longest]

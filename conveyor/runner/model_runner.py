@@ -47,6 +47,7 @@ class ModelRunner:
         self._head_major = backend_class(self.backend).kv_cache_shape(*probe) != token_major_kv_shape(*probe)
         # Handed-over requests' sampling generators, set once the batch has built their state (``import_kv``).
         self._imported_generators: dict[str, torch.Tensor] = {}
+        self._scored_attention = None  # the step's KeyMassAttention while its scores wait to be returned
         self.draft = None  # runner.draft_model.DraftModel (attach_draft): fills the scheduler's placeholders
 
     def attach_draft(self, model: torch.nn.Module, info: ModelInfo, attention_backend: str = "auto") -> None:
@@ -105,6 +106,9 @@ class ModelRunner:
         logits, prompt_lps = self.forward(step)
         out = ModelOutput() if logits is None else self.sample(logits, step, masks)
         out.prompt_logprobs = prompt_lps
+        if self._scored_attention is not None:  # KV eviction by score asked for this step's attention mass
+            out.kv_block_scores = {step.req_ids[i]: s for i, s in self._scored_attention.block_scores().items()}
+            self._scored_attention = None
         out.failed = {**self._failed(so), **out.failed}
         return out
 
@@ -122,7 +126,8 @@ class ModelRunner:
         sample, in ``step.sampling`` order (None when none does), and the logprobs of the prompt tokens this step
         scores for requests that asked (``prompt_logprobs``): those need rows that do not sample, so they are
         taken here, while every row's hidden state is at hand."""
-        attn = make_attention(self.backend, step.attn_meta, self.dtype, step.padding)
+        attn = make_attention(self.backend, step.attn_meta, self.dtype, step.padding, step.scored)
+        self._scored_attention = attn if step.scored else None
         hidden = self.model(step.input_ids, step.positions, self.kv_caches, attn)
         prompt_lps = {rows.state.req_id: self._prompt_logprobs(hidden, rows) for rows in step.prompt_rows
                       if rows.state.error is None}

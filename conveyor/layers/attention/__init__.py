@@ -10,7 +10,8 @@ Backends: "reference" (the oracle), "cpu-native" (one native kernel call per lay
 fused; where conveyor/kernels built for this CPU and serve the dtype and head size), "cpu-torch" (batched torch
 ops; runs on any device), "cuda" (flash-attn's varlen paged kernel). Choices that pick one: "cpu" (cpu-native
 where it serves, else cpu-torch) and "auto" (cuda on a GPU, else cpu). A step with a baseline's pad rows gets
-its backend wrapped in ``padded.PaddedAttention``.
+its backend wrapped in ``padded.PaddedAttention``; a step whose KV eviction policy asks for attention scores,
+in ``key_mass.KeyMassAttention``.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from conveyor.core.config import ATTENTION_BACKENDS
 from conveyor.layers.attention.base import AttentionBackend
 from conveyor.layers.attention.cpu import CpuAttention
 from conveyor.layers.attention.cuda import FlashAttention, flash_attention_serves
+from conveyor.layers.attention.key_mass import KeyMassAttention
 from conveyor.layers.attention.metadata import AttentionMetadata
 from conveyor.layers.attention.native_cpu import NativeCpuAttention
 from conveyor.layers.attention.padded import PaddedAttention, Padding
@@ -74,10 +76,42 @@ def allocate_kv_caches(backend: str, num_layers: int, num_blocks: int, block_siz
 
 
 def make_attention(backend: str, meta: AttentionMetadata, dtype: torch.dtype,
-                   padding: Padding | None = None) -> AttentionBackend:
-    """The per-step attention object for a resolved backend name; with ``padding``, wrapped to run the pad rows."""
+                   padding: Padding | None = None, scored: dict[int, int] | None = None) -> AttentionBackend:
+    """The per-step attention object for a resolved backend name; with ``padding``, wrapped to run the pad rows;
+    with ``scored`` (request index -> trailing query rows), wrapped to add up their attention mass per KV block
+    (``KeyMassAttention.block_scores``)."""
     attention = _make_backend(backend, meta, dtype)
+    if meta.slots_shifted and attention.fuses_rope:
+        attention = RopeOutside(attention)
+    if scored:
+        assert padding is None, "KV eviction does not run beside the padded baselines"
+        return KeyMassAttention(attention, meta, scored, kv_is_head_major(backend))
     return attention if padding is None else PaddedAttention(attention, meta.num_tokens, padding)
+
+
+class RopeOutside:
+    """A RoPE-fusing backend run with q and k rotated by the model, for a step whose KV slots are not positions.
+
+    The native kernels (attention and the layer stack) take the RoPE angle of a new token from its KV slot
+    (``seq_len - n + j``), which KV eviction shifts below the token's position; the model's own rotation uses the
+    step's real positions. Only such steps pay for it (the per-layer path, rotation in torch)."""
+
+    fuses_rope = False
+    supports_layer_stack = False
+
+    def __init__(self, inner: AttentionBackend) -> None:
+        self.inner = inner
+        self.name = inner.name
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, scale: float,
+                rope: torch.Tensor | None = None) -> torch.Tensor:
+        assert rope is None, "q and k come rotated"
+        return self.inner.forward(q, k, v, kv_cache, scale)
+
+
+def kv_is_head_major(backend: str) -> bool:
+    """Whether the backend's cache blocks are [KVH, block_size, d] (else [block_size, KVH, d])."""
+    return backend_class(backend).kv_cache_shape(1, 2, 3, 4) == (2, 1, 3, 2, 4)
 
 
 def _make_backend(backend: str, meta: AttentionMetadata, dtype: torch.dtype) -> AttentionBackend:
@@ -91,5 +125,5 @@ def _make_backend(backend: str, meta: AttentionMetadata, dtype: torch.dtype) -> 
     return cls(meta)
 
 
-__all__ = ["AttentionBackend", "AttentionMetadata", "Padding", "allocate_kv_caches", "backend_class",
-           "make_attention", "resolve_backend"]
+__all__ = ["AttentionBackend", "AttentionMetadata", "KeyMassAttention", "Padding", "allocate_kv_caches",
+           "backend_class", "kv_is_head_major", "make_attention", "resolve_backend"]

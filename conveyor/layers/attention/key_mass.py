@@ -1,0 +1,117 @@
+"""Per-key attention mass for KV eviction by score (h2o, snapkv), beside whichever backend runs the step.
+
+``KeyMassAttention`` wraps the step's backend: every layer's ``forward`` runs the backend unchanged (its output is
+the step's, bit for bit), then recomputes, in torch and in float32, the softmax of the scored query rows over
+their keys and adds its mass per KV block, summed over heads, into a per-request accumulator that the runner reads
+once after the forward pass (summed over layers too). The backends' own kernels are not touched: the softmax is
+recomputed from the rotated q (a RoPE-fusing backend rotates q in place) and the keys in the cache.
+
+Why a side pass and not the kernels' own probabilities: the native CPU kernel streams keys with an online
+softmax, so a key's final probability is known only after its last block (a second pass over the keys either
+way), and doing it here serves every backend and both KV layouts at once. The price is an extra QK product per
+scored row per layer, and the native whole-model layer stack is off for scored steps (it has no hook between
+layers); docs/kv-eviction.md has the measured cost. Nothing here runs unless the scheduler asks for scores.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from conveyor.layers.attention.base import AttentionBackend
+from conveyor.layers.attention.metadata import AttentionMetadata
+
+
+def keys_of(kv_cache: torch.Tensor, block_ids: torch.Tensor, head_major: bool) -> torch.Tensor:
+    """K of whole blocks, [..., KVH, num_blocks * block_size, d], for ``block_ids`` of shape [..., num_blocks]."""
+    k = kv_cache[0][block_ids]  # token-major [..., nb, bs, KVH, d]; head-major [..., nb, KVH, bs, d]
+    if head_major:
+        k = k.transpose(-3, -4)  # [..., KVH, nb, bs, d]
+    else:
+        k = k.movedim(-2, -4)  # [..., KVH, nb, bs, d]
+    return k.flatten(-3, -2)
+
+
+class KeyMassAttention:
+    """``inner`` for the step, plus the attention mass per block of the requests in ``scored``.
+
+    ``scored`` maps a request's index in the step (its ``AttentionMetadata`` row) to how many of its last query
+    rows count. ``head_major``: the cache layout is [2, blocks, KVH, block_size, d] (else token-major)."""
+
+    supports_layer_stack = False  # one native call for every layer leaves no place to read q between them
+
+    def __init__(self, inner: AttentionBackend, meta: AttentionMetadata, scored: dict[int, int],
+                 head_major: bool) -> None:
+        self.inner, self.meta, self.head_major = inner, meta, head_major
+        self.name = inner.name
+        self.fuses_rope = inner.fuses_rope
+        self.scored = scored
+        bs = meta.block_size
+        # decodes (one row each) share one batched pass; chunks go one at a time
+        self.decodes = [i for i in sorted(scored) if i < meta.num_decodes]
+        self.chunks = [i for i in sorted(scored) if i >= meta.num_decodes]
+        self.mass: dict[int, torch.Tensor] = {}
+        self._kbuf: torch.Tensor | None = None  # the decodes' gathered keys, reused by every layer
+        if self.decodes:
+            lens = torch.tensor([meta.seq_lens[i] for i in self.decodes], device=meta.block_table.device)
+            nb = -(-int(lens.max()) // bs)
+            self._dec_ids = meta.block_table[self.decodes, :nb]
+            self._dec_valid = torch.arange(nb * bs, device=lens.device) < lens[:, None]  # [n, L]
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, scale: float,
+                rope: torch.Tensor | None = None) -> torch.Tensor:
+        out = self.inner.forward(q, k, v, kv_cache, scale, rope=rope) if rope is not None else \
+            self.inner.forward(q, k, v, kv_cache, scale)
+        kv_heads = k.shape[1]
+        if self.decodes:
+            self._decode_mass(q, kv_cache, kv_heads, scale)
+        for i in self.chunks:
+            self._chunk_mass(i, q, kv_cache, kv_heads, scale)
+        return out
+
+    def _add(self, i: int, per_block: torch.Tensor) -> None:
+        acc = self.mass.get(i)
+        self.mass[i] = per_block if acc is None else acc + per_block
+
+    def _decode_mass(self, q: torch.Tensor, kv_cache: torch.Tensor, kv_heads: int, scale: float) -> None:
+        meta, bs = self.meta, self.meta.block_size
+        rows = [meta.query_start_loc[i] for i in self.decodes]
+        n, d = len(rows), q.shape[2]
+        ids = self._dec_ids
+        nb = ids.shape[1]
+        # Gather whole blocks into one buffer that every layer reuses (a fresh 3 MB tensor per layer page-faults),
+        # and keep the cache's block layout: the scores come out [n, blocks, KVH, G, slots] with no transposed
+        # copy of the keys, and the softmax runs over (blocks, slots) by hand.
+        if self._kbuf is None:
+            self._kbuf = kv_cache.new_empty(ids.numel(), *kv_cache.shape[2:])
+        torch.index_select(kv_cache[0], 0, ids.flatten(), out=self._kbuf)
+        keys = self._kbuf.view(n, nb, *kv_cache.shape[2:])
+        if not self.head_major:
+            keys = keys.transpose(2, 3)  # [n, nb, KVH, bs, d] (a strided view: matmul copies it)
+        qd = q[rows].view(n, 1, kv_heads, -1, d).to(keys.dtype)  # [n, 1, KVH, G, d]
+        s = torch.matmul(qd, keys.transpose(-1, -2)).float() * scale  # [n, nb, KVH, G, bs]
+        s.masked_fill_(~self._dec_valid.view(n, nb, 1, 1, bs), float("-inf"))  # also hides unwritten slots
+        peak = s.amax(dim=(1, 4), keepdim=True)
+        p = (s - peak).exp_()
+        p /= p.sum(dim=(1, 4), keepdim=True)
+        per_block = p.sum(dim=(2, 3, 4))  # [n, nb]
+        for j, i in enumerate(self.decodes):  # each its own table's blocks, not the batch's widest
+            self._add(i, per_block[j, :-(-meta.seq_lens[i] // bs)])
+
+    def _chunk_mass(self, i: int, q: torch.Tensor, kv_cache: torch.Tensor, kv_heads: int, scale: float) -> None:
+        meta, bs = self.meta, self.meta.block_size
+        end, seq_len, rows = meta.query_start_loc[i + 1], meta.seq_lens[i], self.scored[i]
+        nb = -(-seq_len // bs)
+        d = q.shape[2]
+        qc = q[end - rows:end].float().view(rows, kv_heads, -1, d).transpose(0, 1)  # [KVH, r, G, d]
+        keys = keys_of(kv_cache, meta.block_table[i, :nb], self.head_major).float()  # [KVH, L, d]
+        s = torch.einsum("krgd,kld->krgl", qc, keys) * scale
+        # row j of the r sits at slot seq_len - rows + j and sees keys 0 .. that slot
+        q_slot = torch.arange(seq_len - rows, seq_len, device=q.device)[:, None]
+        allowed = torch.arange(nb * bs, device=q.device)[None, :] <= q_slot  # [r, L]
+        s.masked_fill_(~allowed[None, :, None, :], float("-inf"))
+        mass = s.softmax(dim=-1).sum(dim=(0, 1, 2))  # [L]
+        self._add(i, mass.view(nb, bs).sum(dim=-1))
+
+    def block_scores(self) -> dict[int, list[float]]:
+        """Request index -> attention mass per block of its table, summed over the layers run so far."""
+        return {i: m.tolist() for i, m in self.mass.items()}
