@@ -317,6 +317,13 @@ class LLMEngine:
         output carries them, and only the prefill side has them); serve those whole."""
         return params.n == 1 and params.structured_outputs is None and params.prompt_logprobs is None
 
+    def _check_exact_cache(self) -> None:
+        """The hand-over moves a prompt's K/V token by token from its block table: a table that KV eviction has
+        cut (``--kv-eviction``) no longer holds them all, nor at their positions' slots."""
+        if self.scheduler.evictor is not None:
+            raise ValueError("the KV hand-over needs the exact cache: it does not run with --kv-eviction "
+                             f"{self.args.kv_eviction}")
+
     def add_prefill_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams | None = None,
                             arrival_time: float | None = None) -> str:
         """Queue a request to run here only until its first token: then its KV is exported and its blocks freed
@@ -324,6 +331,7 @@ class LLMEngine:
         ``add_handoff`` on a decode engine. One that finishes at its first token ends here, without one. Raises
         ValueError for what ``can_hand_off`` refuses, as ``add_request`` does for bad input."""
         params = params or SamplingParams()
+        self._check_exact_cache()
         if not self.can_hand_off(params):
             raise ValueError("n > 1, structured outputs and prompt logprobs are not handed over: serve the request "
                              "whole")
@@ -338,6 +346,7 @@ class LLMEngine:
         or QueueFullError."""
         h, params = handoff, handoff.sampling_params
         rid, prompt = h.request_id, list(handoff.prompt_token_ids)
+        self._check_exact_cache()
         if not self.can_hand_off(params):
             raise ValueError("n > 1, structured outputs and prompt logprobs are not handed over")
         if rid in self.output_processor.parents or rid in self.scheduler.requests:

@@ -94,6 +94,14 @@ def test_a_request_that_ends_at_its_first_token_is_not_handed_over(tiny_llama_di
     assert_empty(prefill, decode)
 
 
+def test_an_engine_with_kv_eviction_refuses_the_hand_over(tiny_llama_dir):
+    """Eviction cuts a request's block table, so the prompt's K/V is not all there to move (nor at its slots)."""
+    evicting = make_engine(tiny_llama_dir, kv_eviction="sink", kv_budget_tokens=64)
+    with pytest.raises(ValueError, match="kv-eviction"):
+        evicting.add_prefill_request("a", make_prompts(1)[0], SamplingParams(temperature=0.0, max_tokens=4))
+    assert not evicting.has_unfinished_requests()
+
+
 def test_aborts_at_every_stage_free_both_sides(tiny_llama_dir):
     prefill, decode = make_engine(tiny_llama_dir), make_engine(tiny_llama_dir)
     p = make_prompts(4, seed=5)
