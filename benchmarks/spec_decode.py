@@ -3,7 +3,8 @@
 in one run.
 
     python benchmarks/spec_decode.py [--model PATH] [--quantization none] [--draft-model PATH] [--k 4] \
-        [--online-rate 4] [--num-requests 100] [--rounds 2] [--json out.json]
+        [--modes draft-adaptive,draft-k=4] [--skip-longtail] [--online-rate 4] [--num-requests 100] [--rounds 2] \
+        [--json out.json]
 
 Modes, each an ``LLM`` of its own on the same model (the default: SmolLM2-135M-Instruct, the wheel's Q4_1):
 ``none``; ``ngram-adaptive`` (``{"method": "ngram", "num_speculative_tokens": K}``: each step's lengths chosen
@@ -132,6 +133,7 @@ def main(argv=None) -> int:
     ap.add_argument("--online-rate", type=float, default=4.0, help="req/s of the long-tail online replay")
     ap.add_argument("--rounds", type=int, default=2, help="rounds; each runs every mode in turn, per workload")
     ap.add_argument("--skip-longtail", action="store_true")
+    ap.add_argument("--modes", default=None, help="only these modes, comma-separated (none is always run)")
     ap.add_argument("--json", default=None)
     ns = ap.parse_args(argv)
     modes = {"none": None, "ngram-adaptive": {"method": "ngram", "num_speculative_tokens": ns.k},
@@ -139,6 +141,9 @@ def main(argv=None) -> int:
     if ns.draft_model:
         modes |= {"draft-adaptive": {"model": ns.draft_model, "num_speculative_tokens": ns.k},
                   f"draft-k={ns.k}": {"model": ns.draft_model, "num_speculative_tokens": ns.k, "adaptive": False}}
+    if ns.modes:
+        keep = {"none", *ns.modes.split(",")}
+        modes = {name: spec for name, spec in modes.items() if name in keep}
     workload = load_workload(LONGTAIL)
     workload = Workload(workload.name, workload.requests[:ns.num_requests], workload.seed)
     llms = {name: make_llm(ns.model, spec, ns.quantization) for name, spec in modes.items()}
