@@ -170,3 +170,4 @@ class SchedulerStats:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: tuple[int, ...] = ()
+    kv_evicted_blocks: int = 0  # cumulative: blocks given back to the pool by KV eviction (core.kv_eviction)

@@ -135,7 +135,8 @@ class Scheduler:
         kv, spec = self.kv, self.spec_counters
         return SchedulerStats(self.num_running, self.num_waiting, kv.usage(), self.num_preemptions,
                               kv.prefix_queries, kv.prefix_hits, spec.num_drafts, spec.num_draft_tokens,
-                              spec.num_accepted_tokens, tuple(spec.accepted_per_pos or ()))
+                              spec.num_accepted_tokens, tuple(spec.accepted_per_pos or ()),
+                              kv.num_evicted_blocks)
 
     # ---- one step ---------------------------------------------------------------------------------------
     def schedule(self, now: float) -> SchedulerOutput:

@@ -58,7 +58,8 @@ def summed_stats(reports: list[ReplicaReport]) -> SchedulerStats:
                    spec_num_drafts=sum(s.spec_num_drafts for s in stats),
                    spec_num_draft_tokens=sum(s.spec_num_draft_tokens for s in stats),
                    spec_num_accepted_tokens=sum(s.spec_num_accepted_tokens for s in stats),
-                   spec_accepted_per_pos=summed_positions([s.spec_accepted_per_pos for s in stats]))
+                   spec_accepted_per_pos=summed_positions([s.spec_accepted_per_pos for s in stats]),
+                   kv_evicted_blocks=sum(s.kv_evicted_blocks for s in stats))
 
 
 def summed_positions(per_replica: list[tuple[int, ...]]) -> tuple[int, ...]:

@@ -54,6 +54,9 @@ class _EngineCounters:
             ("prefix_cache_queries", "Prefix cache queries, in tokens.", stats.prefix_cache_queries),
             ("prefix_cache_hits", "Prefix cache hits, in tokens.", stats.prefix_cache_hits),
         ]
+        if self.async_engine.info.args.kv_eviction != "none":  # no vLLM name: vLLM has no KV eviction
+            values.append(("kv_evicted_blocks", "KV blocks given back to the pool by KV eviction.",
+                           stats.kv_evicted_blocks))
         speculating = self.async_engine.info.args.speculative_config is not None
         if speculating:  # vLLM's spec_decode counters, where speculative decoding is on
             values += [

@@ -135,6 +135,8 @@ class SamplingFields(BaseModel):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # conveyor's own: the request's KV budget under --kv-eviction (core.kv_eviction)
+    kv_budget_tokens: int | None = None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """The engine's ``SamplingParams``; raises ValueError (message starts with the field name) when bad."""
@@ -153,7 +155,7 @@ class SamplingFields(BaseModel):
             stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
             stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
             include_stop_str_in_output=self.include_stop_str_in_output,
-            skip_special_tokens=self.skip_special_tokens, logprobs=logprobs,
+            skip_special_tokens=self.skip_special_tokens, logprobs=logprobs, kv_budget_tokens=self.kv_budget_tokens,
             **{k: v for k, v in given.items() if v is not None},
         )
 
