@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
+from contextlib import aclosing
 
 import ray
 
@@ -59,29 +60,18 @@ class PrefillReplica(EngineReplica):
         released on the board under this replica id) or, for a request that ended at its first
         token, its final ``RequestOutput``; ``("failed", error)`` when it fails on the way. A cancelled stream
         aborts the request (its blocks are freed)."""
-        try:
-            stream = await self.async_engine.add_prefill_request(request_id, prompt, params)
-        except Exception as exc:  # noqa: BLE001 - the ingress re-raises it and maps it to a status
-            yield ("rejected", exc)
-            return
-        yield ("accepted", self.replica_id)
-        finished = False
-        try:
-            async for out in stream:
-                finished = out.finished
-                if out.kv_handoff is None:
-                    yield out
-                    continue
-                # In a list: Ray passes a nested reference as a reference (a top-level one would be fetched).
-                ref = ray.put(out.kv_handoff)
-                self._outbox[request_id] = (time.monotonic(), ref)
-                yield ("handoff", dataclasses.replace(out, finished=False, kv_handoff=None), [ref], self.replica_id)
-        except Exception as exc:  # noqa: BLE001 - RequestFailedError / EngineDeadError, delivered in-band
-            finished = True
-            yield ("failed", exc)
-        finally:
-            if not finished:
-                self.async_engine.abort(request_id)
+        def emit(out):
+            if out.kv_handoff is None:
+                return out
+            # In a list: Ray passes a nested reference as a reference (a top-level one would be fetched).
+            ref = ray.put(out.kv_handoff)
+            self._outbox[request_id] = (time.monotonic(), ref)
+            return ("handoff", dataclasses.replace(out, finished=False, kv_handoff=None), [ref], self.replica_id)
+
+        started = self.async_engine.add_prefill_request(request_id, prompt, params)
+        async with aclosing(self._streamed(request_id, started, emit)) as items:
+            async for item in items:
+                yield item
 
 
 class DecodeReplica(EngineReplica):
@@ -112,21 +102,8 @@ class DecodeReplica(EngineReplica):
             yield ("lost", exc)
             return
         self.metrics.note_handed_over(request_id)  # before the add: its first output may come at once
-        try:
-            stream = await self.async_engine.add_handoff(handoff)
-        except Exception as exc:  # noqa: BLE001
-            yield ("rejected", exc)
-            return
+        started = self.async_engine.add_handoff(handoff)
         del handoff, kv_refs  # copied into the cache at admission; the engine holds it until then
-        yield ("accepted", self.replica_id)
-        finished = False
-        try:
-            async for out in stream:
-                finished = out.finished
-                yield out
-        except Exception as exc:  # noqa: BLE001
-            finished = True
-            yield ("failed", exc)
-        finally:
-            if not finished:
-                self.async_engine.abort(request_id)
+        async with aclosing(self._streamed(request_id, started, lambda out: out)) as items:
+            async for item in items:
+                yield item

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from contextlib import aclosing
 from dataclasses import dataclass
 
 import ray
@@ -121,8 +122,20 @@ class EngineReplica:
         """Stream one request: first ``("accepted", replica id)`` or ``("rejected", error)`` (what
         ``AsyncEngine.add_request`` raised), then every ``RequestOutput``; a request that fails on the way ends
         with ``("failed", error)``. A cancelled stream (the client left) aborts the request."""
+        async with aclosing(self._streamed(request_id, self.async_engine.add_request(request_id, prompt, params),
+                                          lambda out: out)) as items:
+            async for item in items:
+                yield item
+
+    async def _streamed(self, request_id: str, started, emit):
+        """The stream protocol every replica method speaks (``generate`` above): ``started`` (the engine's
+        add-request coroutine) raising is ``("rejected", error)``, else ``("accepted", replica id)``, then
+        ``emit(output)`` for every output, ``("failed", error)`` for an error on the way; a stream closed or
+        cancelled before its request finished aborts it here. Callers hold it in ``aclosing``, so that a
+        cancelled caller closes it at once (an abandoned async generator runs its ``finally`` only when
+        collected)."""
         try:
-            stream = await self.async_engine.add_request(request_id, prompt, params)
+            stream = await started
         except Exception as exc:  # noqa: BLE001 - the ingress re-raises it and maps it to a status
             yield ("rejected", exc)
             return
@@ -131,7 +144,7 @@ class EngineReplica:
         try:
             async for out in stream:
                 finished = out.finished
-                yield out
+                yield emit(out)
         except Exception as exc:  # noqa: BLE001 - RequestFailedError / EngineDeadError, delivered in-band
             finished = True
             yield ("failed", exc)
