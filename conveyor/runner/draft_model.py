@@ -27,12 +27,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from conveyor.core.block_pool import cdiv
 from conveyor.core.outputs import SchedulerOutput
 from conveyor.core.speculative import DRAFT_PLACEHOLDER
-from conveyor.layers.attention import AttentionMetadata, allocate_kv_caches, make_attention, resolve_backend
+from conveyor.layers.attention import allocate_kv_caches, make_attention, resolve_backend
 from conveyor.models.build import ModelInfo, resolve_dtype
-from conveyor.runner.input_batch import InputBatch, RequestState, slot_mapping_of
+from conveyor.runner.input_batch import InputBatch, RequestState, flatten
 
 
 class DraftModel:
@@ -89,26 +88,14 @@ class DraftModel:
         K/V; the greedy next token after each row's last, in ``rows`` order."""
         # single-token rows first, shortest context first, as the target's steps order them for the attention
         order = sorted(range(len(rows)), key=lambda i: (len(rows[i][2]) != 1, rows[i][1]))
-        computed = np.array([rows[i][1] for i in order], dtype=np.int64)
-        num_new = np.array([len(rows[i][2]) for i in order], dtype=np.int64)
-        seq_lens = computed + num_new
-        query_start = np.zeros(len(order) + 1, dtype=np.int64)
-        np.cumsum(num_new, out=query_start[1:])
-        num_tokens = int(query_start[-1])
-        req_of_token = np.repeat(np.arange(len(order)), num_new)
-        positions = np.arange(num_tokens) + np.repeat(computed - query_start[:-1], num_new)
-        table_rows = np.array([rows[i][0].row for i in order], dtype=np.int64)
-        block_table = batch.block_table[table_rows, :cdiv(int(seq_lens.max()), self.block_size)]
-        slots = slot_mapping_of(block_table, req_of_token, positions, self.block_size)
+        flat = flatten(batch.block_table, np.array([rows[i][0].row for i in order], dtype=np.int64),
+                       np.array([rows[i][1] for i in order], dtype=np.int64),
+                       np.array([len(rows[i][2]) for i in order], dtype=np.int64), self.block_size, self.device)
         dev = self.device
-        meta = AttentionMetadata(
-            num_tokens=num_tokens, block_size=self.block_size, slot_mapping=torch.from_numpy(slots).to(dev),
-            query_start_loc=query_start.tolist(), seq_lens=seq_lens.tolist(), num_computed=computed.tolist(),
-            block_table=torch.from_numpy(block_table).to(dev), num_decodes=int((num_new == 1).sum()))
         input_ids = torch.tensor([t for i in order for t in rows[i][2]], dtype=torch.int64, device=dev)
-        attn = make_attention(self.backend, meta, self.dtype, None)
-        hidden = self.model(input_ids, torch.from_numpy(positions).to(dev), self.kv_caches, attn)
-        last = torch.from_numpy(query_start[1:] - 1).to(dev)
+        attn = make_attention(self.backend, flat.meta, self.dtype, None)
+        hidden = self.model(input_ids, torch.from_numpy(flat.positions).to(dev), self.kv_caches, attn)
+        last = torch.from_numpy(flat.query_start[1:] - 1).to(dev)
         tokens = self.model.compute_logits(hidden.index_select(0, last)).argmax(dim=-1).tolist()
         by_row = [0] * len(rows)
         for slot, i in enumerate(order):

@@ -52,6 +52,48 @@ def slot_mapping_of(block_table: np.ndarray, req_of_token: np.ndarray, positions
     return block_table[req_of_token, positions // block_size] * block_size + positions % block_size
 
 
+@dataclass(frozen=True)
+class FlatStep:
+    """Requests' new tokens laid on one axis, request after request (``flatten``)."""
+
+    query_start: np.ndarray  # [R + 1]: request i's tokens are query_start[i] .. query_start[i + 1] - 1
+    positions: np.ndarray  # [T]: each token's RoPE position
+    seq_lens: np.ndarray  # [R]: the tokens each request has once the step is done
+    meta: AttentionMetadata
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.query_start[-1])
+
+
+def flatten(table: np.ndarray, rows: np.ndarray, computed: np.ndarray, num_new: np.ndarray, block_size: int,
+            device, evicted: np.ndarray | None = None) -> FlatStep:
+    """One forward pass's token axis and attention metadata for requests whose block tables are ``table``'s
+    ``rows``, each with ``computed`` tokens and ``num_new`` new ones, single-token (decode) requests first.
+    ``evicted``: the tokens a KV eviction policy dropped from each. Attention and the cache work in KV slots,
+    RoPE in positions; they differ by those tokens (None or all zero: the same arrays, the step unchanged).
+    The target's steps (``InputBatch.prepare``) and the draft model's passes both lay out their tokens here."""
+    seq_lens = computed + num_new
+    shifted = evicted is not None and bool(evicted.any())
+    kv_computed, kv_seq_lens = (computed - evicted, seq_lens - evicted) if shifted else (computed, seq_lens)
+    query_start = np.zeros(len(rows) + 1, dtype=np.int64)
+    np.cumsum(num_new, out=query_start[1:])
+    num_tokens = int(query_start[-1])
+    # positions[t] = computed[req(t)] + (t - query_start[req(t)])
+    req_of_token = np.repeat(np.arange(len(rows)), num_new)
+    positions = np.arange(num_tokens) + np.repeat(computed - query_start[:-1], num_new)
+    max_blocks = cdiv(int(kv_seq_lens.max()), block_size) if len(rows) else 0
+    block_table = table[rows, :max_blocks]
+    slots = positions - np.repeat(evicted, num_new) if shifted else positions
+    slot_mapping = slot_mapping_of(block_table, req_of_token, slots, block_size)
+    meta = AttentionMetadata(
+        num_tokens=num_tokens, block_size=block_size, slot_mapping=torch.from_numpy(slot_mapping).to(device),
+        query_start_loc=query_start.tolist(), seq_lens=kv_seq_lens.tolist(), num_computed=kv_computed.tolist(),
+        block_table=torch.from_numpy(block_table).to(device), num_decodes=int((num_new == 1).sum()),
+        slots_shifted=shifted)
+    return FlatStep(query_start, positions, seq_lens, meta)
+
+
 @dataclass
 class SamplingMetadata:
     """What the sampler needs of a step's sampling rows, decided once in ``InputBatch.prepare`` (vLLM's
@@ -215,26 +257,15 @@ class InputBatch:
         decodes = sorted((s for s in states if is_decode(scheduled[s.req_id])), key=lambda s: s.num_computed_tokens)
         others = [s for s in states if not is_decode(scheduled[s.req_id])]
         ordered = decodes + others
-        num_new = np.fromiter((scheduled[s.req_id] for s in ordered), dtype=np.int64, count=len(ordered))
-        computed = np.fromiter((s.num_computed_tokens for s in ordered), dtype=np.int64, count=len(ordered))
-        seq_lens = computed + num_new
-        # Attention and the cache work in KV slots, RoPE in positions: they differ by the tokens a KV eviction
-        # policy dropped (none unless one is on: then these are the same arrays, and the step is unchanged).
-        evicted = np.fromiter((s.num_evicted_tokens for s in ordered), dtype=np.int64, count=len(ordered))
-        kv_computed, kv_seq_lens = (computed, seq_lens) if not evicted.any() else \
-            (computed - evicted, seq_lens - evicted)
-        query_start = np.zeros(len(ordered) + 1, dtype=np.int64)
-        np.cumsum(num_new, out=query_start[1:])
-        num_tokens = int(query_start[-1])
 
-        # positions[t] = computed[req(t)] + (t - query_start[req(t)])
-        req_of_token = np.repeat(np.arange(len(ordered)), num_new)
-        positions = np.arange(num_tokens) + np.repeat(computed - query_start[:-1], num_new)
-        rows = np.fromiter((s.row for s in ordered), dtype=np.int64, count=len(ordered))
-        max_blocks = cdiv(int(kv_seq_lens.max()), self.block_size) if len(ordered) else 0
-        block_table = self.block_table[rows, :max_blocks]
-        slots = positions if kv_seq_lens is seq_lens else positions - np.repeat(evicted, num_new)
-        slot_mapping = slot_mapping_of(block_table, req_of_token, slots, self.block_size)
+        def column(values) -> np.ndarray:
+            return np.fromiter(values, dtype=np.int64, count=len(ordered))
+
+        num_new = column(scheduled[s.req_id] for s in ordered)
+        computed = column(s.num_computed_tokens for s in ordered)
+        flat = flatten(self.block_table, column(s.row for s in ordered), computed, num_new, self.block_size,
+                       self.device, evicted=column(s.num_evicted_tokens for s in ordered))  # decodes first
+        query_start, positions, seq_lens, num_tokens = flat.query_start, flat.positions, flat.seq_lens, flat.num_tokens
 
         spec_tokens = so.scheduled_spec_tokens
         input_ids: list[int] = []
@@ -274,15 +305,10 @@ class InputBatch:
         if not np.array_equal(logits_rows, np.arange(num_tokens + pad)):  # else every row, in order
             logits_indices = torch.from_numpy(logits_rows).to(self.device)
         dev = self.device
-        meta = AttentionMetadata(
-            num_tokens=num_tokens, block_size=self.block_size, slot_mapping=torch.from_numpy(slot_mapping).to(dev),
-            query_start_loc=query_start.tolist(), seq_lens=kv_seq_lens.tolist(), num_computed=kv_computed.tolist(),
-            block_table=torch.from_numpy(block_table).to(dev), num_decodes=len(decodes),
-            slots_shifted=kv_seq_lens is not seq_lens)
         scored = {i: so.kv_score_rows[s.req_id] for i, s in enumerate(ordered) if s.req_id in so.kv_score_rows} \
             if so.kv_score_rows else {}
         return StepInputs(torch.tensor(input_ids, dtype=torch.int64, device=dev),
-                          torch.from_numpy(positions).to(dev), meta, padding, logits_indices, sampling,
+                          torch.from_numpy(positions).to(dev), flat.meta, padding, logits_indices, sampling,
                           SamplingMetadata.build(sampling, dev), prompt_rows, spec, scored,
                           [s.req_id for s in ordered])
 
