@@ -128,6 +128,11 @@ CASES = [
     ("chat top_logprobs -1", "POST", CHAT, chat(logprobs=True, top_logprobs=-1), 400, "top_logprobs"),
     ("chat top_logprobs without logprobs", "POST", CHAT, chat(top_logprobs=2), 400, "top_logprobs"),
     ("chat top_logprobs 20", "POST", CHAT, chat(logprobs=True, top_logprobs=20), 200, None),
+    # -- kv_budget_tokens (this server runs --kv-eviction none: even a good budget cannot apply)
+    ("kv_budget_tokens 0", "POST", C, c(kv_budget_tokens=0), 400, "kv_budget_tokens"),
+    ("kv_budget_tokens 1.5", "POST", C, c(kv_budget_tokens=1.5), 400, "kv_budget_tokens"),
+    ("kv_budget_tokens 10**30", "POST", C, c(kv_budget_tokens=10**30), 400, "kv_budget_tokens"),
+    ("kv_budget_tokens without a policy", "POST", C, c(kv_budget_tokens=64), 400, "kv_budget_tokens"),
     # -- stop
     ("stop as int", "POST", C, c(stop=5), 400, "stop"),
     ("stop empty string", "POST", C, c(stop=""), 400, "stop"),
