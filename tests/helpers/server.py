@@ -36,6 +36,17 @@ def run_to_completion(engine: LLMEngine) -> dict:
     return finals
 
 
+def wait_for(predicate, timeout: float = 5.0) -> bool:
+    """Whether ``predicate()`` turned true within ``timeout`` seconds (polled): for what a server publishes
+    after it answered (metrics, gauges), which a test must not expect at the same instant."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return False
+
+
 @contextmanager
 def running_server(app, **server_kwargs):
     """Serve ``app`` on a free port; yields the base URL (``http://127.0.0.1:PORT``). ``server_kwargs`` go to

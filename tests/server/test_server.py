@@ -6,7 +6,6 @@ import asyncio
 import gc
 import json
 import logging
-import time
 from types import SimpleNamespace
 
 import httpx
@@ -15,7 +14,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from conveyor import LLM, SamplingParams
-from tests.helpers.server import TEST_DTYPE, serve_model
+from tests.helpers.server import TEST_DTYPE, serve_model, wait_for
 
 pytestmark = pytest.mark.slow  # a real model, engine or server: run by CI, skipped by -m "not slow"
 
@@ -47,15 +46,6 @@ def metrics(url: str) -> dict[str, float]:
             labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "model_name")
             out[s.name + (f"{{{labels}}}" if labels else "")] = s.value
     return out
-
-
-def wait_for(predicate, timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return False
 
 
 # ---- the happy paths ------------------------------------------------------------------------------------
