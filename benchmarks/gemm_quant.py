@@ -7,7 +7,9 @@ weight and running the float GEMM, with the float layer (oneDNN / the native ski
 
 A "layer set" is the given in x out shapes (by default SmolLM2-135M's qkv, o, gate_up and down); each path runs
 it alternated with the others, best of 5. ``QUANT_INT_MAX_ROWS`` in conveyor/layers/quantized.py comes from
-where the integer column stops winning.
+where the integer column stops winning. On a CPU with AMX-INT8 the integer kernel runs twice, on the VNNI loop
+and on the tiles at every row count: ``AMX_QDOT_MIN_ROWS`` in csrc/kernels.h comes from where the tiles start
+to win.
 """
 
 from __future__ import annotations
@@ -70,15 +72,25 @@ def main() -> int:
 
     print(f"{ns.format} weights, {ns.dtype} activations, {torch.get_num_threads()} threads, kernels {kernels.level}"
           f"{' (VNNI)' if kernels.vnni else ''}, shapes {ns.shapes}")
-    print("rows | int8 dot ms | dequant + float GEMM ms | float weights ms | int / dequant | int / float")
-    print("---|---|---|---|---|---")
+    amx = kernels.amx_int8
+    print("rows | int dot ms" + (" (VNNI) | int dot on AMX-INT8 ms | AMX / VNNI" if amx else "")
+          + " | dequant + float GEMM ms | float weights ms | best int / dequant | best int / float")
+    print("---|---" + ("|---|---" if amx else "") + "|---|---|---|---")
     for m in [int(r) for r in ns.rows.split(",")]:
         xs = {k: torch.randn(m, k).to(dtype) for k, _ in shapes}
         reps = max(1, 2000 // (m * 10))
+        kernels.set_amx_qdot(False)
         t_int = best_ms(path(quant, 1 << 30), xs, reps)
+        cells = f"{t_int:.3f}"
+        if amx:
+            kernels.set_amx_qdot(True, min_rows=1)
+            t_amx = best_ms(path(quant, 1 << 30), xs, reps)
+            cells += f" | {t_amx:.3f} | {t_amx / t_int:.2f}"
+            t_int = min(t_int, t_amx)
         t_deq = best_ms(path(quant, 0), xs, reps)
         t_float = best_ms(floats, xs, reps)
-        print(f"{m} | {t_int:.3f} | {t_deq:.3f} | {t_float:.3f} | {t_int / t_deq:.2f} | {t_int / t_float:.2f}")
+        print(f"{m} | {cells} | {t_deq:.3f} | {t_float:.3f} | {t_int / t_deq:.2f} | {t_int / t_float:.2f}")
+    kernels.set_amx_qdot(True)
     return 0
 
 

@@ -56,6 +56,11 @@ class CpuFeatures:
     def has_amx(self) -> bool:
         return {"amx_bf16", "amx_tile"} <= self.flags
 
+    @property
+    def has_amx_int8(self) -> bool:
+        """AMX's int8 tile products (TDPBSUD), which the quantized GEMM uses beside the bfloat16 ones."""
+        return self.has_amx and "amx_int8" in self.flags
+
 
 def _flags_from_proc() -> frozenset[str] | None:
     try:

@@ -123,6 +123,12 @@ class CpuKernels:
         self._set_amx_attention.restype = i32
         self._set_amx_attention.argtypes = [i32]
         self._set_amx_attention(int(self.amx))  # records what was granted; prefill QK^T on AMX where it was
+        self._set_amx_qdot = lib.cvk_set_amx_qdot
+        self._set_amx_qdot.restype = i32
+        self._set_amx_qdot.argtypes = [i32]
+        # The quantized GEMM's dot products on AMX-INT8 tiles (from csrc/gemm_quant.cpp's AMX_QDOT_MIN_ROWS rows)
+        # where the CPU has them: the same numbers as the VNNI loop, bit for bit, at a fraction of its cost.
+        self.amx_int8 = self.amx and cpu_features().has_amx_int8 and self._set_amx_qdot(-1) > 0
         self._bind = lib.cvk_bind_threads
         self._bind.restype = i32
         self._bind.argtypes = [p, i32]
@@ -297,6 +303,13 @@ class CpuKernels:
         """Run prefill attention's QK^T on AMX tiles (bfloat16; the default where AMX was granted) or on vector
         FMAs (for tests and benchmarks that compare the two). Returns whether AMX is now used."""
         return self._set_amx_attention(int(on)) == 1
+
+    def set_amx_qdot(self, on: bool, min_rows: int | None = None) -> bool:
+        """Run the quantized GEMM's integer dot products on AMX-INT8 tiles for steps of at least ``min_rows`` rows
+        (None: the kernels' measured default; on by default where the CPU has AMX-INT8 and AMX was granted), or
+        always on the VNNI loop (for tests and benchmarks that compare the two). Returns whether AMX is now used."""
+        rows = (-1 if min_rows is None else max(1, min_rows)) if on and self.amx_int8 else 0
+        return self._set_amx_qdot(rows) > 0
 
     def bind_threads(self, cpus: list[int]) -> int:
         """Pin torch's OpenMP threads, one per CPU of ``cpus`` (see cvk_bind_threads); returns how many."""

@@ -125,6 +125,62 @@ def test_quant_gemm_reads_strided_rows_and_writes_strided_outputs(kernels):
     assert out[:, 16:].abs().sum() == 0
 
 
+@pytest.fixture
+def amx_kernels(kernels):
+    """The kernels where the quantized GEMM can run on AMX-INT8 tiles (Sapphire Rapids and later, avx512bf16
+    level); the setting is put back after the test."""
+    if not kernels.amx_int8:
+        pytest.skip(f"no AMX-INT8 at the {kernels.level} level on this CPU")
+    yield kernels
+    kernels.set_amx_qdot(True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_amx_int8_computes_the_vnni_loops_numbers_bit_for_bit(amx_kernels, dtype):
+    """The tiles' integer products and the VNNI loop's are the same integers, and the epilogue applies the
+    block scales in the same float operations: equal outputs for every format and row count (tiles of 8 rows,
+    partial ones included), so a verifying step of several rows computes what a one-row decode step does."""
+    gen = torch.Generator().manual_seed(3)
+    for n, k in [(40, 256), (21, 576), (8, 96)]:
+        for name, qt in weights_of_every_kind(n, k):
+            packed = qt.pack()
+            bias = torch.randn(n, generator=gen).to(dtype)
+            for rows in [1, 5, 8, 9, 16, 17, 33, 130]:
+                x = torch.randn(rows, k, generator=gen).to(dtype)
+                outs = []
+                for on in (False, True):
+                    assert amx_kernels.set_amx_qdot(on, min_rows=1) is on
+                    out = torch.empty(rows, n, dtype=dtype)
+                    amx_kernels.quant_linear(x, packed.descriptor(), bias, out)
+                    outs.append(out)
+                assert torch.equal(outs[0], outs[1]), f"{name}, {rows} rows, {dtype}"
+
+
+def test_amx_int8_default_threshold_and_switch(amx_kernels):
+    """On by default from the kernels' row threshold; off runs the VNNI loop; strided rows on the tiles."""
+    qt = from_gguf(gguf_bytes("Q4_1", 16, 256), "Q4_1", (16, 256))
+    packed = qt.pack()
+    assert amx_kernels.set_amx_qdot(True) and not amx_kernels.set_amx_qdot(False)
+    amx_kernels.set_amx_qdot(True, min_rows=1)
+    x = torch.randn(20, 300)[:, :256]
+    out = torch.zeros(20, 24)
+    amx_kernels.quant_linear(x, packed.descriptor(), None, out[:, :16])
+    torch.testing.assert_close(out[:, :16].double(), emulate(x, qt), atol=1e-4, rtol=1e-4)
+    assert out[:, 16:].abs().sum() == 0
+
+
+def test_amx_int8_is_never_on_below_the_avx512bf16_level():
+    from conveyor.kernels.cpu_features import LEVELS, cpu_features
+    from conveyor.kernels.cpu_ops import load_cpu_kernels
+
+    for level in ("avx2", "avx512"):
+        if LEVELS.index(level) > LEVELS.index(cpu_features().native_level):
+            continue
+        k = load_cpu_kernels(level)
+        if k is not None:
+            assert not k.amx_int8 and not k.set_amx_qdot(True, min_rows=1), level
+
+
 def test_dequantize_kernel_matches_torch(kernels):
     for name, qt in weights_of_every_kind(19, 576):
         full = torch.empty(19, 576)

@@ -18,6 +18,11 @@ namespace cvk {
 constexpr bool kAmx = kBf16Dot;  // compiled in at the avx512bf16 level; used only once granted
 
 #if defined(CVK_AVX512BF16)
+// Whether cvk_amx_init obtained the tile state for this process: the switches below can only be on if it did.
+inline bool g_amx_granted = false;
+// The quantized GEMM's integer dot products on AMX-INT8 tiles (qdot_amx.h) for steps of at least this many rows
+// (0: never): set where the CPU has AMX-INT8 (the Python side checks its flags) by cvk_set_amx_qdot.
+inline int64_t g_amx_qdot_min_rows = 0;
 // Prefill attention's QK^T on AMX tiles (bfloat16): set by cvk_amx_init once Linux grants the tile state, and
 // switchable (cvk_set_amx_attention) so tests and benchmarks can run both paths.
 inline bool g_amx_attention = false;
@@ -56,6 +61,8 @@ inline bool amx_request_permission() {
 #endif
 }
 #else
+inline bool g_amx_granted = false;
+inline int64_t g_amx_qdot_min_rows = 0;
 inline bool g_amx_attention = false;
 inline void amx_configure(int, int) { abort(); }
 inline void amx_release() { abort(); }

@@ -143,15 +143,23 @@ int cvk_bind_threads(const int* cpus, int n) {
 
 // Ask Linux for the AMX tile state (once per process; oneDNN asks the same). 1: AMX usable, 0: not.
 int cvk_amx_init() {
-  cvk::g_amx_attention = cvk::kAmx && cvk::amx_request_permission();
-  return cvk::g_amx_attention ? 1 : 0;
+  cvk::g_amx_granted = cvk::kAmx && cvk::amx_request_permission();
+  cvk::g_amx_attention = cvk::g_amx_granted;
+  return cvk::g_amx_granted ? 1 : 0;
 }
 
 // Prefill attention's QK^T on AMX (bfloat16) on or off (after cvk_amx_init granted AMX); returns the setting.
 int cvk_set_amx_attention(int on) {
-  static const bool granted = cvk::g_amx_attention;  // the first call remembers what cvk_amx_init obtained
-  cvk::g_amx_attention = granted && on != 0;
+  cvk::g_amx_attention = cvk::g_amx_granted && on != 0;
   return cvk::g_amx_attention ? 1 : 0;
+}
+
+// The quantized GEMM's dot products on AMX-INT8 tiles for steps of at least min_rows rows (0: off; -1: the
+// measured default, AMX_QDOT_MIN_ROWS), once cvk_amx_init granted AMX (the caller checks that the CPU reports
+// amx_int8). Off until called. Returns the row count now in force (0: off).
+int cvk_set_amx_qdot(int min_rows) {
+  cvk::g_amx_qdot_min_rows = !cvk::g_amx_granted ? 0 : min_rows < 0 ? cvk::AMX_QDOT_MIN_ROWS : min_rows;
+  return int(cvk::g_amx_qdot_min_rows);
 }
 
 // The bfloat16 skinny GEMM on AMX (call cvk_amx_init first): as cvk_skinny_gemm, K a multiple of 32.
@@ -181,7 +189,7 @@ int cvk_silu_mul(int dtype, const void* gate_up, void* out, int64_t rows, int64_
 }
 
 // Scratch bytes cvk_quant_gemm needs for M activation rows against a weight padded to KP.
-int64_t cvk_quant_scratch_bytes(int64_t M, int64_t KP) { return M * cvk::quant_row_bytes(KP); }
+int64_t cvk_quant_scratch_bytes(int64_t M, int64_t KP) { return cvk::quant_scratch_bytes(M, KP); }
 
 // y[M, N] = x[M, K] W^T (+ bias) on a quantized weight (CvkQuantGemmArgs, cvk.h). Returns a CVK_* code.
 int cvk_quant_gemm(const CvkQuantGemmArgs* a) { return cvk::quant_gemm(*a); }

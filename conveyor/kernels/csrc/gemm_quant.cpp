@@ -13,10 +13,12 @@
 #include <string.h>
 
 #include <algorithm>
+#include <vector>
 
 #include "bf16.h"
 #include "kernels.h"
 #include "qdot.h"
+#include "qdot_amx.h"
 #include "team.h"
 #include "vec.h"
 
@@ -27,6 +29,8 @@ constexpr int QB = 32;  // values per block
 constexpr int QG = 16;  // columns per group
 
 inline int64_t blocks(int64_t KP) { return KP / QB; }
+// Bytes of one tile of kAmxRows activation rows packed for the AMX loop: digits (512) and units (16 floats) per block.
+inline int64_t amx_tile_bytes(int64_t KP) { return blocks(KP) * (512 + 16 * int64_t(sizeof(float))); }
 inline int64_t block_bytes(int kind) { return kind == CVK_Q4 ? 256 : 512; }
 
 // One row of x (dtype) -> its QRow in `out` (quant_row_bytes bytes), blocks past K zero.
@@ -77,34 +81,100 @@ inline void group_rows_upto(int r, const CvkQuantWeight& w, int64_t g, const QRo
   group_rows<R>(w, g, xr, out);
 }
 
+// Adds the bias to R x 16 float sums (acc rows acc_stride apart) and stores the first nc columns of r rows at
+// y + m0 rows, column n0.
+template <typename T>
+inline void store_group(const float* acc, int64_t acc_stride, int r, int nc, const T* bias, T* y, int64_t y_stride,
+                        int64_t m0, int64_t n0) {
+  for (int i = 0; i < r; i++) {
+    T* out = y + (m0 + i) * y_stride + n0;
+    for (int c = 0; c < nc; c++) from_f32(acc[i * acc_stride + c] + (bias ? to_f32(bias[n0 + c]) : 0.f), out + c);
+  }
+}
+
+// The VNNI / AVX2 loop: each thread takes whole groups of 16 columns, kRows activation rows at a time.
+template <typename T>
+void vector_groups(const CvkQuantGemmArgs& a, const char* scratch, int64_t rb) {
+  const CvkQuantWeight& w = *a.w;
+  const int64_t M = a.M, N = w.N, KP = w.KP;
+  constexpr int R = qdot::kRows;
+  const int64_t groups = (N + QG - 1) / QG;
+#pragma omp for schedule(static)
+  for (int64_t g = 0; g < groups; g++) {
+    const int nc = int(std::min<int64_t>(QG, N - g * QG));
+    for (int64_t m0 = 0; m0 < M; m0 += R) {
+      const int r = int(std::min<int64_t>(R, M - m0));
+      QRow xr[R];
+      for (int i = 0; i < r; i++) xr[i] = row_view(scratch + (m0 + i) * rb, KP);
+      alignas(64) float acc[R * QG];
+      group_rows_upto<R>(r, w, g, xr, acc);
+      store_group(acc, QG, r, nc, static_cast<const T*>(a.bias), static_cast<T*>(a.y), a.y_stride, m0, g * QG);
+    }
+  }
+}
+
+// The AMX-INT8 loop: the activations packed into A tiles (qdot::pack_activations), then each thread takes whole
+// groups of 16 columns (4-bit weights unpacked once per group into the thread's buffer, so every tile pass reads
+// them from cache), kAmxRows activation rows at a time. `packed`: digits (512 bytes) and units (16 floats) per
+// block of each tile of rows (amx_tile_bytes a tile).
+template <typename T>
+void amx_groups(const CvkQuantGemmArgs& a, const char* scratch, int64_t rb, char* packed) {
+  const CvkQuantWeight& w = *a.w;
+  const int64_t M = a.M, N = w.N, KP = w.KP, nb = blocks(KP), bb = block_bytes(w.kind);
+  const int64_t groups = (N + QG - 1) / QG, tiles = (M + qdot::kAmxRows - 1) / qdot::kAmxRows;
+  const int64_t tile_bytes = amx_tile_bytes(KP);
+  const bool q4 = w.kind == CVK_Q4;
+#pragma omp for schedule(static)
+  for (int64_t t = 0; t < tiles; t++) {
+    char* p = packed + t * tile_bytes;
+    qdot::pack_activations(scratch + t * qdot::kAmxRows * rb, rb, KP,
+                           int(std::min<int64_t>(qdot::kAmxRows, M - t * qdot::kAmxRows)), reinterpret_cast<int8_t*>(p),
+                           reinterpret_cast<float*>(p + nb * 512));
+  }
+  // per thread, kept across calls (a large K would otherwise map and fault in fresh pages every call)
+  thread_local std::vector<uint8_t, AlignedAlloc<uint8_t>> unpacked;
+  if (q4 && unpacked.size() < size_t(nb * 512)) unpacked.resize(nb * 512);
+  bool configured = false;
+#pragma omp for schedule(static)
+  for (int64_t g = 0; g < groups; g++) {
+    if (!configured) {
+      qdot::amx_configure_qdot();
+      configured = true;
+    }
+    const uint8_t* wq = static_cast<const uint8_t*>(w.qs) + g * nb * bb;
+    if (q4) {
+      qdot::unpack_q4_group(wq, nb, unpacked.data());
+      wq = unpacked.data();
+    }
+    const int nc = int(std::min<int64_t>(QG, N - g * QG));
+    for (int64_t t = 0; t < tiles; t++) {
+      const int r = int(std::min<int64_t>(qdot::kAmxRows, M - t * qdot::kAmxRows));
+      const char* p = packed + t * tile_bytes;
+      alignas(64) float acc[qdot::kAmxRows * QG];
+      qdot::amx_group_dot_upto<qdot::kAmxRows>(r, wq, w.scale + g * nb * QG, w.offset + g * nb * QG,
+                                               reinterpret_cast<const int8_t*>(p),
+                                               reinterpret_cast<const float*>(p + nb * 512), nb, acc);
+      store_group(acc, QG, r, nc, static_cast<const T*>(a.bias), static_cast<T*>(a.y), a.y_stride,
+                  t * qdot::kAmxRows, g * QG);
+    }
+  }
+  if (configured) amx_release();
+}
+
 template <typename T>
 void quant_gemm_impl(const CvkQuantGemmArgs& a) {
   const CvkQuantWeight& w = *a.w;
-  const int64_t M = a.M, N = w.N, KP = w.KP, rb = quant_row_bytes(KP);
+  const int64_t M = a.M, KP = w.KP, rb = quant_row_bytes(KP);
   const T* x = static_cast<const T*>(a.x);
-  const T* bias = static_cast<const T*>(a.bias);
-  T* y = static_cast<T*>(a.y);
   char* scratch = static_cast<char*>(a.scratch);
-  constexpr int R = qdot::kRows;
+  const bool amx = kAmx && g_amx_qdot_min_rows > 0 && M >= g_amx_qdot_min_rows;
   on_team(a.num_threads, [&] {
 #pragma omp for schedule(static)
     for (int64_t m = 0; m < M; m++) quantize_row(x + m * a.x_stride, w.K, KP, scratch + m * rb);
-    const int64_t groups = (N + QG - 1) / QG;
-#pragma omp for schedule(static)
-    for (int64_t g = 0; g < groups; g++) {
-      const int nc = int(std::min<int64_t>(QG, N - g * QG));
-      for (int64_t m0 = 0; m0 < M; m0 += R) {
-        const int r = int(std::min<int64_t>(R, M - m0));
-        QRow xr[R];
-        for (int i = 0; i < r; i++) xr[i] = row_view(scratch + (m0 + i) * rb, KP);
-        alignas(64) float acc[R * QG];
-        group_rows_upto<R>(r, w, g, xr, acc);
-        for (int i = 0; i < r; i++) {
-          T* out = y + (m0 + i) * a.y_stride + g * QG;
-          for (int c = 0; c < nc; c++) from_f32(acc[i * QG + c] + (bias ? to_f32(bias[g * QG + c]) : 0.f), out + c);
-        }
-      }
-    }
+    if (amx)
+      amx_groups<T>(a, scratch, rb, scratch + M * rb);  // quant_scratch_bytes' second part
+    else
+      vector_groups<T>(a, scratch, rb);
   });
 }
 
@@ -145,10 +215,16 @@ bool valid(const CvkQuantWeight* w) {
 
 int64_t quant_row_bytes(int64_t KP) { return (2 * KP + 8 * blocks(KP) + 63) / 64 * 64; }
 
+// The rows (quant_row_bytes each), then the AMX loop's packed tiles (amx_groups): one buffer the caller owns, so
+// that inside the layer stack's parallel region every thread reads the same one.
+int64_t quant_scratch_bytes(int64_t M, int64_t KP) {
+  return M * quant_row_bytes(KP) + (M + qdot::kAmxRows - 1) / qdot::kAmxRows * amx_tile_bytes(KP);
+}
+
 int quant_gemm(const CvkQuantGemmArgs& a) {
   if (!valid(a.w)) return CVK_ERR_BADARG;
   if (a.M <= 0) return CVK_OK;
-  if (a.scratch_bytes < a.M * quant_row_bytes(a.w->KP)) return CVK_ERR_BADARG;
+  if (a.scratch_bytes < quant_scratch_bytes(a.M, a.w->KP)) return CVK_ERR_BADARG;
   if (a.dtype == CVK_F32)
     quant_gemm_impl<float>(a);
   else if (a.dtype == CVK_BF16)

@@ -58,7 +58,7 @@ int llama_layers(const CvkLayerStackArgs& s) {
       q.M = T;
       q.x_stride = K;
       q.y_stride = N;
-      q.scratch_bytes = T * quant_row_bytes(q.w->KP);  // the caller sized it for the largest K
+      q.scratch_bytes = quant_scratch_bytes(T, q.w->KP);  // the caller sized it for the largest K
       q.dtype = dtype;
       q.num_threads = num_threads;
       quant_gemm(q);
