@@ -35,7 +35,7 @@ int64_t quant_row_bytes(int64_t KP);  // scratch bytes per activation row of a w
 int64_t quant_scratch_bytes(int64_t M, int64_t KP);  // what cvk_quant_gemm needs for M rows (cvk_quant_scratch_bytes)
 // Rows from which a step takes the AMX-INT8 tiles (qdot_amx.h) by default, where the CPU has them; below, the
 // VNNI loop, whose weight stream is what a step of a few rows waits on (benchmarks/gemm_quant.py).
-constexpr int64_t AMX_QDOT_MIN_ROWS = 8;
+constexpr int64_t AMX_QDOT_MIN_ROWS = 5;
 int quant_gemm(const CvkQuantGemmArgs& a);
 int quant_dequantize(const CvkQuantWeight& w, const int64_t* rows, int64_t count, int dtype, void* out,
                      int64_t out_stride, int num_threads);
