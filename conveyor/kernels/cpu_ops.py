@@ -272,7 +272,8 @@ class CpuKernels:
 
     def quant_scratch_bytes(self, rows: int, padded_in: int) -> int:
         """Scratch bytes ``quant_linear`` needs to quantize ``rows`` activation rows against a weight whose
-        in_features are padded to ``padded_in`` (``QuantWeight.KP``)."""
+        in_features are padded to ``padded_in`` (``QuantWeight.KP``), with the AMX-INT8 setting now in force (a
+        step on the tiles also keeps its packed activations there: ``set_amx_qdot``)."""
         return self._quant_scratch(rows, padded_in)
 
     def quant_linear(self, x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None, out: torch.Tensor,

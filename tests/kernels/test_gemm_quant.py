@@ -156,12 +156,17 @@ def test_amx_int8_computes_the_vnni_loops_numbers_bit_for_bit(amx_kernels, dtype
                 assert torch.equal(outs[0], outs[1]), f"{name}, {rows} rows, {dtype}"
 
 
-def test_amx_int8_default_threshold_and_switch(amx_kernels):
-    """On by default from the kernels' row threshold; off runs the VNNI loop; strided rows on the tiles."""
+def test_amx_int8_switch_scratch_and_strided_rows(amx_kernels):
+    """The switch answers what it set; the scratch a step needs grows by the packed tiles only while the tiles
+    are on for its row count; strided rows and a strided output on the tiles."""
     qt = from_gguf(gguf_bytes("Q4_1", 16, 256), "Q4_1", (16, 256))
     packed = qt.pack()
     assert amx_kernels.set_amx_qdot(True) and not amx_kernels.set_amx_qdot(False)
+    vnni_bytes = amx_kernels.quant_scratch_bytes(20, 256)
+    amx_kernels.set_amx_qdot(True, min_rows=21)
+    assert amx_kernels.quant_scratch_bytes(20, 256) == vnni_bytes
     amx_kernels.set_amx_qdot(True, min_rows=1)
+    assert amx_kernels.quant_scratch_bytes(20, 256) > vnni_bytes
     x = torch.randn(20, 300)[:, :256]
     out = torch.zeros(20, 24)
     amx_kernels.quant_linear(x, packed.descriptor(), None, out[:, :16])

@@ -188,7 +188,8 @@ int cvk_silu_mul(int dtype, const void* gate_up, void* out, int64_t rows, int64_
   return CVK_OK;
 }
 
-// Scratch bytes cvk_quant_gemm needs for M activation rows against a weight padded to KP.
+// Scratch bytes cvk_quant_gemm needs for M activation rows against a weight padded to KP, with the AMX-INT8
+// setting now in force (cvk_set_amx_qdot: a step on the tiles also packs its activations there).
 int64_t cvk_quant_scratch_bytes(int64_t M, int64_t KP) { return cvk::quant_scratch_bytes(M, KP); }
 
 // y[M, N] = x[M, K] W^T (+ bias) on a quantized weight (CvkQuantGemmArgs, cvk.h). Returns a CVK_* code.

@@ -32,7 +32,7 @@ void amx_gemm_bf16(const uint16_t* x, int64_t x_stride, int64_t M, const uint16_
                    uint16_t* y, int64_t y_stride, int64_t N, int64_t K, int num_threads, bool swiglu = false);
 // gemm_quant.cpp: y = x W^T + bias on a quantized weight (cvk_quant_gemm), and its dequantization
 int64_t quant_row_bytes(int64_t KP);  // scratch bytes per activation row of a weight padded to KP
-int64_t quant_scratch_bytes(int64_t M, int64_t KP);  // what cvk_quant_gemm needs for M rows (cvk_quant_scratch_bytes)
+int64_t quant_scratch_bytes(int64_t M, int64_t KP);  // what cvk_quant_gemm needs for M rows now (cvk_quant_scratch_bytes)
 // Rows from which a step takes the AMX-INT8 tiles (qdot_amx.h) by default, where the CPU has them; below, the
 // VNNI loop, whose weight stream is what a step of a few rows waits on (benchmarks/gemm_quant.py).
 constexpr int64_t AMX_QDOT_MIN_ROWS = 5;

@@ -6,8 +6,8 @@
 // 16 columns x 4 consecutive k) is, as it lies, a B tile of TDPBSUD (8 rows of 64 bytes = K/4 rows of 16
 // columns x 4 k), and a block of 8 activation rows' hi digits, then their lo digits, is an A tile (16 rows of 32
 // bytes). So one TDPBSUD gives <q_w, hi> and <q_w, lo> for 8 rows x 16 columns of one block, in int32 without
-// saturation as VPDPBUSD does, and the epilogue then applies the block's scales in the same float operations,
-// in the same order, as group_dot. The result is bit-identical to the VNNI path: a step of 5 rows (speculative
+// saturation as VPDPBUSD does, and the epilogue then applies the block's scales with group_dot's own add_block
+// (qdot_avx512.h). The result is bit-identical to the VNNI path: a step of 5 rows (speculative
 // verification) and one of 1 row compute the same numbers. The scales change every 32 k, so every block's tile
 // results go through memory (as llama.cpp's AMX kernels do); that epilogue and the one 16-row TDPBSUD per 8 rows
 // are the time.
@@ -118,11 +118,8 @@ __attribute__((target("amx-tile,amx-int8"))) inline void amx_group_dot(const uin
     const float* u = units + j * 16;
 #pragma GCC unroll 8
     for (int r = 0; r < R; r++) {
-      const __m512i h = _mm512_load_si512(c + r * 16);
-      const __m512i dot =
-          _mm512_add_epi32(_mm512_sub_epi32(_mm512_slli_epi32(h, 8), h), _mm512_load_si512(c + (kAmxRows + r) * 16));
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(a, _mm512_set1_ps(u[r])), acc[r]);
-      acc[r] = _mm512_fmadd_ps(b, _mm512_set1_ps(u[kAmxRows + r]), acc[r]);
+      const __m512i dot = combine_digits(_mm512_load_si512(c + r * 16), _mm512_load_si512(c + (kAmxRows + r) * 16));
+      acc[r] = add_block(acc[r], dot, a, b, u[r], u[kAmxRows + r]);
     }
   }
 #pragma GCC unroll 8

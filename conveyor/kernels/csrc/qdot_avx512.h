@@ -70,11 +70,23 @@ inline __m512i digit_dot(const __m512i w[8], const int8_t* xq) {
   return d;
 }
 
+// 255 h + l: the two digits' dot products recombined into <w, n> (qdot.h).
+inline __m512i combine_digits(__m512i h, __m512i l) {
+  return _mm512_add_epi32(_mm512_sub_epi32(_mm512_slli_epi32(h, 8), h), l);
+}
+
 // Sum over the block's 32 k of w x n per column: 255 <w, hi> + <w, lo>.
 template <bool Q4>
 inline __m512i block_dot(const __m512i w[8], const int8_t* hi, const int8_t* lo) {
-  const __m512i h = digit_dot<Q4>(w, hi);
-  return _mm512_add_epi32(_mm512_sub_epi32(_mm512_slli_epi32(h, 8), h), digit_dot<Q4>(w, lo));
+  return combine_digits(digit_dot<Q4>(w, hi), digit_dot<Q4>(w, lo));
+}
+
+// One block's term added to a row's 16 column sums: scale_w * d_x * <q, n> + offset_w * s_x, in this order of
+// roundings. The AMX loop (qdot_amx.h) adds its blocks with this same function, which is what keeps its output
+// bit-identical to this loop's.
+inline __m512 add_block(__m512 acc, __m512i dot, __m512 scale, __m512 offset, float d, float s) {
+  acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(scale, _mm512_set1_ps(d)), acc);
+  return _mm512_fmadd_ps(offset, _mm512_set1_ps(s), acc);
 }
 
 // Whether block_dot returned sum((q - 128) n) for 8-bit weights (the signed detour above) instead of sum(q x);
@@ -100,9 +112,7 @@ inline void group_dot(const uint8_t* qs, const float* scale, const float* offset
     __m512 b = _mm512_loadu_ps(offset + j * 16);
     if constexpr (!Q4 && kSignedQ8Dot) b = _mm512_fmadd_ps(a, _mm512_set1_ps(128.f), b);
     for (int r = 0; r < R; r++) {
-      const __m512i d = block_dot<Q4>(w, xr[r].hi + j * 32, xr[r].lo + j * 32);
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(a, _mm512_set1_ps(xr[r].d[j])), acc[r]);
-      acc[r] = _mm512_fmadd_ps(b, _mm512_set1_ps(xr[r].s[j]), acc[r]);
+      acc[r] = add_block(acc[r], block_dot<Q4>(w, xr[r].hi + j * 32, xr[r].lo + j * 32), a, b, xr[r].d[j], xr[r].s[j]);
     }
   }
   for (int r = 0; r < R; r++) _mm512_storeu_ps(out + r * 16, acc[r]);
