@@ -4,8 +4,22 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from conveyor.layers.attention.metadata import AttentionMetadata
+
+# SDPA's kernels on a GPU, cuDNN's left out: it builds an execution graph per input shape, and the shapes of a
+# continuous batch change every step (each request's chunk and context length), so on an H200 its CPU side cost
+# ~300 us a call and left the GPU idle most of the step (docs/benchmarks.md, "The CUDA path").
+_GPU_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> torch.Tensor:
+    """``F.scaled_dot_product_attention``; on a GPU without the cuDNN kernel (above)."""
+    if not q.is_cuda:
+        return F.scaled_dot_product_attention(q, k, v, **kwargs)
+    with sdpa_kernel(_GPU_SDPA_BACKENDS):
+        return F.scaled_dot_product_attention(q, k, v, **kwargs)
 
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
@@ -28,7 +42,7 @@ def gather_context(kv_cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int
 
 def causal_self_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """Plain causal attention of a sequence over its own fresh K/V (no cache): [n, H, d] -> [n, H, d]."""
-    out = F.scaled_dot_product_attention(
+    out = sdpa(
         q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
         is_causal=True, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
     return out.squeeze(0).transpose(0, 1)

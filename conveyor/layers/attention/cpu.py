@@ -13,10 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from conveyor.layers.attention.base import reject_rope, token_major_kv_shape
-from conveyor.layers.attention.common import causal_self_attention, gather_context, write_kv
+from conveyor.layers.attention.common import causal_self_attention, gather_context, sdpa, write_kv
 from conveyor.layers.attention.metadata import AttentionMetadata
 
 # A bucket keeps taking shorter requests while the padding it adds stays under this fraction of its length.
@@ -94,7 +93,7 @@ class CpuAttention:
             vb = b.v_buf.view(n, ctx, kv_heads, head_dim).transpose(1, 2)
             # GQA without repeating K/V: the `group` query heads sharing a KV head act as `group` query rows.
             qb = q[b.start:b.end].reshape(n, kv_heads, group, head_dim)
-            ob = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=b.mask, scale=scale)
+            ob = sdpa(qb, kb, vb, attn_mask=b.mask, scale=scale)
             out[b.start:b.end] = ob.reshape(n, num_heads, head_dim)
         for i in self.prefill_ids:
             start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
@@ -111,7 +110,7 @@ def _attend_with_context(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comp
     """A chunk of n queries at positions computed.. over keys 0..computed+n-1 (bottom-right aligned causal)."""
     n, seq_len = q.shape[0], k.shape[0]
     allowed = torch.ones(n, seq_len, dtype=torch.bool, device=q.device).tril_(diagonal=computed)
-    out = F.scaled_dot_product_attention(
+    out = sdpa(
         q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
         attn_mask=allowed, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
     return out.squeeze(0).transpose(0, 1)
