@@ -105,12 +105,23 @@ def add_kv_eviction_parser(sub) -> None:
                                            "the step cost of scoring, by policy and budget")
     p.add_argument("--tokens", type=int, default=2048, help="streamed text length in tokens")
     p.add_argument("--chunk", type=int, default=32, help="tokens of the text fed per step")
-    p.add_argument("--policies", default="sink,h2o", help="policies of the perplexity table")
+    p.add_argument("--policies", default="sink,h2o", help="policies of both tables (h2o:sum ranks by accumulated "
+                                                            "mass; snapkv runs in the passkey table only)")
     p.add_argument("--fractions", default="0.5,0.25,0.125", help="budgets, as fractions of the context")
     p.add_argument("--passkey-lengths", default="", help="passkey prompt lengths in tokens, e.g. 1024,2048 "
                                                          "(empty: skip)")
     p.add_argument("--passkey-trials", type=int, default=8)
     p.add_argument("--cost", action="store_true", help="time decode steps with h2o scoring against none")
+    p.add_argument("--trace", type=int, default=0, help="run a long-context RAG trace of N requests with and "
+                                                        "without eviction at equal KV memory (0: skip)")
+    p.add_argument("--trace-prompt-len", default="2048,6144", help="trace prompt length bounds in tokens")
+    p.add_argument("--trace-output-len", default="200,800", help="trace answer length bounds in tokens")
+    p.add_argument("--trace-policies", default="h2o", help="evicting configurations of the trace, beside none")
+    p.add_argument("--trace-fraction", type=float, default=0.25, help="each trace request's budget, as a "
+                                                                       "fraction of its prompt's length")
+    p.add_argument("--trace-kv-blocks", type=int, default=None, help="the KV pool of every trace "
+                                                                      "configuration, in blocks (default: three "
+                                                                      "of the longest possible requests)")
     EngineArgs.add_cli_args(p)
     p.set_defaults(func=_main, enable_prefix_caching=False)
 
@@ -125,11 +136,38 @@ def _engine(base, ns, **knobs):
     return LLMEngine.sharing_model(base, args) if base is not None else LLMEngine(args)
 
 
+def _policy_knobs(name: str) -> dict:
+    """Engine knobs of a policy as ``--policies`` names it: ``h2o:sum`` is h2o ranking by accumulated mass."""
+    policy, _, rank = name.partition(":")
+    return dict(kv_eviction=policy, **({"kv_h2o_rank": rank} if rank else {}))
+
+
+def _trace(base, ns, prompt_len: tuple[int, int], output_len: tuple[int, int], longest: int) -> None:
+    from conveyor.bench.kv_eviction_trace import print_table, rag_cases, run_trace
+
+    bs = ns.block_size
+    blocks = ns.trace_kv_blocks or 3 * -(-longest // bs)
+    cases = rag_cases(base.tokenizer.encode(long_text()), ns.trace, prompt_len, output_len)
+    print(f"\nlong-context trace: {ns.trace} requests at once, prompts {prompt_len[0]}-{prompt_len[1]} tokens of "
+          f"the same text, answers {output_len[0]}-{output_len[1]} (greedy, ignore_eos); every configuration "
+          f"with a KV pool of {blocks} blocks ({blocks * bs} tokens); evicting ones keep "
+          f"{100 * ns.trace_fraction:g}% of each prompt's length\n")
+    knobs = dict(num_kv_blocks=blocks, max_model_len=longest)
+    results = [run_trace(_engine(base, ns, **knobs), cases, None, "none (exact)")]
+    for policy in [p for p in ns.trace_policies.split(",") if p]:
+        engine = _engine(base, ns, **_policy_knobs(policy), **knobs)
+        results.append(run_trace(engine, cases, ns.trace_fraction, f"{policy}, {100 * ns.trace_fraction:g}%"))
+    print_table(results)
+
+
 def _main(ns) -> int:
     fractions = [float(f) for f in ns.fractions.split(",") if f]
     policies = [p for p in ns.policies.split(",") if p]
     lengths = [int(x) for x in ns.passkey_lengths.split(",") if x]
-    longest = max([ns.tokens, *lengths, 2048 if ns.cost else 0])  # --cost streams a 2,048-token prompt
+    trace_prompt = tuple(int(x) for x in ns.trace_prompt_len.split(","))
+    trace_output = tuple(int(x) for x in ns.trace_output_len.split(","))
+    trace_len = trace_prompt[1] + trace_output[1] if ns.trace else 0
+    longest = max([ns.tokens, *lengths, 2048 if ns.cost else 0, trace_len])  # --cost streams 2,048 tokens
     base = _engine(None, ns, max_model_len=max(ns.max_model_len or 0, longest + 64))
     info = base.model_info
     ids = base.tokenizer.encode(long_text())[:ns.tokens]
@@ -141,10 +179,10 @@ def _main(ns) -> int:
     print(f"| policy | budget | budget tokens | perplexity | vs exact | peak KV tokens | wall s |")
     print(f"|---|---|---|---|---|---|---|")
     print(f"| none (exact) | 100% | {len(ids)} | {exact:.3f} | - | {peak * bs} | {wall:.1f} |")
-    for policy in policies:
+    for policy in [p for p in policies if p != "snapkv"]:
         for f in fractions:
             budget = int(f * len(ids))
-            ppl, peak, wall = streaming_ppl(_engine(base, ns, kv_eviction=policy, kv_budget_tokens=budget,
+            ppl, peak, wall = streaming_ppl(_engine(base, ns, **_policy_knobs(policy), kv_budget_tokens=budget,
                                                     **streaming), ids)
             print(f"| {policy} | {100 * f:g}% | {budget} | {ppl:.3f} | {100 * (ppl / exact - 1):+.1f}% | "
                   f"{peak * bs} | {wall:.1f} |", flush=True)
@@ -155,11 +193,13 @@ def _main(ns) -> int:
         cases = passkey_prompts(base.tokenizer, length, ns.passkey_trials, seed=length)
         knobs = dict(max_model_len=base.max_model_len)
         print(f"| {length} | none (exact) | 100% | {passkey_accuracy(_engine(base, ns, **knobs), cases):.2f} |")
-        for policy in ("sink", "h2o", "snapkv"):
+        for policy in policies + ["snapkv"] * ("snapkv" not in policies):
             for f in fractions:
-                acc = passkey_accuracy(_engine(base, ns, kv_eviction=policy, kv_budget_tokens=int(f * length),
+                acc = passkey_accuracy(_engine(base, ns, **_policy_knobs(policy), kv_budget_tokens=int(f * length),
                                                **knobs), cases)
                 print(f"| {length} | {policy} | {100 * f:g}% | {acc:.2f} |", flush=True)
+    if ns.trace:
+        _trace(base, ns, trace_prompt, trace_output, trace_len)
     if ns.cost:
         # the same 1,024-token context in every column: h2o with a budget above it scores and evicts nothing;
         # "evicted" runs sink on a 2,048-token prompt kept to 1,024 (its steps rotate in torch: RopeOutside)

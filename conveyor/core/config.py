@@ -62,6 +62,7 @@ class CacheConfig:
     kv_eviction: str = "none"  # which blocks a request over its KV budget gives back: core.kv_eviction
     kv_budget_tokens: int | None = None  # the default per-request budget of kv_eviction
     kv_score_period: int = H2O_SCORE_PERIOD  # h2o: a decode's attention is scored every this many steps
+    kv_h2o_rank: str = "mean"  # h2o: rank blocks by mass per query that saw them, or accumulated (sum)
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -82,4 +83,5 @@ class CacheConfig:
 
     def eviction_config(self) -> EvictionConfig:
         """The KV eviction settings (``core.kv_eviction``)."""
-        return EvictionConfig(self.kv_eviction, self.kv_budget_tokens, score_period=self.kv_score_period)
+        return EvictionConfig(self.kv_eviction, self.kv_budget_tokens, score_period=self.kv_score_period,
+                              h2o_rank=self.kv_h2o_rank)

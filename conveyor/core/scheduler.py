@@ -363,8 +363,13 @@ class Scheduler:
                                    any(n > 1 for n in sched_out.num_scheduled_tokens.values()))
         if self.evictor is not None:
             for rid, scores in model_out.kv_block_scores.items():
-                if rid in self.requests and self.requests[rid].status.holds_slot:
-                    self.evictor.add_scores(rid, scores)
+                request = self.requests.get(rid)
+                if request is not None and request.status.holds_slot:
+                    # the step's scored rows are its last ones, at these KV slots (before the advance below)
+                    end = request.num_computed_tokens + sched_out.num_scheduled_tokens.get(rid, 0) \
+                        - request.num_evicted_tokens
+                    rows = sched_out.kv_score_rows.get(rid, 0)
+                    self.evictor.add_scores(rid, scores, (end - rows, end))
         for rid, num_new in sched_out.num_scheduled_tokens.items():
             request = self.requests.get(rid)
             if request is None or not request.status.holds_slot:

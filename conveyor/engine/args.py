@@ -12,7 +12,7 @@ import typing
 from dataclasses import MISSING, dataclass, field, fields
 
 from conveyor.core.config import ATTENTION_BACKENDS, KV_LAYOUTS, QUANTIZATION_CHOICES, CacheConfig, SchedulerConfig
-from conveyor.core.kv_eviction import KV_EVICTION_POLICIES
+from conveyor.core.kv_eviction import H2O_RANKS, KV_EVICTION_POLICIES
 from conveyor.core.policies import POLICIES
 from conveyor.core.prefix_eviction import PREFIX_EVICTION_POLICIES
 
@@ -74,6 +74,8 @@ class EngineArgs:
                                         "default: only requests that set one are evicted from)")
     kv_score_period: int = _arg(CacheConfig.kv_score_period, "h2o: score a decode's attention every N of its "
                                 "steps (1: every step, as the paper; prompt chunks are always scored)")
+    kv_h2o_rank: str = _arg(CacheConfig.kv_h2o_rank, "h2o: rank old blocks by their attention mass per query "
+                            "that saw them (mean) or by accumulated mass as the paper (sum)", choices=H2O_RANKS)
     attention_backend: str = _arg("auto", "attention implementation: auto and cpu pick the fastest this machine "
                                           "runs (see conveyor.layers.attention)", choices=ATTENTION_BACKENDS)
     max_num_queued_reqs: int | None = _arg(None, "bound on waiting requests (default: unbounded)")

@@ -193,6 +193,29 @@ def test_h2o_choice_follows_scores():
     assert ids_before[3] in s.kv.block_ids("a")
 
 
+@pytest.mark.parametrize("rank, evicted_block", [("sum", 3), ("mean", 1)])
+def test_h2o_ranks_by_mass_per_query_that_saw_the_block_or_by_accumulated_mass(rank, evicted_block):
+    # Each scored row gives block i a mass of rate[i]: block 1 is the lightest per row, but older than block 3,
+    # so more rows saw it (28 against 20) and its accumulated mass is the larger (28 against 24).
+    rate = {1: 1.0, 2: 3.0, 3: 1.2, 4: 3.0, 5: 3.0}
+    config = SchedulerConfig(max_model_len=1024, max_num_batched_tokens=8)
+    s = Scheduler(config, KVCacheManager(64, 4, True), EvictionConfig("h2o", 32, h2o_rank=rank))
+    s.add_request(make_request("a", prompt_len=40, max_tokens=3))
+    ex = FakeExecutor()
+    for t in range(4):  # the prompt in chunks of 8 tokens (B // 4 = 2 blocks): 32 of 40 after 4 steps
+        out = s.schedule(float(t))
+        assert out.kv_score_rows["a"] == 8
+        mo = ex.execute(out)
+        n = len(s.kv.req_blocks["a"])
+        # the rows at slots 8t .. 8t+7 that see block i (slots 4i ..): those at or past its first slot
+        mo.kv_block_scores["a"] = [rate.get(i, 0.0) * max(0, 8 * t + 8 - max(8 * t, 4 * i)) for i in range(n)]
+        s.update(out, mo, float(t))
+    # each chunk's 8 rows saw every whole block before them and part of the ones they filled
+    assert s.evictor._state["a"].exposure == [32, 28, 24, 20, 16, 12, 8, 4]
+    out = s.schedule(5.0)  # 32 tokens in 8 blocks, 8 more: over B + 1 = 9 by one; blocks 1-5 are candidates
+    assert out.scheduled_cached_reqs[0].evicted_block_indices == [evicted_block]
+
+
 def test_snapkv_compresses_once_after_the_prompt_then_generates_exactly():
     s = make_evicting("snapkv", budget=32, block_size=4, max_num_batched_tokens=256)
     s.add_request(make_request("a", prompt_len=100, max_tokens=30))
