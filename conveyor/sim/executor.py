@@ -40,7 +40,8 @@ class SequenceTracker:
         for cached in so.scheduled_cached_reqs:
             rid = cached.request_id
             q = scheduled[rid]
-            rows.append((q, cached.num_computed_tokens))
+            # attention reads the keys the request holds: under KV eviction, its KV slots, not its positions
+            rows.append((q, cached.num_computed_tokens - cached.num_evicted_tokens))
             if cached.num_computed_tokens + q == held[rid]:
                 samplers.append(rid)
         for rid in samplers:

@@ -112,6 +112,35 @@ def test_prefix_cache_eviction_under_pressure_is_reproduced(tiny_llama_dir, evic
     assert sum(sum(h.values()) for h in real_hits) == engine.kv_manager.prefix_saved_tokens > 0
 
 
+@pytest.mark.parametrize("policy", ["sink", "h2o"])
+def test_kv_eviction_is_reproduced_and_priced_by_the_keys_kept(tiny_llama_dir, policy):
+    """Under KV eviction the simulator schedules what the real engine schedules (chunk caps, blocks given back,
+    more requests admitted), and its cost model sees each request's kept keys, not its positions: the cost model
+    learns the budget. The simulator returns no attention scores, so h2o there drops the oldest unprotected
+    blocks; which blocks go changes no step's token counts."""
+    args = EngineArgs(model=str(tiny_llama_dir), dtype="float32", block_size=16, max_model_len=MAX_MODEL_LEN,
+                      detokenize=False, debug_invariants=True, policy="chunked", max_num_seqs=16,
+                      max_num_batched_tokens=128, num_kv_blocks=40, kv_eviction=policy, kv_budget_tokens=64)
+    workload = tiny_longtail(16, seed=3)
+    real, _ = real_schedule(args, workload)
+    shapes = []
+
+    class Recording(ConstantCostModel):
+        def step_cost(self, shape):
+            shapes.append(shape)
+            return super().step_cost(shape)
+
+    recorder = StepRecorder()
+    scheduler = build_scheduler(args, args.num_kv_blocks, MAX_MODEL_LEN)
+    simulate(scheduler, SimExecutor(Recording(0.01)), sim_requests(workload, 1.0, MAX_MODEL_LEN), recorder)
+    assert [dict(s.num_scheduled_tokens) for s in recorder.steps] == real
+    assert scheduler.kv.num_evicted_blocks > 0
+    budget_blocks = 64 // 16
+    # keys before a row's queries: at most the budget + 1 blocks less the room for the step's own tokens
+    assert max(computed + q for shape in shapes for q, computed in shape.rows) <= (budget_blocks + 1) * 16
+    assert max(q + c for w in workload.requests for q, c in [(len(w.prompt_token_ids), w.max_tokens)]) > 5 * 16
+
+
 @pytest.mark.parametrize("policy", ["static", "dynamic"])
 def test_a_preempted_batch_member_gets_the_blocks_of_parked_slots(policy):
     """On this trace a batch member is preempted while another member, parked at max_model_len, holds 32 of the
