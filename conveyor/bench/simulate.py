@@ -109,7 +109,10 @@ def sim_requests(workload: Workload, time_scale: float, max_model_len: int) -> l
         if not 0 < len(r.prompt_token_ids) < max_model_len:
             raise ValueError(f"request {r.id}: a prompt of {len(r.prompt_token_ids)} tokens leaves no room to "
                              f"generate within max_model_len={max_model_len}")
-        params = SamplingParams(max_tokens=r.max_tokens, ignore_eos=True)
+        # a trace's per-request KV budget (bench workload --kv-budget-fraction) is a scheduling input; the
+        # other sampling fields change no schedule (the simulator's tokens are placeholders)
+        params = SamplingParams(max_tokens=r.max_tokens, ignore_eos=True,
+                                kv_budget_tokens=r.params.get("kv_budget_tokens"))
         out.append(Request(str(r.id), r.prompt_token_ids, params, (), max_model_len, r.arrival_s * time_scale))
     return out
 

@@ -135,6 +135,10 @@ def add_workload_parser(sub) -> None:
     p.add_argument("--rag-fraction", type=float, default=None, help="longtail: share of long RAG prompts (0.2)")
     p.add_argument("--num-prefixes", type=int, default=None, help="shared-prefix: distinct system prompts (4)")
     p.add_argument("--prefix-len", type=int, default=None, help="shared-prefix: tokens per system prompt (256)")
+    p.add_argument("--prompt-len", default=None, help="rag, uniform: prompt length bounds LO,HI in tokens")
+    p.add_argument("--output-len", default=None, help="rag, uniform: output length bounds LO,HI in tokens")
+    p.add_argument("--kv-budget-fraction", type=float, default=None,
+                   help="give each request a KV eviction budget (kv_budget_tokens) of this fraction of its prompt")
     p.add_argument("--out", required=True, help="trace file to write (JSON)")
     p.set_defaults(func=_main)
 
@@ -147,8 +151,18 @@ def _main(ns) -> int:
     if prefix_knobs and ns.kind != "shared-prefix":
         raise SystemExit("--num-prefixes and --prefix-len apply to shared-prefix workloads only")
     extra.update(prefix_knobs)
+    for knob in ("prompt_len", "output_len"):
+        if (value := getattr(ns, knob)) is not None:
+            if ns.kind not in ("rag", "uniform"):
+                raise SystemExit(f"--{knob.replace('_', '-')} applies to rag and uniform workloads only")
+            extra[knob] = tuple(int(x) for x in value.split(","))
     workload = GENERATORS[ns.kind](num_requests=ns.num_requests, seed=ns.seed, arrival=ns.arrival,
                                    rate=ns.request_rate, burstiness=ns.burstiness, vocab_size=ns.vocab_size, **extra)
+    if ns.kv_budget_fraction is not None:
+        if not 0 < ns.kv_budget_fraction <= 1:
+            raise SystemExit("--kv-budget-fraction must be in (0, 1]")
+        for r in workload.requests:
+            r.params["kv_budget_tokens"] = max(1, int(ns.kv_budget_fraction * r.prompt_len))
     workload.save(ns.out)
     last = workload.requests[-1].arrival_s if workload.requests else 0.0
     print(f"wrote {ns.out}: {len(workload.requests)} requests, {workload.num_prompt_tokens} prompt + "

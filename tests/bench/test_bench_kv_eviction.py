@@ -22,3 +22,36 @@ def test_command_prints_every_policy_and_budget(tiny_llama_dir, capsys):
     rows = [line for line in out.splitlines() if line.startswith("| ") and "---" not in line]
     assert sum(1 for r in rows if r.startswith("| sink |") or r.startswith("| h2o |")) == 4
     assert sum(1 for r in rows if r.startswith("| 80 |")) == 1 + 3 * 2  # exact, then 3 policies x 2 budgets
+
+
+@pytest.mark.slow  # a real (tiny) model and engine
+def test_trace_at_equal_kv_memory_admits_more_requests_under_eviction(tiny_llama_dir):
+    from conveyor.bench.kv_eviction_trace import rag_cases, run_trace
+    from conveyor.engine.args import EngineArgs
+    from conveyor.engine.llm_engine import LLMEngine
+
+    def engine(**knobs):
+        return LLMEngine(EngineArgs(model=str(tiny_llama_dir), dtype="float32", block_size=4, num_kv_blocks=60,
+                                    max_model_len=200, enable_prefix_caching=False, debug_invariants=True, **knobs))
+
+    cases = rag_cases(list(range(4, 384)) * 2, 6, (120, 160), (20, 30), seed=1)
+    exact = run_trace(engine(), cases, None, "none")
+    evicting = run_trace(engine(kv_eviction="h2o"), cases, 0.25, "h2o")
+    # the same work: every answer whole
+    assert exact.output_tokens == evicting.output_tokens == sum(n for _, n in cases)
+    assert exact.evicted_blocks == 0 < evicting.evicted_blocks
+    # 60 blocks hold one 160 + 30-token request whole (48 blocks), but all six at a quarter of their prompts
+    assert exact.peak_running < evicting.peak_running == 6
+    assert evicting.mean_running > exact.mean_running
+
+
+@pytest.mark.slow
+def test_command_runs_the_trace(tiny_llama_dir, capsys):
+    assert main(["bench", "kv-eviction", "--model", str(tiny_llama_dir), "--dtype", "float32", "--tokens", "32",
+                 "--chunk", "8", "--block-size", "4", "--policies", "", "--fractions", "", "--trace", "3",
+                 "--trace-prompt-len", "60,90", "--trace-output-len", "5,10", "--trace-policies", "h2o,sink"]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("| ") and "---" not in line]
+    labels = [r.split("|")[1].strip() for r in rows]
+    assert labels[-3:] == ["none (exact)", "h2o, 25%", "sink, 25%"]
+    assert all(int(r.split("|")[-2]) > 0 for r in rows[-2:])  # both evicting configurations gave blocks back

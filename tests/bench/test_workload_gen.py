@@ -68,6 +68,19 @@ def test_cli_shapes_the_shared_prefix_workload(tmp_path):
         main(["bench", "workload", "uniform", "--num-prefixes", "3", "--out", str(out)])
 
 
+def test_cli_shapes_rag_lengths_and_kv_budgets(tmp_path):
+    out = tmp_path / "rag.json"
+    assert main(["bench", "workload", "rag", "--num-requests", "20", "--prompt-len", "300,400", "--output-len",
+                 "20,30", "--kv-budget-fraction", "0.25", "--out", str(out)]) == 0
+    reqs = load_workload(str(out)).requests
+    assert all(300 <= r.prompt_len <= 400 and 20 <= r.max_tokens <= 30 for r in reqs)
+    assert [r.sampling_params().kv_budget_tokens for r in reqs] == [r.prompt_len // 4 for r in reqs]
+    with pytest.raises(SystemExit, match="rag and uniform"):
+        main(["bench", "workload", "longtail", "--prompt-len", "3,4", "--out", str(out)])
+    with pytest.raises(SystemExit, match="fraction"):
+        main(["bench", "workload", "rag", "--kv-budget-fraction", "1.5", "--out", str(out)])
+
+
 def test_packaged_trace_by_name_and_by_path(tmp_path):
     from conveyor.bench.workload import packaged_workloads, workload_path
 

@@ -154,3 +154,11 @@ def test_a_preempted_batch_member_gets_the_blocks_of_parked_slots(policy):
     assert scheduler.num_preemptions >= 1
     assert sorted(int(r.request.request_id) for r in result.requests) == list(range(16))
     assert all(len(r.token_times) == r.request.sampling_params.max_tokens for r in result.requests)
+
+
+def test_a_traces_per_request_kv_budget_reaches_the_simulated_scheduler():
+    workload = Workload("w", [WorkloadRequest(0, 0.0, [5] * 40, None, 8, "", {"kv_budget_tokens": 24,
+                                                                              "temperature": 0.7}),
+                              WorkloadRequest(1, 0.0, [5] * 40, None, 8, "", {})])
+    budgets = [r.sampling_params.kv_budget_tokens for r in sim_requests(workload, 1.0, MAX_MODEL_LEN)]
+    assert budgets == [24, None]
