@@ -16,6 +16,7 @@ Every configuration runs on one loaded model (``LLMEngine.sharing_model``), one 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 import statistics
@@ -33,9 +34,11 @@ def long_text() -> str:
     return "\n\n".join(topics[k] for k in sorted(topics))
 
 
-def run(engine, prompts: list[list[int]], params: SamplingParams, on_step=None):
-    """Generate on ``engine`` (an ``LLMEngine``) until every prompt is done; outputs in prompt order."""
-    ids = [engine.add_request(None, {"prompt_token_ids": p}, params) for p in prompts]
+def run(engine, prompts: list[list[int]], params: SamplingParams | list[SamplingParams], on_step=None):
+    """Generate on ``engine`` (an ``LLMEngine``) until every prompt is done; outputs in prompt order. ``params``:
+    one for every prompt, or one each."""
+    each = params if isinstance(params, list) else [params] * len(prompts)
+    ids = [engine.add_request(None, {"prompt_token_ids": p}, sp) for p, sp in zip(prompts, each)]
     done = {}
     while len(done) < len(ids):
         for out in engine.step():
@@ -86,6 +89,73 @@ def passkey_accuracy(engine, cases: list[tuple[list[int], str]]) -> float:
     return hits / len(cases)
 
 
+CHAT_QUESTIONS = [
+    "What is the capital of France, and what is it known for?",
+    "Explain how a hash table works to a new programmer.",
+    "Write a short poem about the sea.",
+    "Give me three tips for writing clear emails.",
+    "Why is the sky blue?",
+    "Summarize the plot of Romeo and Juliet in a few sentences.",
+    "How do I reverse a list in Python? Show an example.",
+    "What are the health benefits of regular exercise?",
+]
+
+
+def chat_prompts(tokenizer) -> list[list[int]]:
+    """The questions above through the model's chat template (plain text where it has none)."""
+    from conveyor.engine.chat import chat_prompt
+
+    out = []
+    for q in CHAT_QUESTIONS:
+        try:
+            text = chat_prompt(tokenizer, [{"role": "user", "content": q}])
+        except ValueError:
+            text = q
+        out.append(tokenizer.encode(text))
+    return out
+
+
+def greedy_agreement(exact: list[list[int]], got: list[list[int]]) -> tuple[float, float]:
+    """(share of answers token-identical to the exact cache's, mean share of each answer before it departs)."""
+    same = sum(a == b for a, b in zip(exact, got)) / len(exact)
+    prefix = []
+    for a, b in zip(exact, got):
+        n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        prefix.append(n / max(1, len(a)))
+    return same, sum(prefix) / len(prefix)
+
+
+def plot_quality(path: str, ppl_rows: list[tuple[str, float, float]], passkey_rows: list[tuple[int, str, float, float]],
+                 exact_passkey: dict[int, float]) -> None:
+    """Quality against memory: perplexity over exact, and passkey accuracy, by policy and budget fraction."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 1 + len(exact_passkey), figsize=(5 * (1 + len(exact_passkey)), 4))
+    axes = list(axes) if len(exact_passkey) else [axes]
+    for policy in dict.fromkeys(p for p, _, _ in ppl_rows):
+        pts = sorted((f, r) for p, f, r in ppl_rows if p == policy)
+        axes[0].plot([100 * f for f, _ in pts] + [100], [100 * (r - 1) for _, r in pts] + [0], "o-", label=policy)
+    axes[0].axhline(10, color="grey", ls=":", label="the issue's line (+10%)")
+    axes[0].set(xlabel="KV budget, % of the context", ylabel="streaming perplexity over exact, %",
+                title="Streaming perplexity", xscale="log")
+    for ax, (length, exact) in zip(axes[1:], sorted(exact_passkey.items())):
+        for policy in dict.fromkeys(p for n, p, _, _ in passkey_rows if n == length):
+            pts = sorted((f, a) for n, p, f, a in passkey_rows if n == length and p == policy)
+            ax.plot([100 * f for f, _ in pts] + [100], [a for _, a in pts] + [exact], "o-", label=policy)
+        ax.axhline(exact - 0.1, color="grey", ls=":", label="exact - 10 points")
+        ax.set(xlabel="KV budget, % of the prompt", ylabel="passkey accuracy", title=f"Passkey, {length} tokens",
+               xscale="log", ylim=(-0.05, 1.05))
+    for ax in axes:
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def decode_step_ms(engine, prompt: list[int], batch: int, tokens: int) -> float:
     """(median, mean) wall time in ms of the pure decode steps of ``batch`` copies of ``prompt`` generating
     ``tokens`` each (the first 8 left out: warm-up). The mean is what a policy that scores one step in k costs
@@ -111,12 +181,17 @@ def add_kv_eviction_parser(sub) -> None:
     p.add_argument("--passkey-lengths", default="", help="passkey prompt lengths in tokens, e.g. 1024,2048 "
                                                          "(empty: skip)")
     p.add_argument("--passkey-trials", type=int, default=8)
+    p.add_argument("--chat-tokens", type=int, default=0, help="greedy agreement with the exact cache on chat "
+                                                               "prompts answered with N tokens (0: skip)")
+    p.add_argument("--plot", default=None, help="write a PNG of quality against KV budget here")
     p.add_argument("--cost", action="store_true", help="time decode steps with h2o scoring against none")
     p.add_argument("--trace", type=int, default=0, help="run a long-context RAG trace of N requests with and "
                                                         "without eviction at equal KV memory (0: skip)")
     p.add_argument("--trace-prompt-len", default="2048,6144", help="trace prompt length bounds in tokens")
     p.add_argument("--trace-output-len", default="200,800", help="trace answer length bounds in tokens")
-    p.add_argument("--trace-policies", default="h2o", help="evicting configurations of the trace, beside none")
+    p.add_argument("--trace-configs", default="none,none@fit,h2o",
+                   help="trace configurations: a policy (none, h2o, h2o:sum, sink, snapkv), optionally @K (at most K "
+                        "requests running) or @fit (as many as the pool holds whole: the exact cache never preempts)")
     p.add_argument("--trace-fraction", type=float, default=0.25, help="each trace request's budget, as a "
                                                                        "fraction of its prompt's length")
     p.add_argument("--trace-kv-blocks", type=int, default=None, help="the KV pool of every trace "
@@ -127,8 +202,6 @@ def add_kv_eviction_parser(sub) -> None:
 
 
 def _engine(base, ns, **knobs):
-    import dataclasses
-
     from conveyor.engine.args import EngineArgs
     from conveyor.engine.llm_engine import LLMEngine
 
@@ -142,22 +215,62 @@ def _policy_knobs(name: str) -> dict:
     return dict(kv_eviction=policy, **({"kv_h2o_rank": rank} if rank else {}))
 
 
+def _trace_config(name: str, fit: int) -> tuple[dict, str]:
+    """Engine knobs and a label of one ``--trace-configs`` entry: a policy (``none``, ``h2o``, ``h2o:sum``, ...),
+    optionally ``@K`` (at most K requests running) or ``@fit`` (as many as the pool holds at full length, so
+    that the exact cache never preempts)."""
+    policy, _, seqs = name.partition("@")
+    knobs = {} if policy == "none" else _policy_knobs(policy)
+    if seqs:
+        knobs["max_num_seqs"] = fit if seqs == "fit" else int(seqs)
+    label = "none (exact)" if policy == "none" else policy
+    return knobs, label + (f", at most {knobs['max_num_seqs']} running" if seqs else "")
+
+
 def _trace(base, ns, prompt_len: tuple[int, int], output_len: tuple[int, int], longest: int) -> None:
-    from conveyor.bench.kv_eviction_trace import print_table, rag_cases, run_trace
+    from conveyor.bench.kv_eviction_trace import print_header, print_row, rag_cases, run_trace
 
     bs = ns.block_size
-    blocks = ns.trace_kv_blocks or 3 * -(-longest // bs)
+    per_request = -(-longest // bs)
+    blocks = ns.trace_kv_blocks or 3 * per_request
     cases = rag_cases(base.tokenizer.encode(long_text()), ns.trace, prompt_len, output_len)
     print(f"\nlong-context trace: {ns.trace} requests at once, prompts {prompt_len[0]}-{prompt_len[1]} tokens of "
           f"the same text, answers {output_len[0]}-{output_len[1]} (greedy, ignore_eos); every configuration "
           f"with a KV pool of {blocks} blocks ({blocks * bs} tokens); evicting ones keep "
-          f"{100 * ns.trace_fraction:g}% of each prompt's length\n")
-    knobs = dict(num_kv_blocks=blocks, max_model_len=longest)
-    results = [run_trace(_engine(base, ns, **knobs), cases, None, "none (exact)")]
-    for policy in [p for p in ns.trace_policies.split(",") if p]:
-        engine = _engine(base, ns, **_policy_knobs(policy), **knobs)
-        results.append(run_trace(engine, cases, ns.trace_fraction, f"{policy}, {100 * ns.trace_fraction:g}%"))
-    print_table(results)
+          f"{100 * ns.trace_fraction:g}% of each prompt's length; ratios against the first exact row\n")
+    print_header()
+    baseline = None
+    for name in [c for c in ns.trace_configs.split(",") if c]:
+        knobs, label = _trace_config(name, max(1, blocks // per_request))
+        evicting = "kv_eviction" in knobs
+        if evicting:
+            label += f", {100 * ns.trace_fraction:g}%"
+        engine = _engine(base, ns, num_kv_blocks=blocks, max_model_len=longest, **knobs)
+        result = run_trace(engine, cases, ns.trace_fraction if evicting else None, label)
+        if baseline is None and not evicting:
+            baseline = result
+        print_row(result, baseline or result)
+
+
+def _chat_agreement(base, ns, policies: list[str], fractions: list[float]) -> None:
+    prompts = chat_prompts(base.tokenizer)
+    params = SamplingParams(max_tokens=ns.chat_tokens, temperature=0.0, ignore_eos=True)
+    knobs = dict(max_model_len=base.max_model_len)
+    exact = [o.outputs[0].token_ids for o in run(_engine(base, ns, **knobs), prompts, params)]
+    print(f"\ngreedy agreement with the exact cache: {len(prompts)} chat prompts "
+          f"({min(map(len, prompts))}-{max(map(len, prompts))} tokens), {ns.chat_tokens} tokens each; the budget "
+          f"is a fraction of prompt + answer\n")
+    print("| policy | budget | identical answers | mean share before the first difference |")
+    print("|---|---|---|---|")
+    for policy in policies + ["snapkv"] * ("snapkv" not in policies):
+        for f in fractions:
+            # each its own budget: a fraction of its own context
+            budgeted = [dataclasses.replace(params, kv_budget_tokens=max(1, int(f * (len(p) + ns.chat_tokens))))
+                        for p in prompts]
+            got = [o.outputs[0].token_ids for o in run(_engine(base, ns, **_policy_knobs(policy), **knobs), prompts,
+                                                       budgeted)]
+            same, prefix = greedy_agreement(exact, got)
+            print(f"| {policy} | {100 * f:g}% | {same:.2f} | {prefix:.2f} |", flush=True)
 
 
 def _main(ns) -> int:
@@ -179,11 +292,13 @@ def _main(ns) -> int:
     print(f"| policy | budget | budget tokens | perplexity | vs exact | peak KV tokens | wall s |")
     print(f"|---|---|---|---|---|---|---|")
     print(f"| none (exact) | 100% | {len(ids)} | {exact:.3f} | - | {peak * bs} | {wall:.1f} |")
+    ppl_rows, passkey_rows, exact_passkey = [], [], {}
     for policy in [p for p in policies if p != "snapkv"]:
         for f in fractions:
             budget = int(f * len(ids))
             ppl, peak, wall = streaming_ppl(_engine(base, ns, **_policy_knobs(policy), kv_budget_tokens=budget,
                                                     **streaming), ids)
+            ppl_rows.append((policy, f, ppl / exact))
             print(f"| {policy} | {100 * f:g}% | {budget} | {ppl:.3f} | {100 * (ppl / exact - 1):+.1f}% | "
                   f"{peak * bs} | {wall:.1f} |", flush=True)
     if lengths:
@@ -192,12 +307,19 @@ def _main(ns) -> int:
     for length in lengths:
         cases = passkey_prompts(base.tokenizer, length, ns.passkey_trials, seed=length)
         knobs = dict(max_model_len=base.max_model_len)
-        print(f"| {length} | none (exact) | 100% | {passkey_accuracy(_engine(base, ns, **knobs), cases):.2f} |")
+        exact_passkey[length] = passkey_accuracy(_engine(base, ns, **knobs), cases)
+        print(f"| {length} | none (exact) | 100% | {exact_passkey[length]:.2f} |")
         for policy in policies + ["snapkv"] * ("snapkv" not in policies):
             for f in fractions:
                 acc = passkey_accuracy(_engine(base, ns, **_policy_knobs(policy), kv_budget_tokens=int(f * length),
                                                **knobs), cases)
+                passkey_rows.append((length, policy, f, acc))
                 print(f"| {length} | {policy} | {100 * f:g}% | {acc:.2f} |", flush=True)
+    if ns.chat_tokens:
+        _chat_agreement(base, ns, policies, fractions)
+    if ns.plot:
+        plot_quality(ns.plot, ppl_rows, passkey_rows, exact_passkey)
+        print(f"\nwrote {ns.plot}")
     if ns.trace:
         _trace(base, ns, trace_prompt, trace_output, trace_len)
     if ns.cost:

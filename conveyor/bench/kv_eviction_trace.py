@@ -101,13 +101,15 @@ def run_trace(engine, cases: list[tuple[list[int], int]], budget_fraction: float
         evicted_blocks=engine.kv_manager.num_evicted_blocks - evicted_before)
 
 
-def print_table(results: list[TraceResult]) -> None:
-    base = results[0]
+def print_header() -> None:
     print("| configuration | wall s | output tok/s | vs exact | running, mean / peak | vs exact | TTFT p50 / p99 s "
           "| ITL p50 / p99 ms | preemptions | evicted blocks |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for r in results:
-        print(f"| {r.label} | {r.wall_s:.1f} | {r.output_tok_s:.1f} | {r.output_tok_s / base.output_tok_s:.2f}x | "
-              f"{r.mean_running:.1f} / {r.peak_running} | {r.mean_running / base.mean_running:.2f}x | "
-              f"{r.ttft_p50:.1f} / {r.ttft_p99:.1f} | {r.itl_p50:.1f} / {r.itl_p99:.1f} | {r.preemptions} | "
-              f"{r.evicted_blocks} |", flush=True)
+    print("|---|---|---|---|---|---|---|---|---|---|", flush=True)
+
+
+def print_row(r: TraceResult, base: TraceResult) -> None:
+    """One configuration's row, its ratios against ``base`` (the exact cache's run)."""
+    print(f"| {r.label} | {r.wall_s:.1f} | {r.output_tok_s:.1f} | {r.output_tok_s / base.output_tok_s:.2f}x | "
+          f"{r.mean_running:.1f} / {r.peak_running} | {r.mean_running / base.mean_running:.2f}x | "
+          f"{r.ttft_p50:.1f} / {r.ttft_p99:.1f} | {r.itl_p50:.1f} / {r.itl_p99:.1f} | {r.preemptions} | "
+          f"{r.evicted_blocks} |", flush=True)

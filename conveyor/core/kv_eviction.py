@@ -54,6 +54,11 @@ SNAPKV_WINDOW = 32  # SnapKV's observation window: the last prompt tokens whose 
 # its accumulated mass moves slowly, so a sample of the steps ranks blocks nearly as the full sum does.
 H2O_SCORE_PERIOD = 8
 H2O_RANKS = ("mean", "sum")
+# h2o scores at most this many of a prompt chunk's rows, its last ones. Scoring every row of a chunk of a few
+# hundred tokens cost more than a quarter of a long-context trace's time (the side pass's QK product grows
+# with rows x kept keys); the last rows of each chunk sample its attention as the decode period samples steps,
+# and mean ranking divides each block's mass by the rows that could see it, so sampled and full rows rank alike.
+H2O_CHUNK_SCORE_ROWS = 32
 
 
 @dataclass(frozen=True)
@@ -178,14 +183,14 @@ class KVEvictor:
     def score_rows(self, request: Request, num_new: int) -> int:
         """How many of this step's last query rows of ``request`` the runner should score (0: none).
 
-        h2o: every row of a prompt chunk; a decode's row every ``score_period`` steps. snapkv: the rows among
+        h2o: a prompt chunk's last ``H2O_CHUNK_SCORE_ROWS`` rows; a decode's row every ``score_period`` steps. snapkv: the rows among
         the prompt's last ``snapkv_window`` tokens, before its compression."""
         if self.config.policy not in SCORED_POLICIES or self.budget_blocks(request) is None:
             return 0
         if self.config.policy == "h2o":
             if num_new == 1 and request.num_computed_tokens % self.config.score_period:
                 return 0  # a decode between samples (see H2O_SCORE_PERIOD)
-            return num_new
+            return min(num_new, H2O_CHUNK_SCORE_ROWS)
         state = self._state.get(request.request_id)
         if state is not None and state.compressed:
             return 0

@@ -216,6 +216,18 @@ def test_h2o_ranks_by_mass_per_query_that_saw_the_block_or_by_accumulated_mass(r
     assert out.scheduled_cached_reqs[0].evicted_block_indices == [evicted_block]
 
 
+def test_h2o_scores_the_last_rows_of_a_long_chunk_only():
+    from conveyor.core.kv_eviction import H2O_CHUNK_SCORE_ROWS
+
+    s = make_evicting("h2o", budget=1024, block_size=4, max_num_batched_tokens=256)  # chunks of 256 tokens
+    s.add_request(make_request("a", prompt_len=300, max_tokens=2))
+    s.add_request(make_request("b", prompt_len=20, max_tokens=2))
+    out = s.schedule(0.0)
+    assert out.num_scheduled_tokens["a"] > H2O_CHUNK_SCORE_ROWS
+    assert out.kv_score_rows == {"a": H2O_CHUNK_SCORE_ROWS} | (
+        {"b": out.num_scheduled_tokens["b"]} if "b" in out.num_scheduled_tokens else {})
+
+
 def test_snapkv_compresses_once_after_the_prompt_then_generates_exactly():
     s = make_evicting("snapkv", budget=32, block_size=4, max_num_batched_tokens=256)
     s.add_request(make_request("a", prompt_len=100, max_tokens=30))

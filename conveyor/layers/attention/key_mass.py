@@ -102,14 +102,20 @@ class KeyMassAttention:
         end, seq_len, rows = meta.query_start_loc[i + 1], meta.seq_lens[i], self.scored[i]
         nb = -(-seq_len // bs)
         d = q.shape[2]
-        qc = q[end - rows:end].float().view(rows, kv_heads, -1, d).transpose(0, 1)  # [KVH, r, G, d]
+        # one batched GEMM per KV head over the rows x group, the scale folded into the (few) query rows
+        qc = (q[end - rows:end].float() * scale).view(rows, kv_heads, -1, d).transpose(0, 1)  # [KVH, r, G, d]
+        g = qc.shape[2]
         keys = keys_of(kv_cache, meta.block_table[i, :nb], self.head_major).float()  # [KVH, L, d]
-        s = torch.einsum("krgd,kld->krgl", qc, keys) * scale
-        # row j of the r sits at slot seq_len - rows + j and sees keys 0 .. that slot
-        q_slot = torch.arange(seq_len - rows, seq_len, device=q.device)[:, None]
-        allowed = torch.arange(nb * bs, device=q.device)[None, :] <= q_slot  # [r, L]
-        s.masked_fill_(~allowed[None, :, None, :], float("-inf"))
-        mass = s.softmax(dim=-1).sum(dim=(0, 1, 2))  # [L]
+        s = torch.bmm(qc.reshape(kv_heads, rows * g, d), keys.transpose(1, 2)).view(kv_heads, rows, g, nb * bs)
+        # row j of the r sits at slot seq_len - rows + j and sees keys 0 .. that slot: every key before the rows
+        # is seen by all of them, so only the columns from the first row's slot on need the causal mask
+        first = seq_len - rows
+        q_slot = torch.arange(first, seq_len, device=q.device)[:, None]
+        allowed = torch.arange(first, nb * bs, device=q.device)[None, :] <= q_slot  # [r, L - first]
+        s[..., first:].masked_fill_(~allowed[None, :, None, :], float("-inf"))
+        s.sub_(s.amax(dim=-1, keepdim=True)).exp_()  # the softmax in place: s is this call's own
+        s.div_(s.sum(dim=-1, keepdim=True))
+        mass = s.sum(dim=(0, 1, 2))  # [L]
         self._add(i, mass.view(nb, bs).sum(dim=-1))
 
     def block_scores(self) -> dict[int, list[float]]:
