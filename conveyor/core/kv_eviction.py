@@ -183,8 +183,8 @@ class KVEvictor:
     def score_rows(self, request: Request, num_new: int) -> int:
         """How many of this step's last query rows of ``request`` the runner should score (0: none).
 
-        h2o: a prompt chunk's last ``H2O_CHUNK_SCORE_ROWS`` rows; a decode's row every ``score_period`` steps. snapkv: the rows among
-        the prompt's last ``snapkv_window`` tokens, before its compression."""
+        h2o: a prompt chunk's last ``H2O_CHUNK_SCORE_ROWS`` rows; a decode's row every ``score_period`` steps.
+        snapkv: the rows among the prompt's last ``snapkv_window`` tokens, before its compression."""
         if self.config.policy not in SCORED_POLICIES or self.budget_blocks(request) is None:
             return 0
         if self.config.policy == "h2o":
@@ -210,7 +210,7 @@ class KVEvictor:
         return [m / e if e > 0 else float("inf") for m, e in zip(state.blocks, state.exposure)]
 
     # ---- score buffers ------------------------------------------------------------------------------------
-    def add_scores(self, request_id: str, block_scores: list[float], scored_slots: tuple[int, int] | None = None) -> None:
+    def add_scores(self, request_id: str, block_scores: list[float], scored_slots: tuple[int, int]) -> None:
         """Accumulate one step's attention mass per block (block-table order, as the runner saw the table).
 
         ``scored_slots`` = (first, end): the KV slots of the step's scored query rows. Block ``i`` (slots
@@ -221,12 +221,10 @@ class KVEvictor:
         if len(acc) < len(block_scores):
             acc.extend([0.0] * (len(block_scores) - len(acc)))
             exposure.extend([0.0] * (len(block_scores) - len(exposure)))
+        first, end = scored_slots
         for i, s in enumerate(block_scores):
             acc[i] += s
-        if scored_slots is not None:
-            first, end = scored_slots
-            for i in range(len(block_scores)):
-                exposure[i] += max(0, end - max(first, i * self.block_size))
+            exposure[i] += max(0, end - max(first, i * self.block_size))
 
     def on_evicted(self, request_id: str, indices: list[int]) -> None:
         """Keep the score buffer aligned with the table after ``indices`` were dropped from it."""

@@ -70,5 +70,6 @@ def test_command_runs_the_trace(tiny_llama_dir, capsys):
     rows = [line for line in out.splitlines() if line.startswith("| ") and "---" not in line]
     labels = [r.split("|")[1].strip() for r in rows]
     # the pool holds 3 requests of the longest length (3 x 25 blocks): @fit runs at most 3
-    assert labels[-4:] == ["none (exact)", "none (exact), at most 3 running", "h2o, 25%", "sink, at most 2 running, 25%"]
+    assert labels[-4:] == ["none (exact)", "none (exact), at most 3 running", "h2o, 25%",
+                           "sink, at most 2 running, 25%"]
     assert all(int(r.split("|")[-2]) > 0 for r in rows[-2:])  # both evicting configurations gave blocks back
