@@ -14,6 +14,7 @@ import ctypes
 import os
 import threading
 import warnings
+from dataclasses import dataclass
 
 import torch
 
@@ -21,7 +22,7 @@ from conveyor.kernels.build import BuildError, build_library
 from conveyor.kernels.cpu_features import LEVEL_FLAGS, cpu_features, kernel_level
 
 SOURCE_DIR = os.path.join(os.path.dirname(__file__), "csrc")
-ABI_VERSION = 6  # csrc/cvk.h's CVK_ABI_VERSION
+ABI_VERSION = 7  # csrc/cvk.h's CVK_ABI_VERSION
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 # The attention kernel's cache layout per layer: [2 (K, V), num_blocks, num_kv_heads, block_size, head_dim]. One
 # head's rows of a block are contiguous, so a request's context streams in order (the torch paths keep
@@ -41,8 +42,9 @@ class AttnArgs(ctypes.Structure):
 
     _fields_ = [("q", _P), ("k", _P), ("v", _P), ("k_cache", _P), ("v_cache", _P), ("block_table", _P),
                 ("query_start", _P), ("seq_lens", _P), ("cos_sin", _P), ("out", _P), ("plan", _P),
+                ("key_mass", _P), ("score_rows", _P), ("mass_offset", _P), ("rope_offset", _P),
                 ("q_stride", _I64), ("k_stride", _I64), ("v_stride", _I64), ("bt_stride", _I64), ("out_stride", _I64),
-                ("dtype", _I32), ("num_reqs", _I32), ("H", _I32), ("KVH", _I32), ("D", _I32), ("bs", _I32),
+                ("mass_stride", _I64), ("dtype", _I32), ("num_reqs", _I32), ("H", _I32), ("KVH", _I32), ("D", _I32), ("bs", _I32),
                 ("num_threads", _I32), ("scale", _F32)]
 
 
@@ -51,7 +53,8 @@ class LayerStackArgs(ctypes.Structure):
 
     _fields_ = [("fields", _P), ("x", _P), ("residual", _P), ("h", _P), ("qkv", _P), ("attn", _P), ("gu", _P),
                 ("act", _P), ("block_table", _P), ("query_start", _P), ("seq_lens", _P), ("cos_sin", _P), ("plan", _P),
-                ("quant_scratch", _P), ("T", _I64), ("hidden", _I64), ("inter", _I64), ("bt_stride", _I64), ("dtype", _I32),
+                ("quant_scratch", _P), ("key_mass", _P), ("score_rows", _P), ("mass_offset", _P), ("rope_offset", _P),
+                ("T", _I64), ("hidden", _I64), ("inter", _I64), ("bt_stride", _I64), ("mass_stride", _I64), ("dtype", _I32),
                 ("use_amx", _I32), ("L", _I32), ("num_reqs", _I32), ("H", _I32), ("KVH", _I32), ("D", _I32),
                 ("bs", _I32), ("num_threads", _I32), ("scale", _F32), ("eps", _F32), ("quantized", _I32)]
 
@@ -91,6 +94,24 @@ def check_abi(lib: ctypes.CDLL, path: str) -> None:
 
 def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
+
+
+@dataclass
+class KeyMass:
+    """Where the attention kernels add up attention mass per key for KV eviction by score (cvk.h, key_mass):
+    ``mass`` float32 [slots, KVH, stride], zeroed by the caller and accumulated over calls; request r of the step
+    is scored over its last ``score_rows[r]`` query rows (int32 [R], 0: not scored) into slot ``slot[r]``."""
+
+    mass: torch.Tensor
+    score_rows: torch.Tensor
+    slot: torch.Tensor  # int64 [R]: request r's slot in ``mass`` (any value where score_rows[r] is 0)
+
+    def fields(self) -> dict[str, int]:
+        """The CvkAttnArgs / CvkLayerStackArgs fields that carry it."""
+        stride = self.mass.shape[2]
+        self._offsets = self.slot * (self.mass.shape[1] * stride)  # element offsets, kept alive with the call
+        return dict(key_mass=self.mass.data_ptr(), score_rows=self.score_rows.data_ptr(),
+                    mass_offset=self._offsets.data_ptr(), mass_stride=stride)
 
 
 class CpuKernels:
@@ -178,7 +199,8 @@ class CpuKernels:
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                   v_cache: torch.Tensor, block_table: torch.Tensor, query_start: torch.Tensor, seq_lens: torch.Tensor,
                   cos_sin: torch.Tensor | None, out: torch.Tensor, scale: float,
-                  plan: torch.Tensor | None = None) -> None:
+                  plan: torch.Tensor | None = None, key_mass: KeyMass | None = None,
+                  rope_offset: torch.Tensor | None = None) -> None:
         """Rope (when ``cos_sin`` is given) + KV write + causal attention of every request of a step.
 
         q [T, H, D], k and v [T, KVH, D], each with unit strides inside a token's row (views of one fused qkv
@@ -186,7 +208,9 @@ class CpuKernels:
         contiguous (head-major blocks: ``HEAD_MAJOR_KV``); block_table [R, max_blocks] int64 (row-major);
         query_start [R + 1] and seq_lens [R] int64 (request r's tokens sit at positions seq_lens[r] - n_r ...);
         cos_sin [positions, D] float32 (cos halves then sin halves); out [T, H, D], written (unit strides inside a
-        row). ``plan``: the step's ``attention_plan`` (else the call plans for itself).
+        row). ``plan``: the step's ``attention_plan`` (else the call plans for itself). ``key_mass``: add the scored
+        requests' attention mass per key into it (``KeyMass``). ``rope_offset`` int64 [R]: request r's RoPE
+        positions are its KV slots plus rope_offset[r] (KV eviction shifted them; None: the slots).
         """
         num_heads, head_dim = q.shape[1], q.shape[2]
         num_kv_heads = k.shape[1]
@@ -199,7 +223,7 @@ class CpuKernels:
                      q_stride=q.stride(0), k_stride=k.stride(0), v_stride=v.stride(0), bt_stride=block_table.stride(0),
                      out_stride=out.stride(0), dtype=_DTYPE_CODES[q.dtype], num_reqs=seq_lens.shape[0], H=num_heads,
                      KVH=num_kv_heads, D=head_dim, bs=k_cache.shape[2], num_threads=torch.get_num_threads(),
-                     scale=scale)
+                     scale=scale, rope_offset=_ptr(rope_offset), **(key_mass.fields() if key_mass else {}))
         self._check(f"cvk_attention (H={num_heads} KVH={num_kv_heads} D={head_dim})",
                     self._attention(ctypes.byref(a)))
 
@@ -251,13 +275,15 @@ class CpuKernels:
                      residual: torch.Tensor, scratch: tuple[torch.Tensor, ...], block_table: torch.Tensor,
                      query_start: torch.Tensor, seq_lens: torch.Tensor, cos_sin: torch.Tensor, num_heads: int,
                      num_kv_heads: int, head_dim: int, block_size: int, scale: float, eps: float,
-                     plan: torch.Tensor | None = None, quant_scratch: torch.Tensor | None = None) -> None:
+                     plan: torch.Tensor | None = None, quant_scratch: torch.Tensor | None = None,
+                     key_mass: KeyMass | None = None, rope_offset: torch.Tensor | None = None) -> None:
         """A Llama-family decoder-layer stack in one call (cvk_llama_layers: layer_stack.cpp gives the layout of
         ``fields``, the per-layer pointers, and of the ``scratch`` buffers h, qkv, attn, gate_up, act). ``residual``
         holds the embeddings on entry; on return ``x`` holds the last layer's output, ``residual`` the stream.
         ``plan``: the step's ``attention_plan`` (else the call plans once for all its layers). ``quant_scratch``:
         given when the linear fields point at ``QuantWeight`` descriptors (``quant_scratch_bytes`` for x's rows and
-        the largest in_features)."""
+        the largest in_features). ``key_mass``, ``rope_offset``: as ``attention`` takes them (the mass then sums
+        every layer's)."""
         h, qkv, attn, gu, act = scratch
         s = LayerStackArgs(fields=fields.data_ptr(), x=x.data_ptr(), residual=residual.data_ptr(), h=h.data_ptr(),
                            qkv=qkv.data_ptr(), attn=attn.data_ptr(), gu=gu.data_ptr(), act=act.data_ptr(),
@@ -267,7 +293,8 @@ class CpuKernels:
                            use_amx=int(self.amx), L=num_layers, num_reqs=seq_lens.shape[0], H=num_heads,
                            KVH=num_kv_heads, D=head_dim, bs=block_size, num_threads=torch.get_num_threads(),
                            scale=scale, eps=eps, quant_scratch=_ptr(quant_scratch),
-                           quantized=int(quant_scratch is not None))
+                           quantized=int(quant_scratch is not None), rope_offset=_ptr(rope_offset),
+                           **(key_mass.fields() if key_mass else {}))
         self._check("cvk_llama_layers", self._llama_layers(ctypes.byref(s)))
 
     def quant_scratch_bytes(self, rows: int, padded_in: int) -> int:

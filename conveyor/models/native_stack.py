@@ -115,7 +115,8 @@ class NativeLayerStack:
         self.kernels.llama_layers(self._fields, self.num_layers, self.hidden, self.inter, x, residual, scratch,
                                   attn.block_table, attn.query_start, attn.seq_lens, rope_table, self.num_heads,
                                   self.num_kv_heads, self.head_dim, kv_caches[0].shape[3], self.scale, self.eps,
-                                  plan=plan, quant_scratch=quant_scratch)
+                                  plan=plan, quant_scratch=quant_scratch,
+                                  key_mass=attn.mass_buffer(self.num_kv_heads), rope_offset=attn.rope_offset)
         return x, residual
 
     def _bind_kv(self, kv_caches: list[torch.Tensor]) -> None:

@@ -90,7 +90,7 @@ def flatten(table: np.ndarray, rows: np.ndarray, computed: np.ndarray, num_new: 
         num_tokens=num_tokens, block_size=block_size, slot_mapping=torch.from_numpy(slot_mapping).to(device),
         query_start_loc=query_start.tolist(), seq_lens=kv_seq_lens.tolist(), num_computed=kv_computed.tolist(),
         block_table=torch.from_numpy(block_table).to(device), num_decodes=int((num_new == 1).sum()),
-        slots_shifted=shifted)
+        slots_shifted=shifted, rope_offsets=evicted.tolist() if shifted else None)
     return FlatStep(query_start, positions, seq_lens, meta)
 
 

@@ -47,7 +47,7 @@ class ModelRunner:
         self._head_major = backend_class(self.backend).kv_cache_shape(*probe) != token_major_kv_shape(*probe)
         # Handed-over requests' sampling generators, set once the batch has built their state (``import_kv``).
         self._imported_generators: dict[str, torch.Tensor] = {}
-        self._scored_attention = None  # the step's KeyMassAttention while its scores wait to be returned
+        self._scored_attention = None  # the step's scoring attention (block_scores) while its scores wait to be returned
         self.draft = None  # runner.draft_model.DraftModel (attach_draft): fills the scheduler's placeholders
 
     def attach_draft(self, model: torch.nn.Module, info: ModelInfo, attention_backend: str = "auto") -> None:

@@ -101,7 +101,7 @@ def test_per_request_budget_and_its_refusal(tiny_llama_dir, prompts):
 @pytest.mark.parametrize("policy", ["sink", "h2o"])
 def test_native_backend_takes_positions_not_slots_under_eviction(tiny_llama_dir, policy):
     # Regression: the native kernels derive a token's RoPE angle from its KV slot; after an eviction that is
-    # below its position, so such steps must rotate in the model (layers.attention.RopeOutside). Streamed prompt
+    # below its position, so such steps pass each request's offset (cvk.h's rope_offset). Streamed prompt
     # logprobs under eviction, native against the reference, agree to float32 rounding.
     from conveyor.kernels import load_cpu_kernels
 
@@ -117,3 +117,36 @@ def test_native_backend_takes_positions_not_slots_under_eviction(tiny_llama_dir,
         assert llm.engine.kv_manager.num_evicted_blocks > 0
         runs.append([e.logprob for e in out.prompt_logprobs if e is not None])
     assert runs[0] == pytest.approx(runs[1], abs=2e-3)
+
+
+@pytest.mark.parametrize("policy", ["sink", "h2o"])
+def test_native_layer_stack_runs_evicting_steps_bit_identical_to_the_per_layer_path(tiny_llama_dir, prompts,
+                                                                                     policy):
+    # The native kernels rotate shifted slots by their request's offset and add up the attention mass
+    # themselves, so the one-call layer stack takes the steps that score (h2o) and those whose slots eviction
+    # shifted; they give what the per-layer loop over the same kernels gives, token for token and logprob for
+    # logprob (the same scores, so the same blocks evicted).
+    llm = make_llm(tiny_llama_dir, block_size=4, max_num_batched_tokens=32, attention_backend="cpu",
+                   kv_eviction=policy, kv_budget_tokens=24, enable_prefix_caching=False)
+    model = llm.engine.model
+    stack = model.native_stack
+    if stack is None:
+        pytest.skip("native kernels not built here")
+    seen = []
+    run = stack.run
+    stack.run = lambda x, rope, kv, attn: seen.append((bool(attn.scored), attn.rope_offset is not None)) or \
+        run(x, rope, kv, attn)
+    try:
+        fused = logprobs_of(llm.generate(prompts, GREEDY, use_tqdm=False))
+    finally:
+        del stack.run
+    assert any(shifted for _, shifted in seen)  # steps after an eviction ran in the stack
+    assert any(scored for scored, _ in seen) == (policy == "h2o")
+    evicted = llm.engine.kv_manager.num_evicted_blocks
+    assert evicted > 0
+    model.native_stack = None
+    try:
+        assert logprobs_of(llm.generate(prompts, GREEDY, use_tqdm=False)) == fused
+    finally:
+        model.native_stack = stack
+    assert llm.engine.kv_manager.num_evicted_blocks == 2 * evicted

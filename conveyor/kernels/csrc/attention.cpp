@@ -38,18 +38,21 @@ inline void rope_head(T* x, const float* cs, int D) {
   }
 }
 
-// Token t at `pos`: rotate its q and k heads in place (when cos_sin is given), store its k and v in the cache;
-// for kv heads [h0, h1) and their query heads (default: all).
+// Token t of request r at KV slot `pos`: rotate its q and k heads in place (when cos_sin is given) by the angles
+// of its position (the slot, plus the request's rope_offset when KV eviction shifted its slots), store its k and
+// v in the cache; for kv heads [h0, h1) and their query heads (default: all).
 template <typename T>
-void rope_and_store(const AttnArgs& a, const int64_t* table, int64_t t, int64_t pos, const float* cos_sin,
-                    int h0 = 0, int h1 = -1) {
+void rope_and_store(const AttnArgs& a, int r, int64_t t, int64_t pos, const float* cos_sin, int h0 = 0,
+                    int h1 = -1) {
+  const int64_t* table = a.block_table + r * a.bt_stride;
   const int D = a.D, G = a.H / a.KVH;
   if (h1 < 0) h1 = a.KVH;
   T* q = static_cast<T*>(a.q) + t * a.q_stride;
   T* k = static_cast<T*>(a.k) + t * a.k_stride;
   const T* v = static_cast<const T*>(a.v) + t * a.v_stride;
   if (cos_sin != nullptr) {
-    const float* cs = cos_sin + pos * D;  // [cos(half), sin(half)]
+    const int64_t position = pos + (a.rope_offset != nullptr ? a.rope_offset[r] : 0);
+    const float* cs = cos_sin + position * D;  // [cos(half), sin(half)]
     for (int h = h0 * G; h < h1 * G; h++) rope_head(q + int64_t(h) * D, cs, D);
     for (int h = h0; h < h1; h++) rope_head(k + int64_t(h) * D, cs, D);
   }
@@ -69,6 +72,9 @@ void attention_impl(const AttnArgs& a, const PlanHeader* plan) {
   const int n_items = plan->n_items;
   const int64_t T_total = plan->T_total;
   const bool item_ropes = plan->item_ropes != 0;
+  bool scores_tiles = false;  // some request of more than one new token is scored (attention_mass.h)
+  for (int r = 0; r < a.num_reqs && a.key_mass != nullptr; r++)
+    scores_tiles = scores_tiles || (mass_of(a, r) != nullptr && a.query_start[r + 1] - a.query_start[r] > 1);
   on_team(plan->threads, [&] {
     if (!item_ropes) {
 #pragma omp for schedule(static)
@@ -76,7 +82,7 @@ void attention_impl(const AttnArgs& a, const PlanHeader* plan) {
         const int r = req_of_token[t];
         const int64_t n = a.query_start[r + 1] - a.query_start[r];
         const int64_t pos = a.seq_lens[r] - n + (t - a.query_start[r]);
-        rope_and_store<T>(a, a.block_table + r * a.bt_stride, t, pos, a.cos_sin);
+        rope_and_store<T>(a, r, t, pos, a.cos_sin);
       }
       // the implicit barrier above: every new K/V row is in the cache before any item reads it
     }
@@ -84,9 +90,17 @@ void attention_impl(const AttnArgs& a, const PlanHeader* plan) {
     for (int i = 0; i < n_items; i++) {
       const Item& it = items[i];
       if (item_ropes)
-        rope_and_store<T>(a, a.block_table + it.req * a.bt_stride, a.query_start[it.req], a.seq_lens[it.req] - 1,
-                          a.cos_sin, it.kvh, it.kvh_end);
+        rope_and_store<T>(a, it.req, a.query_start[it.req], a.seq_lens[it.req] - 1, a.cos_sin, it.kvh, it.kvh_end);
       attend_item<T, DV>(a, it);
+    }
+    // scored prompt chunks: their rows' exact softmax, once every item is done (the barrier above)
+    if (scores_tiles) {
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t x = 0; x < int64_t(a.num_reqs) * a.KVH; x++) {
+        const int r = int(x / a.KVH);
+        if (mass_of(a, r) != nullptr && a.query_start[r + 1] - a.query_start[r] > 1)
+          mass_rows<T, DV>(a, r, int(x % a.KVH));
+      }
     }
   });
 }
@@ -98,6 +112,16 @@ int attention_dispatch(const AttnArgs& a, const PlanHeader* plan) {
   if (a.D == 64) return attention_impl<T, 64 / W>(a, plan), CVK_OK;
   if (a.D == 128) return attention_impl<T, 128 / W>(a, plan), CVK_OK;
   return attention_impl<T, 0>(a, plan), CVK_OK;
+}
+
+// The key mass's buffer must hold each scored request's keys, rounded up to the decode loop's chunks.
+bool mass_fits(const AttnArgs& a) {
+  if (a.key_mass == nullptr) return true;
+  if (a.score_rows == nullptr || a.mass_offset == nullptr) return false;
+  for (int r = 0; r < a.num_reqs; r++)
+    if (a.score_rows[r] > 0 && (a.mass_offset[r] < 0 || a.mass_stride < (a.seq_lens[r] + KC - 1) / KC * KC))
+      return false;
+  return true;
 }
 
 }  // namespace
@@ -125,6 +149,7 @@ int attention(const AttnArgs& a) {
   if (a.num_reqs <= 0) return CVK_OK;
   if (a.dtype != CVK_F32 && a.dtype != CVK_BF16) return CVK_ERR_BADARG;
   if (!attention_supports(a.H, a.KVH, a.D)) return CVK_ERR_UNSUPPORTED;
+  if (!mass_fits(a)) return CVK_ERR_BADARG;
   const PlanHeader* plan = static_cast<const PlanHeader*>(a.plan);
   void* own = nullptr;
   if (plan == nullptr) {

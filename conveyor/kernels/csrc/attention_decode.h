@@ -3,6 +3,7 @@
 
 #include "attention_bf16.h"
 #include "attention_common.h"
+#include "attention_mass.h"
 
 namespace cvk {
 
@@ -46,6 +47,11 @@ void attend_one_query(const AttnArgs& a, const Item& it) {
     m[r] = -INFINITY;
     l[r] = 0.f;
   }
+  // a decode scored for KV eviction keeps its probabilities (attention_mass.h); a request of more tokens whose
+  // last tile holds one query is scored after the step, with its other rows
+  float* mass = a.query_start[it.req + 1] - qs == 1 ? mass_of(a, it.req) : nullptr;
+  MassCapture capture;
+  if (mass != nullptr) capture.begin(rows, end);
   int64_t offs[KC], next_offs[KC];
   for (int64_t j0 = 0; j0 < end; j0 += KC) {
     const int nk = int(std::min<int64_t>(KC, end - j0));
@@ -120,6 +126,7 @@ void attend_one_query(const AttnArgs& a, const Item& it) {
         }
         l[r] = l[r] * alpha + psum.sum();
         m[r] = m_new;
+        if (mass != nullptr) capture.keep(r, int(j0 / KC), s, m_new);
         if (alpha != 1.f) {
           const V al = V::set1(alpha);
           for (int d = 0; d < dv; d++) (V::load(O + r * D + d * W) * al).store(O + r * D + d * W);
@@ -144,6 +151,7 @@ void attend_one_query(const AttnArgs& a, const Item& it) {
       }
     }
   }
+  if (mass != nullptr) capture.finish(a, it.kvh, it.kvh_end, G, m, l, mass);
   if constexpr (kDpbf16)
     for (int r = 0; r < rows; r++) unpermute_row(O + r * D, D);
   store_rows<T, DV>(a, it, qs, rows, O, l);

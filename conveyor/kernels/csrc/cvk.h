@@ -9,7 +9,7 @@
 
 #include <stdint.h>
 
-#define CVK_ABI_VERSION 6
+#define CVK_ABI_VERSION 7
 
 enum {
   CVK_OK = 0,
@@ -28,7 +28,14 @@ enum { CVK_F32 = 0, CVK_BF16 = 1 }; /* dtype codes; bfloat16 is stored as uint16
  *   k_cache, v_cache [num_blocks, KVH, bs, D] (head-major blocks); block_table [num_reqs, bt_stride]; cos_sin
  *     [positions, D] float32 (cos in the first half of a row, sin in the second); out [T, out_stride] gets H * D
  *     per token.
- *   plan: the step's work plan from cvk_attention_plan (the same for every layer), or NULL to plan in the call. */
+ *   plan: the step's work plan from cvk_attention_plan (the same for every layer), or NULL to plan in the call.
+ *   rope_offset: NULL (every token's RoPE position is its KV slot), or [num_reqs] int64: request r's positions
+ *     are its slots + rope_offset[r] (KV eviction dropped that many of its earlier tokens).
+ * Attention mass for KV eviction by score, when key_mass is not NULL: for each request r with score_rows[r] > 0,
+ * every one of its last score_rows[r] new tokens' H query heads adds its softmax probability of each key it sees
+ * into key_mass[mass_offset[r] + kvh * mass_stride + slot] (kvh: the head's kv head), float32, accumulated (+=)
+ * over calls, so one buffer sums a step's layers. mass_stride must cover each scored request's seq_len rounded up
+ * to 32 (the decode loop adds whole chunks of keys; the padding gets zeros). The outputs do not change. */
 typedef struct CvkAttnArgs {
   void* q;
   void* k;
@@ -41,7 +48,11 @@ typedef struct CvkAttnArgs {
   const float* cos_sin;
   void* out;
   const void* plan;
-  int64_t q_stride, k_stride, v_stride, bt_stride, out_stride;
+  float* key_mass;
+  const int32_t* score_rows;
+  const int64_t* mass_offset;
+  const int64_t* rope_offset;
+  int64_t q_stride, k_stride, v_stride, bt_stride, out_stride, mass_stride;
   int32_t dtype, num_reqs, H, KVH, D, bs, num_threads;
   float scale;
 } CvkAttnArgs;
@@ -49,7 +60,8 @@ typedef struct CvkAttnArgs {
 /* The decoder-layer stack of a Llama-family model for one decode-sized step (cvk_llama_layers; see
  * layer_stack.cpp for the ops and their order). fields: per-layer pointers, int64 [LW_FIELDS][L] field-major
  * (layer_stack.cpp's enum gives the order); x, residual and the scratch buffers h, qkv, attn, gu, act are dense
- * [T, ...] in the step's dtype; block_table .. plan as in CvkAttnArgs. use_amx: the caller checked cvk_amx_init
+ * [T, ...] in the step's dtype; block_table .. plan, key_mass .. rope_offset and mass_stride as in CvkAttnArgs
+ * (the key mass then sums every layer's). use_amx: the caller checked cvk_amx_init
  * (bfloat16 with float weights needs it). */
 typedef struct CvkLayerStackArgs {
   const int64_t* fields;
@@ -66,7 +78,11 @@ typedef struct CvkLayerStackArgs {
   const float* cos_sin;
   const void* plan;
   void* quant_scratch; /* quantized: cvk_quant_scratch_bytes(T, the largest K) bytes for the activations */
-  int64_t T, hidden, inter, bt_stride;
+  float* key_mass;
+  const int32_t* score_rows;
+  const int64_t* mass_offset;
+  const int64_t* rope_offset;
+  int64_t T, hidden, inter, bt_stride, mass_stride;
   int32_t dtype, use_amx, L, num_reqs, H, KVH, D, bs, num_threads;
   float scale, eps;
   int32_t quantized; /* 1: the linear fields point at CvkQuantWeight descriptors, not packed float weights */
@@ -74,8 +90,8 @@ typedef struct CvkLayerStackArgs {
 
 #ifdef __cplusplus
 static_assert(sizeof(void*) == 8, "the Python mirrors assume 64-bit pointers");
-static_assert(sizeof(CvkAttnArgs) == 11 * 8 + 5 * 8 + 8 * 4, "CvkAttnArgs changed: bump CVK_ABI_VERSION");
-static_assert(sizeof(CvkLayerStackArgs) == 14 * 8 + 4 * 8 + 12 * 4, "CvkLayerStackArgs changed: bump CVK_ABI_VERSION");
+static_assert(sizeof(CvkAttnArgs) == 15 * 8 + 6 * 8 + 8 * 4, "CvkAttnArgs changed: bump CVK_ABI_VERSION");
+static_assert(sizeof(CvkLayerStackArgs) == 18 * 8 + 5 * 8 + 12 * 4, "CvkLayerStackArgs changed: bump CVK_ABI_VERSION");
 #endif
 
 /* A linear layer's weight quantized in blocks of 32 values along K (gemm_quant.cpp; conveyor/layers/quantized.py

@@ -79,6 +79,11 @@ int llama_layers(const CvkLayerStackArgs& s) {
   base.seq_lens = s.seq_lens;
   base.cos_sin = s.cos_sin;
   base.plan = s.plan;
+  base.key_mass = s.key_mass;
+  base.score_rows = s.score_rows;
+  base.mass_offset = s.mass_offset;
+  base.rope_offset = s.rope_offset;
+  base.mass_stride = s.mass_stride;
   base.q_stride = base.k_stride = base.v_stride = qkv_n;
   base.bt_stride = s.bt_stride;
   base.out_stride = q_n;

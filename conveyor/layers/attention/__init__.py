@@ -11,7 +11,7 @@ fused; where conveyor/kernels built for this CPU and serve the dtype and head si
 ops; runs on any device), "cuda" (flash-attn's varlen paged kernel). Choices that pick one: "cpu" (cpu-native
 where it serves, else cpu-torch) and "auto" (cuda on a GPU, else cpu). A step with a baseline's pad rows gets
 its backend wrapped in ``padded.PaddedAttention``; a step whose KV eviction policy asks for attention scores,
-in ``key_mass.KeyMassAttention``.
+in ``key_mass.KeyMassAttention``, unless the backend's kernels score keys themselves (``evicts_in_kernel``).
 """
 
 from __future__ import annotations
@@ -80,33 +80,15 @@ def make_attention(backend: str, meta: AttentionMetadata, dtype: torch.dtype,
     """The per-step attention object for a resolved backend name; with ``padding``, wrapped to run the pad rows;
     with ``scored`` (request index -> trailing query rows), wrapped to add up their attention mass per KV block
     (``KeyMassAttention.block_scores``)."""
-    attention = _make_backend(backend, meta, dtype)
-    if meta.slots_shifted and attention.fuses_rope:
-        attention = RopeOutside(attention)
-    if scored:
-        assert padding is None, "KV eviction does not run beside the padded baselines"
+    assert padding is None or not scored, "KV eviction does not run beside the padded baselines"
+    # A backend whose kernels score keys and rotate shifted slots by their request's offset (native_cpu, the one
+    # that fuses RoPE) takes eviction's steps itself; the others rotate in the model and get the torch side pass.
+    in_kernel = getattr(backend_class(backend), "evicts_in_kernel", False)
+    attention = _make_backend(backend, meta, dtype, scored if in_kernel else None)
+    assert in_kernel or not attention.fuses_rope, "a RoPE-fusing backend must rotate by positions under eviction"
+    if scored and not in_kernel:
         return KeyMassAttention(attention, meta, scored, kv_is_head_major(backend))
     return attention if padding is None else PaddedAttention(attention, meta.num_tokens, padding)
-
-
-class RopeOutside:
-    """A RoPE-fusing backend run with q and k rotated by the model, for a step whose KV slots are not positions.
-
-    The native kernels (attention and the layer stack) take the RoPE angle of a new token from its KV slot
-    (``seq_len - n + j``), which KV eviction shifts below the token's position; the model's own rotation uses the
-    step's real positions. Only such steps pay for it (the per-layer path, rotation in torch)."""
-
-    fuses_rope = False
-    supports_layer_stack = False
-
-    def __init__(self, inner: AttentionBackend) -> None:
-        self.inner = inner
-        self.name = inner.name
-
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, scale: float,
-                rope: torch.Tensor | None = None) -> torch.Tensor:
-        assert rope is None, "q and k come rotated"
-        return self.inner.forward(q, k, v, kv_cache, scale)
 
 
 def kv_is_head_major(backend: str) -> bool:
@@ -114,12 +96,13 @@ def kv_is_head_major(backend: str) -> bool:
     return backend_class(backend).kv_cache_shape(1, 2, 3, 4) == (2, 1, 3, 2, 4)
 
 
-def _make_backend(backend: str, meta: AttentionMetadata, dtype: torch.dtype) -> AttentionBackend:
+def _make_backend(backend: str, meta: AttentionMetadata, dtype: torch.dtype,
+                  scored: dict[int, int] | None = None) -> AttentionBackend:
     cls = backend_class(backend)
     if cls is NativeCpuAttention:
         from conveyor.kernels import load_cpu_kernels
 
-        return NativeCpuAttention(meta, load_cpu_kernels())
+        return NativeCpuAttention(meta, load_cpu_kernels(), scored)
     if cls is CpuAttention:
         return CpuAttention(meta, dtype)
     return cls(meta)

@@ -33,6 +33,8 @@ class AttentionMetadata:
     # Some request's KV slots are not its positions (KV eviction dropped blocks): a backend that derives a token's
     # RoPE angle from its KV slot must not rotate this step (``make_attention`` sees to it)
     slots_shifted: bool = False
+    # With slots_shifted: each request's position minus its KV slot (the tokens eviction dropped from it)
+    rope_offsets: list[int] | None = None
 
     @property
     def num_reqs(self) -> int:
