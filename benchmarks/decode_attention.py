@@ -2,13 +2,17 @@
 """Decode attention alone: the native kernel over a step of one-token requests, every layer's cache its own.
 
     python benchmarks/decode_attention.py [--dtype bfloat16] [--heads 9 --kv-heads 3 --head-dim 64]
-        [--layers 30] [--shapes 86x190,86x500,16x500] [--rounds 10]
+        [--layers 30] [--shapes 86x190,86x500,16x500] [--rounds 10] [--key-mass]
 
 For each requests x keys shape: one attention call per layer (rope + KV write + attention, as the engine makes
 them), over --layers separate caches so they come from DRAM as a real step's do (the defaults are SmolLM2-135M's
 heads and layers); prints the best of --rounds in ms per step. To compare two versions of the kernels, run it on
 each commit (the script works with the API before and after the per-step plan), alternated, on an idle machine:
 the results in docs/kernels.md were measured this way or with both builds in one process.
+
+--key-mass times each step twice, taking turns: as above, and with every request scored for KV eviction (the
+kernel adds each query head's attention probabilities into a per-request buffer, as h2o asks of every decode
+it scores), and prints what scoring adds (docs/kv-eviction.md).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ def main() -> int:
     ap.add_argument("--shapes", default="86x190,86x500,16x500", help="requests x keys, comma-separated")
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--key-mass", action="store_true", help="also time the step with every request scored")
     ns = ap.parse_args()
 
     import torch
@@ -61,15 +66,29 @@ def main() -> int:
         q = qkv[:, :h * d].unflatten(1, (h, d))
         k = qkv[:, h * d:(h + kvh) * d].unflatten(1, (kvh, d))
         v = qkv[:, (h + kvh) * d:].unflatten(1, (kvh, d))
-        best = float("inf")
+        variants = [{}]
+        if ns.key_mass:
+            from conveyor.kernels.cpu_ops import KeyMass
+
+            stride = -(-(keys + 1) // 32) * 32
+            variants.append({"key_mass": KeyMass(torch.zeros(reqs, kvh, stride), torch.ones(reqs, dtype=torch.int32),
+                                                 torch.arange(reqs, dtype=torch.int64))})
+        best = [float("inf")] * len(variants)
         for _ in range(ns.rounds):
-            t0 = time.perf_counter()
-            plan = kernels.attention_plan(qsl, seq_lens, h, kvh, d) if hasattr(kernels, "attention_plan") else None
-            extra = {} if plan is None else {"plan": plan}
-            for cache in caches:
-                kernels.attention(q, k, v, cache[0], cache[1], table, qsl, seq_lens, cos_sin, out, d ** -0.5, **extra)
-            best = min(best, time.perf_counter() - t0)
-        print(f"{reqs:4d} requests x {keys:5d} keys: {best * 1e3:8.2f} ms per step")
+            for j, scored in enumerate(variants):  # taking turns: both see the same machine
+                t0 = time.perf_counter()
+                plan = kernels.attention_plan(qsl, seq_lens, h, kvh, d) if hasattr(kernels, "attention_plan") else None
+                extra = {} if plan is None else {"plan": plan}
+                if scored:
+                    scored["key_mass"].mass.zero_()  # once per step, as the engine allocates it
+                for cache in caches:
+                    kernels.attention(q, k, v, cache[0], cache[1], table, qsl, seq_lens, cos_sin, out, d ** -0.5,
+                                      **extra, **scored)
+                best[j] = min(best[j], time.perf_counter() - t0)
+        line = f"{reqs:4d} requests x {keys:5d} keys: {best[0] * 1e3:8.2f} ms per step"
+        if ns.key_mass:
+            line += f", scored {best[1] * 1e3:8.2f} ms ({100 * (best[1] / best[0] - 1):+.1f}%)"
+        print(line)
     return 0
 
 

@@ -49,14 +49,15 @@ KV_EVICTION_POLICIES = ("none", "sink", "h2o", "snapkv")
 SCORED_POLICIES = ("h2o", "snapkv")  # the runner returns attention mass for these
 SINK_TOKENS = 4  # StreamingLLM keeps four initial tokens: the attention sink
 SNAPKV_WINDOW = 32  # SnapKV's observation window: the last prompt tokens whose attention scores the rest
-# h2o scores a decode every this many of its steps (prompt chunks always): the side pass costs about as much as
-# the step's attention again (docs/kv-eviction.md), while a decode evicts at most once per block_size steps and
-# its accumulated mass moves slowly, so a sample of the steps ranks blocks nearly as the full sum does.
-H2O_SCORE_PERIOD = 8
+# h2o scores a decode every this many of its steps (prompt chunks always). Every step, as H2O: the native kernels
+# keep the probabilities their softmax computes anyway, a few percent of a step (docs/kv-eviction.md). On the
+# torch backends the side pass costs about the step's attention again; a larger period samples the steps there
+# (a decode evicts at most once per block_size steps and its accumulated mass moves slowly).
+H2O_SCORE_PERIOD = 1
 H2O_RANKS = ("mean", "sum")
-# h2o scores at most this many of a prompt chunk's rows, its last ones. Scoring every row of a chunk of a few
-# hundred tokens cost more than a quarter of a long-context trace's time (the side pass's QK product grows
-# with rows x kept keys); the last rows of each chunk sample its attention as the decode period samples steps,
+# h2o scores at most this many of a prompt chunk's rows, its last ones. A chunk's scored rows get an exact
+# softmax of their own after the step (a second QK product, rows x kept keys): scoring every row of chunks of a
+# few hundred tokens cost more than a quarter of a long-context trace's time; the last rows of each chunk sample its attention as the decode period samples steps,
 # and mean ranking divides each block's mass by the rows that could see it, so sampled and full rows rank alike.
 H2O_CHUNK_SCORE_ROWS = 32
 

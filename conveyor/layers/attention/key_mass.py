@@ -1,16 +1,14 @@
-"""Per-key attention mass for KV eviction by score (h2o, snapkv), beside whichever backend runs the step.
+"""Per-key attention mass for KV eviction by score (h2o, snapkv), beside a torch backend that runs the step.
 
 ``KeyMassAttention`` wraps the step's backend: every layer's ``forward`` runs the backend unchanged (its output is
 the step's, bit for bit), then recomputes, in torch and in float32, the softmax of the scored query rows over
 their keys and adds its mass per KV block, summed over heads, into a per-request accumulator that the runner reads
-once after the forward pass (summed over layers too). The backends' own kernels are not touched: the softmax is
-recomputed from the rotated q (a RoPE-fusing backend rotates q in place) and the keys in the cache.
+once after the forward pass (summed over layers too).
 
-Why a side pass and not the kernels' own probabilities: the native CPU kernel streams keys with an online
-softmax, so a key's final probability is known only after its last block (a second pass over the keys either
-way), and doing it here serves every backend and both KV layouts at once. The price is an extra QK product per
-scored row per layer, and the native whole-model layer stack is off for scored steps (it has no hook between
-layers); docs/kv-eviction.md has the measured cost. Nothing here runs unless the scheduler asks for scores.
+The native CPU backend does not come here: its kernels add the mass themselves (``NativeCpuAttention``,
+csrc/attention_mass.h), at a few percent of a step, and keep the one-call layer stack. This side pass serves the
+``reference``, ``cpu-torch`` and ``cuda`` backends and both KV layouts; it costs an extra QK product per scored
+row per layer (docs/kv-eviction.md). Nothing here runs unless the scheduler asks for scores.
 """
 
 from __future__ import annotations
