@@ -62,52 +62,67 @@ struct MassCapture {
 };
 
 // Tile requests: the exact softmax of request r's last score_rows[r] query rows, heads of kv head h, over the
-// keys each sees, added into its mass. Two passes over the keys (scores, then exp and sum), in float32.
+// keys each sees, added into its mass. Two passes over the row's scores (scores, then exp and sum), in float32,
+// vector-wide: the scores W keys at a time with one transpose-add tree (as the decode loop), the softmax and
+// the accumulation over whole vectors with the row's unseen keys at -inf (the buffer is padded to whole chunks).
 template <typename T, int DV>
 void mass_rows(const AttnArgs& a, int r, int h) {
   const int dv = head_dv<DV>(a), D = dv * W;
+  constexpr int KP = (KC + W - 1) / W * W;
   const int G = a.H / a.KVH;
   const int64_t qs = a.query_start[r], n = a.query_start[r + 1] - qs;
   const int64_t ctx0 = a.seq_lens[r] - n;
   const int rows = int(std::min<int64_t>(a.score_rows[r], n));
-  const int64_t first = n - rows;  // the first scored query
-  const int64_t end = ctx0 + n;    // keys any scored row sees
+  const int64_t first = n - rows;                      // the first scored query
+  const int64_t end = ctx0 + n;                        // keys any scored row sees
+  const int64_t span = (end + KC - 1) / KC * KC;       // whole chunks: mass_stride covers them (mass_fits)
   const int64_t* table = a.block_table + int64_t(r) * a.bt_stride;
   float* dst = a.key_mass + a.mass_offset[r] + int64_t(h) * a.mass_stride;
   thread_local std::vector<float> scratch;
-  const size_t need = size_t(rows) * G * (D + end);
+  const size_t need = size_t(rows) * G * (D + span);
   if (scratch.size() < need) scratch.resize(need);
   float* q = scratch.data();             // [rows * G][D], scaled
-  float* S = q + size_t(rows) * G * D;   // [rows * G][end]
+  float* S = q + size_t(rows) * G * D;   // [rows * G][span]
   const V sc = V::set1(a.scale);
   for (int i = 0; i < rows; i++)
     for (int g = 0; g < G; g++) {
       const T* src = static_cast<const T*>(a.q) + (qs + first + i) * a.q_stride + int64_t(h * G + g) * D;
       for (int d = 0; d < dv; d++) (V::load(src + d * W) * sc).store(q + (size_t(i) * G + g) * D + d * W);
     }
-  alignas(64) float kbuf[sizeof(T) == 2 ? KC * max_dv<DV>() * W : 1];
-  const float* krow[KC];
+  alignas(64) float kbuf[sizeof(T) == 2 ? KP * max_dv<DV>() * W : 1];
+  const float* krow[KP];
   for (int64_t j0 = 0; j0 < end; j0 += KC) {
     const int nk = int(std::min<int64_t>(KC, end - j0));
-    chunk_rows<T, DV>(a, table, static_cast<const T*>(a.k_cache), h, j0, nk, nk, krow, kbuf);
+    chunk_rows<T, DV>(a, table, static_cast<const T*>(a.k_cache), h, j0, nk, KP, krow, kbuf);
     for (int x = 0; x < rows * G; x++) {
-      const float* qx = q + size_t(x) * D;
-      float* s = S + size_t(x) * end + j0;
-      for (int j = 0; j < nk; j++) {
-        V acc = V::zero();
-        for (int d = 0; d < dv; d++) acc = V::fma(V::load(qx + d * W), V::load(krow[j] + d * W), acc);
-        s[j] = acc.sum();
+      V qx[max_dv<DV>()];
+      for (int d = 0; d < dv; d++) qx[d] = V::load(q + size_t(x) * D + d * W);
+      float* s = S + size_t(x) * span + j0;
+      for (int jg = 0; jg < KC; jg += W) {
+        V acc[W];
+        for (int u = 0; u < W; u++) {
+          acc[u] = V::zero();
+          for (int d = 0; d < dv; d++) acc[u] = V::fma(qx[d], V::load(krow[jg + u] + d * W), acc[u]);
+        }
+        V::hsum_lanes(acc).store(s + jg);
       }
     }
   }
   for (int x = 0; x < rows * G; x++) {
     const int64_t seen = ctx0 + first + x / G + 1;  // causal: keys [0, its own slot]
-    float* s = S + size_t(x) * end;
-    float mx = -INFINITY, sum = 0.f;
-    for (int64_t j = 0; j < seen; j++) mx = std::max(mx, s[j]);
-    for (int64_t j = 0; j < seen; j++) sum += (s[j] = expf(s[j] - mx));
-    const float inv = 1.f / sum;
-    for (int64_t j = 0; j < seen; j++) dst[j] += s[j] * inv;
+    float* s = S + size_t(x) * span;
+    for (int64_t j = seen; j < span; j++) s[j] = -INFINITY;
+    V mx = V::set1(-INFINITY);
+    for (int64_t j = 0; j < span; j += W) mx = V::max(mx, V::load(s + j));
+    const V m = V::set1(mx.hmax());
+    V sum = V::zero();
+    for (int64_t j = 0; j < span; j += W) {
+      const V p = V::exp(V::load(s + j) - m);
+      p.store(s + j);
+      sum = sum + p;
+    }
+    const V inv = V::set1(1.f / sum.sum());
+    for (int64_t j = 0; j < span; j += W) V::fma(V::load(s + j), inv, V::load(dst + j)).store(dst + j);
   }
 }
 
