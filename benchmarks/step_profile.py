@@ -44,13 +44,15 @@ class StepProfile:
         from conveyor.layers import activation, norms
         from conveyor.layers.attention import cpu, native_cpu
         from conveyor.layers.linear import PackedLinear
+        from conveyor.layers.quantized import QuantLinear
         from conveyor.models import llama
         from conveyor.models.native_stack import NativeLayerStack
 
         eng = self.engine
         model = eng.model
         head = getattr(model, "lm_head", None)
-        self._wrap(PackedLinear, "forward", lambda a: "lm_head" if a[0] is head else "linear")
+        for linear in (PackedLinear, QuantLinear):  # float and quantized weights
+            self._wrap(linear, "forward", lambda a: "lm_head" if a[0] is head else "linear")
         self._wrap(native_cpu.NativeCpuAttention, "forward",
                    lambda a: "attention" if a[0].meta.num_decodes == a[0].meta.num_reqs else "attention (prefill steps)")
         self._wrap(cpu.CpuAttention, "forward", "attention")

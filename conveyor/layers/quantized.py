@@ -4,10 +4,13 @@ Q5_K) and int8 computed at load from a float checkpoint, run by the native integ
 
 Every supported format is one of two layouts (csrc/cvk.h's ``CvkQuantWeight``): per block of 32 values along
 K, ``value = scale * q + offset`` with q a 4-bit unsigned (``q4``: Q4_0, Q4_1, Q4_K) or an 8-bit signed integer
-(``q8``: Q8_0, Q5_*, int8). The file's f16 scales, K-quant sub-block scales and minimums become float32 ``scale``
-and ``offset`` per block (exact: products of an f16 and a 6-bit integer fit float32), so one kernel per layout
-serves every format, and the packed weight stays within 0.75 bytes per value for 4-bit files (the file's Q4_1 is
-0.625). Q6_K (scales per 16 values) and the IQ types have no such form: they are dequantized at load as before.
+(``q8``: Q8_0, Q5_*, int8). The file's f16 scales, K-quant sub-block scales and minimums become a ``scale`` and
+an ``offset`` per block, so one kernel per layout serves every format. The packed form keeps them as f16 where
+every one is exactly an f16 (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1: one f16 scale, and a minimum or -8/-16/-128 x the
+scale, per block), so a decode step streams the file's bytes or close (Q4_1 0.625 bytes a value, the file's;
+Q8_0 1.125 against its 1.0625, the offset stored beside the scale), and as float32 otherwise (K-quants' f16 x
+6-bit products and int8's max / 127 are exact only there; Q4_K 0.75 bytes a value against the file's 0.5625).
+Q6_K (scales per 16 values) and the IQ types have no such form: they are dequantized at load as before.
 
 ``QuantLinear`` picks per call: up to ``QUANT_INT_MAX_ROWS[dtype]`` rows the integer kernel (activations
 quantized per block to 15-bit integers, csrc/qdot.h); above, the weight is dequantized into a transient float
@@ -88,10 +91,23 @@ class QuantizedTensor:
         """Bytes of the packed form (what the model holds)."""
         n, k = self.shape
         np_, kp = -(-n // GROUP) * GROUP, -(-k // BLOCK) * BLOCK
-        return np_ * kp // (2 if self.kind == "q4" else 1) + 2 * 4 * np_ * kp // BLOCK
+        scale_bytes = 2 if self.scales_fit_f16() else 4
+        return np_ * kp // (2 if self.kind == "q4" else 1) + 2 * scale_bytes * np_ * kp // BLOCK
 
-    def pack(self) -> PackedQuantWeight:
-        """The kernels' layout (csrc/cvk.h's CvkQuantWeight): columns in groups of 16, 16 columns x 4 k per 64 bytes."""
+    def scales_fit_f16(self) -> bool:
+        """Whether every scale and offset is exactly an IEEE half (then the packed form stores them so)."""
+        def exact(t: torch.Tensor) -> bool:
+            return bool(torch.equal(t.to(torch.float16).to(torch.float32), t))
+        return exact(self.scale) and exact(self.offset)
+
+    def pack(self, scale_dtype: torch.dtype | None = None) -> PackedQuantWeight:
+        """The kernels' layout (csrc/cvk.h's CvkQuantWeight): columns in groups of 16, 16 columns x 4 k per 64 bytes.
+        ``scale_dtype``: torch.float16 or torch.float32 for the scales and offsets; None picks float16 where it is
+        exact (``scales_fit_f16``). Either gives the same numbers."""
+        if scale_dtype is None:
+            scale_dtype = torch.float16 if self.scales_fit_f16() else torch.float32
+        if scale_dtype not in (torch.float16, torch.float32):
+            raise ValueError(f"scales are stored as float16 or float32, not {scale_dtype}")
         n, k = self.shape
         nb = self.scale.shape[1]
         np_, kp = -(-n // GROUP) * GROUP, nb * BLOCK
@@ -106,7 +122,7 @@ class QuantizedTensor:
 
         def grouped(t: torch.Tensor) -> torch.Tensor:
             t = torch.nn.functional.pad(t, (0, 0, 0, np_ - n))
-            return t.view(groups, GROUP, nb).transpose(1, 2).contiguous()
+            return t.view(groups, GROUP, nb).transpose(1, 2).to(scale_dtype).contiguous()
 
         return PackedQuantWeight(self.kind, qs.view(-1), grouped(self.scale), grouped(self.offset), (n, k),
                                  self.source)
@@ -115,7 +131,7 @@ class QuantizedTensor:
 @dataclass
 class PackedQuantWeight:
     """A ``QuantizedTensor`` in the kernels' layout, with its ``QuantWeight`` descriptor (pointers into these
-    tensors, which it keeps alive)."""
+    tensors, which it keeps alive). ``scale`` and ``offset`` are float16 or float32 (``QuantizedTensor.pack``)."""
 
     kind: str
     qs: torch.Tensor
@@ -139,7 +155,8 @@ class PackedQuantWeight:
 
             self._desc = QuantWeight(qs=self.qs.data_ptr(), scale=self.scale.data_ptr(),
                                      offset=self.offset.data_ptr(), N=self.shape[0], K=self.shape[1],
-                                     KP=self.padded_in, kind=KINDS[self.kind])
+                                     KP=self.padded_in, kind=KINDS[self.kind],
+                                     scale_f16=int(self.scale.dtype == torch.float16))
         return self._desc
 
 

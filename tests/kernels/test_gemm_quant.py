@@ -252,3 +252,52 @@ def test_int8_is_per_channel_symmetric():
     assert torch.equal(scales, scales[:, :1].expand(6, 4))  # one scale per row
     torch.testing.assert_close(scales[:, 0], w.abs().amax(1) / 127)
     assert (qt.dequantize() - w).abs().max() <= scales.max() / 2 + 1e-6
+
+
+def test_packed_scales_are_halves_where_the_file_has_them():
+    """The one-f16-per-block formats pack their scales and offsets as halves (Q4_1's packed weight is then the
+    file's own size); K-quants and int8, whose scales an f16 cannot hold exactly, keep float32."""
+    n, k = 32, 256
+    for qtype in GGUF_KERNEL_TYPES:
+        raw = gguf_bytes(qtype, n, k, seed=5)
+        qt = from_gguf(raw, qtype, (n, k))
+        packed = qt.pack()
+        if qtype in KQUANTS:
+            assert packed.scale.dtype == torch.float32 and not qt.scales_fit_f16(), qtype
+            continue
+        assert packed.scale.dtype == packed.offset.dtype == torch.float16, qtype
+        per_block = (16 if qt.kind == "q4" else 32) + 2 + 2  # the values, the scale and the offset as halves
+        assert packed.nbytes == qt.nbytes == per_block * n * k // 32, qtype
+        if qtype == "Q4_1":
+            assert packed.nbytes == raw.nbytes
+    assert quantize_int8(torch.randn(n, k)).pack().scale.dtype == torch.float32
+    with pytest.raises(ValueError, match="float16 or float32"):
+        qt.pack(torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_half_and_float_scales_give_the_same_outputs(kernels, dtype):
+    """Halves that are exact convert to the same float32 scales: the GEMM (every row count class, the AMX tiles
+    where this CPU has them) and the dequantization give identical outputs from either packing."""
+    gen = torch.Generator().manual_seed(7)
+    for qtype in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"):
+        qt = from_gguf(gguf_bytes(qtype, 40, 576, seed=9), qtype, (40, 576))
+        half, full = qt.pack(torch.float16), qt.pack(torch.float32)
+        for amx in ([False, True] if kernels.amx_int8 else [False]):
+            if kernels.amx_int8:
+                kernels.set_amx_qdot(amx, min_rows=1)
+            for rows in (1, 4, 5, 17):
+                x = torch.randn(rows, 576, generator=gen).to(dtype)
+                outs = []
+                for packed in (half, full):
+                    out = torch.empty(rows, 40, dtype=dtype)
+                    kernels.quant_linear(x, packed.descriptor(), None, out)
+                    outs.append(out)
+                assert torch.equal(outs[0], outs[1]), f"{qtype}, {rows} rows, amx {amx}, {kernels.level}"
+        if kernels.amx_int8:
+            kernels.set_amx_qdot(True)
+        deq = [torch.empty(40, 576) for _ in range(2)]
+        for packed, out in zip((half, full), deq):
+            kernels.quant_dequantize(packed.descriptor(), None, out)
+        assert torch.equal(deq[0], deq[1]), qtype
+        torch.testing.assert_close(deq[0], qt.dequantize(), atol=1e-6, rtol=0)

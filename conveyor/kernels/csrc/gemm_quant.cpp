@@ -63,16 +63,30 @@ inline QRow row_view(const char* base, int64_t KP) {
   return QRow{hi, hi + KP, d, d + blocks(KP)};
 }
 
-template <int R>
-inline void group_rows(const CvkQuantWeight& w, int64_t g, const QRow* xr, float* out) {
+// Group g's scales (or offsets) in the weight's storage type S (float, or uint16_t halves: cvk.h).
+template <typename S>
+inline const S* group_scales(const void* base, int64_t g, int64_t nb) {
+  return static_cast<const S*>(base) + g * nb * QG;
+}
+
+template <int R, typename S>
+inline void group_rows_as(const CvkQuantWeight& w, int64_t g, const QRow* xr, float* out) {
   const int64_t nb = blocks(w.KP);
   const uint8_t* qs = static_cast<const uint8_t*>(w.qs) + g * nb * block_bytes(w.kind);
-  const float* scale = w.scale + g * nb * QG;
-  const float* offset = w.offset + g * nb * QG;
+  const S* scale = group_scales<S>(w.scale, g, nb);
+  const S* offset = group_scales<S>(w.offset, g, nb);
   if (w.kind == CVK_Q4)
     qdot::group_dot<R, true>(qs, scale, offset, xr, nb, out);
   else
     qdot::group_dot<R, false>(qs, scale, offset, xr, nb, out);
+}
+
+template <int R>
+inline void group_rows(const CvkQuantWeight& w, int64_t g, const QRow* xr, float* out) {
+  if (w.scale_f16)
+    group_rows_as<R, uint16_t>(w, g, xr, out);
+  else
+    group_rows_as<R, float>(w, g, xr, out);
 }
 
 template <int R>
@@ -153,9 +167,14 @@ void amx_groups(const CvkQuantGemmArgs& a, const char* scratch, int64_t rb, char
       const int r = int(std::min<int64_t>(qdot::kAmxRows, M - t * qdot::kAmxRows));
       const char* p = packed + t * tile_bytes;
       alignas(64) float acc[qdot::kAmxRows * QG];
-      qdot::amx_group_dot_upto<qdot::kAmxRows>(r, wq, w.scale + g * nb * QG, w.offset + g * nb * QG,
-                                               reinterpret_cast<const int8_t*>(p),
-                                               reinterpret_cast<const float*>(p + nb * 512), nb, acc);
+      const int8_t* digits = reinterpret_cast<const int8_t*>(p);
+      const float* units = reinterpret_cast<const float*>(p + nb * 512);
+      if (w.scale_f16)
+        qdot::amx_group_dot_upto<qdot::kAmxRows>(r, wq, group_scales<uint16_t>(w.scale, g, nb),
+                                                 group_scales<uint16_t>(w.offset, g, nb), digits, units, nb, acc);
+      else
+        qdot::amx_group_dot_upto<qdot::kAmxRows>(r, wq, group_scales<float>(w.scale, g, nb),
+                                                 group_scales<float>(w.offset, g, nb), digits, units, nb, acc);
       store_group(acc, QG, r, nc, static_cast<const T*>(a.bias), static_cast<T*>(a.y), a.y_stride,
                   t * qdot::kAmxRows, g * QG);
     }
@@ -180,6 +199,11 @@ void quant_gemm_impl(const CvkQuantGemmArgs& a) {
   });
 }
 
+// Element i of a weight's scales or offsets (`base`: w.scale or w.offset) as float32.
+inline float scale_at(const CvkQuantWeight& w, const void* base, int64_t i) {
+  return w.scale_f16 ? _cvtsh_ss(static_cast<const uint16_t*>(base)[i]) : static_cast<const float*>(base)[i];
+}
+
 // Rows `rows` (or 0 .. count - 1 when rows is NULL) of W, dequantized to T: row n is column n % 16 of group n / 16.
 template <typename T>
 void dequantize_impl(const CvkQuantWeight& w, const int64_t* rows, int64_t count, T* out, int64_t out_stride,
@@ -200,7 +224,7 @@ void dequantize_impl(const CvkQuantWeight& w, const int64_t* rows, int64_t count
                                            : blk[t * 64 + c * 4 + b];
             vals[t * 4 + b] = float(v);
           }
-        const float sc = w.scale[(g * nb + j) * QG + c], of = w.offset[(g * nb + j) * QG + c];
+        const float sc = scale_at(w, w.scale, (g * nb + j) * QG + c), of = scale_at(w, w.offset, (g * nb + j) * QG + c);
         const int lim = int(std::min<int64_t>(QB, w.K - j * QB));
         for (int t = 0; t < lim; t++) from_f32(vals[t] * sc + of, dst + j * QB + t);
       }
@@ -209,7 +233,8 @@ void dequantize_impl(const CvkQuantWeight& w, const int64_t* rows, int64_t count
 }
 
 bool valid(const CvkQuantWeight* w) {
-  return w != nullptr && (w->kind == CVK_Q4 || w->kind == CVK_Q8) && w->KP % QB == 0 && w->K > 0 &&
+  return w != nullptr && (w->kind == CVK_Q4 || w->kind == CVK_Q8) && (w->scale_f16 == 0 || w->scale_f16 == 1) &&
+         w->KP % QB == 0 && w->K > 0 &&
          w->K <= w->KP && w->N > 0 && w->qs != nullptr && w->scale != nullptr && w->offset != nullptr;
 }
 

@@ -96,11 +96,12 @@ __attribute__((target("amx-tile,amx-int8"))) inline void amx_block_products(cons
 }
 
 // out[r][0..16) = what group_dot gives for R (<= kAmxRows) activation rows (packed by pack_activations) against
-// nb blocks of one group's 8-bit weights w (512 bytes a block) and its scales and offsets (16 floats a block).
+// nb blocks of one group's 8-bit weights w (512 bytes a block) and its scales and offsets (16 a block, S as in
+// group_dot).
 // R is a constant so that the sums stay in registers. The tiles must be configured (amx_configure_qdot).
-template <int R>
-__attribute__((target("amx-tile,amx-int8"))) inline void amx_group_dot(const uint8_t* w, const float* scale,
-                                                                      const float* offset, const int8_t* digits,
+template <int R, typename S>
+__attribute__((target("amx-tile,amx-int8"))) inline void amx_group_dot(const uint8_t* w, const S* scale,
+                                                                      const S* offset, const int8_t* digits,
                                                                       const float* units, int64_t nb, float* out) {
   alignas(64) int32_t c[2 * kAmxRows * 16];
   __m512 acc[R];
@@ -113,8 +114,8 @@ __attribute__((target("amx-tile,amx-int8"))) inline void amx_group_dot(const uin
       _tile_stored(4, c, 64);
     else
       _tile_stored(5, c, 64);
-    const __m512 a = _mm512_loadu_ps(scale + j * 16);
-    const __m512 b = _mm512_loadu_ps(offset + j * 16);
+    const __m512 a = load_scales(scale + j * 16);
+    const __m512 b = load_scales(offset + j * 16);
     const float* u = units + j * 16;
 #pragma GCC unroll 8
     for (int r = 0; r < R; r++) {
@@ -127,8 +128,8 @@ __attribute__((target("amx-tile,amx-int8"))) inline void amx_group_dot(const uin
 }
 
 // amx_group_dot for r (1 .. R) rows.
-template <int R>
-inline void amx_group_dot_upto(int r, const uint8_t* w, const float* scale, const float* offset, const int8_t* digits,
+template <int R, typename S>
+inline void amx_group_dot_upto(int r, const uint8_t* w, const S* scale, const S* offset, const int8_t* digits,
                                const float* units, int64_t nb, float* out) {
   if constexpr (R > 1) {
     if (r < R) return amx_group_dot_upto<R - 1>(r, w, scale, offset, digits, units, nb, out);
@@ -139,9 +140,8 @@ inline void amx_group_dot_upto(int r, const uint8_t* w, const float* scale, cons
 inline void amx_configure_qdot() { abort(); }
 inline void unpack_q4_group(const uint8_t*, int64_t, uint8_t*) { abort(); }
 inline void pack_activations(const char*, int64_t, int64_t, int, int8_t*, float*) { abort(); }
-template <int R>
-inline void amx_group_dot_upto(int, const uint8_t*, const float*, const float*, const int8_t*, const float*, int64_t,
-                               float*) {
+template <int R, typename S>
+inline void amx_group_dot_upto(int, const uint8_t*, const S*, const S*, const int8_t*, const float*, int64_t, float*) {
   abort();
 }
 #endif

@@ -95,11 +95,16 @@ inline __m256i block_dot(const __m256i w[8], const int8_t* hi, const int8_t* lo)
 
 constexpr bool kSignedQ8Dot = true;
 
+// 8 columns' scales (or offsets) of one block as float32: stored as float32, or as IEEE halves (cvk.h).
+inline __m256 load_scales(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load_scales(const uint16_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
 // out[r][0..16) = sum over blocks j of scale_j * d_rj * <q_j, n_rj> + offset_j * s_rj, for one group of 16
-// columns and R rows.
-template <int R, bool Q4>
-inline void group_dot(const uint8_t* qs, const float* scale, const float* offset, const QRow* xr, int64_t nb,
-                      float* out) {
+// columns and R rows (S: float or uint16_t halves, as the weight stores its scales).
+template <int R, bool Q4, typename S>
+inline void group_dot(const uint8_t* qs, const S* scale, const S* offset, const QRow* xr, int64_t nb, float* out) {
   constexpr int64_t block_bytes = Q4 ? 256 : 512;
   for (int h = 0; h < 2; h++) {
     __m256 acc[R];
@@ -107,8 +112,8 @@ inline void group_dot(const uint8_t* qs, const float* scale, const float* offset
     for (int64_t j = 0; j < nb; j++) {
       __m256i w[8];
       load_half<Q4>(qs + j * block_bytes, h, w);
-      const __m256 a = _mm256_loadu_ps(scale + j * 16 + h * 8);
-      __m256 b = _mm256_loadu_ps(offset + j * 16 + h * 8);
+      const __m256 a = load_scales(scale + j * 16 + h * 8);
+      __m256 b = load_scales(offset + j * 16 + h * 8);
       if constexpr (!Q4) b = _mm256_fmadd_ps(a, _mm256_set1_ps(128.f), b);
       for (int r = 0; r < R; r++) {
         const __m256i d = block_dot<Q4>(w, xr[r].hi + j * 32, xr[r].lo + j * 32);

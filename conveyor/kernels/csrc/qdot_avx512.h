@@ -89,6 +89,12 @@ inline __m512 add_block(__m512 acc, __m512i dot, __m512 scale, __m512 offset, fl
   return _mm512_fmadd_ps(offset, _mm512_set1_ps(s), acc);
 }
 
+// 16 columns' scales (or offsets) of one block as float32: stored as float32, or as IEEE halves (cvk.h).
+inline __m512 load_scales(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load_scales(const uint16_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
 // Whether block_dot returned sum((q - 128) n) for 8-bit weights (the signed detour above) instead of sum(q x);
 // the caller adds 128 * sum(n) back through the offset.
 #if defined(CVK_VNNI)
@@ -98,18 +104,17 @@ constexpr bool kSignedQ8Dot = true;
 #endif
 
 // out[r][0..16) = sum over blocks j of scale_j * d_rj * <q_j, n_rj> + offset_j * s_rj, for one group of 16
-// columns and R rows (qs, scale, offset: the group's part of the weight).
-template <int R, bool Q4>
-inline void group_dot(const uint8_t* qs, const float* scale, const float* offset, const QRow* xr, int64_t nb,
-                      float* out) {
+// columns and R rows (qs, scale, offset: the group's part of the weight; S float or uint16_t halves).
+template <int R, bool Q4, typename S>
+inline void group_dot(const uint8_t* qs, const S* scale, const S* offset, const QRow* xr, int64_t nb, float* out) {
   __m512 acc[R];
   for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
   constexpr int64_t block_bytes = Q4 ? 256 : 512;
   for (int64_t j = 0; j < nb; j++) {
     __m512i w[8];
     load_block<Q4>(qs + j * block_bytes, w);
-    const __m512 a = _mm512_loadu_ps(scale + j * 16);
-    __m512 b = _mm512_loadu_ps(offset + j * 16);
+    const __m512 a = load_scales(scale + j * 16);
+    __m512 b = load_scales(offset + j * 16);
     if constexpr (!Q4 && kSignedQ8Dot) b = _mm512_fmadd_ps(a, _mm512_set1_ps(128.f), b);
     for (int r = 0; r < R; r++) {
       acc[r] = add_block(acc[r], block_dot<Q4>(w, xr[r].hi + j * 32, xr[r].lo + j * 32), a, b, xr[r].d[j], xr[r].s[j]);
