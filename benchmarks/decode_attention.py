@@ -34,6 +34,8 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--key-mass", action="store_true", help="also time the step with every request scored")
+    ap.add_argument("--queries", type=int, default=1,
+                    help="query tokens per request (a step verifying k speculative tokens has 1 + k)")
     ns = ap.parse_args()
 
     import torch
@@ -52,17 +54,18 @@ def main() -> int:
           f"kernels {kernels.level}")
     for shape in ns.shapes.split(","):
         reqs, keys = (int(v) for v in shape.split("x"))
-        blocks_per_req = -(-(keys + 1) // bs)
+        nq = ns.queries
+        blocks_per_req = -(-(keys + nq) // bs)
         num_blocks = reqs * blocks_per_req
         ids = list(range(num_blocks))
         random.Random(0).shuffle(ids)  # blocks scattered over the pool, as a long-running engine leaves them
         table = torch.tensor(ids, dtype=torch.int64).view(reqs, blocks_per_req)
         caches = [torch.randn(2, num_blocks, kvh, bs, d).to(dtype) for _ in range(ns.layers)]
-        qsl = torch.arange(reqs + 1, dtype=torch.int64)
-        seq_lens = torch.full((reqs,), keys + 1, dtype=torch.int64)
-        cos_sin = torch.randn(keys + 2, d)
-        qkv = torch.randn(reqs, (h + 2 * kvh) * d).to(dtype)
-        out = torch.empty(reqs, h, d, dtype=dtype)
+        qsl = torch.arange(reqs + 1, dtype=torch.int64) * nq
+        seq_lens = torch.full((reqs,), keys + nq, dtype=torch.int64)
+        cos_sin = torch.randn(keys + nq + 1, d)
+        qkv = torch.randn(reqs * nq, (h + 2 * kvh) * d).to(dtype)
+        out = torch.empty(reqs * nq, h, d, dtype=dtype)
         q = qkv[:, :h * d].unflatten(1, (h, d))
         k = qkv[:, h * d:(h + kvh) * d].unflatten(1, (kvh, d))
         v = qkv[:, (h + kvh) * d:].unflatten(1, (kvh, d))
