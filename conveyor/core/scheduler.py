@@ -249,7 +249,10 @@ class Scheduler:
                 affordable = worth_proposing(self.spec_rate.alpha, step_tokens, useful, cost)
                 if rate is None or not (rate.due_for_probe() and affordable):
                     continue  # not even its first token would pay: skip the lookup
+                # tried as a request of the traffic's rate, one token, judged with the rest (so a probe that
+                # would put the multi-token path's cost on a step of decodes waits for a step that has it)
                 probes.add(rid)
+                alphas[rid] = self.spec_rate.alpha
             # beyond the token it always samples: what max_tokens and the context leave
             room = request.max_output_tokens() - request.num_output_tokens - 1
             if self.config.max_model_len is not None:
@@ -265,10 +268,8 @@ class Scheduler:
             return
         if adaptive:
             has_chunk = any(n > 1 for n in out.num_scheduled_tokens.values())
-            lengths = choose_lengths({rid: len(d) for rid, d in proposals.items()}, alphas, step_tokens, useful,
-                                     cost, budget.left, has_chunk)
-            for rid in probes & proposals.keys():
-                lengths.setdefault(rid, 1)
+            lengths = choose_lengths({rid: 1 if rid in probes else len(d) for rid, d in proposals.items()}, alphas,
+                                     step_tokens, useful, cost, budget.left, has_chunk)
         else:
             lengths = {rid: len(d) for rid, d in proposals.items()}
         cached = {data.request_id: data for data in out.scheduled_cached_reqs}

@@ -336,3 +336,41 @@ def test_a_request_with_a_low_rate_probes_again_after_a_while():
     assert due[-1] and not any(due[:-1])
     rate.observe(1, 1)
     assert not rate.due_for_probe()
+
+
+def test_a_probe_waits_for_a_step_that_already_pays_the_multi_token_path():
+    """A request whose rate fell tries one token again, at the traffic's rate, judged with the chunk cost: on a
+    step of decodes alone (where its one token would put every row on the multi-token path) it waits; on a step
+    that already has a prompt chunk it probes."""
+    spec = {"num_speculative_tokens": 4, "prompt_lookup_min": 1}
+    scheduler = make_scheduler(256, 4, False, speculative_config=spec, max_num_seqs=8, policy="chunked",
+                               max_num_batched_tokens=32)
+    model = NextTokenModel(0)
+    model.table.update({7: 8, 8: 9, 9: 7})
+    decoders = []
+    for i in range(4):
+        r = make_request(f"d{i}", max_tokens=200, temperature=0.0)
+        r.prompt_token_ids = [7, 8, 9] * 4  # prompt lookup always proposes
+        scheduler.add_request(r)
+        decoders.append(r.request_id)
+    for _ in range(3):  # prefill them; then every one decodes
+        out = scheduler.schedule(0.0)
+        scheduler.update(out, model.execute(out), 0.0)
+    for n in (1, 2, 3, 4, 5, 6, 8):  # decode steps: 10 ms and 0.1 ms a token; a multi-token row adds 10 ms
+        scheduler.spec_cost.observe(n, 0.010 + 0.0001 * n, has_chunk=False)
+        scheduler.spec_cost.observe(n + 4, 0.020 + 0.0001 * (n + 4), has_chunk=True)
+    scheduler.spec_rate = AcceptanceRate(prior_alpha=0.3, prior_weight=1000.0)  # a traffic of poor proposals
+    for rid in decoders:
+        rate = scheduler._acceptance[rid] = AcceptanceRate(0.3)
+        for _ in range(30):
+            rate.observe(4, 0)
+        rate.steps_without = AcceptanceRate.PROBE_AFTER_STEPS  # due
+    out = scheduler.schedule(0.0)
+    assert set(out.num_scheduled_tokens) == set(decoders) and not out.scheduled_spec_tokens
+    scheduler.update(out, model.execute(out), 0.0)
+    newcomer = make_request("p", prompt_len=20, max_tokens=4, temperature=0.0)
+    newcomer.prompt_token_ids = [7, 8, 9, 10, 11] * 4
+    scheduler.add_request(newcomer)
+    out = scheduler.schedule(0.0)
+    assert out.num_scheduled_tokens["p"] > 1
+    assert out.scheduled_spec_tokens and all(len(d) == 1 for d in out.scheduled_spec_tokens.values())
