@@ -187,11 +187,15 @@ class Cell:
     def ready(self) -> None:
         self._expect("READY")
 
+    def ask(self, command: str, answer: str) -> str:
+        """Send one line; the rest of the first line that starts with ``answer``."""
+        self.proc.stdin.write(command + "\n")
+        self.proc.stdin.flush()
+        return self._expect(answer)
+
     def round(self) -> tuple[float, float]:
         """One timed pass: (wall s, CPU s of the process)."""
-        self.proc.stdin.write("go\n")
-        self.proc.stdin.flush()
-        wall, cpu = self._expect("ROUND ").split()
+        wall, cpu = self.ask("go", "ROUND ").split()
         return float(wall), float(cpu)
 
     def result(self) -> dict:

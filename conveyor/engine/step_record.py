@@ -29,6 +29,10 @@ class StepRecord:
     # miss), from SchedulerOutput: the tokens the step did not recompute (docs/prefix-cache.md).
     num_cached_tokens: dict[str, int] = field(default_factory=dict)
     num_admitted_tokens: int = 0  # tokens of those requests (prompt, plus outputs for a resumed one): the asked
+    # Speculative decoding: proposed tokens this step verified (counted in num_prefill_tokens with their
+    # request's last token: a verifying request is a multi-token row), and how many requests verified.
+    num_spec_tokens: int = 0
+    num_verifying_reqs: int = 0
 
     @property
     def duration(self) -> float:
@@ -72,7 +76,9 @@ class StepRecord:
         admitted = sum(len(n.token_ids) for n in out.scheduled_new_reqs)
         return cls(start, out.num_reqs, prefill, decode, out.num_padding_tokens, out.num_idle_slot_tokens,
                    out.num_scheduled_tokens, len(out.preempted_req_ids), num_cached_tokens=cached,
-                   num_admitted_tokens=admitted)
+                   num_admitted_tokens=admitted,
+                   num_spec_tokens=sum(map(len, out.scheduled_spec_tokens.values())),
+                   num_verifying_reqs=len(out.scheduled_spec_tokens))
 
     def finish(self, end: float, scheduler) -> None:
         self.end = end

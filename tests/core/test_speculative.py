@@ -374,3 +374,17 @@ def test_a_probe_waits_for_a_step_that_already_pays_the_multi_token_path():
     out = scheduler.schedule(0.0)
     assert out.num_scheduled_tokens["p"] > 1
     assert out.scheduled_spec_tokens and all(len(d) == 1 for d in out.scheduled_spec_tokens.values())
+
+
+def test_cost_fit_is_reused_for_a_few_steps_then_refitted():
+    model = StepCostModel()
+    for n in (1, 2, 3, 4):
+        model.observe(n, 0.010 + 0.001 * n)
+    first = model.fit(up_to=5)
+    assert first[1] == pytest.approx(0.001) and model.fit(up_to=8) is first  # 5 and 8 share the bound 8
+    for _ in range(StepCostModel.REFIT_AFTER - 1):
+        model.observe(6, 0.010 + 0.003 * 6)  # the cost per token moved
+    assert model.fit(up_to=8) is first
+    model.observe(6, 0.010 + 0.003 * 6)
+    assert model.fit(up_to=8)[1] > 0.0015
+    assert model.fit(up_to=4)[1] == pytest.approx(0.001)  # the steps of 6 tokens lie above that bound
