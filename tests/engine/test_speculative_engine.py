@@ -44,6 +44,18 @@ def reference(tiny_llama_dir, prompts):
     return token_ids(make_llm(tiny_llama_dir).generate(prompts, GREEDY, use_tqdm=False))
 
 
+def test_step_records_count_the_verified_proposals(tiny_llama_dir, prompts):
+    llm = make_llm(tiny_llama_dir, speculative_config=NGRAM)
+    steps = []
+    llm.engine.step_listeners.append(steps.append)
+    llm.generate(prompts, GREEDY, use_tqdm=False)
+    counters = llm.engine.scheduler.spec_counters
+    assert sum(s.num_spec_tokens for s in steps) == counters.num_draft_tokens > 0
+    assert sum(s.num_verifying_reqs for s in steps) == counters.num_drafts
+    # a verifying request is a multi-token row: its last token and its proposals count with the prompt work
+    assert all(s.num_prefill_tokens >= s.num_spec_tokens + s.num_verifying_reqs for s in steps)
+
+
 @pytest.mark.parametrize("knobs", [
     dict(adaptive=True),  # its lengths follow the measured step times: it may choose not to speculate
     dict(),
