@@ -137,13 +137,20 @@ def matmul_floor(model, info, prompt_tokens: int, output_tokens: int, num_reques
 
 
 # ---- the vLLM side (its own venv, its own process) -------------------------------------------------------
-VLLM_DRIVER = r"""
+def vllm_prelude(kv_cache_gib: int) -> str:
+    """The start of a vLLM driver: offline, no usage reports, the engine in this process (the fastest here), the
+    KV cache's size, and the OpenMP threads bound to cores 0..THREADS-1 (``THREADS`` from the environment)."""
+    return f"""
 import json, os, sys, time
 os.environ.setdefault("HF_HUB_OFFLINE", "1"); os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
-workload, model, dtype, threads = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
-os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{threads - 1}")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "{kv_cache_gib}")
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{{int(os.environ['THREADS']) - 1}}")
+"""
+
+
+VLLM_DRIVER = vllm_prelude(4) + r"""
+workload, model, dtype = sys.argv[1], sys.argv[2], sys.argv[3]
 t0 = time.perf_counter()
 from vllm import LLM, SamplingParams
 reqs = json.load(open(workload))["requests"]
@@ -254,7 +261,7 @@ def main() -> int:
                                                           + os.environ.get("PYTHONPATH", "")))
             if ns.vllm_python:
                 cells["vLLM"] = Cell([ns.vllm_python, "-c", VLLM_DRIVER, os.path.abspath(ns.workload),
-                                      vllm_dir or model_dir, dtype, str(threads)])
+                                      vllm_dir or model_dir, dtype], env=dict(os.environ, THREADS=str(threads)))
             for cell in cells.values():  # both load and warm up (at the same time), then take turns
                 cell.ready()
             for i in range(ns.repeats):

