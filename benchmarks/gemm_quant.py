@@ -3,13 +3,17 @@
 weight and running the float GEMM, with the float layer (oneDNN / the native skinny GEMM) beside them.
 
     python benchmarks/gemm_quant.py [--format Q4_1] [--dtype float32] [--rows 1,4,16,64,128,256,512]
-                                    [--shapes 576x960,576x576,576x3072,1536x576]
+                                    [--shapes 576x960,576x576,576x3072,1536x576] [--copies 30]
 
 A "layer set" is the given in x out shapes (by default SmolLM2-135M's qkv, o, gate_up and down); each path runs
 it alternated with the others, best of 5. ``QUANT_INT_MAX_ROWS`` in conveyor/layers/quantized.py comes from
 where the integer column stops winning. On a CPU with AMX-INT8 the integer kernel runs twice, on the VNNI loop
 and on the tiles at every row count: ``AMX_QDOT_MIN_ROWS`` in csrc/kernels.h comes from where the tiles start
 to win.
+
+``--copies N`` holds N copies of every weight (distinct memory) and runs the layer set on each copy in turn, as a
+decode step runs every layer once: with N x the set's bytes beyond the caches (SmolLM2's 30 layers: 66 MB of
+Q4_1) the weights stream from memory as they do in a model, instead of staying in L2 between repetitions.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ def main() -> int:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--rows", default="1,4,16,64,128,256,512")
     ap.add_argument("--shapes", default="576x960,576x576,576x3072,1536x576", help="in x out, comma-separated")
+    ap.add_argument("--copies", type=int, default=1, help="copies of every weight, run in turn (see above)")
     ns = ap.parse_args()
 
     import numpy as np
@@ -42,7 +47,7 @@ def main() -> int:
     dtype = getattr(torch, ns.dtype)
     shapes = [tuple(int(v) for v in s.split("x")) for s in ns.shapes.split(",")]
     rng = np.random.default_rng(0)
-    quant, floats = [], []
+    quant, floats = [[] for _ in range(ns.copies)], [[] for _ in range(ns.copies)]
     for k, n in shapes:
         w = rng.standard_normal((n, k)).astype(np.float32) * 0.02
         if ns.format == "int8":
@@ -50,28 +55,33 @@ def main() -> int:
         else:
             raw = gq.quantize(w, GGMLQuantizationType[ns.format]).reshape(-1)
             qt = from_gguf(raw, ns.format, (n, k))
-        quant.append(QuantLinear(qt, None, kernels, dtype))
-        floats.append(pack_linear(qt.dequantize(dtype), None, kernels))
+        for copy in range(ns.copies):
+            quant[copy].append(QuantLinear(qt, None, kernels, dtype))
+            floats[copy].append(pack_linear(qt.dequantize(dtype), None, kernels))
 
-    def path(layers, max_rows):
-        for layer in layers:
+    def path(copies, max_rows):
+        for layer in (layer for layers in copies for layer in layers):
             layer.max_rows = max_rows
-        return layers
+        return copies
 
-    def best_ms(layers, xs, reps) -> float:
-        for layer in layers:
-            layer(xs[layer.in_features])
+    def best_ms(copies, xs, reps) -> float:
+        """ms per layer set, best of 5 passes of ``reps`` sets (each pass runs every copy in turn)."""
+        reps = max(reps, len(copies))
+        for layers in copies:
+            for layer in layers:
+                layer(xs[layer.in_features])
         best = float("inf")
         for _ in range(5):
             t = time.perf_counter()
-            for _ in range(reps):
-                for layer in layers:
+            for i in range(reps):
+                for layer in copies[i % len(copies)]:
                     layer(xs[layer.in_features])
             best = min(best, (time.perf_counter() - t) / reps)
         return best * 1e3
 
     print(f"{ns.format} weights, {ns.dtype} activations, {torch.get_num_threads()} threads, kernels {kernels.level}"
-          f"{' (VNNI)' if kernels.vnni else ''}, shapes {ns.shapes}")
+          f"{' (VNNI)' if kernels.vnni else ''}, shapes {ns.shapes}, {ns.copies} "
+          f"cop{'y' if ns.copies == 1 else 'ies'}")
     amx = kernels.amx_int8
     print("rows | int dot ms" + (" (VNNI) | int dot on AMX-INT8 ms | AMX / VNNI" if amx else "")
           + " | dequant + float GEMM ms | float weights ms | best int / dequant | best int / float")

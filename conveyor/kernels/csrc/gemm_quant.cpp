@@ -70,31 +70,31 @@ inline const S* group_scales(const void* base, int64_t g, int64_t nb) {
 }
 
 template <int R, typename S>
-inline void group_rows_as(const CvkQuantWeight& w, int64_t g, const QRow* xr, float* out) {
+inline void group_rows_as(const CvkQuantWeight& w, int64_t g, const QRow* xr, float* out, bool prefetch) {
   const int64_t nb = blocks(w.KP);
   const uint8_t* qs = static_cast<const uint8_t*>(w.qs) + g * nb * block_bytes(w.kind);
   const S* scale = group_scales<S>(w.scale, g, nb);
   const S* offset = group_scales<S>(w.offset, g, nb);
   if (w.kind == CVK_Q4)
-    qdot::group_dot<R, true>(qs, scale, offset, xr, nb, out);
+    qdot::group_dot<R, true>(qs, scale, offset, xr, nb, out, prefetch);
   else
-    qdot::group_dot<R, false>(qs, scale, offset, xr, nb, out);
+    qdot::group_dot<R, false>(qs, scale, offset, xr, nb, out, prefetch);
 }
 
 template <int R>
-inline void group_rows(const CvkQuantWeight& w, int64_t g, const QRow* xr, float* out) {
+inline void group_rows(const CvkQuantWeight& w, int64_t g, const QRow* xr, float* out, bool prefetch) {
   if (w.scale_f16)
-    group_rows_as<R, uint16_t>(w, g, xr, out);
+    group_rows_as<R, uint16_t>(w, g, xr, out, prefetch);
   else
-    group_rows_as<R, float>(w, g, xr, out);
+    group_rows_as<R, float>(w, g, xr, out, prefetch);
 }
 
 template <int R>
-inline void group_rows_upto(int r, const CvkQuantWeight& w, int64_t g, const QRow* xr, float* out) {
+inline void group_rows_upto(int r, const CvkQuantWeight& w, int64_t g, const QRow* xr, float* out, bool prefetch) {
   if constexpr (R > 1) {
-    if (r < R) return group_rows_upto<R - 1>(r, w, g, xr, out);
+    if (r < R) return group_rows_upto<R - 1>(r, w, g, xr, out, prefetch);
   }
-  group_rows<R>(w, g, xr, out);
+  group_rows<R>(w, g, xr, out, prefetch);
 }
 
 // Adds the bias to R x 16 float sums (acc rows acc_stride apart) and stores the first nc columns of r rows at
@@ -123,7 +123,7 @@ void vector_groups(const CvkQuantGemmArgs& a, const char* scratch, int64_t rb) {
       QRow xr[R];
       for (int i = 0; i < r; i++) xr[i] = row_view(scratch + (m0 + i) * rb, KP);
       alignas(64) float acc[R * QG];
-      group_rows_upto<R>(r, w, g, xr, acc);
+      group_rows_upto<R>(r, w, g, xr, acc, /*prefetch=*/m0 == 0);
       store_group(acc, QG, r, nc, static_cast<const T*>(a.bias), static_cast<T*>(a.y), a.y_stride, m0, g * QG);
     }
   }
@@ -159,7 +159,12 @@ void amx_groups(const CvkQuantGemmArgs& a, const char* scratch, int64_t rb, char
     }
     const uint8_t* wq = static_cast<const uint8_t*>(w.qs) + g * nb * bb;
     if (q4) {
-      qdot::unpack_q4_group(wq, nb, unpacked.data());
+      if (w.scale_f16)
+        qdot::unpack_q4_group(wq, group_scales<uint16_t>(w.scale, g, nb), group_scales<uint16_t>(w.offset, g, nb), nb,
+                              unpacked.data());
+      else
+        qdot::unpack_q4_group(wq, group_scales<float>(w.scale, g, nb), group_scales<float>(w.offset, g, nb), nb,
+                              unpacked.data());
       wq = unpacked.data();
     }
     const int nc = int(std::min<int64_t>(QG, N - g * QG));
@@ -169,12 +174,15 @@ void amx_groups(const CvkQuantGemmArgs& a, const char* scratch, int64_t rb, char
       alignas(64) float acc[qdot::kAmxRows * QG];
       const int8_t* digits = reinterpret_cast<const int8_t*>(p);
       const float* units = reinterpret_cast<const float*>(p + nb * 512);
+      const bool prefetch = !q4 && t == 0;  // 4-bit weights were streamed (and prefetched) by the unpacking
       if (w.scale_f16)
         qdot::amx_group_dot_upto<qdot::kAmxRows>(r, wq, group_scales<uint16_t>(w.scale, g, nb),
-                                                 group_scales<uint16_t>(w.offset, g, nb), digits, units, nb, acc);
+                                                 group_scales<uint16_t>(w.offset, g, nb), digits, units, nb, acc,
+                                                 prefetch);
       else
         qdot::amx_group_dot_upto<qdot::kAmxRows>(r, wq, group_scales<float>(w.scale, g, nb),
-                                                 group_scales<float>(w.offset, g, nb), digits, units, nb, acc);
+                                                 group_scales<float>(w.offset, g, nb), digits, units, nb, acc,
+                                                 prefetch);
       store_group(acc, QG, r, nc, static_cast<const T*>(a.bias), static_cast<T*>(a.y), a.y_stride,
                   t * qdot::kAmxRows, g * QG);
     }

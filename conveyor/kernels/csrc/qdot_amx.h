@@ -46,15 +46,19 @@ __attribute__((target("amx-tile,amx-int8"))) inline void amx_configure_qdot() {
 }
 
 // A group's 4-bit blocks (256 bytes each, cvk.h's CVK_Q4) as 8-bit ones (512 bytes: the CVK_Q8 order), so
-// they load as B tiles.
-inline void unpack_q4_group(const uint8_t* qs, int64_t nb, uint8_t* out) {
+// they load as B tiles. This is the pass that streams the group from memory, so it asks for the weights (and
+// the group's scales and offsets) ahead as group_dot does (prefetch_block, qdot.h).
+template <typename S>
+inline void unpack_q4_group(const uint8_t* qs, const S* scale, const S* offset, int64_t nb, uint8_t* out) {
   const __m512i m4 = _mm512_set1_epi8(0x0F);
-  for (int64_t j = 0; j < nb; j++)
+  for (int64_t j = 0; j < nb; j++) {
+    prefetch_block<true>(qs, scale, offset, j);
     for (int u = 0; u < 4; u++) {
       const __m512i v = _mm512_loadu_si512(qs + j * 256 + u * 64);
       _mm512_store_si512(out + j * 512 + (2 * u) * 64, _mm512_and_si512(v, m4));
       _mm512_store_si512(out + j * 512 + (2 * u + 1) * 64, _mm512_and_si512(_mm512_srli_epi16(v, 4), m4));
     }
+  }
 }
 
 // Up to kAmxRows quantized activation rows (QRows rb bytes apart, KP digits each) as the AMX loop reads them:
@@ -99,16 +103,19 @@ __attribute__((target("amx-tile,amx-int8"))) inline void amx_block_products(cons
 // nb blocks of one group's 8-bit weights w (512 bytes a block) and its scales and offsets (16 a block, S as in
 // group_dot).
 // R is a constant so that the sums stay in registers. The tiles must be configured (amx_configure_qdot).
+// prefetch: ask for w, scale and offset ahead (prefetch_block), on the pass that streams them from memory.
 template <int R, typename S>
 __attribute__((target("amx-tile,amx-int8"))) inline void amx_group_dot(const uint8_t* w, const S* scale,
                                                                       const S* offset, const int8_t* digits,
-                                                                      const float* units, int64_t nb, float* out) {
+                                                                      const float* units, int64_t nb, float* out,
+                                                                      bool prefetch) {
   alignas(64) int32_t c[2 * kAmxRows * 16];
   __m512 acc[R];
 #pragma GCC unroll 8
   for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
   amx_block_products(w, digits, 0);
   for (int64_t j = 0; j < nb; j++) {
+    if (prefetch) prefetch_block<false>(w, scale, offset, j);
     if (j + 1 < nb) amx_block_products(w, digits, j + 1);
     if (j % 2 == 0)
       _tile_stored(4, c, 64);
@@ -130,18 +137,20 @@ __attribute__((target("amx-tile,amx-int8"))) inline void amx_group_dot(const uin
 // amx_group_dot for r (1 .. R) rows.
 template <int R, typename S>
 inline void amx_group_dot_upto(int r, const uint8_t* w, const S* scale, const S* offset, const int8_t* digits,
-                               const float* units, int64_t nb, float* out) {
+                               const float* units, int64_t nb, float* out, bool prefetch) {
   if constexpr (R > 1) {
-    if (r < R) return amx_group_dot_upto<R - 1>(r, w, scale, offset, digits, units, nb, out);
+    if (r < R) return amx_group_dot_upto<R - 1>(r, w, scale, offset, digits, units, nb, out, prefetch);
   }
-  amx_group_dot<R>(w, scale, offset, digits, units, nb, out);
+  amx_group_dot<R>(w, scale, offset, digits, units, nb, out, prefetch);
 }
 #else
 inline void amx_configure_qdot() { abort(); }
-inline void unpack_q4_group(const uint8_t*, int64_t, uint8_t*) { abort(); }
+template <typename S>
+inline void unpack_q4_group(const uint8_t*, const S*, const S*, int64_t, uint8_t*) { abort(); }
 inline void pack_activations(const char*, int64_t, int64_t, int, int8_t*, float*) { abort(); }
 template <int R, typename S>
-inline void amx_group_dot_upto(int, const uint8_t*, const S*, const S*, const int8_t*, const float*, int64_t, float*) {
+inline void amx_group_dot_upto(int, const uint8_t*, const S*, const S*, const int8_t*, const float*, int64_t, float*,
+                               bool) {
   abort();
 }
 #endif

@@ -102,14 +102,18 @@ inline __m256 load_scales(const uint16_t* p) {
 }
 
 // out[r][0..16) = sum over blocks j of scale_j * d_rj * <q_j, n_rj> + offset_j * s_rj, for one group of 16
-// columns and R rows (S: float or uint16_t halves, as the weight stores its scales).
+// columns and R rows (S: float or uint16_t halves, as the weight stores its scales). prefetch: ask for the
+// weights kPrefetchBlocks ahead (qdot.h), on the first pass over a group (the first half's: the second reads
+// the same lines from cache).
 template <int R, bool Q4, typename S>
-inline void group_dot(const uint8_t* qs, const S* scale, const S* offset, const QRow* xr, int64_t nb, float* out) {
+inline void group_dot(const uint8_t* qs, const S* scale, const S* offset, const QRow* xr, int64_t nb, float* out,
+                      bool prefetch) {
   constexpr int64_t block_bytes = Q4 ? 256 : 512;
   for (int h = 0; h < 2; h++) {
     __m256 acc[R];
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t j = 0; j < nb; j++) {
+      if (prefetch && h == 0) prefetch_block<Q4>(qs, scale, offset, j);
       __m256i w[8];
       load_half<Q4>(qs + j * block_bytes, h, w);
       const __m256 a = load_scales(scale + j * 16 + h * 8);

@@ -104,13 +104,16 @@ constexpr bool kSignedQ8Dot = true;
 #endif
 
 // out[r][0..16) = sum over blocks j of scale_j * d_rj * <q_j, n_rj> + offset_j * s_rj, for one group of 16
-// columns and R rows (qs, scale, offset: the group's part of the weight; S float or uint16_t halves).
+// columns and R rows (qs, scale, offset: the group's part of the weight; S float or uint16_t halves). prefetch:
+// ask for the weights kPrefetchBlocks ahead (qdot.h), on the first pass over a group.
 template <int R, bool Q4, typename S>
-inline void group_dot(const uint8_t* qs, const S* scale, const S* offset, const QRow* xr, int64_t nb, float* out) {
+inline void group_dot(const uint8_t* qs, const S* scale, const S* offset, const QRow* xr, int64_t nb, float* out,
+                      bool prefetch) {
   __m512 acc[R];
   for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
   constexpr int64_t block_bytes = Q4 ? 256 : 512;
   for (int64_t j = 0; j < nb; j++) {
+    if (prefetch) prefetch_block<Q4>(qs, scale, offset, j);
     __m512i w[8];
     load_block<Q4>(qs + j * block_bytes, w);
     const __m512 a = load_scales(scale + j * 16);
