@@ -22,7 +22,7 @@ from conveyor.kernels.build import BuildError, build_library
 from conveyor.kernels.cpu_features import LEVEL_FLAGS, cpu_features, kernel_level
 
 SOURCE_DIR = os.path.join(os.path.dirname(__file__), "csrc")
-ABI_VERSION = 8  # csrc/cvk.h's CVK_ABI_VERSION
+ABI_VERSION = 9  # csrc/cvk.h's CVK_ABI_VERSION
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 # The attention kernel's cache layout per layer: [2 (K, V), num_blocks, num_kv_heads, block_size, head_dim]. One
 # head's rows of a block are contiguous, so a request's context streams in order (the torch paths keep

@@ -7,9 +7,10 @@ K, ``value = scale * q + offset`` with q a 4-bit unsigned (``q4``: Q4_0, Q4_1, Q
 (``q8``: Q8_0, Q5_*, int8). The file's f16 scales, K-quant sub-block scales and minimums become a ``scale`` and
 an ``offset`` per block, so one kernel per layout serves every format. The packed form keeps them as f16 where
 every one is exactly an f16 (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1: one f16 scale, and a minimum or -8/-16/-128 x the
-scale, per block), so a decode step streams the file's bytes or close (Q4_1 0.625 bytes a value, the file's;
-Q8_0 1.125 against its 1.0625, the offset stored beside the scale), and as float32 otherwise (K-quants' f16 x
-6-bit products and int8's max / 127 are exact only there; Q4_K 0.75 bytes a value against the file's 0.5625).
+scale, per block), and as float32 otherwise (K-quants' f16 x 6-bit products and int8's max / 127 are exact only
+there). Where every offset is q's middle times the scale (-128 x for 8-bit q, -8 x for 4-bit: Q8_0, Q4_0, int8)
+no offsets are stored and the kernels compute them. So a decode step streams the file's bytes (Q4_1 0.625 a value,
+Q8_0 1.0625, Q4_0 0.5625) or close (Q4_K 0.75 against the file's 0.5625; int8 1.125).
 Q6_K (scales per 16 values) and the IQ types have no such form: they are dequantized at load as before.
 
 ``QuantLinear`` picks per call: up to ``QUANT_INT_MAX_ROWS[dtype]`` rows the integer kernel (activations
@@ -92,18 +93,31 @@ class QuantizedTensor:
         n, k = self.shape
         np_, kp = -(-n // GROUP) * GROUP, -(-k // BLOCK) * BLOCK
         scale_bytes = 2 if self.scales_fit_f16() else 4
-        return np_ * kp // (2 if self.kind == "q4" else 1) + 2 * scale_bytes * np_ * kp // BLOCK
+        arrays = 1 if self.offset_is_mid() else 2
+        return np_ * kp // (2 if self.kind == "q4" else 1) + arrays * scale_bytes * np_ * kp // BLOCK
+
+    @property
+    def mid(self) -> float:
+        """q's middle for this layout (csrc/qdot.h's kMidOffset): -8 for 4-bit q, -128 for 8-bit."""
+        return -8.0 if self.kind == "q4" else -128.0
+
+    def offset_is_mid(self) -> bool:
+        """Whether every offset is ``mid`` x its scale (symmetric formats: Q8_0, Q4_0, int8), so that the packed
+        form need not store them (the kernels compute them, exactly: a power of two times the scale)."""
+        return bool(torch.equal(self.offset, self.mid * self.scale))
 
     def scales_fit_f16(self) -> bool:
-        """Whether every scale and offset is exactly an IEEE half (then the packed form stores them so)."""
+        """Whether every scale and every stored offset is exactly an IEEE half (then the packed form stores them
+        so)."""
         def exact(t: torch.Tensor) -> bool:
             return bool(torch.equal(t.to(torch.float16).to(torch.float32), t))
-        return exact(self.scale) and exact(self.offset)
+        return exact(self.scale) and (self.offset_is_mid() or exact(self.offset))
 
-    def pack(self, scale_dtype: torch.dtype | None = None) -> PackedQuantWeight:
+    def pack(self, scale_dtype: torch.dtype | None = None, store_offsets: bool | None = None) -> PackedQuantWeight:
         """The kernels' layout (csrc/cvk.h's CvkQuantWeight): columns in groups of 16, 16 columns x 4 k per 64 bytes.
         ``scale_dtype``: torch.float16 or torch.float32 for the scales and offsets; None picks float16 where it is
-        exact (``scales_fit_f16``). Either gives the same numbers."""
+        exact (``scales_fit_f16``). Either gives the same numbers. ``store_offsets``: False leaves out offsets
+        that are ``mid`` x the scale (``offset_is_mid``; None does where they are), True always stores them."""
         if scale_dtype is None:
             scale_dtype = torch.float16 if self.scales_fit_f16() else torch.float32
         if scale_dtype not in (torch.float16, torch.float32):
@@ -124,19 +138,24 @@ class QuantizedTensor:
             t = torch.nn.functional.pad(t, (0, 0, 0, np_ - n))
             return t.view(groups, GROUP, nb).transpose(1, 2).to(scale_dtype).contiguous()
 
-        return PackedQuantWeight(self.kind, qs.view(-1), grouped(self.scale), grouped(self.offset), (n, k),
-                                 self.source)
+        if store_offsets is None:
+            store_offsets = not self.offset_is_mid()
+        elif not store_offsets and not self.offset_is_mid():
+            raise ValueError(f"the offsets of this {self.source} weight are not {self.mid} x its scales")
+        offset = grouped(self.offset) if store_offsets else None
+        return PackedQuantWeight(self.kind, qs.view(-1), grouped(self.scale), offset, (n, k), self.source)
 
 
 @dataclass
 class PackedQuantWeight:
     """A ``QuantizedTensor`` in the kernels' layout, with its ``QuantWeight`` descriptor (pointers into these
-    tensors, which it keeps alive). ``scale`` and ``offset`` are float16 or float32 (``QuantizedTensor.pack``)."""
+    tensors, which it keeps alive). ``scale`` and ``offset`` are float16 or float32 (``QuantizedTensor.pack``);
+    ``offset`` None: every offset is q's middle times the scale, computed by the kernels."""
 
     kind: str
     qs: torch.Tensor
     scale: torch.Tensor
-    offset: torch.Tensor
+    offset: torch.Tensor | None
     shape: tuple[int, int]
     source: str
     _desc: object = field(default=None, repr=False, compare=False)
@@ -147,14 +166,15 @@ class PackedQuantWeight:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.qs, self.scale, self.offset))
+        return sum(t.numel() * t.element_size() for t in (self.qs, self.scale, self.offset) if t is not None)
 
     def descriptor(self):
         if self._desc is None:
             from conveyor.kernels.cpu_ops import QuantWeight
 
             self._desc = QuantWeight(qs=self.qs.data_ptr(), scale=self.scale.data_ptr(),
-                                     offset=self.offset.data_ptr(), N=self.shape[0], K=self.shape[1],
+                                     offset=0 if self.offset is None else self.offset.data_ptr(),
+                                     N=self.shape[0], K=self.shape[1],
                                      KP=self.padded_in, kind=KINDS[self.kind],
                                      scale_f16=int(self.scale.dtype == torch.float16))
         return self._desc

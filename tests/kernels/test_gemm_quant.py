@@ -254,25 +254,68 @@ def test_int8_is_per_channel_symmetric():
     assert (qt.dequantize() - w).abs().max() <= scales.max() / 2 + 1e-6
 
 
+SYMMETRIC = ("Q8_0", "Q4_0")  # offset = q's middle x scale: packed without offsets
+
+
 def test_packed_scales_are_halves_where_the_file_has_them():
-    """The one-f16-per-block formats pack their scales and offsets as halves (Q4_1's packed weight is then the
-    file's own size); K-quants and int8, whose scales an f16 cannot hold exactly, keep float32."""
+    """The one-f16-per-block formats pack their scales and offsets as halves, and the symmetric ones no offsets
+    at all (Q4_1's, Q8_0's and Q4_0's packed weights are then the file's own size); K-quants and int8, whose scales
+    an f16 cannot hold exactly, keep float32 (int8 without offsets)."""
     n, k = 32, 256
     for qtype in GGUF_KERNEL_TYPES:
         raw = gguf_bytes(qtype, n, k, seed=5)
         qt = from_gguf(raw, qtype, (n, k))
         packed = qt.pack()
+        assert (packed.offset is None) == (qtype in SYMMETRIC) == qt.offset_is_mid(), qtype
         if qtype in KQUANTS:
             assert packed.scale.dtype == torch.float32 and not qt.scales_fit_f16(), qtype
             continue
-        assert packed.scale.dtype == packed.offset.dtype == torch.float16, qtype
-        per_block = (16 if qt.kind == "q4" else 32) + 2 + 2  # the values, the scale and the offset as halves
+        assert packed.scale.dtype == torch.float16, qtype
+        if packed.offset is not None:
+            assert packed.offset.dtype == torch.float16, qtype
+        # the values, then the scale and the offset (when stored) as halves
+        per_block = (16 if qt.kind == "q4" else 32) + 2 + (0 if qtype in SYMMETRIC else 2)
         assert packed.nbytes == qt.nbytes == per_block * n * k // 32, qtype
-        if qtype == "Q4_1":
-            assert packed.nbytes == raw.nbytes
-    assert quantize_int8(torch.randn(n, k)).pack().scale.dtype == torch.float32
+        if qtype in ("Q4_1", "Q8_0", "Q4_0"):
+            assert packed.nbytes == raw.nbytes, qtype
+    int8 = quantize_int8(torch.randn(n, k)).pack()
+    assert int8.scale.dtype == torch.float32 and int8.offset is None
     with pytest.raises(ValueError, match="float16 or float32"):
         qt.pack(torch.bfloat16)
+    with pytest.raises(ValueError, match="not -8.0 x its scales"):
+        from_gguf(gguf_bytes("Q4_1", n, k), "Q4_1", (n, k)).pack(store_offsets=False)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_computed_offsets_give_the_stored_ones_outputs(kernels, dtype):
+    """A symmetric weight packed without offsets (the kernels compute mid x scale) gives bit for bit what the
+    same weight packed with them gives: the GEMM at every row count class (the AMX tiles where this CPU has
+    them), half and float32 scales, and the dequantization."""
+    gen = torch.Generator().manual_seed(11)
+    weights = [(q, from_gguf(gguf_bytes(q, 40, 576, seed=3), q, (40, 576))) for q in SYMMETRIC]
+    weights.append(("int8", quantize_int8(torch.randn(40, 576, generator=gen))))
+    for qtype, qt in weights:
+        for scale_dtype in ((torch.float16, torch.float32) if qtype != "int8" else (torch.float32,)):
+            computed, stored = qt.pack(scale_dtype), qt.pack(scale_dtype, store_offsets=True)
+            assert computed.offset is None and stored.offset is not None
+            for amx in ([False, True] if kernels.amx_int8 else [False]):
+                if kernels.amx_int8:
+                    kernels.set_amx_qdot(amx, min_rows=1)
+                for rows in (1, 4, 5, 17):
+                    x = torch.randn(rows, 576, generator=gen).to(dtype)
+                    outs = []
+                    for packed in (computed, stored):
+                        out = torch.empty(rows, 40, dtype=dtype)
+                        kernels.quant_linear(x, packed.descriptor(), None, out)
+                        outs.append(out)
+                    assert torch.equal(outs[0], outs[1]), f"{qtype}, {rows} rows, amx {amx}, {kernels.level}"
+            if kernels.amx_int8:
+                kernels.set_amx_qdot(True)
+            deq = [torch.empty(40, 576) for _ in range(2)]
+            for packed, out in zip((computed, stored), deq):
+                kernels.quant_dequantize(packed.descriptor(), None, out)
+            assert torch.equal(deq[0], deq[1]), qtype
+            torch.testing.assert_close(deq[0], qt.dequantize(), atol=1e-6, rtol=0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

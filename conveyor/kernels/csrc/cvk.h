@@ -9,7 +9,7 @@
 
 #include <stdint.h>
 
-#define CVK_ABI_VERSION 8
+#define CVK_ABI_VERSION 9
 
 enum {
   CVK_OK = 0,
@@ -100,11 +100,13 @@ static_assert(sizeof(CvkLayerStackArgs) == 18 * 8 + 5 * 8 + 12 * 4, "CvkLayerSta
  *   kind CVK_Q8: qs uint8 [NP/16][KP/32][8][16][4]: 8 quads of k, each 16 columns x 4 consecutive k (512 bytes);
  *   kind CVK_Q4: qs uint8 [NP/16][KP/32][4][16][4]: byte (u, i, b) = q(i, 32j + 8u + b) | q(i, 32j + 8u + 4 + b) << 4
  *                (the low nibbles are quad 2u, the high ones quad 2u + 1; 256 bytes);
- *   scale, offset [NP/16][KP/32][16]: float32, or IEEE half (uint16 bits) when scale_f16 is 1.
+ *   scale, offset [NP/16][KP/32][16]: float32, or IEEE half (uint16 bits) when scale_f16 is 1; offset NULL
+ *                when every block's offset is q's middle times its scale (-128 * scale for CVK_Q8, -8 * scale
+ *                for CVK_Q4: Q8_0, int8, Q4_0), which the kernels compute instead of reading.
  * So one 64-byte load is 16 columns x 4 k, a VPDPBUSD against 4 broadcast activation bytes. Signed formats
  * (Q8_0, int8) are stored as q + 128 with the offset taking -128 * scale. Halves hold the formats whose scale and
  * offset are one f16 per block in the file (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1: the weight stream is then the file's
- * bytes); K-quants (f16 x 6-bit products) and int8 (max / 127) need float32. */
+ * bytes, Q8_0 and Q4_0 storing no offsets); K-quants (f16 x 6-bit products) and int8 (max / 127) need float32. */
 enum { CVK_Q4 = 1, CVK_Q8 = 2 };
 typedef struct CvkQuantWeight {
   const void* qs;

@@ -63,10 +63,11 @@ inline QRow row_view(const char* base, int64_t KP) {
   return QRow{hi, hi + KP, d, d + blocks(KP)};
 }
 
-// Group g's scales (or offsets) in the weight's storage type S (float, or uint16_t halves: cvk.h).
+// Group g's scales (or offsets) in the weight's storage type S (float, or uint16_t halves: cvk.h); NULL for
+// offsets the weight does not store (qdot.h's kMidOffset).
 template <typename S>
 inline const S* group_scales(const void* base, int64_t g, int64_t nb) {
-  return static_cast<const S*>(base) + g * nb * QG;
+  return base == nullptr ? nullptr : static_cast<const S*>(base) + g * nb * QG;
 }
 
 template <int R, typename S>
@@ -140,6 +141,7 @@ void amx_groups(const CvkQuantGemmArgs& a, const char* scratch, int64_t rb, char
   const int64_t groups = (N + QG - 1) / QG, tiles = (M + qdot::kAmxRows - 1) / qdot::kAmxRows;
   const int64_t tile_bytes = amx_tile_bytes(KP);
   const bool q4 = w.kind == CVK_Q4;
+  const float mid = mid_offset(w.kind);
 #pragma omp for schedule(static)
   for (int64_t t = 0; t < tiles; t++) {
     char* p = packed + t * tile_bytes;
@@ -177,11 +179,11 @@ void amx_groups(const CvkQuantGemmArgs& a, const char* scratch, int64_t rb, char
       const bool prefetch = !q4 && t == 0;  // 4-bit weights were streamed (and prefetched) by the unpacking
       if (w.scale_f16)
         qdot::amx_group_dot_upto<qdot::kAmxRows>(r, wq, group_scales<uint16_t>(w.scale, g, nb),
-                                                 group_scales<uint16_t>(w.offset, g, nb), digits, units, nb, acc,
+                                                 group_scales<uint16_t>(w.offset, g, nb), mid, digits, units, nb, acc,
                                                  prefetch);
       else
         qdot::amx_group_dot_upto<qdot::kAmxRows>(r, wq, group_scales<float>(w.scale, g, nb),
-                                                 group_scales<float>(w.offset, g, nb), digits, units, nb, acc,
+                                                 group_scales<float>(w.offset, g, nb), mid, digits, units, nb, acc,
                                                  prefetch);
       store_group(acc, QG, r, nc, static_cast<const T*>(a.bias), static_cast<T*>(a.y), a.y_stride,
                   t * qdot::kAmxRows, g * QG);
@@ -232,7 +234,8 @@ void dequantize_impl(const CvkQuantWeight& w, const int64_t* rows, int64_t count
                                            : blk[t * 64 + c * 4 + b];
             vals[t * 4 + b] = float(v);
           }
-        const float sc = scale_at(w, w.scale, (g * nb + j) * QG + c), of = scale_at(w, w.offset, (g * nb + j) * QG + c);
+        const float sc = scale_at(w, w.scale, (g * nb + j) * QG + c), of = w.offset != nullptr ? scale_at(w, w.offset, (g * nb + j) * QG + c)
+                                                  : sc * mid_offset(w.kind);
         const int lim = int(std::min<int64_t>(QB, w.K - j * QB));
         for (int t = 0; t < lim; t++) from_f32(vals[t] * sc + of, dst + j * QB + t);
       }
@@ -243,7 +246,7 @@ void dequantize_impl(const CvkQuantWeight& w, const int64_t* rows, int64_t count
 bool valid(const CvkQuantWeight* w) {
   return w != nullptr && (w->kind == CVK_Q4 || w->kind == CVK_Q8) && (w->scale_f16 == 0 || w->scale_f16 == 1) &&
          w->KP % QB == 0 && w->K > 0 &&
-         w->K <= w->KP && w->N > 0 && w->qs != nullptr && w->scale != nullptr && w->offset != nullptr;
+         w->K <= w->KP && w->N > 0 && w->qs != nullptr && w->scale != nullptr;
 }
 
 }  // namespace

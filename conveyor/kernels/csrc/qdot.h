@@ -7,6 +7,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "cvk.h"
+
 namespace cvk {
 
 // Activations are quantized per block of 32 to integers n in [-kActMax, kActMax] (unit d = max |x| / kActMax,
@@ -35,8 +37,15 @@ struct QRow {
 // stream about 1.6x faster at batch 1 (docs/kernels.md, "Prefetching the weights").
 constexpr int64_t kPrefetchBlocks = 16;
 
-// Prefetches block j + kPrefetchBlocks of a group's weights and its scales and offsets. The address may lie past
-// the weight's end (a prefetch never faults), so it is computed as an integer, not a pointer.
+// A weight without stored offsets (CvkQuantWeight.offset NULL: Q8_0, Q4_0, int8) has offset = mid * scale, q's
+// middle: -128 for 8-bit q (signed values stored as q + 128), -8 for 4-bit. The kernels compute it (exact in
+// float32: a power of two times the scale), so the weight stream carries no offsets.
+template <bool Q4>
+constexpr float kMidOffset = Q4 ? -8.f : -128.f;
+inline float mid_offset(int kind) { return kind == CVK_Q4 ? kMidOffset<true> : kMidOffset<false>; }
+
+// Prefetches block j + kPrefetchBlocks of a group's weights and its scales and offsets (none when NULL). The
+// address may lie past the weight's end (a prefetch never faults), so it is computed as an integer, not a pointer.
 template <bool Q4, typename S>
 inline void prefetch_block(const uint8_t* qs, const S* scale, const S* offset, int64_t j) {
   constexpr int64_t block_bytes = Q4 ? 256 : 512;
@@ -45,7 +54,8 @@ inline void prefetch_block(const uint8_t* qs, const S* scale, const S* offset, i
   for (int64_t b = 0; b < block_bytes; b += 64) _mm_prefetch(reinterpret_cast<const char*>(q + b), _MM_HINT_T1);
   const uintptr_t step = uintptr_t(ahead * 16 * int64_t(sizeof(S)));  // 16 columns' scales per block
   _mm_prefetch(reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(scale) + step), _MM_HINT_T1);
-  _mm_prefetch(reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(offset) + step), _MM_HINT_T1);
+  if (offset != nullptr)
+    _mm_prefetch(reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(offset) + step), _MM_HINT_T1);
 }
 
 }  // namespace cvk

@@ -101,14 +101,14 @@ __attribute__((target("amx-tile,amx-int8"))) inline void amx_block_products(cons
 
 // out[r][0..16) = what group_dot gives for R (<= kAmxRows) activation rows (packed by pack_activations) against
 // nb blocks of one group's 8-bit weights w (512 bytes a block) and its scales and offsets (16 a block, S as in
-// group_dot).
+// group_dot; offset NULL: mid * scale, mid the weight's kMidOffset, qdot.h).
 // R is a constant so that the sums stay in registers. The tiles must be configured (amx_configure_qdot).
 // prefetch: ask for w, scale and offset ahead (prefetch_block), on the pass that streams them from memory.
 template <int R, typename S>
 __attribute__((target("amx-tile,amx-int8"))) inline void amx_group_dot(const uint8_t* w, const S* scale,
-                                                                      const S* offset, const int8_t* digits,
-                                                                      const float* units, int64_t nb, float* out,
-                                                                      bool prefetch) {
+                                                                      const S* offset, float mid,
+                                                                      const int8_t* digits, const float* units,
+                                                                      int64_t nb, float* out, bool prefetch) {
   alignas(64) int32_t c[2 * kAmxRows * 16];
   __m512 acc[R];
 #pragma GCC unroll 8
@@ -122,7 +122,7 @@ __attribute__((target("amx-tile,amx-int8"))) inline void amx_group_dot(const uin
     else
       _tile_stored(5, c, 64);
     const __m512 a = load_scales(scale + j * 16);
-    const __m512 b = load_scales(offset + j * 16);
+    const __m512 b = offset != nullptr ? load_scales(offset + j * 16) : _mm512_mul_ps(a, _mm512_set1_ps(mid));
     const float* u = units + j * 16;
 #pragma GCC unroll 8
     for (int r = 0; r < R; r++) {
@@ -136,12 +136,12 @@ __attribute__((target("amx-tile,amx-int8"))) inline void amx_group_dot(const uin
 
 // amx_group_dot for r (1 .. R) rows.
 template <int R, typename S>
-inline void amx_group_dot_upto(int r, const uint8_t* w, const S* scale, const S* offset, const int8_t* digits,
-                               const float* units, int64_t nb, float* out, bool prefetch) {
+inline void amx_group_dot_upto(int r, const uint8_t* w, const S* scale, const S* offset, float mid,
+                               const int8_t* digits, const float* units, int64_t nb, float* out, bool prefetch) {
   if constexpr (R > 1) {
-    if (r < R) return amx_group_dot_upto<R - 1>(r, w, scale, offset, digits, units, nb, out, prefetch);
+    if (r < R) return amx_group_dot_upto<R - 1>(r, w, scale, offset, mid, digits, units, nb, out, prefetch);
   }
-  amx_group_dot<R>(w, scale, offset, digits, units, nb, out, prefetch);
+  amx_group_dot<R>(w, scale, offset, mid, digits, units, nb, out, prefetch);
 }
 #else
 inline void amx_configure_qdot() { abort(); }
@@ -149,8 +149,8 @@ template <typename S>
 inline void unpack_q4_group(const uint8_t*, const S*, const S*, int64_t, uint8_t*) { abort(); }
 inline void pack_activations(const char*, int64_t, int64_t, int, int8_t*, float*) { abort(); }
 template <int R, typename S>
-inline void amx_group_dot_upto(int, const uint8_t*, const S*, const S*, const int8_t*, const float*, int64_t, float*,
-                               bool) {
+inline void amx_group_dot_upto(int, const uint8_t*, const S*, const S*, float, const int8_t*, const float*, int64_t,
+                               float*, bool) {
   abort();
 }
 #endif

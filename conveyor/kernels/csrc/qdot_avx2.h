@@ -117,7 +117,8 @@ inline void group_dot(const uint8_t* qs, const S* scale, const S* offset, const 
       __m256i w[8];
       load_half<Q4>(qs + j * block_bytes, h, w);
       const __m256 a = load_scales(scale + j * 16 + h * 8);
-      __m256 b = load_scales(offset + j * 16 + h * 8);
+      __m256 b = offset != nullptr ? load_scales(offset + j * 16 + h * 8)
+                                   : _mm256_mul_ps(a, _mm256_set1_ps(kMidOffset<Q4>));  // (qdot.h)
       if constexpr (!Q4) b = _mm256_fmadd_ps(a, _mm256_set1_ps(128.f), b);
       for (int r = 0; r < R; r++) {
         const __m256i d = block_dot<Q4>(w, xr[r].hi + j * 32, xr[r].lo + j * 32);
