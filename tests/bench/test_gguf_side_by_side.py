@@ -61,4 +61,16 @@ def test_conveyor_only_run_prints_its_row():
     assert len(rows) == 1
     cells = [c.strip() for c in rows[0].strip("|").split("|")]
     assert cells[1] == Path(gguf).name
-    assert float(cells[2]) > 0 and float(cells[3]) > 0 and float(cells[-2]) > 0 and float(cells[-1]) > 0
+    assert float(cells[2]) > 0 and float(cells[3]) > 0 and float(cells[-1]) > 0
+    median, spread = cells[-2].split(" ")  # "median (min-max)" of the three batch-1 requests
+    low, high = (float(v) for v in spread.strip("()").split("-"))
+    assert 0 < low <= float(median) <= high
+
+
+def test_batch1_summary_is_the_median_run():
+    runs = [dict(tok_s=r, tokens=8, ignore_eos_honoured=True) for r in (210.0, 150.0, 190.0)]
+    got = sbs.batch1_summary(runs)
+    assert (got["tok_s"], got["tok_s_min"], got["tok_s_max"], got["runs"]) == (190.0, 150.0, 210.0, runs)
+    assert sbs.batch1_summary(runs[:2])["tok_s"] == 180.0
+    runs[0]["ignore_eos_honoured"] = False
+    assert not sbs.batch1_summary(runs)["ignore_eos_honoured"]
