@@ -286,11 +286,34 @@ def test_packed_scales_are_halves_where_the_file_has_them():
         from_gguf(gguf_bytes("Q4_1", n, k), "Q4_1", (n, k)).pack(store_offsets=False)
 
 
+def assert_packings_agree(kernels, qt: QuantizedTensor, packings, dtype, gen, what: str) -> None:
+    """Two packings of ``qt`` give bit for bit the same GEMM outputs at every row count class (on the VNNI / AVX
+    loops, and on the AMX tiles where this CPU has them) and the same dequantization, that of ``qt``."""
+    n, k = qt.shape
+    for amx in ([False, True] if kernels.amx_int8 else [False]):
+        if kernels.amx_int8:
+            kernels.set_amx_qdot(amx, min_rows=1)
+        for rows in (1, 4, 5, 17):
+            x = torch.randn(rows, k, generator=gen).to(dtype)
+            outs = []
+            for packed in packings:
+                out = torch.empty(rows, n, dtype=dtype)
+                kernels.quant_linear(x, packed.descriptor(), None, out)
+                outs.append(out)
+            assert torch.equal(outs[0], outs[1]), f"{what}, {rows} rows, amx {amx}, {kernels.level}"
+    if kernels.amx_int8:
+        kernels.set_amx_qdot(True)
+    deq = [torch.empty(n, k) for _ in packings]
+    for packed, out in zip(packings, deq):
+        kernels.quant_dequantize(packed.descriptor(), None, out)
+    assert torch.equal(deq[0], deq[1]), what
+    torch.testing.assert_close(deq[0], qt.dequantize(), atol=1e-6, rtol=0)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_computed_offsets_give_the_stored_ones_outputs(kernels, dtype):
     """A symmetric weight packed without offsets (the kernels compute mid x scale) gives bit for bit what the
-    same weight packed with them gives: the GEMM at every row count class (the AMX tiles where this CPU has
-    them), half and float32 scales, and the dequantization."""
+    same weight packed with them gives, with half and float32 scales."""
     gen = torch.Generator().manual_seed(11)
     weights = [(q, from_gguf(gguf_bytes(q, 40, 576, seed=3), q, (40, 576))) for q in SYMMETRIC]
     weights.append(("int8", quantize_int8(torch.randn(40, 576, generator=gen))))
@@ -298,49 +321,13 @@ def test_computed_offsets_give_the_stored_ones_outputs(kernels, dtype):
         for scale_dtype in ((torch.float16, torch.float32) if qtype != "int8" else (torch.float32,)):
             computed, stored = qt.pack(scale_dtype), qt.pack(scale_dtype, store_offsets=True)
             assert computed.offset is None and stored.offset is not None
-            for amx in ([False, True] if kernels.amx_int8 else [False]):
-                if kernels.amx_int8:
-                    kernels.set_amx_qdot(amx, min_rows=1)
-                for rows in (1, 4, 5, 17):
-                    x = torch.randn(rows, 576, generator=gen).to(dtype)
-                    outs = []
-                    for packed in (computed, stored):
-                        out = torch.empty(rows, 40, dtype=dtype)
-                        kernels.quant_linear(x, packed.descriptor(), None, out)
-                        outs.append(out)
-                    assert torch.equal(outs[0], outs[1]), f"{qtype}, {rows} rows, amx {amx}, {kernels.level}"
-            if kernels.amx_int8:
-                kernels.set_amx_qdot(True)
-            deq = [torch.empty(40, 576) for _ in range(2)]
-            for packed, out in zip((computed, stored), deq):
-                kernels.quant_dequantize(packed.descriptor(), None, out)
-            assert torch.equal(deq[0], deq[1]), qtype
-            torch.testing.assert_close(deq[0], qt.dequantize(), atol=1e-6, rtol=0)
+            assert_packings_agree(kernels, qt, (computed, stored), dtype, gen, f"{qtype}, {scale_dtype}")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_half_and_float_scales_give_the_same_outputs(kernels, dtype):
-    """Halves that are exact convert to the same float32 scales: the GEMM (every row count class, the AMX tiles
-    where this CPU has them) and the dequantization give identical outputs from either packing."""
+    """Halves that are exact convert to the same float32 scales: either packing gives the same outputs."""
     gen = torch.Generator().manual_seed(7)
     for qtype in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"):
         qt = from_gguf(gguf_bytes(qtype, 40, 576, seed=9), qtype, (40, 576))
-        half, full = qt.pack(torch.float16), qt.pack(torch.float32)
-        for amx in ([False, True] if kernels.amx_int8 else [False]):
-            if kernels.amx_int8:
-                kernels.set_amx_qdot(amx, min_rows=1)
-            for rows in (1, 4, 5, 17):
-                x = torch.randn(rows, 576, generator=gen).to(dtype)
-                outs = []
-                for packed in (half, full):
-                    out = torch.empty(rows, 40, dtype=dtype)
-                    kernels.quant_linear(x, packed.descriptor(), None, out)
-                    outs.append(out)
-                assert torch.equal(outs[0], outs[1]), f"{qtype}, {rows} rows, amx {amx}, {kernels.level}"
-        if kernels.amx_int8:
-            kernels.set_amx_qdot(True)
-        deq = [torch.empty(40, 576) for _ in range(2)]
-        for packed, out in zip((half, full), deq):
-            kernels.quant_dequantize(packed.descriptor(), None, out)
-        assert torch.equal(deq[0], deq[1]), qtype
-        torch.testing.assert_close(deq[0], qt.dequantize(), atol=1e-6, rtol=0)
+        assert_packings_agree(kernels, qt, (qt.pack(torch.float16), qt.pack(torch.float32)), dtype, gen, qtype)
