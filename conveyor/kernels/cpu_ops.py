@@ -147,7 +147,7 @@ class CpuKernels:
         self._set_amx_qdot = lib.cvk_set_amx_qdot
         self._set_amx_qdot.restype = i32
         self._set_amx_qdot.argtypes = [i32]
-        # The quantized GEMM's dot products on AMX-INT8 tiles (from csrc/gemm_quant.cpp's AMX_QDOT_MIN_ROWS rows)
+        # The quantized GEMM's dot products on AMX-INT8 tiles (from csrc/kernels.h's AMX_QDOT_MIN_ROWS / _Q8 rows)
         # where the CPU has them: the same numbers as the VNNI loop, bit for bit, at a fraction of its cost.
         self.amx_int8 = self.amx and cpu_features().has_amx_int8 and self._set_amx_qdot(-1) > 0
         self._bind = lib.cvk_bind_threads

@@ -167,6 +167,10 @@ def test_amx_int8_switch_scratch_and_strided_rows(amx_kernels):
     assert amx_kernels.quant_scratch_bytes(20, 256) == vnni_bytes
     amx_kernels.set_amx_qdot(True, min_rows=1)
     assert amx_kernels.quant_scratch_bytes(20, 256) > vnni_bytes
+    amx_kernels.set_amx_qdot(True)  # the defaults: 8-bit weights take the tiles from 3 rows, 4-bit from 5
+    row = amx_kernels.quant_scratch_bytes(1, 256)
+    assert amx_kernels.quant_scratch_bytes(2, 256) == 2 * row  # rows only: no kind takes the tiles yet
+    assert amx_kernels.quant_scratch_bytes(3, 256) > 3 * row  # tiles packed: an 8-bit weight takes them
     x = torch.randn(20, 300)[:, :256]
     out = torch.zeros(20, 24)
     amx_kernels.quant_linear(x, packed.descriptor(), None, out[:, :16])

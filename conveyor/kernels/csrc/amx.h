@@ -21,8 +21,10 @@ constexpr bool kAmx = kBf16Dot;  // compiled in at the avx512bf16 level; used on
 // Whether cvk_amx_init obtained the tile state for this process: the switches below can only be on if it did.
 inline bool g_amx_granted = false;
 // The quantized GEMM's integer dot products on AMX-INT8 tiles (qdot_amx.h) for steps of at least this many rows
-// (0: never): set where the CPU has AMX-INT8 (the Python side checks its flags) by cvk_set_amx_qdot.
-inline int64_t g_amx_qdot_min_rows = 0;
+// (0: never), for 4-bit and for 8-bit weights: set where the CPU has AMX-INT8 (the Python side checks its
+// flags) by cvk_set_amx_qdot.
+inline int64_t g_amx_qdot_min_rows_q4 = 0;
+inline int64_t g_amx_qdot_min_rows_q8 = 0;
 // Prefill attention's QK^T on AMX tiles (bfloat16): set by cvk_amx_init once Linux grants the tile state, and
 // switchable (cvk_set_amx_attention) so tests and benchmarks can run both paths.
 inline bool g_amx_attention = false;
@@ -62,7 +64,8 @@ inline bool amx_request_permission() {
 }
 #else
 inline bool g_amx_granted = false;
-inline int64_t g_amx_qdot_min_rows = 0;
+inline int64_t g_amx_qdot_min_rows_q4 = 0;
+inline int64_t g_amx_qdot_min_rows_q8 = 0;
 inline bool g_amx_attention = false;
 inline void amx_configure(int, int) { abort(); }
 inline void amx_release() { abort(); }

@@ -159,12 +159,15 @@ int cvk_set_amx_attention(int on) {
   return cvk::g_amx_attention ? 1 : 0;
 }
 
-// The quantized GEMM's dot products on AMX-INT8 tiles for steps of at least min_rows rows (0: off; -1: the
-// measured default, AMX_QDOT_MIN_ROWS), once cvk_amx_init granted AMX (the caller checks that the CPU reports
-// amx_int8). Off until called. Returns the row count now in force (0: off).
+// The quantized GEMM's dot products on AMX-INT8 tiles for steps of at least min_rows rows, 4-bit and 8-bit
+// weights alike (0: off; -1: the measured defaults, AMX_QDOT_MIN_ROWS and AMX_QDOT_MIN_ROWS_Q8), once
+// cvk_amx_init granted AMX (the caller checks that the CPU reports amx_int8). Off until called. Returns the
+// 4-bit weights' row count now in force (0: off).
 int cvk_set_amx_qdot(int min_rows) {
-  cvk::g_amx_qdot_min_rows = !cvk::g_amx_granted ? 0 : min_rows < 0 ? cvk::AMX_QDOT_MIN_ROWS : min_rows;
-  return int(cvk::g_amx_qdot_min_rows);
+  const bool on = cvk::g_amx_granted && min_rows != 0;
+  cvk::g_amx_qdot_min_rows_q4 = !on ? 0 : min_rows < 0 ? cvk::AMX_QDOT_MIN_ROWS : min_rows;
+  cvk::g_amx_qdot_min_rows_q8 = !on ? 0 : min_rows < 0 ? cvk::AMX_QDOT_MIN_ROWS_Q8 : min_rows;
+  return int(cvk::g_amx_qdot_min_rows_q4);
 }
 
 // The bfloat16 skinny GEMM on AMX (call cvk_amx_init first): as cvk_skinny_gemm, K a multiple of 32.

@@ -32,8 +32,12 @@ inline int64_t blocks(int64_t KP) { return KP / QB; }
 // Bytes of one tile of kAmxRows activation rows packed for the AMX loop: digits (512) and units (16 floats) per block.
 inline int64_t amx_tile_bytes(int64_t KP) { return blocks(KP) * (512 + 16 * int64_t(sizeof(float))); }
 inline int64_t block_bytes(int kind) { return kind == CVK_Q4 ? 256 : 512; }
-// Whether a step of M rows runs on the AMX-INT8 tiles (where they were switched on: cvk_set_amx_qdot).
-inline bool takes_amx(int64_t M) { return kAmx && g_amx_qdot_min_rows > 0 && M >= g_amx_qdot_min_rows; }
+// Whether a step of M rows runs on the AMX-INT8 tiles for a weight of this kind (where they were switched on:
+// cvk_set_amx_qdot).
+inline bool takes_amx(int64_t M, int kind) {
+  const int64_t min_rows = kind == CVK_Q4 ? g_amx_qdot_min_rows_q4 : g_amx_qdot_min_rows_q8;
+  return kAmx && min_rows > 0 && M >= min_rows;
+}
 
 // One row of x (dtype) -> its QRow in `out` (quant_row_bytes bytes), blocks past K zero.
 template <typename T>
@@ -198,7 +202,7 @@ void quant_gemm_impl(const CvkQuantGemmArgs& a) {
   const int64_t M = a.M, KP = w.KP, rb = quant_row_bytes(KP);
   const T* x = static_cast<const T*>(a.x);
   char* scratch = static_cast<char*>(a.scratch);
-  const bool amx = takes_amx(M);
+  const bool amx = takes_amx(M, w.kind);
   on_team(a.num_threads, [&] {
 #pragma omp for schedule(static)
     for (int64_t m = 0; m < M; m++) quantize_row(x + m * a.x_stride, w.K, KP, scratch + m * rb);
@@ -257,7 +261,9 @@ int64_t quant_row_bytes(int64_t KP) { return (2 * KP + 8 * blocks(KP) + 63) / 64
 // (amx_groups): one buffer the caller owns, so that inside the layer stack's parallel region every thread reads
 // the same one.
 int64_t quant_scratch_bytes(int64_t M, int64_t KP) {
-  const int64_t tiles = takes_amx(M) ? (M + qdot::kAmxRows - 1) / qdot::kAmxRows : 0;
+  // for a weight of either kind (the layer stack sizes one scratch for all its linears)
+  const bool amx = takes_amx(M, CVK_Q4) || takes_amx(M, CVK_Q8);
+  const int64_t tiles = amx ? (M + qdot::kAmxRows - 1) / qdot::kAmxRows : 0;
   return M * quant_row_bytes(KP) + tiles * amx_tile_bytes(KP);
 }
 

@@ -34,8 +34,11 @@ void amx_gemm_bf16(const uint16_t* x, int64_t x_stride, int64_t M, const uint16_
 int64_t quant_row_bytes(int64_t KP);  // scratch bytes per activation row of a weight padded to KP
 int64_t quant_scratch_bytes(int64_t M, int64_t KP);  // what cvk_quant_gemm needs for M rows now (cvk_quant_scratch_bytes)
 // Rows from which a step takes the AMX-INT8 tiles (qdot_amx.h) by default, where the CPU has them; below, the
-// VNNI loop, whose weight stream is what a step of a few rows waits on (benchmarks/gemm_quant.py).
-constexpr int64_t AMX_QDOT_MIN_ROWS = 5;
+// VNNI loop, whose weight stream is what a step of a few rows waits on (benchmarks/gemm_quant.py --copies).
+// 8-bit weights cross over sooner: the VNNI loop does twice the dot products per byte of 4-bit weights, which
+// it unpacks in registers, while the tiles read either at once (docs/kernels.md).
+constexpr int64_t AMX_QDOT_MIN_ROWS = 5;     // 4-bit weights (CVK_Q4)
+constexpr int64_t AMX_QDOT_MIN_ROWS_Q8 = 3;  // 8-bit weights (CVK_Q8)
 int quant_gemm(const CvkQuantGemmArgs& a);
 int quant_dequantize(const CvkQuantWeight& w, const int64_t* rows, int64_t count, int dtype, void* out,
                      int64_t out_stride, int num_threads);

@@ -1,6 +1,7 @@
 // The quantized GEMM's integer dot products on AMX-INT8 tiles (gemm_quant.cpp takes this path for steps of at
-// least g_amx_qdot_min_rows rows: AMX_QDOT_MIN_ROWS by default, where the CPU has AMX-INT8 and Linux granted the
-// tile state). Compiled at the avx512bf16 level only; below it the stubs at the end are never reached.
+// least g_amx_qdot_min_rows_q4 / _q8 rows: AMX_QDOT_MIN_ROWS / _Q8 by default, where the CPU has AMX-INT8 and
+// Linux granted the tile state). Compiled at the avx512bf16 level only; below it the stubs at the end are never
+// reached.
 //
 // Why it computes exactly what qdot_avx512.h computes: the weights' packed block (cvk.h: 8 quads of k, each
 // 16 columns x 4 consecutive k) is, as it lies, a B tile of TDPBSUD (8 rows of 64 bytes = K/4 rows of 16
