@@ -123,7 +123,7 @@ __attribute__((target("amx-tile,amx-int8"))) inline void amx_group_dot(const uin
     else
       _tile_stored(5, c, 64);
     const __m512 a = load_scales(scale + j * 16);
-    const __m512 b = offset != nullptr ? load_scales(offset + j * 16) : _mm512_mul_ps(a, _mm512_set1_ps(mid));
+    const __m512 b = load_offsets(offset, a, j * 16, mid);
     const float* u = units + j * 16;
 #pragma GCC unroll 8
     for (int r = 0; r < R; r++) {

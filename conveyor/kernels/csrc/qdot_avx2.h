@@ -101,6 +101,13 @@ inline __m256 load_scales(const uint16_t* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
+// 8 offsets from element i of a group's offsets: stored, or mid * scale (the weight's kMidOffset, qdot.h) when
+// it stores none.
+template <typename S>
+inline __m256 load_offsets(const S* offset, __m256 scale, int64_t i, float mid) {
+  return offset != nullptr ? load_scales(offset + i) : _mm256_mul_ps(scale, _mm256_set1_ps(mid));
+}
+
 // out[r][0..16) = sum over blocks j of scale_j * d_rj * <q_j, n_rj> + offset_j * s_rj, for one group of 16
 // columns and R rows (S: float or uint16_t halves, as the weight stores its scales). prefetch: ask for the
 // weights kPrefetchBlocks ahead (qdot.h), on the first pass over a group (the first half's: the second reads
@@ -117,8 +124,7 @@ inline void group_dot(const uint8_t* qs, const S* scale, const S* offset, const 
       __m256i w[8];
       load_half<Q4>(qs + j * block_bytes, h, w);
       const __m256 a = load_scales(scale + j * 16 + h * 8);
-      __m256 b = offset != nullptr ? load_scales(offset + j * 16 + h * 8)
-                                   : _mm256_mul_ps(a, _mm256_set1_ps(kMidOffset<Q4>));  // (qdot.h)
+      __m256 b = load_offsets(offset, a, j * 16 + h * 8, kMidOffset<Q4>);
       if constexpr (!Q4) b = _mm256_fmadd_ps(a, _mm256_set1_ps(128.f), b);
       for (int r = 0; r < R; r++) {
         const __m256i d = block_dot<Q4>(w, xr[r].hi + j * 32, xr[r].lo + j * 32);

@@ -95,10 +95,11 @@ inline __m512 load_scales(const uint16_t* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
-// Block j's 16 offsets: stored, or mid * scale (kMidOffset, qdot.h) when the weight stores none.
-template <bool Q4, typename S>
-inline __m512 load_offsets(const S* offset, __m512 scale, int64_t j) {
-  return offset != nullptr ? load_scales(offset + j * 16) : _mm512_mul_ps(scale, _mm512_set1_ps(kMidOffset<Q4>));
+// 16 offsets from element i of a group's offsets: stored, or mid * scale (the weight's kMidOffset, qdot.h) when
+// it stores none.
+template <typename S>
+inline __m512 load_offsets(const S* offset, __m512 scale, int64_t i, float mid) {
+  return offset != nullptr ? load_scales(offset + i) : _mm512_mul_ps(scale, _mm512_set1_ps(mid));
 }
 
 // Whether block_dot returned sum((q - 128) n) for 8-bit weights (the signed detour above) instead of sum(q x);
@@ -123,7 +124,7 @@ inline void group_dot(const uint8_t* qs, const S* scale, const S* offset, const 
     __m512i w[8];
     load_block<Q4>(qs + j * block_bytes, w);
     const __m512 a = load_scales(scale + j * 16);
-    __m512 b = load_offsets<Q4>(offset, a, j);
+    __m512 b = load_offsets(offset, a, j * 16, kMidOffset<Q4>);
     if constexpr (!Q4 && kSignedQ8Dot) b = _mm512_fmadd_ps(a, _mm512_set1_ps(128.f), b);
     for (int r = 0; r < R; r++) {
       acc[r] = add_block(acc[r], block_dot<Q4>(w, xr[r].hi + j * 32, xr[r].lo + j * 32), a, b, xr[r].d[j], xr[r].s[j]);
