@@ -106,20 +106,26 @@ class QuantizedTensor:
         form need not store them (the kernels compute them, exactly: a power of two times the scale)."""
         return bool(torch.equal(self.offset, self.mid * self.scale))
 
-    def scales_fit_f16(self) -> bool:
-        """Whether every scale and every stored offset is exactly an IEEE half (then the packed form stores them
-        so)."""
+    def scales_fit_f16(self, store_offsets: bool | None = None) -> bool:
+        """Whether every scale, and every offset when they are stored (None: where they are not ``mid`` x the
+        scale), is exactly an IEEE half (then the packed form stores them so)."""
         def exact(t: torch.Tensor) -> bool:
             return bool(torch.equal(t.to(torch.float16).to(torch.float32), t))
-        return exact(self.scale) and (self.offset_is_mid() or exact(self.offset))
+        if store_offsets is None:
+            store_offsets = not self.offset_is_mid()
+        return exact(self.scale) and (not store_offsets or exact(self.offset))
 
     def pack(self, scale_dtype: torch.dtype | None = None, store_offsets: bool | None = None) -> PackedQuantWeight:
         """The kernels' layout (csrc/cvk.h's CvkQuantWeight): columns in groups of 16, 16 columns x 4 k per 64 bytes.
         ``scale_dtype``: torch.float16 or torch.float32 for the scales and offsets; None picks float16 where it is
         exact (``scales_fit_f16``). Either gives the same numbers. ``store_offsets``: False leaves out offsets
         that are ``mid`` x the scale (``offset_is_mid``; None does where they are), True always stores them."""
+        if store_offsets is None:
+            store_offsets = not self.offset_is_mid()
+        elif not store_offsets and not self.offset_is_mid():
+            raise ValueError(f"the offsets of this {self.source} weight are not {self.mid} x its scales")
         if scale_dtype is None:
-            scale_dtype = torch.float16 if self.scales_fit_f16() else torch.float32
+            scale_dtype = torch.float16 if self.scales_fit_f16(store_offsets) else torch.float32
         if scale_dtype not in (torch.float16, torch.float32):
             raise ValueError(f"scales are stored as float16 or float32, not {scale_dtype}")
         n, k = self.shape
@@ -138,10 +144,6 @@ class QuantizedTensor:
             t = torch.nn.functional.pad(t, (0, 0, 0, np_ - n))
             return t.view(groups, GROUP, nb).transpose(1, 2).to(scale_dtype).contiguous()
 
-        if store_offsets is None:
-            store_offsets = not self.offset_is_mid()
-        elif not store_offsets and not self.offset_is_mid():
-            raise ValueError(f"the offsets of this {self.source} weight are not {self.mid} x its scales")
         offset = grouped(self.offset) if store_offsets else None
         return PackedQuantWeight(self.kind, qs.view(-1), grouped(self.scale), offset, (n, k), self.source)
 

@@ -335,3 +335,19 @@ def test_half_and_float_scales_give_the_same_outputs(kernels, dtype):
     for qtype in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"):
         qt = from_gguf(gguf_bytes(qtype, 40, 576, seed=9), qtype, (40, 576))
         assert_packings_agree(kernels, qt, (qt.pack(torch.float16), qt.pack(torch.float32)), dtype, gen, qtype)
+
+
+def test_stored_offsets_beyond_a_half_keep_float32_scales(kernels):
+    """Q8_0 scales of 1000 are halves, their offsets (-128 x) are not (past 65504): without stored offsets the
+    scales pack as halves, with them both go float32; the outputs agree either way."""
+    n, k = 16, 64
+    rng = np.random.default_rng(2)
+    blocks = np.zeros((n * k // 32, 34), np.uint8)
+    blocks[:, 0:2] = np.full((len(blocks), 1), 1000, np.float16).view(np.uint8)
+    blocks[:, 2:] = rng.integers(-127, 128, (len(blocks), 32), dtype=np.int8).view(np.uint8)
+    qt = from_gguf(blocks.reshape(-1), "Q8_0", (n, k))
+    computed, stored = qt.pack(), qt.pack(store_offsets=True)
+    assert computed.offset is None and computed.scale.dtype == torch.float16
+    assert stored.scale.dtype == stored.offset.dtype == torch.float32
+    torch.testing.assert_close(qt.dequantize(), reference_dequant(blocks.reshape(-1), "Q8_0", n, k))
+    assert_packings_agree(kernels, qt, (computed, stored), torch.float32, torch.Generator().manual_seed(3), "big")
