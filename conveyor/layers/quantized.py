@@ -257,14 +257,20 @@ def _from_kquant(raw: np.ndarray, qtype_name: str, n: int, k: int) -> QuantizedT
     return _natural(q.reshape(n, k), scale, offset, False, "q8", qtype_name)
 
 
-def quantize_int8(weight: torch.Tensor) -> QuantizedTensor:
-    """Symmetric per-output-channel int8 (vLLM-cpu's W8A8 weights): scale_n = max |W[n]| / 127, q = round(W / s).
-    Every block of a row carries the row's scale, so the 8-bit kernel runs it; its activations are quantized per
-    block of 32 (finer than W8A8's per token)."""
+def int8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-output-channel int8 (vLLM-cpu's W8A8 weights): (q [N, K] int8, scale [N, 1] float32) with
+    scale_n = max |W[n]| / 127 and q = round(W / scale); an all-zero row gets scale 0 and q 0."""
     w = weight.detach().to(torch.float32)
-    n, k = w.shape
     s = w.abs().amax(dim=1, keepdim=True) / 127.0
     q = torch.where(s > 0, torch.round(w / torch.where(s > 0, s, 1.0)), 0.0).clamp(-127, 127).to(torch.int8)
+    return q, s
+
+
+def quantize_int8(weight: torch.Tensor) -> QuantizedTensor:
+    """``int8_per_channel`` as a QuantizedTensor: every block of a row carries the row's scale, so the 8-bit
+    kernel runs it; its activations are quantized per block of 32 (finer than W8A8's per token)."""
+    q, s = int8_per_channel(weight)
+    n, k = q.shape
     nb = -(-k // BLOCK)
     return _natural(q.numpy(), s.expand(n, nb).numpy(), None, True, "q8", "int8")
 
