@@ -111,6 +111,24 @@ def of(table: str) -> Callable[[dict[str, str], list[dict[str, str]]], bool]:
     return lambda row, rows: row["table"] == table
 
 
+def _run_key(row: dict[str, str]) -> tuple[str, ...]:
+    """What one run of benchmarks/gguf_side_by_side.py shares in every row it wrote: when, and which run."""
+    return row["date"], row["time_utc"], row["command"], row["run"]
+
+
+def _gguf_runs(command: str, cpu: str = "") -> Table:
+    """Every run of the GGUF side-by-side ``command`` (on CPUs whose name holds ``cpu``)."""
+    return Table(
+        "gguf_side_by_side.csv",
+        [Col("run", "{run}"), Col("server", "{server}"), Col("GGUF", "{file}"),
+         Col("burst wall s / out tok/s", "{burst_wall_s} / {burst_out_tok_s}"),
+         Col("TTFT p50 / p99 ms", "{ttft_p50} / {ttft_p99}"), Col("TPOT p50 / p99 ms", "{tpot_p50} / {tpot_p99}"),
+         Col("ITL p50 / p99 ms", "{itl_p50} / {itl_p99}"),
+         Col("batch-1 tok/s over HTTP", "{batch1_tok_s} ({batch1_range})"),
+         Col("llama-bench tg128", "{llama_bench_tg128}"), Col("peak RSS GiB", "{rss_gib}")],
+        where=lambda r, rows: r["command"] == command and cpu in r["cpu"])
+
+
 TABLES: dict[str, Table] = {
     # the latest full side-by-side run (the README's table)
     "side-by-side-latest": Table("side_by_side.csv", SXS_LATEST, where=latest_run),
@@ -204,24 +222,16 @@ TABLES: dict[str, Table] = {
          Col("online TTFT p50 / p99", "{ttft_p50} / {ttft_p99}"), Col("TPOT p50 / p99", "{tpot_p50} / {tpot_p99}"),
          Col("ITL p50 / p99", "{itl_p50} / {itl_p99}"), Col("E2E p50 / p99", "{e2e_p50} / {e2e_p99}")],
         where=lambda r, rows: r["command"] == "peers_llamacpp_zen5"),
-    # conveyor serve and llama-server on the same GGUF files (benchmarks/gguf_side_by_side.py): every run
-    "gguf-llamacpp-intel": Table(
-        "gguf_side_by_side.csv",
-        [Col("run", "{run}"), Col("server", "{server}"), Col("GGUF", "{file}"),
-         Col("burst wall s / out tok/s", "{burst_wall_s} / {burst_out_tok_s}"),
-         Col("TTFT p50 / p99 ms", "{ttft_p50} / {ttft_p99}"), Col("TPOT p50 / p99 ms", "{tpot_p50} / {tpot_p99}"),
-         Col("ITL p50 / p99 ms", "{itl_p50} / {itl_p99}"),
-         Col("batch-1 tok/s over HTTP", "{batch1_tok_s} ({batch1_range})"),
-         Col("llama-bench tg128", "{llama_bench_tg128}"), Col("peak RSS GiB", "{rss_gib}")],
-        where=lambda r, rows: r["command"] == "gguf_side_by_side_intel"),
-    # the README's short form: the latest run
-    "gguf-llamacpp-intel-latest": Table(
+    # conveyor serve and llama-server on the same GGUF files (benchmarks/gguf_side_by_side.py): every run, per CPU
+    "gguf-llamacpp-intel": _gguf_runs("gguf_side_by_side_intel"),
+    "gguf-llamacpp-zen4": _gguf_runs("gguf_side_by_side", cpu="Zen 4"),
+    # the README's short form: the latest run on any CPU
+    "gguf-llamacpp-latest": Table(
         "gguf_side_by_side.csv",
         [Col("server", "{server}"), Col("GGUF", "{file}"), Col("burst of 16, wall", "{burst_wall_s} s"),
          Col("4 req/s: TPOT p50 / p99", "{tpot_p50} / {tpot_p99} ms"),
          Col("batch-1 over HTTP", "{batch1_tok_s} tok/s"), Col("llama-bench tg128", "{llama_bench_tg128}")],
-        where=lambda r, rows: r["command"] == "gguf_side_by_side_intel" and r["run"] == max(
-            x["run"] for x in rows if x["command"] == "gguf_side_by_side_intel")),
+        where=lambda r, rows: _run_key(r) == max(_run_key(x) for x in rows)),
 }
 
 
