@@ -136,7 +136,8 @@ TABLES: dict[str, Table] = {
     "side-by-side-session": Table(
         "side_by_side.csv",
         [Col("model, dtype", "{model}, {dtype}"),
-         Col("main, time (UTC), GEMM rate", "{commit}, {time_utc}, {gemm_rate}", once_per=("run",))] + SXS_LATEST[1:],
+         Col("main, date and time (UTC), GEMM rate", "{commit}, {date} {time_utc}, {gemm_rate}", once_per=("run",))]
+        + SXS_LATEST[1:],
         where=lambda row, rows: bool(row["vllm_s"])),
     # every run, ratio of bests only: one line per run
     "side-by-side-history": Table(
