@@ -25,7 +25,6 @@ REPO = os.path.dirname(HERE)
 if REPO not in sys.path:  # run as a script from anywhere: import conveyor from this checkout
     sys.path.insert(0, REPO)
 
-import torch  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 from conveyor.layers.quantized import int8_per_channel  # noqa: E402
