@@ -323,9 +323,11 @@ def parse_llama_bench(text: str) -> dict[str, float]:
     return out
 
 
-def run_llama_bench(binary: str, gguf: str, threads: int) -> dict[str, float]:
-    """``llama-bench -m GGUF -p 0 -n 128 -t THREADS -o json``, parsed."""
-    proc = subprocess.run([binary, "-m", gguf, "-p", "0", "-n", "128", "-t", str(threads), "-o", "json"],
+def run_llama_bench(binary: str, gguf: str, threads: int, tokens: int = 128,
+                    repetitions: int | None = None) -> dict[str, float]:
+    """``llama-bench -m GGUF -p 0 -n TOKENS -t THREADS [-r REPETITIONS] -o json``, parsed ({"tg128": tok/s})."""
+    reps = [] if repetitions is None else ["-r", str(repetitions)]
+    proc = subprocess.run([binary, "-m", gguf, "-p", "0", "-n", str(tokens), "-t", str(threads), *reps, "-o", "json"],
                           capture_output=True, text=True, timeout=1800)
     if proc.returncode != 0:
         raise RuntimeError(f"llama-bench failed ({proc.returncode}):\n{proc.stderr[-2000:]}")

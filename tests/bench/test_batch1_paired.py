@@ -17,8 +17,10 @@ spec.loader.exec_module(paired)
 
 
 def test_round_ratio_is_the_median_stream_over_llama_bench():
-    s = paired.summarize([(100.0, [150.0, 90.0, 120.0]), (200.0, [210.0, 230.0]), (50.0, [75.0])])
-    assert s["ratios"] == pytest.approx([1.2, 1.1, 1.5])
+    ratios = [paired.round_ratio(100.0, [150.0, 90.0, 120.0]), paired.round_ratio(200.0, [210.0, 230.0]),
+              paired.round_ratio(50.0, [75.0])]
+    assert ratios == pytest.approx([1.2, 1.1, 1.5])
+    s = paired.summarize(ratios)
     assert s["median"] == pytest.approx(1.2) and s["low"] == pytest.approx(1.1) and s["high"] == pytest.approx(1.5)
 
 
