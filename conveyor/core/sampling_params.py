@@ -6,6 +6,7 @@ Field names follow vLLM's ``SamplingParams`` so users and clients feel at home. 
 
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import dataclass, field, replace
 
@@ -19,6 +20,19 @@ MIN_TEMPERATURE = 1e-2
 # Below this a repetition penalty multiplies logits by more than 100; with a small temperature that overflows
 # float32 as well. No sensible use needs less.
 MIN_REPETITION_PENALTY = 1e-2
+
+
+class RequestOutputKind(enum.IntEnum):
+    """What each output of a request holds, as vLLM's ``RequestOutputKind`` (``engine.outputs.RequestOutput``).
+
+    ``CUMULATIVE`` (the default): everything so far, the output processor's own state (valid until its next
+    step: copy what you keep; read it on the thread that steps the engine). ``DELTA`` (what streaming handlers
+    ask): only what is new since the request's previous output, every output a fresh object; while a completion
+    runs its text stops ``max(len(stop)) - 1`` characters short of the end, since a later token may complete a
+    stop string there and cut the text (``engine.detokenizer``)."""
+
+    CUMULATIVE = 0
+    DELTA = 1
 
 
 @dataclass
@@ -88,6 +102,7 @@ class SamplingParams:
     # bad_words as token sequences (each word with and without a leading space), filled in by the engine's
     # tokenizer (``conveyor.engine.logit_edits.tokenize_bad_words``) before the request is queued
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE  # what each of its outputs holds
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -15,7 +15,7 @@ from conveyor.engine.engine_client import EngineInfo
 from conveyor.server.errors import bad_request
 from conveyor.server.protocol import ChatCompletionRequest, ChatMessage
 from conveyor.server.serving_common import (
-    DeltaTracker, ServingContext, StreamUsage, check_context, merged, new_id, sse_events, usage,
+    ServingContext, StreamUsage, check_context, merged, new_id, sse_events, token_usage, usage,
 )
 from conveyor.server.tools import ToolCall, ToolPlan, messages_for_tools, plan_tools
 
@@ -153,13 +153,13 @@ def _reply(text: str, finish_reason: str | None, plan: ToolPlan | None,
 
 async def _stream(head, streams, tokenizer, params, stream_usage: StreamUsage, prompt_tokens: int, role: str,
                   echo: str, plan: ToolPlan | None = None):
-    """The chunks of a streamed chat completion (``sse_events`` sends them). With tools, as OpenAI's
-    ``delta.tool_calls``: a named tool_choice's arguments stream as they are written; any other reply is sent
-    whole when it finishes (its text must be complete to tell a tool call from an answer)."""
+    """The chunks of a streamed chat completion (``sse_events`` sends them), one per delta of a choice. With
+    tools, as OpenAI's ``delta.tool_calls``: a named tool_choice's arguments stream as they are written; any other
+    reply is sent whole when it finishes (its text must be complete to tell a tool call from an answer)."""
     head = {**head, "object": "chat.completion.chunk"}
     extra = stream_usage.of_chunk(prompt_tokens, 0)  # of the chunks before the first generated token
-    tracker = DeltaTracker(params)
     call_ids: dict[int, str] = {}  # choice -> the id of its streamed call (a named tool_choice)
+    texts: dict[int, str] = {}  # choice -> its text so far, where tools need it whole
     final = None
     # OpenAI sends the role first, in a chunk of its own per choice.
     for i in range(params.n):
@@ -173,10 +173,7 @@ async def _stream(head, streams, tokenizer, params, stream_usage: StreamUsage, p
     async for _, out in merged(streams):
         final = out
         for c in out.outputs:
-            delta = tracker.delta(c.index, c)
-            if delta is None:
-                continue
-            text, t0, t1, finished = delta
+            text, finished = c.text, c.finished
             if plan is not None and plan.parser == "named":  # the arguments stream as they are written
                 first = c.index not in call_ids
                 call_ids.setdefault(c.index, ToolCall(plan.named, "").id)
@@ -187,27 +184,29 @@ async def _stream(head, streams, tokenizer, params, stream_usage: StreamUsage, p
                 choice = {"index": c.index, "delta": {"tool_calls": [call]} if text or first else {},
                           "logprobs": None, "finish_reason": ("tool_calls" if c.finish_reason == "stop"
                                                               else c.finish_reason) if finished else None}
-                yield {**head, "choices": [choice], **stream_usage.of_chunk(prompt_tokens, len(c.token_ids))}
+                yield {**head, "choices": [choice], **stream_usage.of_chunk(prompt_tokens, c.num_tokens)}
                 continue
             if plan is not None:
+                texts[c.index] = texts.get(c.index, "") + text
                 if finished:
-                    yield {**head, "choices": [_tool_chunk(c, plan)],
-                           **stream_usage.of_chunk(prompt_tokens, len(c.token_ids))}
+                    yield {**head, "choices": [_tool_chunk(c, texts[c.index], plan)],
+                           **stream_usage.of_chunk(prompt_tokens, c.num_tokens)}
                 continue
             choice = {
                 "index": c.index, "delta": {"content": text} if text or not finished else {},
-                "logprobs": _logprobs(tokenizer, c.logprobs[t0:t1]) if c.logprobs is not None else None,
+                "logprobs": _logprobs(tokenizer, c.logprobs) if c.logprobs is not None else None,
                 "finish_reason": c.finish_reason if finished else None,
                 "stop_reason": c.stop_reason if finished else None,
             }
-            yield {**head, "choices": [choice], **stream_usage.of_chunk(prompt_tokens, len(c.token_ids))}
+            yield {**head, "choices": [choice], **stream_usage.of_chunk(prompt_tokens, c.num_tokens)}
     if stream_usage.final and final is not None:
-        yield {**head, "choices": [], "usage": usage([final])}
+        yield {**head, "choices": [], "usage": token_usage(len(final.prompt_token_ids),
+                                                           streams[0].num_generated_tokens)}
 
 
-def _tool_chunk(c, plan: ToolPlan) -> dict:
+def _tool_chunk(c, text: str, plan: ToolPlan) -> dict:
     """The one chunk of a finished choice of a request with tools: its content or its tool calls."""
-    message, finish_reason = _reply(c.text, c.finish_reason, plan)
+    message, finish_reason = _reply(text, c.finish_reason, plan)
     delta = {"content": message["content"]} if message["content"] else {}
     if "tool_calls" in message:
         delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(message["tool_calls"])]
