@@ -24,10 +24,6 @@ from conveyor.kernels.cpu_features import LEVEL_FLAGS, cpu_features, kernel_leve
 SOURCE_DIR = os.path.join(os.path.dirname(__file__), "csrc")
 ABI_VERSION = 9  # csrc/cvk.h's CVK_ABI_VERSION
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
-# The attention kernel's cache layout per layer: [2 (K, V), num_blocks, num_kv_heads, block_size, head_dim]. One
-# head's rows of a block are contiguous, so a request's context streams in order (the torch paths keep
-# [2, num_blocks, block_size, num_kv_heads, head_dim]).
-HEAD_MAJOR_KV = True
 
 
 class KernelError(RuntimeError):
@@ -205,7 +201,8 @@ class CpuKernels:
 
         q [T, H, D], k and v [T, KVH, D], each with unit strides inside a token's row (views of one fused qkv
         buffer are fine); q and k are rotated in place. k_cache and v_cache [num_blocks, KVH, block_size, D]
-        contiguous (head-major blocks: ``HEAD_MAJOR_KV``); block_table [R, max_blocks] int64 (row-major);
+        contiguous (head-major blocks: one head's rows of a block contiguous, so a request's context streams in
+        order; ``layers.attention.kv_layout.HEAD_MAJOR``); block_table [R, max_blocks] int64 (row-major);
         query_start [R + 1] and seq_lens [R] int64 (request r's tokens sit at positions seq_lens[r] - n_r ...);
         cos_sin [positions, D] float32 (cos halves then sin halves); out [T, H, D], written (unit strides inside a
         row). ``plan``: the step's ``attention_plan`` (else the call plans for itself). ``key_mass``: add the scored

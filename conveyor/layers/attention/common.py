@@ -1,4 +1,5 @@
-"""Helpers the attention backends share: cache writes, context gathers, plain causal attention."""
+"""What the attention backends share: the torch backends' base class, cache writes, context gathers, plain causal
+attention."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from conveyor.layers.attention.base import AttentionBackend, reject_rope
+from conveyor.layers.attention.kv_layout import TOKEN_MAJOR
 from conveyor.layers.attention.metadata import AttentionMetadata
 
 # SDPA's kernels on a GPU, cuDNN's left out: it builds an execution graph per input shape, and the shapes of a
@@ -46,3 +49,35 @@ def causal_self_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sca
         q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
         is_causal=True, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
     return out.squeeze(0).transpose(0, 1)
+
+
+class TorchAttention:
+    """The torch backends' declarations and their ``forward``: refuse the RoPE table, write the new K/V, then
+    ``attend`` (the subclass's). Token-major caches; no fusion, no layer stack, no in-kernel eviction."""
+
+    name: str
+    kv_layout = TOKEN_MAJOR
+    cache_needs_zeroing = False  # reads only the slots of each request's context (a subclass may say otherwise)
+    fuses_rope = False
+    supports_layer_stack = False
+    evicts_in_kernel = False
+
+    def __init__(self, meta: AttentionMetadata, dtype: torch.dtype = torch.float32) -> None:
+        self.meta = meta
+
+    @classmethod
+    def for_step(cls, meta: AttentionMetadata, dtype: torch.dtype,
+                 scored: dict[int, int] | None = None) -> AttentionBackend:
+        return cls(meta, dtype)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                scale: float, rope: torch.Tensor | None = None) -> torch.Tensor:
+        """q [T, H, d], k/v [T, KVH, d] for the new tokens; returns [T, H, d]."""
+        reject_rope(self.name, rope)
+        write_kv(kv_cache, k, v, self.meta)
+        return self.attend(q, k, v, kv_cache, scale)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+               scale: float) -> torch.Tensor:
+        """The step's attention, the new K/V already in ``kv_cache``."""
+        raise NotImplementedError
