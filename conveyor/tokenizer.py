@@ -54,9 +54,7 @@ class Tokenizer:
     def tokenizers_json(self) -> str | None:
         """The ``tokenizers`` serialisation (tokenizer.json text) of this vocabulary, for libraries that build
         their own view of it (llguidance); None when the tokenizer is not a ``tokenizers`` one."""
-        rust = getattr(self, "_tok", None)
-        to_str = getattr(rust, "to_str", None)
-        return to_str() if callable(to_str) else None
+        return None
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             chat_template: str | None = None, tools: list[dict] | None = None) -> str:
@@ -141,6 +139,9 @@ class HFTokenizer(Tokenizer):
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def tokenizers_json(self) -> str:
+        return self._tok.to_str()
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         vocab = self.vocab_size
         return self._tok.decode([i for i in ids if 0 <= i < vocab], skip_special_tokens=skip_special_tokens)
@@ -186,6 +187,9 @@ class GGUFTokenizer(Tokenizer):
         if add_special_tokens and self.add_bos and self.bos_token_id is not None:
             ids = [self.bos_token_id] + ids
         return ids
+
+    def tokenizers_json(self) -> str:
+        return self._tok.to_str()
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         vocab = self.vocab_size

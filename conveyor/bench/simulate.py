@@ -97,7 +97,7 @@ def build_scheduler(args, blocks: int, max_model_len: int) -> Scheduler:
         kv = SlabKVManager(blocks, args.block_size, max_model_len)
     else:
         kv = KVCacheManager(blocks, args.block_size, args.enable_prefix_caching, args.prefix_cache_eviction)
-    return Scheduler(args.scheduler_config(max_model_len), kv, args.cache_config().eviction_config())
+    return Scheduler(args.scheduler_config(max_model_len), kv)
 
 
 def sim_requests(workload: Workload, time_scale: float, max_model_len: int) -> list[Request]:

@@ -14,15 +14,18 @@ KV_LAYOUTS = ("paged", "slab")
 ATTENTION_BACKENDS = ("auto", "cpu", "cpu-native", "cpu-torch", "reference", "cuda")
 # --quantization: what becomes of a GGUF file's blocks or a float checkpoint's weights at load (models.quantize)
 QUANTIZATION_CHOICES = ("auto", "none", "int8")
-# Policies a request may speculate under: the baselines park finished requests in fixed slots and pad batches.
+# Policies a request may speculate or evict KV under: the baselines park finished requests in fixed slots and pad
+# batches.
 SPECULATING_POLICIES = ("continuous", "chunked")
 
 
 @dataclass
 class SchedulerConfig:
-    """Knobs of the scheduler. ``max_model_len`` is filled in by the engine from the model when left None.
+    """Knobs of the scheduler and of the policy objects it holds. ``max_model_len`` is filled in by the engine from
+    the model when left None.
 
-    ``policy`` names one of ``policies.POLICIES``; the registry checks the name when it builds the policy."""
+    ``policy`` names one of ``policies.POLICIES``; the registry checks the name when it builds the policy.
+    ``speculative_config`` (the ``Speculator``'s) and ``eviction`` (the ``KVEvictor``'s) turn those on."""
 
     policy: str = "chunked"
     max_num_seqs: int = 256
@@ -32,6 +35,7 @@ class SchedulerConfig:
     max_wait_ms: float = 0.0  # dynamic batching: how long the oldest waiting request may wait for a full batch
     # speculative decoding (None: off); a dict or JSON string is parsed (vLLM's --speculative-config)
     speculative_config: SpeculativeConfig | None = None
+    eviction: EvictionConfig | None = None  # KV eviction (None, or policy "none": off); CacheConfig's flags make it
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens"):
@@ -47,6 +51,14 @@ class SchedulerConfig:
         if self.speculative_config is not None and self.policy not in SPECULATING_POLICIES:
             raise ValueError(f"speculative decoding runs with the {' or '.join(SPECULATING_POLICIES)} policy, "
                              f"not {self.policy!r}")
+        if self.eviction is not None and not self.eviction.enabled:
+            self.eviction = None
+        if self.eviction is not None and self.speculative_config is not None:
+            raise ValueError("KV eviction and speculative decoding do not run together yet (a rejected proposal's "
+                             "slots are given back by position, which eviction shifts)")
+        if self.eviction is not None and self.policy not in SPECULATING_POLICIES:
+            raise ValueError(f"KV eviction runs with the continuous or chunked policy, not {self.policy!r} "
+                             f"(the baselines pad batches and park finished requests in fixed slots)")
 
 
 @dataclass

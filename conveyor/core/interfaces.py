@@ -10,12 +10,17 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
+from conveyor.core.block_pool import KVBlock
 from conveyor.core.outputs import ModelOutput, SchedulerOutput
 from conveyor.core.request import Request
 
 
 class KVManager(Protocol):
-    """Owns the KV cache's bookkeeping: which blocks each request holds, and the prefix cache."""
+    """Owns the KV cache's bookkeeping: which blocks each request holds, and the prefix cache.
+
+    Everything the scheduler and its policy objects use is declared here (``tests/test_protocols.py`` checks it).
+    Giving blocks back in the middle of a request's life (``trim``, ``evict_blocks``) is the paged layout's; the
+    scheduler turns speculation and KV eviction on only with ``layout`` "paged"."""
 
     layout: str  # "paged" or "slab"
     block_size: int
@@ -23,9 +28,15 @@ class KVManager(Protocol):
     prefix_queries: int  # prompt tokens looked up in the prefix cache, cumulative
     prefix_hits: int  # of which found
     prefix_saved_tokens: int  # prompt tokens served from the cache at admission, not recomputed, cumulative
+    prefix_evictions: int  # cached blocks whose KV was given up for reuse, cumulative
+    num_evicted_blocks: int  # blocks given back by KV eviction (``evict_blocks``), cumulative
 
     def usage(self) -> float:
         """Fraction of the cache's blocks held by requests (1.0: full)."""
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks no request holds (cached free blocks included: a new request may take them)."""
 
     def num_reserved_slots(self) -> int:
         """Token slots held by requests, used or not (the KV-waste metric's denominator)."""
@@ -33,16 +44,27 @@ class KVManager(Protocol):
     def block_ids(self, request_id: str) -> list[int]:
         """The request's block table, in token order ([] when it holds none)."""
 
+    def blocks_of(self, request_id: str) -> Sequence[KVBlock]:
+        """The request's blocks themselves, in table order (read their ref counts; change nothing)."""
+
     def get_computed_blocks(self, request: Request) -> tuple[Sequence[object], int]:
         """The longest cached prefix of a request about to be admitted: (blocks, number of tokens they hold).
 
         Takes no reference: pass the blocks to ``allocate_slots`` in the same step."""
 
-    def allocate_slots(self, request: Request, num_new_tokens: int,
-                       computed_blocks: Sequence[object] | None = None) -> list[int] | None:
+    def allocate_slots(self, request: Request, num_new_tokens: int, computed_blocks: Sequence[object] | None = None,
+                       num_lookahead_tokens: int = 0) -> list[int] | None:
         """Make room for ``num_new_tokens`` more tokens; the newly allocated block ids, or None if they do not fit.
 
-        Checks and commits in one call: on None nothing changed."""
+        Checks and commits in one call: on None nothing changed. ``num_lookahead_tokens`` more slots are reserved
+        after them for proposed tokens (speculative decoding), which ``trim`` gives back when rejected."""
+
+    def trim(self, request: Request, num_tokens: int) -> int | None:
+        """Give back the blocks past the first ``num_tokens`` tokens' (rejected proposals' slots); how many blocks
+        it kept, or None when it gave none back."""
+
+    def evict_blocks(self, request: Request, indices: list[int]) -> None:
+        """KV eviction: drop the blocks at these (ascending) indices of the request's table, back to the pool."""
 
     def free(self, request: Request) -> None:
         """Release every block the request holds (no-op when it holds none)."""

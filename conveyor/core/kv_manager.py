@@ -53,6 +53,17 @@ class KVCacheManager:
         """Token slots held by running requests (for the KV-waste metric)."""
         return sum(len(b) for b in self.req_blocks.values()) * self.block_size
 
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def prefix_evictions(self) -> int:
+        return self.pool.num_evictions
+
+    def blocks_of(self, request_id: str) -> list[KVBlock]:
+        return self.req_blocks.get(request_id, [])
+
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(request_id, ())]
 

@@ -88,13 +88,15 @@ class EngineArgs:
                                      "use); one torch thread per CPU unless --num-threads says otherwise")
 
     def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
-        return SchedulerConfig(**{**self._values_of(SchedulerConfig), "max_model_len": max_model_len})
+        """The scheduler's config, its policy objects' included (KV eviction from the cache flags)."""
+        return SchedulerConfig(**{**self._values_of(SchedulerConfig, besides=("eviction",)),
+                                  "max_model_len": max_model_len, "eviction": self.cache_config().eviction_config()})
 
     def cache_config(self) -> CacheConfig:
         return CacheConfig(**self._values_of(CacheConfig))
 
-    def _values_of(self, config_class) -> dict:
-        return {f.name: getattr(self, f.name) for f in fields(config_class)}
+    def _values_of(self, config_class, besides: tuple[str, ...] = ()) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(config_class) if f.name not in besides}
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:

@@ -93,8 +93,7 @@ class LLMEngine:
             )
         self.num_kv_blocks = num_blocks
         self.kv_manager = self._make_kv_manager(cache, num_blocks)
-        self.scheduler = Scheduler(args.scheduler_config(self.max_model_len), self.kv_manager,
-                                   cache.eviction_config())
+        self.scheduler = Scheduler(args.scheduler_config(self.max_model_len), self.kv_manager)
         # Constrained decoding: grammars compile on a thread of their own; a constrained request waits here,
         # outside the scheduler, until its grammar is ready (the grammar gate: see _admit_compiled).
         self.structured = StructuredOutputs(self.tokenizer, self.model_info.vocab_size)
