@@ -19,10 +19,8 @@ def from_hf(c: hf_config.HFConfig, architecture: str) -> ModelConfig:
 
 
 def from_gguf(m: gguf_config.GGUFMeta) -> ModelConfig:
-    window = int(m.get("attention.sliding_window", 0))
-    layers, context = int(m.require("block_count")), int(m.require("context_length"))
-    windows = (window,) * layers if 0 < window < context else ()
-    return gguf_config.decoder_config(m, "LlamaForCausalLM", "llama", layer_windows=windows)
+    return gguf_config.decoder_config(m, "LlamaForCausalLM", "llama",
+                                      layer_windows=gguf_config.window_on_every_layer(m))
 
 
 FAMILY = ModelFamily(
