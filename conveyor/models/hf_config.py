@@ -23,6 +23,7 @@ HARMLESS_KEYS = frozenset({
     "temperature", "top_k", "top_p", "num_beams", "repetition_penalty", "bad_words_ids", "forced_bos_token_id",
     "forced_eos_token_id", "_attn_implementation_autoset", "quantization", "unsloth_fixed", "keys_to_ignore_at_inference",
     "bos_token", "eos_token", "generation_config", "rope_scaling_type", "output_router_logits",
+    "is_llama_config", "transformers.js_config",  # SmolLM2's config carries these markers
 })
 _NEUTRAL = (None, False, 0, 0.0, "", [], {})
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -92,6 +93,7 @@ def layer_windows(c: HFConfig, num_layers: int, max_positions: int) -> tuple[int
     use = c.get("use_sliding_window", True)
     types = c.get("layer_types")
     first_windowed = c.get("max_window_layers", 0) if "use_sliding_window" in c.raw else 0
+    c.get("max_window_layers")  # (read only beside use_sliding_window, as transformers reads it)
     if not use:
         window = 0
     if types is None:
@@ -117,6 +119,7 @@ def decoder_config(c: HFConfig, architecture: str, family: str, **features) -> M
     if rotary % 2 or (head_dim - rotary) % 2:
         c.refuse("partial_rotary_factor", f"a rotary part of {rotary} of {head_dim} dims is not whole pairs")
     c.expect("hidden_act", "silu", why="the gated MLP runs SiLU")
+    c.expect("rope_interleaved", False, why="RoPE rotates the two halves of each head (NeoX), not adjacent pairs")
     c.expect("mlp_bias", False, True)
     bias = bool(c.get("attention_bias", False))
     eos = c.get("eos_token_id")

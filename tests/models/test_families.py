@@ -31,8 +31,8 @@ KERNELS = load_cpu_kernels()
 PROMPT = torch.randint(8, VOCAB, (40,), generator=torch.Generator().manual_seed(5)).tolist()
 GREEDY = 6
 # the tokens each family's chat turns end with (what llama.cpp finds by text; the converter writes one eos id)
-END_OF_TURN = {"llama3": "<|eot_id|>", "mistral": "</s>", "qwen2": "<|im_end|>", "qwen3": "<|im_end|>",
-               "gemma3": "<end_of_turn>", "phi3": "<|end|>"}
+END_OF_TURN = {"llama3": ("<|eot_id|>", "<|eom_id|>"), "mistral": ("</s>",), "qwen2": ("<|im_end|>",),
+               "qwen3": ("<|im_end|>",), "gemma3": ("<end_of_turn>",), "phi3": ("<|end|>",)}
 
 
 class Checkpoint:
@@ -130,8 +130,9 @@ def test_bfloat16_and_quantized_stay_close(ckpt, variant):
 def check_chat(ckpt: Checkpoint, llm: LLM) -> None:
     """The GGUF's chat template and end-of-turn token drive ``LLM.chat`` with no extra settings."""
     tok = llm.engine.tokenizer
-    end = tok.encode(END_OF_TURN[ckpt.name], add_special_tokens=False)
-    assert len(end) == 1 and end[0] in llm.engine.model_info.eos_token_ids  # a stop token without extra flags
+    for text in END_OF_TURN[ckpt.name]:  # stop tokens without extra flags
+        end = tok.encode(text, add_special_tokens=False)
+        assert len(end) == 1 and end[0] in llm.engine.model_info.eos_token_ids, text
     text = tok.apply_chat_template([{"role": "user", "content": "hello"}], add_generation_prompt=True)
     assert "hello" in text
     out = llm.chat([{"role": "user", "content": "hello"}], SamplingParams(max_tokens=4, temperature=0),

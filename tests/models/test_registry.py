@@ -47,6 +47,20 @@ PHI4_MINI = {"architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "hidden
              "full_attn_mod": 1, "interpolate_factor": 1, "lm_head_bias": False, "mlp_bias": False,
              "attention_bias": False, "embd_pdrop": 0.0, "resid_pdrop": 0.0, "tie_word_embeddings": True,
              "vocab_size": 200064, "hidden_act": "silu"}
+SMOLLM2 = {"architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 1,
+           "eos_token_id": 2, "hidden_act": "silu", "hidden_size": 576, "initializer_range": 0.041666666666666664,
+           "intermediate_size": 1536, "is_llama_config": True, "max_position_embeddings": 8192, "model_type": "llama",
+           "num_attention_heads": 9, "num_hidden_layers": 30, "num_key_value_heads": 3, "pad_token_id": 2,
+           "pretraining_tp": 1, "rms_norm_eps": 1e-05, "rope_interleaved": False, "rope_scaling": None,
+           "rope_theta": 100000, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
+           "transformers.js_config": {"kv_cache_dtype": {"q4f16": "float16", "fp16": "float16"}},
+           "transformers_version": "4.42.3", "use_cache": True, "vocab_size": 49152}
+QWEN25 = {"architectures": ["Qwen2ForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 151643,
+          "eos_token_id": 151645, "hidden_act": "silu", "hidden_size": 896, "initializer_range": 0.02,
+          "intermediate_size": 4864, "max_position_embeddings": 32768, "max_window_layers": 21, "model_type": "qwen2",
+          "num_attention_heads": 14, "num_hidden_layers": 24, "num_key_value_heads": 2, "rms_norm_eps": 1e-06,
+          "rope_theta": 1000000.0, "sliding_window": 32768, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
+          "transformers_version": "4.43.1", "use_cache": True, "use_sliding_window": False, "vocab_size": 151936}
 MISTRAL_V01 = {"architectures": ["MistralForCausalLM"], "model_type": "mistral", "hidden_size": 4096,
                "intermediate_size": 14336, "num_attention_heads": 32, "num_hidden_layers": 32,
                "num_key_value_heads": 8, "max_position_embeddings": 32768, "rms_norm_eps": 1e-5,
@@ -55,9 +69,10 @@ MISTRAL_V01 = {"architectures": ["MistralForCausalLM"], "model_type": "mistral",
 
 
 @pytest.mark.parametrize("raw,family,windows", [
-    (LLAMA_32, "llama", ()), (QWEN3, "qwen3", ()), (MISTRAL_V01, "llama", (4096,) * 32),
+    (LLAMA_32, "llama", ()), (QWEN3, "qwen3", ()), (MISTRAL_V01, "llama", (4096,) * 32), (SMOLLM2, "llama", ()),
+    (QWEN25, "qwen2", ()),
     (GEMMA3_1B, "gemma3", tuple(0 if (i + 1) % 6 == 0 else 512 for i in range(26))), (PHI4_MINI, "phi3", ()),
-], ids=["llama3.2", "qwen3", "mistral", "gemma3", "phi4-mini"])
+], ids=["llama3.2", "qwen3", "mistral", "smollm2", "qwen2.5", "gemma3", "phi4-mini"])
 def test_published_configs_are_read_by_their_family(raw, family, windows):
     cfg = config_from_hf(raw)
     assert cfg.family == family and cfg.layer_windows == windows
@@ -87,6 +102,8 @@ REFUSALS = [
     ({**PHI4_MINI, "full_attn_mod": 2}, "full_attn_mod=2"),
     ({**MISTRAL_V01, "layer_types": ["chunked_attention"] * 32}, "layer_types"),
     ({**LLAMA_32, "partial_rotary_factor": 0.3}, "partial_rotary_factor"),
+    ({**SMOLLM2, "rope_interleaved": True}, "rope_interleaved=True"),
+    ({**LLAMA_32, "quantization_config": {"quant_method": "gptq", "bits": 4}}, "quantization_config="),
 ]
 
 
