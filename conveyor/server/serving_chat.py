@@ -9,7 +9,6 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from conveyor.core.outputs import TokenLogprobs
-from conveyor.core.sampling_params import MAX_LOGPROBS
 from conveyor.engine import chat
 from conveyor.engine.engine_client import EngineInfo
 from conveyor.server.errors import bad_request
@@ -76,9 +75,6 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: Request, ctx:
     ctx.check_model(body.model)
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
-    if body.top_logprobs is not None and not 0 <= body.top_logprobs <= MAX_LOGPROBS:
-        raise bad_request(f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {body.top_logprobs}",
-                          "top_logprobs")
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     params = ctx.sampling_params(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
     plan, params = _plan_tools(body, ctx, tokenizer, params)
@@ -105,7 +101,7 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: Request, ctx:
         return {"prompt_token_ids": ids}
 
     request_id = new_id("chatcmpl")
-    streams = await ctx.submit(request_id, [prepare], params)
+    streams = await ctx.submit(request_id, [prepare], params, raw)
     head = {"id": request_id, "created": int(time.time()), "model": ctx.model_name}
     if body.stream:
         chunks = _stream(head, streams, tokenizer, params, StreamUsage(body), prompt_tokens[0], role, echo, plan)
