@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, Response
 from conveyor.engine.async_engine import AsyncEngine
 from conveyor.engine.engine_client import ServedEngine
 from conveyor.engine.llm_engine import LLMEngine
+from conveyor.server.anthropic.messages import install_anthropic_routes
 from conveyor.server.auth import APIKeyMiddleware
 from conveyor.server.body_limit import BodyLimitMiddleware
 from conveyor.server.cors import CORSConfig, install_cors
@@ -129,5 +130,6 @@ def build_app(engine: ServedEngine | LLMEngine, served_model_name: str | None = 
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     install_tokenizer_routes(app, ctx)
+    install_anthropic_routes(app, ctx)
     return app
 
