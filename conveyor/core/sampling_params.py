@@ -7,6 +7,7 @@ Field names follow vLLM's ``SamplingParams`` so users and clients feel at home. 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
 # Bounds that come from where the values end up, not from taste:
@@ -176,6 +177,13 @@ class SamplingParams:
             raise bad("ignore_eos", "cannot be combined with structured outputs (the grammar decides where the "
                                     "output ends)")
 
+    def check_vocabulary(self, vocab_size: int) -> None:
+        """ValueError naming the field for a token id (``stop_token_ids``, ``allowed_token_ids``, ``logit_bias``'s
+        keys) outside the model's vocabulary."""
+        check_token_ids("stop_token_ids", self.stop_token_ids, vocab_size)
+        check_token_ids("allowed_token_ids", self.allowed_token_ids or (), vocab_size)
+        check_token_ids("logit_bias", self.logit_bias or (), vocab_size, "keys ")
+
     @property
     def greedy(self) -> bool:
         """Greedy decoding: temperature 0 (top-k / top-p then do not matter)."""
@@ -196,6 +204,14 @@ class SamplingParams:
         if seed is not None and seed > SEED_MAX:  # wrap around 2**64, as the generator's own seed space does
             seed -= 1 << 64
         return replace(self, n=1, seed=seed)
+
+
+def check_token_ids(field: str, ids: Iterable[int], vocab_size: int, what: str = "") -> None:
+    """ValueError (starting with ``field``, which the server reports as ``param``) for an id outside
+    [0, ``vocab_size``)."""
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"{field} {what}must be token ids in [0, {vocab_size}), got {bad}")
 
 
 def _token_id_key(key) -> int:

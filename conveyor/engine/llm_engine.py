@@ -201,12 +201,7 @@ class LLMEngine:
                 f"min_tokens is {params.min_tokens} and the prompt has {len(token_ids)} tokens: together they "
                 f"exceed this model's maximum context length of {self.max_model_len} tokens"
             )
-        if any(t >= vocab for t in params.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be token ids in [0, {vocab})")
-        if any(t >= vocab for t in params.allowed_token_ids or ()):
-            raise ValueError(f"allowed_token_ids must be token ids in [0, {vocab})")
-        if any(t >= vocab for t in params.logit_bias or ()):
-            raise ValueError(f"logit_bias keys must be token ids in [0, {vocab})")
+        params.check_vocabulary(vocab)
         if params.kv_budget_tokens is not None and self.scheduler.evictor is None:
             raise ValueError("kv_budget_tokens needs a KV eviction policy: this engine runs with --kv-eviction none")
 

@@ -15,7 +15,7 @@ from fastapi import Request
 from pydantic import ValidationError
 
 from conveyor.core.outputs import TokenLogprobs
-from conveyor.core.sampling_params import MAX_LOGPROBS, SamplingParams
+from conveyor.core.sampling_params import SamplingParams
 from conveyor.engine import chat
 from conveyor.engine.engine_client import EngineInfo, RequestStream
 from conveyor.engine.outputs import RequestOutput
@@ -104,8 +104,9 @@ class ChatRequestPlan:
             check_context(len(ids), self.max_tokens, info.max_model_len)
         return ids, reply_start(ctx.reasoning.syntax, text) if ctx.reasoning is not None else None
 
-    async def submit(self, ctx: ServingContext, prefix: str = "chatcmpl") -> ChatRun:
-        """Render the prompt (off the loop) and queue the request; its output as a ``ChatRun``."""
+    async def submit(self, ctx: ServingContext, raw: Request, prefix: str = "chatcmpl") -> ChatRun:
+        """Render the prompt (off the loop) and queue the request (a client that disconnects meanwhile aborts
+        it); its output as a ``ChatRun``."""
         ids, start = await ctx.tokenizer_call(lambda info: self.render(info, ctx))
         params = self.params
         if start is not None and params.structured_outputs is not None:
@@ -115,7 +116,7 @@ class ChatRequestPlan:
         if start is not None and ctx.reasoning.decodes_markers:
             params = dataclasses.replace(params, skip_special_tokens=False)  # the markers must reach the text
         request_id = new_id(prefix)
-        streams = await ctx.submit(request_id, [lambda _: {"prompt_token_ids": ids}], params)
+        streams = await ctx.submit(request_id, [lambda _: {"prompt_token_ids": ids}], params, raw)
         return ChatRun(ctx, self, request_id, streams, len(ids), start)
 
 
@@ -136,9 +137,6 @@ def plan_chat(body: ChatCompletionRequest, ctx: ServingContext) -> ChatRequestPl
     ctx.check_model(body.model)
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
-    if body.top_logprobs is not None and not 0 <= body.top_logprobs <= MAX_LOGPROBS:
-        raise bad_request(f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {body.top_logprobs}",
-                          "top_logprobs")
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     params = ctx.sampling_params(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
     tools, params = _plan_tools(body, ctx, params)

@@ -23,7 +23,7 @@ def logprobs_content(tokenizer, entries: list[TokenLogprobs]) -> dict:
 
 async def create_chat_completion(body: ChatCompletionRequest, raw: Request, ctx: ServingContext, tokenizer):
     plan = await check_plan(plan_chat(body, ctx), ctx)
-    run = await plan.submit(ctx)
+    run = await plan.submit(ctx, raw)
     head = {"id": run.request_id, "created": run.created, "model": ctx.model_name}
     if body.stream:
         chunks = _stream(head, run, tokenizer, StreamUsage(body))

@@ -95,6 +95,7 @@ class ServingContext:
         self.max_n = max_n
         self.max_seqs_per_request = max_seqs_per_request
         self.admission_cap = engine.info.max_seqs_per_request  # the queue bound's
+        self.vocab_size = engine.info.model_info.vocab_size
         self.max_token_chars = max_token_chars
 
     async def tokenizer_call(self, fn: Callable[[EngineInfo], T]) -> T:
@@ -154,6 +155,7 @@ class ServingContext:
         try:
             params = body.sampling_params(max_tokens, logprobs)
             check_stop(params.stop, params.stop_token_ids)
+            params.check_vocabulary(self.vocab_size)
         except ValueError as exc:
             raise from_value_error(exc) from exc
         return params
@@ -163,29 +165,52 @@ class ServingContext:
         regex look-ahead, a grammar that does not parse), before the request reaches the engine; ``field``: the
         request field that asked for it, which the error names. On a thread: a large schema takes milliseconds
         to translate."""
-        if params.structured_outputs is None:
+        spec = params.structured_outputs
+        if spec is None:
             return
         try:
-            await asyncio.to_thread(grammar_text, params.structured_outputs)
+            await asyncio.to_thread(grammar_text, spec)
         except ValueError as exc:
             if field is None:
                 raise from_value_error(exc) from exc
             raise bad_request(f"{field}: {str(exc).split(': ', 1)[-1]}", field) from exc
 
-    async def submit(self, request_id: str, prompts: list[Prepare], params: SamplingParams) -> list[RequestStream]:
-        """Queue one engine request per prompt (ids ``{request_id}-{i}``); all or nothing. Each ``Prepare`` has
-        run (off the event loop: a worker thread, or the engine thread in process) when this returns."""
+    async def submit(self, request_id: str, prompts: list[Prepare], params: SamplingParams,
+                     raw: Request | None = None) -> list[RequestStream]:
+        """Queue one engine request per prompt (ids ``{request_id}-{i}``), all at once; all or nothing. Each
+        ``Prepare`` has run (off the event loop: a worker thread, or the engine thread in process) when this
+        returns. A client that disconnects meanwhile (``raw``) ends it at once: the prompts already queued are
+        aborted, the others never are (APIError 499), so an abandoned batch does not go on growing while the rest
+        of it is submitted."""
         arrival = time.monotonic()
-        streams: list[RequestStream] = []
+        adds = [asyncio.ensure_future(self.engine.add_request(f"{request_id}-{i}", prepare, params, arrival))
+                for i, prepare in enumerate(prompts)]
+        gone = asyncio.ensure_future(_wait_disconnect(raw)) if raw is not None else None
+        failure: BaseException | None = None
         try:
-            for i, prepare in enumerate(prompts):
-                streams.append(await self.engine.add_request(f"{request_id}-{i}", prepare, params, arrival))
-        except BaseException as exc:
-            self.abort(streams)
-            if isinstance(exc, Exception) and not isinstance(exc, APIError):
-                raise from_engine_error(exc) from exc
-            raise
-        return streams
+            pending = set(adds)
+            while pending and failure is None:
+                done, pending = await asyncio.wait(pending | {gone} - {None}, return_when=asyncio.FIRST_COMPLETED)
+                if gone in done:
+                    failure = APIError(499, "client disconnected", code="client_closed_request")
+                    logger.info("client disconnected while its request was submitted: aborted %s", request_id)
+                    break
+                pending.discard(gone)
+                failure = next((t.exception() for t in done if t.exception() is not None), None)
+        except BaseException as exc:  # the handler itself was cancelled
+            failure = exc
+        finally:
+            if gone is not None:
+                gone.cancel()
+        if failure is None:
+            return [add.result() for add in adds]
+        for add in adds:
+            add.cancel()  # an add that was under way aborts its request itself (EngineClient._open_stream)
+        finished = await asyncio.gather(*adds, return_exceptions=True)
+        self.abort([s for s in finished if isinstance(s, RequestStream)])
+        if isinstance(failure, Exception) and not isinstance(failure, APIError):
+            raise from_engine_error(failure) from failure
+        raise failure
 
     def abort(self, streams: list[RequestStream]) -> None:
         for stream in streams:

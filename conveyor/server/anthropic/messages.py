@@ -64,7 +64,7 @@ def _message(run: ChatRun, model: str, content: list[dict], stop: tuple[str | No
 
 async def create_message(body: MessagesRequest, raw: Request, ctx: ServingContext):
     plan = await check_plan(plan_chat(internal_request(chat_body(body)), ctx), ctx)
-    run = await plan.submit(ctx, prefix="msg")
+    run = await plan.submit(ctx, raw, prefix="msg")
     if body.stream:
         frames = _stream(run, body.model, body.thinks)
         return StreamingResponse(guarded_stream(frames, ctx, run.streams, _error_event),
