@@ -79,6 +79,12 @@ class LLMEngine:
         self.max_model_len = args.max_model_len or limit
 
         cache = args.cache_config()
+        if args.kv_eviction != "none" and any(self.model_info.layer_windows):
+            # eviction drops blocks from the middle of a table, so KV slots stop being positions, and a window is
+            # counted in positions: refused rather than computed over the wrong keys
+            raise ValueError(f"--kv-eviction {args.kv_eviction} does not run with a sliding-window model "
+                             f"({self.model_info.name}: windows {sorted(set(self.model_info.layer_windows) - {0})}); "
+                             "use --kv-eviction none")
         self.draft_model, self.draft_info = self._load_draft(args, device)
         num_blocks = cache.num_kv_blocks
         if num_blocks is None:  # the draft's K/V lives in the same blocks: the budget holds both
@@ -163,10 +169,9 @@ class LLMEngine:
     def info(self) -> EngineInfo:
         """This engine's facts fixed for the run, as a server reads them of any engine (``ServedEngine.info``)."""
         from conveyor.models import EMBEDDED_NAME
-        from conveyor.models.flops import per_token_linear_params
+        from conveyor.models.flops import prefix_hit_flops
 
-        m = self.model_info
-        hit_flops = (2.0 * per_token_linear_params(self.model), 4.0 * m.num_layers * m.num_heads * m.head_dim)
+        hit_flops = prefix_hit_flops(self.model_info)
         return EngineInfo(self.args, self.tokenizer, self.model_info, self.max_model_len, self.max_seqs_per_request,
                           self.num_kv_blocks, os.getpid(), self.load_time_s, self.init_time_s,
                           self.model_info.name == EMBEDDED_NAME, hit_flops)

@@ -23,6 +23,10 @@ from tokenizers import Tokenizer as RustTokenizer
 from conveyor.models.gguf_file import GGUFError, GGUFFile
 
 CONTROL, USER_DEFINED = 3, 4  # llama.cpp's token types
+# Control tokens that end a turn, by their text, as llama.cpp's llama-vocab.cpp finds them (converters write one
+# eos id; a chat model's turns end with these): stop tokens of every family's GGUF (models.gguf_config)
+END_OF_TURN_TEXTS = frozenset({"<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
+                               "<|end_of_text|>", "<EOT>", "<end_of_utterance>", "<|return|>", "<|call|>"})
 
 _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
                  r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")

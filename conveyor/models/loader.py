@@ -9,11 +9,11 @@ import os
 import torch
 
 from conveyor.models.build import ModelInfo, build_model, choose_dtype, make_info, resolve_dtype
-from conveyor.models.config import parse_config
 from conveyor.models.cpu_layout import prepare_for_cpu
 from conveyor.models.embedded import load_embedded
 from conveyor.models.gguf_file import GGUFFile
-from conveyor.models.gguf_model import gguf_config, gguf_quantized, gguf_weights, hf_name
+from conveyor.models.gguf_model import gguf_quantized, gguf_weights, hf_name
+from conveyor.models.registry import config_from_gguf, config_from_hf
 from conveyor.models.quantize import QUANTIZATION_CHOICES, describe, install, plan_gguf, quantize_linears_int8
 from conveyor.models.sources import resolve_model
 from conveyor.models.weights import checkpoint_files, iter_weights, load_into
@@ -82,17 +82,17 @@ def _load_gguf(path: str, name: str, dtype: str | torch.dtype, device: str | tor
     ``choose_dtype`` picks it for the device, since a quantized checkpoint has no dtype of its own to keep).
     Returns the model, its info and the parameters kept quantized."""
     with GGUFFile(path) as f:
-        cfg = gguf_config(f)
+        cfg, family = config_from_gguf(f)
         plan: dict[str, list[str]] = {}
         if kernels is not None:
-            plan = plan_gguf(build_model(cfg, torch.float32, "meta"), f.tensors, hf_name)
+            plan = plan_gguf(build_model(cfg, torch.float32, "meta"), f.tensors, lambda n: hf_name(n, family))
         torch_dtype, why = choose_dtype(dtype, device, quantized=bool(plan))
         net = build_model(cfg, torch_dtype, device, on_meta=frozenset(plan))
         skip = frozenset(n for names in plan.values() for n in names)
         with torch.no_grad():
-            load_into(net, gguf_weights(f, cfg, torch_dtype, skip), where=path, exclude=frozenset(plan))
+            load_into(net, gguf_weights(f, cfg, family, torch_dtype, skip), where=path, exclude=frozenset(plan))
             info = make_info(name, cfg, net, torch_dtype, why)  # before a tied lm_head gets a module of its own
-            done = install(net, gguf_quantized(f, cfg, plan), kernels, torch_dtype) if plan else []
+            done = install(net, gguf_quantized(f, cfg, family, plan, net), kernels, torch_dtype) if plan else []
     return net, info, done
 
 
@@ -105,7 +105,7 @@ def _load_hf_dir(model: str, dtype: str | torch.dtype, device: str | torch.devic
         raise FileNotFoundError(f"{config_path} not found: not a Hugging Face model directory")
     with open(config_path) as f:
         raw = json.load(f)
-    cfg = parse_config(raw, where=config_path)
+    cfg = config_from_hf(raw, where=config_path)
     torch_dtype, why = choose_dtype(dtype, device, raw.get("torch_dtype") or raw.get("dtype"), quantized)
     cfg.eos_token_ids = sorted(set(cfg.eos_token_ids) | set(_generation_eos(model)))
     files = checkpoint_files(model)
