@@ -33,9 +33,11 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", default=None, help="the name clients pass as `model` (default: the "
                    "model's name, e.g. SmolLM2-135M-Instruct, or the GGUF file's / directory's name)")
-    p.add_argument("--api-key", default=os.environ.get("CONVEYOR_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on every route but /health and /metrics "
-                   "(default: $CONVEYOR_API_KEY)")
+    env_keys = [k for k in os.environ.get("CONVEYOR_API_KEY", "").split(",") if k]
+    p.add_argument("--api-key", nargs="+", default=env_keys or None, metavar="KEY",
+                   help="require one of these keys ('Authorization: Bearer KEY' or 'x-api-key: KEY') on every route "
+                   "but /health and /metrics; each key sees only the responses it stored (default: "
+                   "$CONVEYOR_API_KEY, comma-separated)")
     p.add_argument("--log-stats-interval", type=float, default=5.0, help="seconds between status log lines")
     p.add_argument("--disable-log-stats", action="store_true")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
@@ -70,6 +72,11 @@ def add_serve_parser(sub) -> None:
                    "template; generic, a constrained JSON reply, when it has none)")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="accepted for vLLM's command lines: tool_choice auto is always served")
+    from conveyor.server.reasoning import REASONING_PARSERS
+
+    p.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
+                   help="the model's reasoning syntax, split off the answer as reasoning_content / thinking "
+                   "(default: read from the chat template: <think> or [THINK]; none: never split)")
     add_cors_args(p)
     _add_scale_out_args(p)
     EngineArgs.add_cli_args(p)
@@ -188,7 +195,8 @@ def run_serve(ns: argparse.Namespace) -> int:
     app = build_app(engine, ns.served_model_name or model.name, ns.api_key,
                     0.0 if ns.disable_log_stats else ns.log_stats_interval, ns.shutdown_timeout, ns.max_n,
                     max_request_body_bytes=ns.max_request_body_bytes, max_seqs_per_request=ns.max_seqs_per_request,
-                    tool_call_parser=ns.tool_call_parser, cors=CORSConfig.from_namespace(ns))
+                    tool_call_parser=ns.tool_call_parser, reasoning_parser=ns.reasoning_parser,
+                    cors=CORSConfig.from_namespace(ns))
     server = make_server(app, ns.host, ns.port, ns.uvicorn_log_level, ns.timeout_keep_alive, ns.timeout_headers,
                          loop=ns.uvicorn_loop)
     try:

@@ -70,12 +70,14 @@ class Tokenizer:
         return to_str() if callable(to_str) else None
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            chat_template: str | None = None, tools: list[dict] | None = None) -> str:
+                            chat_template: str | None = None, tools: list[dict] | None = None,
+                            **template_kwargs) -> str:
         """Render chat messages ([{"role", "content"}]) to the prompt text the model expects (``chat_template``
-        overrides the model's own; ``tools``, OpenAI's tool list, for templates that describe tools)."""
+        overrides the model's own; ``tools``, OpenAI's tool list, for templates that describe tools;
+        ``template_kwargs``: more variables for the template, e.g. Qwen3's ``enable_thinking``)."""
         template = _compile_template(chat_template or self.chat_template or DEFAULT_CHAT_TEMPLATE)
         return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                               bos_token=self.bos_token, eos_token=self.eos_token, tools=tools)
+                               bos_token=self.bos_token, eos_token=self.eos_token, tools=tools, **template_kwargs)
 
 
 class ByteTokenizer(Tokenizer):

@@ -24,6 +24,19 @@ MIN_TEMPERATURE = 1e-2
 MIN_REPETITION_PENALTY = 1e-2
 
 
+@dataclass(frozen=True)
+class ReasoningBlock:
+    """A reasoning block the output may write before its constraint applies (``<think>...</think>``, then the
+    answer): reasoning models are constrained in their answer, not in their reasoning. Markers are text; a
+    marker that is a special token of the vocabulary also gives its id. ``start`` None: the prompt opened the
+    block, so the output starts inside it; else the output may open one with ``start`` or answer at once."""
+
+    end: str
+    start: str | None = None
+    end_token_id: int | None = None
+    start_token_id: int | None = None
+
+
 @dataclass
 class StructuredOutputsParams:
     """A constraint on the output's text, as vLLM's ``StructuredOutputsParams``: exactly one of ``json`` (a JSON
@@ -36,6 +49,7 @@ class StructuredOutputsParams:
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
+    reasoning: ReasoningBlock | None = None  # set by the server for reasoning models: not a kind of its own
 
     KINDS = ("json", "json_object", "regex", "choice", "grammar")
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import time
 from collections.abc import Callable
 
@@ -17,52 +16,38 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from conveyor.engine.async_engine import AsyncEngine
-from conveyor.engine.chat import render_chat
-from conveyor.engine.engine_client import EngineInfo, ServedEngine
+from conveyor.engine.engine_client import ServedEngine
 from conveyor.engine.llm_engine import LLMEngine
+from conveyor.server.anthropic.messages import install_anthropic_routes
+from conveyor.server.auth import APIKeyMiddleware
 from conveyor.server.body_limit import BodyLimitMiddleware
 from conveyor.server.cors import CORSConfig, install_cors
-from conveyor.server.errors import APIError, bad_request, from_engine_error, install_error_handlers
+from conveyor.server.errors import APIError, install_error_handlers
 from conveyor.server.limits import DEFAULT_MAX_REQUEST_BODY_BYTES, DEFAULT_MAX_SEQS_PER_REQUEST, max_token_chars
 from conveyor.server.metrics import ServerMetrics, log_stats_forever
-from conveyor.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
-from conveyor.server.serving_chat import create_chat_completion, generation_prompt, messages_as_dicts
+from conveyor.server.protocol import ChatCompletionRequest, CompletionRequest
+from conveyor.server.serving_chat import create_chat_completion
 from conveyor.server.serving_common import ServingContext
 from conveyor.server.serving_completion import create_completion
-
-OPEN_PATHS = ("/health", "/metrics")  # monitoring must work without the API key, as in vLLM
-
-
-class APIKeyMiddleware:
-    """Refuse requests without ``Authorization: Bearer <key>`` (pure ASGI: it must not buffer SSE streams)."""
-
-    def __init__(self, app, api_key: str) -> None:
-        self.app = app
-        self.expected = f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS and scope["method"] != "OPTIONS":
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
-                error = APIError(401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
-                                 code="invalid_api_key")
-                await error.response()(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
+from conveyor.server.tokenizer_routes import install_tokenizer_routes
 
 
-def build_app(engine: ServedEngine | LLMEngine, served_model_name: str | None = None, api_key: str | None = None,
+def build_app(engine: ServedEngine | LLMEngine, served_model_name: str | None = None,
+              api_key: str | list[str] | None = None,
               log_stats_interval_s: float = 5.0, shutdown_timeout_s: float = 30.0, max_n: int = 128,
               metrics: ServerMetrics | None = None, health_detail: Callable[[], dict] | None = None,
               max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
               max_seqs_per_request: int = DEFAULT_MAX_SEQS_PER_REQUEST, cors: CORSConfig | None = None,
-              tool_call_parser: str | None = None) -> FastAPI:
+              tool_call_parser: str | None = None, reasoning_parser: str | None = None) -> FastAPI:
     """An OpenAI-compatible app serving ``engine``'s model: a ``ServedEngine`` (``EngineCoreClient``, the engine
     in its own process; ``AsyncEngine``; ``distributed.ReplicaPool``), or an ``LLMEngine``, stepped in a thread of
     this process (``AsyncEngine``). The engine runs for the app's lifespan. ``max_n`` bounds ``n`` (and
     ``best_of``) per request: 128, as OpenAI's API does; ``max_seqs_per_request`` bounds prompts x n; a body over
     ``max_request_body_bytes`` is 413 (``body_limit.py``). ``cors``: what browsers on other origins may do
     (``cors.py``; None: vLLM's defaults, anything without credentials).
+
+    ``api_key``: one key or several, any of which a request may present. ``tool_call_parser`` and
+    ``reasoning_parser``: the model's tool-call and reasoning syntaxes (None: read from its chat template).
 
     ``metrics`` replaces the app's own ``ServerMetrics`` (scale-out passes one that merges its replicas'), and
     ``health_detail``, when given, is what ``/health`` answers with."""
@@ -78,7 +63,7 @@ def build_app(engine: ServedEngine | LLMEngine, served_model_name: str | None = 
         metrics.attach()
     tokenizer = info.tokenizer
     ctx = ServingContext(engine, model_name, max_n, max_seqs_per_request, max_token_chars(tokenizer),
-                         tool_call_parser)
+                         tool_call_parser, reasoning_parser)
     created = int(time.time())
 
     @contextlib.asynccontextmanager
@@ -100,8 +85,9 @@ def build_app(engine: ServedEngine | LLMEngine, served_model_name: str | None = 
     app.state.metrics = metrics
     app.state.shutdown_timeout_s = shutdown_timeout_s
     install_error_handlers(app)
-    if api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    api_keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
+    if api_keys:
+        app.add_middleware(APIKeyMiddleware, api_keys=api_keys)
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_body_bytes)  # before anything reads the body
     install_cors(app, cors or CORSConfig())  # outermost: its headers go on the answers of the two above too
 
@@ -143,42 +129,7 @@ def build_app(engine: ServedEngine | LLMEngine, served_model_name: str | None = 
     async def prometheus():
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest):
-        ctx.check_model(body.model)
-        if (body.prompt is None) == (body.messages is None):
-            raise bad_request("give exactly one of prompt or messages", "prompt")
-        messages = messages_as_dicts(body.messages) if body.messages is not None else None
-        add_generation_prompt = generation_prompt(body)
-
-        def run(e: EngineInfo) -> tuple[list[int], list[str] | None]:
-            if messages is not None:
-                ids = render_chat(e.tokenizer, messages, add_generation_prompt,
-                                  add_special_tokens=bool(body.add_special_tokens),
-                                  continue_final_message=body.continue_final_message)
-            else:
-                add = True if body.add_special_tokens is None else body.add_special_tokens
-                ids = e.encode(body.prompt, add_special_tokens=add)
-            strs = [e.tokenizer.decode([t], skip_special_tokens=False) for t in ids] if body.return_token_strs else None
-            return ids, strs
-
-        ids, strs = await _tokenizer_call(engine, run)
-        return {"count": len(ids), "max_model_len": info.max_model_len, "tokens": ids, "token_strs": strs}
-
-    @app.post("/detokenize")
-    async def detokenize(body: DetokenizeRequest):
-        ctx.check_model(body.model)
-        vocab = info.model_info.vocab_size
-        if any(not 0 <= t < vocab for t in body.tokens):
-            raise bad_request(f"tokens must be integers in [0, {vocab})", "tokens")
-        text = await _tokenizer_call(engine, lambda e: e.tokenizer.decode(body.tokens))
-        return {"prompt": text}
-
+    install_tokenizer_routes(app, ctx)
+    install_anthropic_routes(app, ctx)
     return app
 
-
-async def _tokenizer_call(engine: ServedEngine, fn):
-    try:
-        return await engine.tokenizer_call(fn)
-    except Exception as exc:
-        raise from_engine_error(exc) from exc

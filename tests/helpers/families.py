@@ -48,6 +48,7 @@ class Tiny:
     window: int = 0  # the sliding window the prompts must exceed (0: none)
     # GGUF metadata the converter leaves out and the test adds (llama.cpp's converter drops Mistral's window)
     gguf_extra: dict = field(default_factory=dict)
+    converts: bool = True  # llama.cpp's converter knows the architecture
 
 
 def _common(**over) -> dict:
@@ -70,6 +71,11 @@ TINIES = {
                     specials=["[INST]", "[/INST]"],
                     chat_template="{% for m in messages %}{% if m['role'] == 'user' %}[INST] {{ m['content'] }} "
                                   "[/INST]{% else %}{{ m['content'] }}</s>{% endif %}{% endfor %}"),
+    # Ministral: windows on some layers only (layer_types); llama.cpp's converter has no MinistralForCausalLM
+    "ministral": Tiny("ministral", "MinistralForCausalLM", "MinistralConfig",
+                      _common(num_hidden_layers=3, sliding_window=8, head_dim=16,
+                              layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
+                      window=8, converts=False),
     "qwen2": Tiny("qwen2", "Qwen2ForCausalLM", "Qwen2Config", _common(num_key_value_heads=1, rope_theta=1000.0),
                   specials=["<|im_start|>", "<|im_end|>"], eos_token="<|im_end|>"),
     "qwen3": Tiny("qwen3", "Qwen3ForCausalLM", "Qwen3Config", _common(head_dim=32, tie_word_embeddings=True),
