@@ -16,7 +16,7 @@ from conveyor.models.family import ModelFamily
 
 def from_hf(c: hf_config.HFConfig, architecture: str) -> ModelConfig:
     cfg = hf_config.decoder_config(c, architecture, "llama")
-    if architecture == "LlamaForCausalLM":  # transformers' Llama attends to every key whatever sliding_window says
+    if architecture.startswith("Llama"):  # transformers' Llama attends to every key whatever sliding_window says
         cfg.layer_windows = ()
     return cfg
 
