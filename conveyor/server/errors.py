@@ -87,7 +87,8 @@ def from_value_error(exc: ValueError) -> APIError:
 
 _PARAM_NAMES = {f.name for f in fields(SamplingParams)} | {
     "prompt", "messages", "max_completion_tokens", "response_format", "guided_json", "guided_regex",
-    "guided_choice", "guided_grammar", "tools", "tool_choice"}
+    "guided_choice", "guided_grammar", "tools", "tool_choice",
+    "model", "input", "dimensions", "query", "documents", "text_1", "text_2", "truncate_prompt_tokens"}
 
 
 def from_engine_error(exc: BaseException) -> APIError:

@@ -96,6 +96,7 @@ class ServingContext:
         self.max_seqs_per_request = max_seqs_per_request
         self.admission_cap = engine.info.max_seqs_per_request  # the queue bound's
         self.vocab_size = engine.info.model_info.vocab_size
+        self.task = engine.info.model_info.task  # "generate", or a pooling model's "embed" / "score"
         self.max_token_chars = max_token_chars
 
     async def tokenizer_call(self, fn: Callable[[EngineInfo], T]) -> T:
@@ -175,16 +176,18 @@ class ServingContext:
                 raise from_value_error(exc) from exc
             raise bad_request(f"{field}: {str(exc).split(': ', 1)[-1]}", field) from exc
 
-    async def submit(self, request_id: str, prompts: list[Prepare], params: SamplingParams,
+    async def submit(self, request_id: str, prompts: list[Prepare], params: SamplingParams | list[SamplingParams],
                      raw: Request | None = None) -> list[RequestStream]:
-        """Queue one engine request per prompt (ids ``{request_id}-{i}``), all at once; all or nothing. Each
+        """Queue one engine request per prompt (ids ``{request_id}-{i}``; ``params`` one for all, or one per prompt),
+        all at once; all or nothing. Each
         ``Prepare`` has run (off the event loop: a worker thread, or the engine thread in process) when this
         returns. A client that disconnects meanwhile (``raw``) ends it at once: the prompts already queued are
         aborted, the others never are (APIError 499), so an abandoned batch does not go on growing while the rest
         of it is submitted."""
         arrival = time.monotonic()
-        adds = [asyncio.ensure_future(self.engine.add_request(f"{request_id}-{i}", prepare, params, arrival))
-                for i, prepare in enumerate(prompts)]
+        each = params if isinstance(params, list) else [params] * len(prompts)
+        adds = [asyncio.ensure_future(self.engine.add_request(f"{request_id}-{i}", prepare, p, arrival))
+                for i, (prepare, p) in enumerate(zip(prompts, each))]
         gone = asyncio.ensure_future(_wait_disconnect(raw)) if raw is not None else None
         failure: BaseException | None = None
         try:
