@@ -417,8 +417,9 @@ class Scheduler:
         request.mark_finished(RequestStatus.FINISHED_STOPPED, now)
         self.running.remove(request)
         self._retire(request)
-        return RequestUpdate(request.request_id, -1, None, request.finish_reason, None, request.num_cached_prompt_tokens,
-                             request.num_preemptions, request.times.first_scheduled, pooled)
+        return RequestUpdate(request.request_id, -1, None, request.finish_reason, None,
+                             request.num_cached_prompt_tokens, request.num_preemptions, request.times.first_scheduled,
+                             pooled)
 
     def _verified(self, request: Request, proposed: int, accepted: int) -> None:
         """Roll a request back past its rejected proposals: their KV is not its tokens' (the slots after
