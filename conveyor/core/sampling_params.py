@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
+
+from conveyor.core.pooling_params import PoolingParams
 
 # Bounds that come from where the values end up, not from taste:
 FLOAT32_MAX = 3.4028234663852886e38  # sampling runs in float32: a larger float becomes inf there
@@ -20,6 +23,19 @@ MIN_TEMPERATURE = 1e-2
 # Below this a repetition penalty multiplies logits by more than 100; with a small temperature that overflows
 # float32 as well. No sensible use needs less.
 MIN_REPETITION_PENALTY = 1e-2
+
+
+@dataclass(frozen=True)
+class ReasoningBlock:
+    """A reasoning block the output may write before its constraint applies (``<think>...</think>``, then the
+    answer): reasoning models are constrained in their answer, not in their reasoning. Markers are text; a
+    marker that is a special token of the vocabulary also gives its id. ``start`` None: the prompt opened the
+    block, so the output starts inside it; else the output may open one with ``start`` or answer at once."""
+
+    end: str
+    start: str | None = None
+    end_token_id: int | None = None
+    start_token_id: int | None = None
 
 
 class RequestOutputKind(enum.IntEnum):
@@ -47,6 +63,7 @@ class StructuredOutputsParams:
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
+    reasoning: ReasoningBlock | None = None  # set by the server for reasoning models: not a kind of its own
 
     KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
@@ -102,6 +119,9 @@ class SamplingParams:
     # bad_words as token sequences (each word with and without a leading space), filled in by the engine's
     # tokenizer (``conveyor.engine.logit_edits.tokenize_bad_words``) before the request is queued
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
+    # A prefill-only request (embedding, scoring): its prompt's hidden states pooled, no token generated
+    # (core.pooling_params); None: a generation request
+    pooling: PoolingParams | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE  # what each of its outputs holds
 
     def __post_init__(self) -> None:
@@ -116,6 +136,8 @@ class SamplingParams:
             self.logit_bias = {_token_id_key(k): v for k, v in self.logit_bias.items()}
         if isinstance(self.structured_outputs, dict):  # from JSON or the IPC
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        if isinstance(self.pooling, dict):  # from the IPC
+            self.pooling = PoolingParams(**self.pooling)
         self._validate()
         if 0.0 < self.temperature < MIN_TEMPERATURE:
             self.temperature = MIN_TEMPERATURE
@@ -177,6 +199,13 @@ class SamplingParams:
             raise bad("ignore_eos", "cannot be combined with structured outputs (the grammar decides where the "
                                     "output ends)")
 
+    def check_vocabulary(self, vocab_size: int) -> None:
+        """ValueError naming the field for a token id (``stop_token_ids``, ``allowed_token_ids``, ``logit_bias``'s
+        keys) outside the model's vocabulary."""
+        check_token_ids("stop_token_ids", self.stop_token_ids, vocab_size)
+        check_token_ids("allowed_token_ids", self.allowed_token_ids or (), vocab_size)
+        check_token_ids("logit_bias", self.logit_bias or (), vocab_size, "keys ")
+
     @property
     def greedy(self) -> bool:
         """Greedy decoding: temperature 0 (top-k / top-p then do not matter)."""
@@ -197,6 +226,14 @@ class SamplingParams:
         if seed is not None and seed > SEED_MAX:  # wrap around 2**64, as the generator's own seed space does
             seed -= 1 << 64
         return replace(self, n=1, seed=seed)
+
+
+def check_token_ids(field: str, ids: Iterable[int], vocab_size: int, what: str = "") -> None:
+    """ValueError (starting with ``field``, which the server reports as ``param``) for an id outside
+    [0, ``vocab_size``)."""
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"{field} {what}must be token ids in [0, {vocab_size}), got {bad}")
 
 
 def _token_id_key(key) -> int:

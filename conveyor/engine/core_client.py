@@ -4,9 +4,16 @@ It starts the process (spawn: a fresh interpreter, so no torch thread pool is in
 for it to be ready, and then serves the event loop with three threads of its own, so that the loop never touches
 a socket or waits on one:
 
-    sender thread:   queue <- the loop's requests (add, finish, stop) -> encode -> PUSH socket
+    event loop:      the loop's requests (add, finish, stop) -> encode -> queue
+    sender thread:   queue -> PUSH socket
     receiver task:   PULL socket (zmq.asyncio, on the loop) -> decode -> output processing, one message at a time
     watcher thread:  waits for the engine process to exit -> the loop declares the engine dead
+
+A request is encoded on the loop, in its caller's context, as vLLM's ``AsyncLLM`` does: one that cannot be encoded
+(a number msgpack cannot carry) fails alone, with an error its caller gets, and never reaches the sender thread.
+Each thread and the receiver task is supervised: if one ends while the client is not closing, whatever the
+reason, the engine is declared dead (one ERROR line, every in-flight request told, the server exits with status 1)
+and the engine process is killed, instead of a server that answers ``/health`` but nothing else.
 
 The receiver is a task, not a thread: handing each message from a thread to the loop cost a GIL hand-off and a
 wake-up per engine step (0.7 ms a step at batch 1). Reading a ZeroMQ socket from the loop is safe where reading
@@ -53,8 +60,12 @@ from conveyor.engine.output_processor import OutputProcessor
 logger = logging.getLogger("conveyor.engine")
 
 STARTUP_TIMEOUT_S = 600.0  # a big checkpoint on a slow disk; a failure is reported as soon as it happens
-STOP_TIMEOUT_S = 30.0  # shutdown: how long the process may take to finish its step and exit before it is killed
+# Shutdown: how long the process may take to finish its step and exit before it is killed. The drain has ended
+# every request by then, so a kill loses nothing; the bound keeps SIGTERM's exit within the drain's deadline.
+STOP_TIMEOUT_S = 5.0
+DEAD_STOP_S = 1.0  # the same for a process declared dead while it still runs (it cannot be told to stop)
 POLL_MS = 100  # how often the sender thread looks up from its socket to see whether it should stop
+WATCH_POLL_S = 0.5  # how often the watcher looks up from its wait to see whether it should stop
 # The engine process has exited: how long its last message (why it died) may take to be handled first.
 EXIT_GRACE_S = 0.5
 
@@ -67,7 +78,9 @@ class EngineCoreClient(EngineClient):
     be ready (``wait_ready``).
     """
 
-    def __init__(self, args: EngineArgs, startup_timeout_s: float = STARTUP_TIMEOUT_S) -> None:
+    def __init__(self, args: EngineArgs, startup_timeout_s: float = STARTUP_TIMEOUT_S,
+                 entry: Callable = run_engine_core) -> None:
+        """``entry``: the engine process's entry point, ``run_engine_core`` or (tests) a picklable wrapper of it."""
         self._endpoints = ipc.Endpoints.fresh()
         self._zmq = zmq.Context()
         # Bound before the process starts, so its connects find them; each then belongs to one thread.
@@ -76,13 +89,14 @@ class EngineCoreClient(EngineClient):
         self._receiver: asyncio.Task | None = None
         context = multiprocessing.get_context("spawn")
         self._conn, child_conn = context.Pipe()
-        self._proc = context.Process(target=run_engine_core, args=(args, child_conn, self._endpoints),
+        self._proc = context.Process(target=entry, args=(args, child_conn, self._endpoints),
                                      name="conveyor-engine-core", daemon=True)
         self._proc.start()
         child_conn.close()
         self._args, self._startup_timeout_s, self._started = args, startup_timeout_s, time.monotonic()
         super().__init__(SchedulerStats())  # the engine's own stats arrive with "ready"
-        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()  # encoded frames (None: stop)
+        self._encoder = msgspec.msgpack.Encoder()  # the event loop's
         self._threads: list[threading.Thread] = []
         self._closing = threading.Event()
         self._calls: dict[int, asyncio.Future] = {}
@@ -133,24 +147,32 @@ class EngineCoreClient(EngineClient):
         self.wait_ready()
         self._start_loop_side()
         self._receiver = asyncio.ensure_future(self._receive_forever(zmq.asyncio.Socket.from_socket(self._output)))
-        for target, name in ((self._send_forever, "sender"), (self._watch_process, "watcher")):
-            thread = threading.Thread(target=target, name=f"conveyor-client-{name}", daemon=True)
+        self._receiver.add_done_callback(self._on_receiver_end)
+        for body, name in ((self._send_forever, "sender"), (self._watch_process, "watcher")):
+            thread = threading.Thread(target=self._supervised, args=(name, body), name=f"conveyor-client-{name}",
+                                      daemon=True)
             thread.start()
             self._threads.append(thread)
 
     @property
     def is_running(self) -> bool:
-        return self.dead_error is None and not self._stopping and self._proc.is_alive()
+        """The engine process runs and every part of this client that talks to it does (``/health``)."""
+        return (self.dead_error is None and not self._stopping and self._proc.is_alive()
+                and all(t.is_alive() for t in self._threads)
+                and (self._receiver is None or not self._receiver.done()))
 
     async def shutdown(self) -> None:
-        """Abort whatever is left, tell the process to stop, and wait for it (kill it after STOP_TIMEOUT_S)."""
+        """Abort whatever is left, tell the process to stop, and wait for it (kill it after STOP_TIMEOUT_S, or at
+        once when it was declared dead while still running)."""
         self._abort_all()
+        wait = DEAD_STOP_S
         if self.dead_error is None and not self._stopping:
             self._stopping = True
-            self._outbox.put(ipc.Shutdown())
-        await asyncio.to_thread(self._proc.join, STOP_TIMEOUT_S)
+            self._send(ipc.Shutdown())
+            wait = STOP_TIMEOUT_S
+        await asyncio.to_thread(self._proc.join, wait)
         if self._proc.is_alive():
-            logger.warning("the engine core process did not stop within %.0f s: killing it", STOP_TIMEOUT_S)
+            logger.warning("the engine core process did not stop within %.0f s: killing it", wait)
             self._proc.kill()
             await asyncio.to_thread(self._proc.join, 5.0)
         if self._receiver is not None:
@@ -204,33 +226,52 @@ class EngineCoreClient(EngineClient):
 
     def _finish(self, child_ids: list[str], status: RequestStatus) -> None:
         """End (child) requests in the engine core's scheduler (before its next step)."""
-        self._outbox.put(ipc.FinishRequests(child_ids, status))
+        self._send(ipc.FinishRequests(child_ids, status))
 
     async def _request(self, make: Callable[[int], ipc.AddRequest]) -> None:
         if not self.is_running:
             raise EngineDeadError(f"the engine is not running: {self.dead_error!r}")
         call_id = next(self._call_ids)
+        try:
+            frame = self._encoder.encode(make(call_id))
+        except (OverflowError, TypeError, ValueError) as exc:  # e.g. an int past 64 bits: this request alone fails
+            raise ValueError(f"the request holds a value the engine cannot be sent ({exc})") from None
         future = self._loop.create_future()
         self._calls[call_id] = future
-        self._outbox.put(make(call_id))
+        self._outbox.put(frame)
         try:
             ipc.raise_error(await future)
         finally:
             self._calls.pop(call_id, None)
 
+    def _send(self, message: ipc.FinishRequests | ipc.Shutdown) -> None:
+        """Queue a message that answers nobody (ids and names only: it always encodes). On the event loop."""
+        self._outbox.put(self._encoder.encode(message))
+
     # ---- threads ----------------------------------------------------------------------------------------
-    def _send_forever(self) -> None:
-        encoder = msgspec.msgpack.Encoder()
+    def _supervised(self, name: str, body: Callable[[], None]) -> None:
+        """Run a thread's ``body``; if it raises while this client is not closing, the engine is out of reach:
+        declare it dead (the server then exits with status 1) rather than leave a server that wedges."""
         try:
-            while (request := self._outbox.get()) is not None:
-                frame = encoder.encode(request)
+            body()
+        except BaseException as exc:  # noqa: BLE001 - whatever ended the thread, the loop must hear of it
+            if not (self._closing.is_set() or self._stopping):
+                self._from_thread(self._died, f"the API process's {name} thread died: {exc!r}; the engine core "
+                                  "process cannot be reached")
+
+    def _from_thread(self, fn: Callable, *args) -> None:
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the event loop is closed: nobody is left to tell
+            pass
+
+    def _send_forever(self) -> None:
+        try:
+            while (frame := self._outbox.get()) is not None:
                 while not self._input.poll(POLL_MS, zmq.POLLOUT):  # no engine connected (it is gone)
                     if self._closing.is_set():
                         return
                 self._input.send(frame, zmq.NOBLOCK)
-        except zmq.ZMQError as exc:
-            if not self._closing.is_set():
-                logger.error("could not send to the engine core process: %s", exc)
         finally:
             self._input.close(linger=0)
 
@@ -239,10 +280,8 @@ class EngineCoreClient(EngineClient):
         while True:
             try:
                 frame = await sock.recv()
-            except zmq.ZMQError as exc:
-                if not self._closing.is_set():
-                    logger.error("could not read from the engine core process: %s", exc)
-                return
+            except zmq.ZMQError:
+                return  # closing; otherwise _on_receiver_end declares the engine dead
             try:
                 self._handle(decoder.decode(frame))
             except Exception as exc:  # noqa: BLE001 - a receiver that stopped would hang every stream for good
@@ -254,13 +293,19 @@ class EngineCoreClient(EngineClient):
             await asyncio.sleep(0)
 
     def _watch_process(self) -> None:
-        multiprocessing.connection.wait([self._proc.sentinel])
-        try:
-            self._loop.call_soon_threadsafe(self._on_process_exit)
-        except RuntimeError:  # the event loop is closed
-            pass
+        # A wait with a timeout: a thread blocked in select() for good could neither stop nor fail visibly.
+        while not multiprocessing.connection.wait([self._proc.sentinel], WATCH_POLL_S):
+            if self._closing.is_set():
+                return
+        self._from_thread(self._on_process_exit)
 
     # ---- event loop side --------------------------------------------------------------------------------
+    def _on_receiver_end(self, task: asyncio.Task) -> None:
+        if self._closing.is_set() or self._stopping:
+            return
+        why = "it was cancelled" if task.cancelled() else f"{task.exception()!r}" if task.exception() else "it ended"
+        self._died(f"the API process's receiver task stopped ({why}); the engine core process cannot be heard")
+
     def _on_process_exit(self) -> None:
         if not self._stopping:  # let a last message saying why be handled first
             self._loop.call_later(EXIT_GRACE_S, self._died, None)
@@ -288,8 +333,8 @@ class EngineCoreClient(EngineClient):
     def _died(self, why: str | None) -> None:
         if self.dead_error is not None or self._stopping:
             return
-        self._proc.join(1.0)
-        if why is None:
+        if why is None:  # the process has exited: its exit code says how
+            self._proc.join(1.0)
             why = f"the engine core process (pid {self._proc.pid}) exited with code {self._proc.exitcode}"
         logger.error("%s", why)
         cause = EngineDeadError(why.splitlines()[0])

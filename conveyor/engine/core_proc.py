@@ -13,7 +13,10 @@ for a step:
 The output socket holds at most ``ipc.OUTPUT_HWM`` messages: an API process that falls behind makes the step loop
 wait instead of letting a queue grow without bound. The process ignores SIGINT and SIGTERM (the server drains, then
 sends ``Shutdown``); it exits when told, when the API process is gone (the start-up pipe closes), or, after a last
-message saying why, when the engine raises.
+message saying why, when the engine raises. Its other threads are supervised: a message the input thread cannot
+decode is answered with an error when it names a call, and dropped otherwise; if the input thread or the thread
+watching the API process dies, the step loop raises on its next round, so the process exits the same way (never a
+process whose engine no longer hears its requests).
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ logger = logging.getLogger("conveyor.engine")
 
 DEAD_FLUSH_S = 5.0  # a crashing engine: how long its last message may wait for room
 POLL_MS = 100  # how often a wait on the output path looks up to see whether the API process is gone
+PARENT_POLL_S = 0.5  # how often the parent watcher looks up from its pipe (a thread blocked for good cannot fail)
 
 
 class _Reply:
@@ -84,7 +88,7 @@ class EngineCore:
     def run(self) -> None:
         """Serve until ``Shutdown`` (or the API process is gone); raises what kills the engine, after sending
         the reason."""
-        threading.Thread(target=self._read, name="conveyor-engine-input", daemon=True).start()
+        start_supervised(self, "input", self._read)
         try:
             self.loop.run()
             self._flush()
@@ -102,12 +106,14 @@ class EngineCore:
         decoder = ipc.request_decoder()
         while True:
             try:
-                request = decoder.decode(self._input.recv())
+                frame = self._input.recv()
             except zmq.ZMQError:  # the context is closing (ETERM): the socket is this thread's to close
                 self._input.close()
                 return
-            except msgspec.DecodeError as exc:  # not from our client: say so, never guess
-                logger.error("dropped a message that is not an engine request: %s", exc)
+            try:
+                request = decoder.decode(frame)
+            except msgspec.DecodeError as exc:  # not a request we can run: its caller, if any, hears why
+                self._refuse(frame, exc)
                 continue
             if isinstance(request, ipc.AddRequest):
                 self.commands.put((functools.partial(_add, request), _Reply(self, request.call_id)))
@@ -116,6 +122,21 @@ class EngineCore:
                                                     status=request.status))
             else:
                 self.commands.put(STOP)
+
+    def _refuse(self, frame: bytes, exc: msgspec.DecodeError) -> None:
+        """A frame that does not decode as a request (a value ``SamplingParams`` refuses, a client of another
+        version): answer its call with the error when the frame names one (``[tag, call_id, ...]``), else log it."""
+        try:
+            head = msgspec.msgpack.decode(frame)
+            call_id = head[1] if isinstance(head, list) and head[:1] in (["add"], ["call"]) else None
+        except Exception:  # noqa: BLE001 - not even msgpack
+            call_id = None
+        if type(call_id) is not int:
+            logger.error("dropped a message that is not an engine request: %s", exc)
+            return
+        reply = _Reply(self, call_id)
+        self.commands.put((functools.partial(_raise, ValueError(f"the engine could not read this request: {exc}")),
+                           reply))
 
     # ---- StepLoop callbacks (engine loop thread) ----------------------------------------------------------
     def _publish(self, step: CoreStepOutput) -> None:
@@ -147,9 +168,31 @@ class EngineCore:
         self._output.send(frame, zmq.NOBLOCK)
 
 
+def _raise(exc: BaseException, engine: LLMEngine | None = None):
+    raise exc
+
+
+def start_supervised(core: EngineCore, name: str, body) -> threading.Thread:
+    """Run ``body`` in a thread; if it raises, the step loop raises the same on its next round (a command), so the
+    engine dies as when a step raises: a last message saying why, exit status 1."""
+    def run() -> None:
+        try:
+            body()
+        except BaseException as exc:  # noqa: BLE001 - a dead thread must end the process, never wedge it
+            why = RuntimeError(f"the engine process's {name} thread died: {exc!r}")
+            core.commands.put(functools.partial(_raise, why))
+
+    thread = threading.Thread(target=run, name=f"conveyor-engine-{name}", daemon=True)
+    thread.start()
+    return thread
+
+
 def _watch_parent(conn, core: EngineCore) -> None:
-    """The start-up pipe carries nothing after "ready": it closes when the API process is gone, however it went."""
+    """The start-up pipe carries nothing after "ready": it closes when the API process is gone, however it went.
+    Polled, so that the thread runs Python now and then (a fault in it surfaces instead of hiding in a read)."""
     try:
+        while not conn.poll(PARENT_POLL_S):
+            pass
         conn.recv()
     except (EOFError, OSError):
         pass
@@ -184,8 +227,7 @@ def serve_engine(engine: LLMEngine, conn, endpoints: ipc.Endpoints) -> int:
     context = zmq.Context()
     engine.structured.prepare()  # before requests arrive, so the first constrained one stalls nobody
     core = EngineCore(engine, endpoints, context)
-    threading.Thread(target=_watch_parent, args=(conn, core), name="conveyor-engine-parent",
-                     daemon=True).start()
+    start_supervised(core, "parent", functools.partial(_watch_parent, conn, core))
     try:
         core.run()
         return 0

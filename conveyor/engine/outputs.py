@@ -92,6 +92,8 @@ class RequestOutput:
     # A prefill-only request's last output (``LLMEngine.add_prefill_request``): its first token is in
     # ``outputs``, and this ``engine.kv_handoff.KVHandoff`` continues it on a decode engine.
     kv_handoff: Any = None
+    # A pooling request's result (SamplingParams.pooling): its embedding, or [score]; ``outputs`` hold no tokens
+    pooled: list[float] | None = None
     delta: bool = False  # SamplingParams.output_kind DELTA: only what is new since the previous output
 
     @property
@@ -109,4 +111,25 @@ class RequestOutput:
             joined[c.index] = joined[c.index].followed_by(c) if c.index in joined else c
         return RequestOutput(newer.request_id, newer.prompt, newer.prompt_token_ids,
                              sorted(joined.values(), key=lambda c: c.index), newer.metrics, newer.finished,
-                             newer.prompt_logprobs, newer.error, newer.kv_handoff, delta=True)
+                             newer.prompt_logprobs, newer.error, newer.kv_handoff, newer.pooled, delta=True)
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+
+@dataclass
+class ScoringOutput:
+    score: float
+
+
+@dataclass
+class PoolingRequestOutput:
+    """One embedding or score, as vLLM's ``EmbeddingRequestOutput`` / ``ScoringRequestOutput``:
+    ``out.outputs.embedding`` or ``out.outputs.score``."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput | ScoringOutput
+    finished: bool = True

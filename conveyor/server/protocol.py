@@ -2,8 +2,10 @@
 
 Unknown fields are ignored, as vLLM does, so clients that send newer OpenAI fields keep working (``user``,
 ``metadata``, ``store``, ``service_tier``, ...), except the fields in ``REFUSED_FIELDS``: features conveyor does not
-implement, which a client sends expecting them to change the answer. Value checks live in ``SamplingParams`` (one
-source of truth); pydantic only checks types.
+implement, which a client sends expecting them to change the answer. Numbers and flags are declared with the
+bounded types of ``server.fields`` (no bool taken as a number, nothing past what the engine pipe carries); the
+value checks that need no served model live in ``SamplingParams`` (one source of truth, shared with the offline
+``LLM``).
 """
 
 from __future__ import annotations
@@ -14,6 +16,9 @@ from typing import Any, ClassVar
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 from conveyor.core.sampling_params import SamplingParams
+from conveyor.server.fields import (
+    Bool, Float, LogprobCount, NonNegativeInt, PositiveInt, Prompt, Seed, TokenId, TokenIdKey, TopK,
+)
 from conveyor.server.structured_fields import GUIDED_ALIASES, structured_outputs_of
 
 
@@ -50,10 +55,9 @@ REFUSED_FIELDS: tuple[Refused, ...] = (
     # something) would change what the model sees and the usage; embeddings replace the tokens; a suffix asks
     # for fill-in-the-middle.
     Refused("truncate_prompt_tokens"), Refused("prompt_embeds"), Refused("suffix", (None, "")),
-    # What the chat template would be given: another template, extra variables (enable_thinking, ...), RAG
-    # documents. Ignored, the model sees another prompt than the one asked for.
-    Refused("chat_template", endpoint="chat"), Refused("chat_template_kwargs", (None, {}), "chat"),
-    Refused("documents", (None, []), "chat"),
+    # What the chat template would be given: another template, RAG documents. Ignored, the model sees another
+    # prompt than the one asked for. (chat_template_kwargs is served: its variables go to the template.)
+    Refused("chat_template", endpoint="chat"), Refused("documents", (None, []), "chat"),
     # Served on /v1/completions only.
     Refused("prompt_logprobs", endpoint="chat"),
     # OpenAI's deprecated function calling (tools and tool_choice are served: server/tools.py).
@@ -92,8 +96,8 @@ def refused_field(data: dict, endpoint: str) -> Refused | None:
 
 
 class StreamOptions(BaseModel):
-    include_usage: bool = False
-    continuous_usage_stats: bool = False
+    include_usage: Bool = False
+    continuous_usage_stats: Bool = False
 
 
 class SamplingFields(BaseModel):
@@ -105,16 +109,16 @@ class SamplingFields(BaseModel):
     _constraint_field: str | None = PrivateAttr(default=None)  # the field that asked for structured output
 
     model: str | None = None
-    n: int = 1
-    temperature: float | None = None
-    top_p: float | None = None
-    seed: int | None = None
+    n: PositiveInt = 1
+    temperature: Float | None = None
+    top_p: Float | None = None
+    seed: Seed | None = None
     stop: str | list[str] | None = None
-    stream: bool = False
+    stream: Bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: Float | None = None
+    frequency_penalty: Float | None = None
+    logit_bias: dict[TokenIdKey, Float] | None = None
     user: str | None = None
     response_format: dict[str, Any] | None = None
     # vLLM's constrained decoding, and its older spellings
@@ -124,19 +128,19 @@ class SamplingFields(BaseModel):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     guided_decoding_backend: str | None = None  # accepted and ignored: llguidance enforces every constraint
-    allowed_token_ids: list[int] | None = None
+    allowed_token_ids: list[TokenId] | None = None
     bad_words: list[str] | None = None
     # vLLM extras
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    min_tokens: int = 0
-    ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
+    top_k: TopK | None = None
+    min_p: Float | None = None
+    repetition_penalty: Float | None = None
+    min_tokens: NonNegativeInt = 0
+    ignore_eos: Bool = False
+    stop_token_ids: list[TokenId] | None = None
+    include_stop_str_in_output: Bool = False
+    skip_special_tokens: Bool = True
     # conveyor's own: the request's KV budget under --kv-eviction (core.kv_eviction)
-    kv_budget_tokens: int | None = None
+    kv_budget_tokens: PositiveInt | None = None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """The engine's ``SamplingParams``; raises ValueError (message starts with the field name) when bad."""
@@ -191,14 +195,14 @@ class CompletionRequest(SamplingFields):
     """POST /v1/completions. ``prompt``: text, token ids, or a batch of either."""
 
     endpoint: ClassVar[str] = "completions"
-    prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = 16
-    logprobs: int | None = None
-    echo: bool = False  # the prompt (and, with logprobs, its tokens' logprobs) before the completion
-    prompt_logprobs: int | None = None  # vLLM's: top logprobs of every prompt token, in choices[i].prompt_logprobs
-    best_of: int | None = None
+    prompt: Prompt
+    max_tokens: NonNegativeInt | None = 16  # 0 only with echo (score the prompt)
+    logprobs: LogprobCount | None = None
+    echo: Bool = False  # the prompt (and, with logprobs, its tokens' logprobs) before the completion
+    prompt_logprobs: LogprobCount | None = None  # vLLM's: top logprobs of every prompt token, per choice
+    best_of: PositiveInt | None = None
     suffix: str | None = None
-    add_special_tokens: bool = True
+    add_special_tokens: Bool = True
 
 
 class ChatMessage(BaseModel):
@@ -214,17 +218,18 @@ class ChatCompletionRequest(SamplingFields):
 
     endpoint: ClassVar[str] = "chat"
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = None
+    max_tokens: PositiveInt | None = None
+    max_completion_tokens: PositiveInt | None = None
+    logprobs: Bool = False
+    top_logprobs: LogprobCount | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False  # vLLM's: the final message left open, for the model to continue
-    echo: bool = False  # vLLM's: the reply starts with the final message's text when it is in the reply's role
-    add_special_tokens: bool = False  # the chat template already writes BOS where the model wants it
+    parallel_tool_calls: Bool | None = None
+    add_generation_prompt: Bool = True
+    continue_final_message: Bool = False  # vLLM's: the final message left open, for the model to continue
+    echo: Bool = False  # vLLM's: the reply starts with the final message's text when it is in the reply's role
+    add_special_tokens: Bool = False  # the chat template already writes BOS where the model wants it
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: more variables for the template (enable_thinking)
 
 
 class TokenizeRequest(BaseModel):
@@ -235,10 +240,10 @@ class TokenizeRequest(BaseModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: bool | None = None
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    return_token_strs: bool = False
+    add_special_tokens: Bool | None = None
+    add_generation_prompt: Bool = True
+    continue_final_message: Bool = False
+    return_token_strs: Bool = False
 
 
 class DetokenizeRequest(BaseModel):
@@ -247,4 +252,4 @@ class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
-    tokens: list[int]
+    tokens: list[TokenId]

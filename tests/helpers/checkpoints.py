@@ -41,3 +41,25 @@ def save_tiny_llama(path: Path, seed: int = 0, **overrides) -> Path:
     model.save_pretrained(path, safe_serialization=True)
     write_word_tokenizer(path, cfg["vocab_size"])
     return path
+
+
+BYTE_SPECIALS = ["<unk>", "<s>", "</s>", "<pad>"]
+
+
+def write_byte_tokenizer(path: Path, chat_template: str | None = None) -> None:
+    """A byte-level BPE tokenizer (specials, then the 256 byte symbols, no merges): each byte of the text is one
+    token, as in GPT-2's family with its merges taken away."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {tok: i for i, tok in enumerate(BYTE_SPECIALS)}
+    for symbol in sorted(pre_tokenizers.ByteLevel.alphabet()):
+        vocab[symbol] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(BYTE_SPECIALS)
+    tok.save(str(path / "tokenizer.json"))
+    config = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "pad_token": "<pad>"}
+    if chat_template:
+        config["chat_template"] = chat_template
+    (path / "tokenizer_config.json").write_text(json.dumps(config))

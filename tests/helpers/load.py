@@ -7,7 +7,8 @@ PID, with a check that none of its processes outlives it. Used by tests/server/t
   so a test can hold many streams past their first chunk and then act (close them all, SIGTERM, kill -9);
 - ``mixed_request`` / ``run_clients``: concurrent clients sending a random mix of completions and chat,
   streaming and not, over the sampling parameters a real client uses; every outcome lands in a ``Tally``;
-- ``gauges`` / ``wait_gauges``: the running / waiting / KV gauges from /metrics.
+- ``gauges`` / ``wait_gauges``: the running / waiting / KV gauges from /metrics;
+- ``SharedServer``: one server per (layout, loop) handed to each test healthy and idle (``assert_serving``).
 
 Nothing here imports conveyor, so a script can drive a server of any checkout.
 """
@@ -204,6 +205,68 @@ def start_serve(model: str, log_path: Path, *, in_process: bool = False, loop: s
     except BaseException:
         served.stop(timeout_s=10)
         raise
+
+
+ANSWER_S = 10.0  # "the next ordinary request is answered within a few seconds": a wedge never answers
+
+
+def tail(served: Served, chars: int = 3000) -> str:
+    return "\n--- server log (tail) ---\n" + served.log()[-chars:]
+
+
+def assert_serving(served: Served, model: str = "tiny", with_log: bool = True) -> None:
+    """Alive, /health 200, and an ordinary request answered 200 within ANSWER_S."""
+    log = (lambda: tail(served)) if with_log else (lambda: "")
+    assert served.alive(), f"the server exited with status {served.proc.returncode}" + log()
+    try:
+        health = httpx.get(served.url + "/health", timeout=ANSWER_S).status_code
+        ordinary = httpx.post(served.url + "/v1/completions", timeout=ANSWER_S,
+                              json={"model": model, "prompt": "w5 w6", "max_tokens": 4}).status_code
+    except httpx.HTTPError as exc:
+        raise AssertionError(f"the server does not answer within {ANSWER_S:.0f} s: {exc!r}" + log()) from None
+    assert (health, ordinary) == (200, 200), f"/health {health}, ordinary request {ordinary}" + log()
+
+
+class SharedServer:
+    """One ``conveyor serve`` per (layout, loop) for the cases that leave it running. ``get()`` hands it out
+    healthy and idle; a server a previous case killed, wedged or left busy is stopped and a fresh one started,
+    so one failure does not cascade into the next case. ``starts`` counts the servers started."""
+
+    def __init__(self, model_dir, log_dir: Path, layout: str, loop: str, flags: tuple = (),
+                 model: str = "tiny") -> None:
+        self.model_dir, self.log_dir, self.layout, self.loop = model_dir, log_dir, layout, loop
+        self.flags, self.model = flags, model
+        self.served: Served | None = None
+        self.starts = 0
+
+    def get(self) -> Served:
+        if self.served is not None:
+            why = self._unfit()
+            if why:
+                print(f"restarting the shared server ({self.layout}, {self.loop}): {why}")
+                self.close()
+        if self.served is None:
+            self.starts += 1
+            self.served = start_serve(str(self.model_dir), self.log_dir / f"serve-{self.starts}.log",
+                                      in_process=self.layout == "in-process", loop=self.loop, extra=self.flags,
+                                      served_model_name=self.model)
+        return self.served
+
+    def _unfit(self) -> str | None:
+        if not self.served.alive():
+            return f"it exited with status {self.served.proc.returncode}"
+        try:  # /health and the gauges are not enough: a wedged pipe (D-2) kept both looking fine
+            assert_serving(self.served, self.model, with_log=False)
+            settled, last, _ = wait_gauges(self.served.url, idle, 10.0, poll_s=0.2)
+        except (AssertionError, httpx.HTTPError) as exc:
+            return str(exc)[:300]
+        return None if settled else f"it is still busy: {last}"
+
+    def close(self) -> None:
+        if self.served is not None:
+            served, self.served = self.served, None
+            _, left = served.stop(timeout_s=30)
+            assert not left, f"processes outlived conveyor serve: {left}"
 
 
 # The server closes a keep-alive connection idle for --timeout-keep-alive (5 s). httpx's own expiry is 5 s too,

@@ -27,34 +27,13 @@ from conveyor.server.limits import (
     DEFAULT_MAX_REQUEST_BODY_BYTES, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, max_token_chars,
 )
 from conveyor.server.protocol import REFUSED_FIELDS
-from tests.helpers.checkpoints import save_tiny_llama
+from tests.helpers.checkpoints import save_tiny_llama, write_byte_tokenizer
 from tests.helpers.server import CHAT_TEMPLATE, make_engine, running_server
 
 SLOW = pytest.mark.slow  # a real (tiny) model and server: run by CI, skipped by -m "not slow"
 C, CHAT = "/v1/completions", "/v1/chat/completions"
 MSG = [{"role": "user", "content": "hi there"}]
 MAX_MODEL_LEN = 512  # the tiny Llama's
-SPECIALS = ["<unk>", "<s>", "</s>", "<pad>"]
-
-
-def write_byte_tokenizer(path, chat_template: str) -> None:
-    """A byte-level BPE tokenizer (specials, then the 256 byte symbols, no merges): each byte of the text is one
-    token, as in GPT-2's family with its merges taken away."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    vocab = {tok: i for i, tok in enumerate(SPECIALS)}
-    for symbol in sorted(pre_tokenizers.ByteLevel.alphabet()):
-        vocab[symbol] = len(vocab)
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(SPECIALS)
-    tok.save(str(path / "tokenizer.json"))
-    config = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "pad_token": "<pad>",
-              "chat_template": chat_template}
-    (path / "tokenizer_config.json").write_text(json.dumps(config))
-
-
 @pytest.fixture(scope="module")
 def byte_chat_dir(tmp_path_factory):
     path = save_tiny_llama(tmp_path_factory.mktemp("tiny-bytes"))
@@ -385,7 +364,7 @@ REFUSED = [  # (endpoint, fields): each must be answered 400 "<field> is not sup
     *((CHAT, {name: value}) for name, value in (
         ("truncate_prompt_tokens", -5), ("logits_processors", ["my.Processor"]), ("prompt_logprobs", 1),
         ("chat_template", "{{ messages }}"),
-        ("chat_template_kwargs", {"enable_thinking": False}), ("documents", [{"title": "a", "text": "b"}]),
+        ("documents", [{"title": "a", "text": "b"}]),
         ("functions", [{"name": "f", "parameters": {}}]), ("function_call", "auto"), ("audio", {"voice": "alloy"}),
         ("modalities", ["text", "audio"]), ("web_search_options", {}))),
 ]

@@ -38,8 +38,8 @@ import openai
 import pytest
 
 from tests.helpers.checkpoints import TINY_VOCAB, save_tiny_llama, write_word_tokenizer
-from tests.helpers.load import (RUNNING, Served, async_gauges, client_limits, idle, open_streams, run_clients,
-                                start_serve, wait_gauges)
+from tests.helpers.load import (RUNNING, Served, SharedServer, assert_serving, async_gauges, client_limits, idle,
+                                open_streams, run_clients, start_serve, tail, wait_gauges)
 from tests.helpers.server import CHAT_TEMPLATE
 
 pytestmark = pytest.mark.slow  # real servers in subprocesses: run by CI, skipped by -m "not slow"
@@ -51,7 +51,6 @@ MAX_MODEL_LEN = 8192
 SERVE_FLAGS = ("--dtype", "float32", "--max-model-len", MAX_MODEL_LEN, "--num-kv-blocks", 8192,
                "--max-n", 128, "--shutdown-timeout", 3, "--log-stats-interval", 5)
 SETTLE_S = 5.0  # the issue's bound: gauges back to 0 this long after the clients went away
-ANSWER_S = 10.0  # "the next ordinary request is answered within a few seconds": a wedge never answers
 
 PROCESS = [("process", "uvloop"), ("process", "asyncio")]
 EVERY_LAYOUT = PROCESS + [("in-process", "uvloop"), ("in-process", "asyncio")]
@@ -69,50 +68,11 @@ def load_model_dir(tmp_path_factory):
     return path
 
 
-class SharedServer:
-    """One ``conveyor serve`` per (layout, loop) for the cases that leave it running. ``get()`` hands it out
-    healthy and idle; a server a previous case killed, wedged or left busy is stopped and a fresh one started,
-    so one failure does not cascade into the next case."""
-
-    def __init__(self, model_dir, log_dir, layout: str, loop: str) -> None:
-        self.model_dir, self.log_dir, self.layout, self.loop = model_dir, log_dir, layout, loop
-        self.served: Served | None = None
-        self.starts = 0
-
-    def get(self) -> Served:
-        if self.served is not None:
-            why = self._unfit()
-            if why:
-                print(f"restarting the shared server ({self.layout}, {self.loop}): {why}")
-                self.close()
-        if self.served is None:
-            self.starts += 1
-            self.served = start_serve(str(self.model_dir), self.log_dir / f"serve-{self.starts}.log",
-                                      in_process=self.layout == "in-process", loop=self.loop, extra=SERVE_FLAGS,
-                                      served_model_name=MODEL)
-        return self.served
-
-    def _unfit(self) -> str | None:
-        if not self.served.alive():
-            return f"it exited with status {self.served.proc.returncode}"
-        try:  # /health and the gauges are not enough: a wedged pipe (D-2) kept both looking fine
-            assert_serving(self.served, with_log=False)
-            settled, last, _ = wait_gauges(self.served.url, idle, 10.0, poll_s=0.2)
-        except (AssertionError, httpx.HTTPError) as exc:
-            return str(exc)[:300]
-        return None if settled else f"it is still busy: {last}"
-
-    def close(self) -> None:
-        if self.served is not None:
-            served, self.served = self.served, None
-            _, left = served.stop(timeout_s=30)
-            assert not left, f"processes outlived conveyor serve: {left}"
-
-
 @pytest.fixture(scope="module")
 def shared(request, load_model_dir, tmp_path_factory):
     layout, loop = request.param
-    holder = SharedServer(load_model_dir, tmp_path_factory.mktemp(f"serve-{layout}-{loop}"), layout, loop)
+    holder = SharedServer(load_model_dir, tmp_path_factory.mktemp(f"serve-{layout}-{loop}"), layout, loop,
+                          SERVE_FLAGS, MODEL)
     yield holder
     holder.close()
 
@@ -120,23 +80,6 @@ def shared(request, load_model_dir, tmp_path_factory):
 @pytest.fixture
 def srv(shared) -> Served:
     return shared.get()
-
-
-def tail(served: Served, chars: int = 3000) -> str:
-    return "\n--- server log (tail) ---\n" + served.log()[-chars:]
-
-
-def assert_serving(served: Served, with_log: bool = True) -> None:
-    """Alive, /health 200, and an ordinary request answered 200 within ANSWER_S."""
-    log = (lambda: tail(served)) if with_log else (lambda: "")
-    assert served.alive(), f"the server exited with status {served.proc.returncode}" + log()
-    try:
-        health = httpx.get(served.url + "/health", timeout=ANSWER_S).status_code
-        ordinary = httpx.post(served.url + "/v1/completions", timeout=ANSWER_S,
-                              json={"model": MODEL, "prompt": "w5 w6", "max_tokens": 4}).status_code
-    except httpx.HTTPError as exc:
-        raise AssertionError(f"the server does not answer within {ANSWER_S:.0f} s: {exc!r}" + log()) from None
-    assert (health, ordinary) == (200, 200), f"/health {health}, ordinary request {ordinary}" + log()
 
 
 def assert_settles(served: Served, timeout_s: float = SETTLE_S) -> None:

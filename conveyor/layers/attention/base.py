@@ -31,13 +31,14 @@ class AttentionBackend(Protocol):
     supports_layer_stack: bool
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, scale: float,
-                rope: torch.Tensor | None = None) -> torch.Tensor:
+                rope: torch.Tensor | None = None, window: int = 0) -> torch.Tensor:
         """q [T, H, d] and k, v [T, KVH, d] for the step's new tokens; returns [T, H, d].
 
         First writes the K/V of every new token into ``kv_cache`` (in the backend's ``kv_layout``), then reads: a
         request may attend to keys another request wrote in this very step (a same-step prefix hit). ``rope`` is
         given only to a backend that ``fuses_rope`` (which may also be called with ``rope=None`` and q, k
-        rotated)."""
+        rotated). ``window`` > 0 is the calling layer's sliding window: a query at slot p sees keys
+        p - window + 1 .. p (transformers' and llama.cpp's definition); 0: every earlier key."""
 
 
 class LayerStackAttention(AttentionBackend, Protocol):
@@ -78,6 +79,15 @@ class AttentionBackendType(Protocol):
                  scored: dict[int, int] | None = None) -> AttentionBackend:
         """The step's attention object. ``scored`` (request index -> trailing query rows whose attention mass per
         block ``block_scores`` returns) is given only to a backend that ``evicts_in_kernel``."""
+
+
+def window_allows(q_slots: torch.Tensor, k_slots: torch.Tensor, window: int) -> torch.Tensor:
+    """Causal (and, with ``window`` > 0, sliding-window) visibility [queries, keys] of keys at ``k_slots`` from
+    queries at ``q_slots``: the one mask rule every torch path builds."""
+    allowed = k_slots.unsqueeze(0) <= q_slots.unsqueeze(1)
+    if window:
+        allowed &= k_slots.unsqueeze(0) > q_slots.unsqueeze(1) - window
+    return allowed
 
 
 def reject_rope(backend: str, rope: torch.Tensor | None) -> None:

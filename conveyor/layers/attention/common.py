@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from conveyor.layers.attention.base import AttentionBackend, reject_rope
+from conveyor.layers.attention.base import AttentionBackend, reject_rope, window_allows
 from conveyor.layers.attention.kv_layout import TOKEN_MAJOR
 from conveyor.layers.attention.metadata import AttentionMetadata
 
@@ -43,11 +43,23 @@ def gather_context(kv_cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int
     return k, v
 
 
-def causal_self_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """Plain causal attention of a sequence over its own fresh K/V (no cache): [n, H, d] -> [n, H, d]."""
+def causal_self_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                          window: int = 0) -> torch.Tensor:
+    """Plain causal attention of a sequence over its own fresh K/V (no cache): [n, H, d] -> [n, H, d]; with a
+    sliding ``window``, each query sees its last ``window`` keys."""
+    return attend_with_context(q, k, v, 0, scale, window)
+
+
+def attend_with_context(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, computed: int, scale: float,
+                        window: int = 0) -> torch.Tensor:
+    """n queries at slots computed .. computed + n - 1 over keys 0 .. computed + n - 1 (bottom-right aligned
+    causal, and the sliding ``window`` when given): [n, H, d] -> [n, H, d]."""
+    n, seq_len = q.shape[0], k.shape[0]
+    mask = {"is_causal": True} if computed == 0 and not window else {"attn_mask": window_allows(
+        torch.arange(computed, computed + n, device=q.device), torch.arange(seq_len, device=q.device), window)}
     out = sdpa(
         q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
-        is_causal=True, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+        scale=scale, enable_gqa=q.shape[1] != k.shape[1], **mask)
     return out.squeeze(0).transpose(0, 1)
 
 
@@ -71,13 +83,13 @@ class TorchAttention:
         return cls(meta, dtype)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                scale: float, rope: torch.Tensor | None = None) -> torch.Tensor:
-        """q [T, H, d], k/v [T, KVH, d] for the new tokens; returns [T, H, d]."""
+                scale: float, rope: torch.Tensor | None = None, window: int = 0) -> torch.Tensor:
+        """q [T, H, d], k/v [T, KVH, d] for the new tokens; returns [T, H, d] (``window``: base.AttentionBackend)."""
         reject_rope(self.name, rope)
         write_kv(kv_cache, k, v, self.meta)
-        return self.attend(q, k, v, kv_cache, scale)
+        return self.attend(q, k, v, kv_cache, scale, window)
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-               scale: float) -> torch.Tensor:
-        """The step's attention, the new K/V already in ``kv_cache``."""
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, scale: float,
+               window: int) -> torch.Tensor:
+        """The step's attention (a layer with sliding ``window``, 0: none), the new K/V already in ``kv_cache``."""
         raise NotImplementedError

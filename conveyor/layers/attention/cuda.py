@@ -38,14 +38,14 @@ class FlashAttention(TorchAttention):
         self.max_k = max(meta.seq_lens, default=0)
         self.block_table = meta.block_table.to(torch.int32)
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-               scale: float) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, scale: float,
+               window: int) -> torch.Tensor:
         if not self.meta.num_reqs:
             return torch.empty_like(q)
         return flash_attn_varlen_func(
             q, kv_cache[0], kv_cache[1], cu_seqlens_q=self.cu_q, cu_seqlens_k=self.cu_k,
             max_seqlen_q=self.max_q, max_seqlen_k=self.max_k, softmax_scale=scale, causal=True,
-            block_table=self.block_table)
+            window_size=(window - 1, 0) if window else (-1, -1), block_table=self.block_table)
 
 
 def flash_attention_serves(block_size: int) -> bool:

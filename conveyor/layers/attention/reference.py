@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from conveyor.layers.attention.base import window_allows
 from conveyor.layers.attention.common import TorchAttention, gather_context
 
 
@@ -13,8 +14,8 @@ class ReferenceAttention(TorchAttention):
 
     name = "reference"
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-               scale: float) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, scale: float,
+               window: int) -> torch.Tensor:
         meta = self.meta
         out = torch.empty_like(q)
         group = q.shape[1] // k.shape[1]
@@ -22,9 +23,9 @@ class ReferenceAttention(TorchAttention):
             start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
             computed = meta.num_computed[i]
             ctx_k, ctx_v = gather_context(kv_cache, meta.block_table[i], seq_len)
-            # Query j sits at position computed + j and sees keys 0 .. computed + j.
-            q_pos = torch.arange(computed, seq_len, device=q.device).unsqueeze(1)
-            allowed = torch.arange(seq_len, device=q.device).unsqueeze(0) <= q_pos  # [n, seq_len]
+            # Query j sits at position computed + j and sees keys 0 .. computed + j (the last `window` of them).
+            allowed = window_allows(torch.arange(computed, seq_len, device=q.device),
+                                    torch.arange(seq_len, device=q.device), window)  # [n, seq_len]
             qh = q[start:end].transpose(0, 1).float()  # [H, n, d]
             kh = ctx_k.transpose(0, 1).repeat_interleave(group, dim=0).float()  # [H, seq_len, d]
             vh = ctx_v.transpose(0, 1).repeat_interleave(group, dim=0).float()
