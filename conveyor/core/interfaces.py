@@ -1,5 +1,6 @@
 """The plug points of the core, as ``typing.Protocol``s: what the scheduler needs from a KV cache manager, and what
-the engine needs from an executor. (The policy's interface is ``policies.base.SchedulingPolicy``.)
+the engine needs from an executor (a step, and the KV copies of a hand-over). (The policy's interface is
+``policies.base.SchedulingPolicy``.)
 
 The docstrings say what each call means; any object with these methods fits (the paged ``KVCacheManager`` and
 the baseline ``SlabKVManager``; the torch ``ModelRunner`` and the tests' fake executor).
@@ -8,7 +9,7 @@ the baseline ``SlabKVManager``; the torch ``ModelRunner`` and the tests' fake ex
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 from conveyor.core.block_pool import KVBlock
 from conveyor.core.outputs import ModelOutput, SchedulerOutput
@@ -82,3 +83,21 @@ class Executor(Protocol):
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelOutput:
         """Compute the scheduled tokens (and the padding); return one sampled token per request that samples."""
+
+
+class KVTransfer(Protocol):
+    """Copies a request's KV out of an executor's cache and into another's (disaggregated prefill / decode:
+    ``engine.kv_handoff``). The tensors are the runner's per-token wire form (``runner.kv_io``): typed ``Any`` here,
+    where nothing imports torch."""
+
+    def export_kv(self, request_id: str, block_ids: list[int], num_tokens: int) -> tuple[Any, Any | None]:
+        """The K/V of the request's first ``num_tokens`` tokens in ``block_ids``, and its seeded sampling
+        generator's state (None when unseeded)."""
+
+    def import_kv(self, request_id: str, block_ids: list[int], kv: Any, generator_state: Any | None) -> None:
+        """Write handed-over ``kv`` into ``block_ids`` (after the schedule that admitted the request, before the
+        ``execute`` that first sees it); its generator takes ``generator_state`` in that ``execute``."""
+
+
+class EngineExecutor(Executor, KVTransfer, Protocol):
+    """What ``LLMEngine`` uses of its executor: the step, and the hand-over's copies (``ModelRunner``)."""

@@ -177,10 +177,11 @@ def test_sampled_requests_keep_their_distribution_under_speculation(tiny_llama_d
         llm = make_llm(tiny_llama_dir, speculative_config=spec, enable_prefix_caching=False, max_num_seqs=128,
                        max_num_batched_tokens=8192)  # room for proposals beside the prompts
         outs = token_ids(llm.generate([prompt] * n, params, use_tqdm=False))
-        return outs, llm.engine.scheduler.speculator.counters
+        return outs, llm.engine.scheduler.speculator
 
     plain, _ = draws(None)
-    spec, counters = draws(proposer)
+    spec, speculator = draws(proposer)
+    counters = speculator.counters
     assert counters.num_drafts > n // 4  # many verified proposals...
     assert 0 < counters.num_accepted_tokens < counters.num_draft_tokens  # ...some kept, some rejected
     samples = [([o[i] for o in plain], [o[i] for o in spec]) for i in range(8)]
