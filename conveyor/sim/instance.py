@@ -42,6 +42,8 @@ class Instance:
             raise ValueError(f"unknown instance role {role!r}")
         if role == PREFILL and not isinstance(scheduler.kv, HeldKVManager):
             raise ValueError("a prefill instance's KV manager must be a HeldKVManager (its blocks outlive the request)")
+        # A prefill instance's KV manager, which holds a finished request's blocks until its KV has left
+        self.held: HeldKVManager | None = scheduler.kv if role == PREFILL else None
         if role != COLOCATED and scheduler.kv.layout != "paged":
             raise ValueError("disaggregated instances need the paged KV layout (block counts for hand-offs)")
         self.name, self.role, self.scheduler, self.executor, self.tp, self.observer = (
