@@ -13,65 +13,41 @@ import torch
 
 
 class KVLayout:
-    """The axis order of a cache's blocks, and the few views and copies that depend on it."""
+    """The axis order inside a cache block, and the few views and copies that depend on it."""
 
-    name = "token-major"
+    def __init__(self, name: str, head_major: bool) -> None:
+        self.name, self.head_major = name, head_major
 
-    @staticmethod
-    def shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+    def shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
         """The shape of one layer's cache (K and V of every block)."""
-        return (2, num_blocks, block_size, num_kv_heads, head_dim)
+        block = (num_kv_heads, block_size) if self.head_major else (block_size, num_kv_heads)
+        return (2, num_blocks, *block, head_dim)
 
-    @staticmethod
-    def heads_first(blocks: torch.Tensor) -> torch.Tensor:
+    def heads_first(self, blocks: torch.Tensor) -> torch.Tensor:
         """Blocks ``[..., <a block>]`` as ``[..., KV heads, block_size, head dim]`` (a view)."""
-        return blocks.transpose(-2, -3)
+        return blocks if self.head_major else blocks.transpose(-2, -3)
 
-    @staticmethod
-    def heads_and_dim(cache: torch.Tensor) -> tuple[int, int]:
+    def heads_and_dim(self, cache: torch.Tensor) -> tuple[int, int]:
         """(KV heads, head dim) of a cache in this layout."""
-        return cache.shape[3], cache.shape[4]
+        return cache.shape[2 if self.head_major else 3], cache.shape[4]
 
-    @staticmethod
-    def slots(cache: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    def slots(self, cache: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         """K and V of the slots (``blocks[t]``, ``offsets[t]``): [2, T, KV heads, head dim] (a copy)."""
+        if self.head_major:  # advanced indices around a slice: the indexed dim comes first -> [T, 2, heads, d]
+            return cache[:, blocks, :, offsets, :].transpose(0, 1)
         return cache[:, blocks, offsets]
 
-    @staticmethod
-    def write_slots(cache: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor, kv: torch.Tensor) -> None:
+    def write_slots(self, cache: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor, kv: torch.Tensor) -> None:
         """Store ``kv`` [2, T, KV heads, head dim] in the slots (``blocks[t]``, ``offsets[t]``)."""
-        cache[:, blocks, offsets] = kv
+        if self.head_major:
+            cache[:, blocks, :, offsets, :] = kv.transpose(0, 1)
+        else:
+            cache[:, blocks, offsets] = kv
 
-    @classmethod
-    def keys(cls, cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    def keys(self, cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
         """K of whole blocks, [..., KV heads, num_blocks * block_size, head dim], for ``block_ids`` [..., nb]."""
-        return cls.heads_first(cache[0][block_ids]).transpose(-3, -4).flatten(-3, -2)
+        return self.heads_first(cache[0][block_ids]).transpose(-3, -4).flatten(-3, -2)
 
 
-class HeadMajorLayout(KVLayout):
-    name = "head-major"
-
-    @staticmethod
-    def shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
-        return (2, num_blocks, num_kv_heads, block_size, head_dim)
-
-    @staticmethod
-    def heads_first(blocks: torch.Tensor) -> torch.Tensor:
-        return blocks
-
-    @staticmethod
-    def heads_and_dim(cache: torch.Tensor) -> tuple[int, int]:
-        return cache.shape[2], cache.shape[4]
-
-    @staticmethod
-    def slots(cache: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        # advanced indices around a slice: the indexed dim comes first -> [T, 2, heads, d]
-        return cache[:, blocks, :, offsets, :].transpose(0, 1)
-
-    @staticmethod
-    def write_slots(cache: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor, kv: torch.Tensor) -> None:
-        cache[:, blocks, :, offsets, :] = kv.transpose(0, 1)
-
-
-TOKEN_MAJOR = KVLayout()
-HEAD_MAJOR = HeadMajorLayout()
+TOKEN_MAJOR = KVLayout("token-major", head_major=False)
+HEAD_MAJOR = KVLayout("head-major", head_major=True)
