@@ -70,6 +70,11 @@ def add_serve_parser(sub) -> None:
                    "template; generic, a constrained JSON reply, when it has none)")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="accepted for vLLM's command lines: tool_choice auto is always served")
+    from conveyor.structured.checker import CHECK_TIMEOUT_S
+
+    p.add_argument("--grammar-check-timeout", type=float, default=CHECK_TIMEOUT_S,
+                   help="seconds a new constraint (response_format, guided_*, tools) may take to compile and to "
+                   "compute its first masks in the check before it runs (a worker process); slower is 400")
     add_cors_args(p)
     _add_scale_out_args(p)
     EngineArgs.add_cli_args(p)
@@ -188,7 +193,8 @@ def run_serve(ns: argparse.Namespace) -> int:
     app = build_app(engine, ns.served_model_name or model.name, ns.api_key,
                     0.0 if ns.disable_log_stats else ns.log_stats_interval, ns.shutdown_timeout, ns.max_n,
                     max_request_body_bytes=ns.max_request_body_bytes, max_seqs_per_request=ns.max_seqs_per_request,
-                    tool_call_parser=ns.tool_call_parser, cors=CORSConfig.from_namespace(ns))
+                    tool_call_parser=ns.tool_call_parser, cors=CORSConfig.from_namespace(ns),
+                    grammar_check_timeout_s=ns.grammar_check_timeout)
     server = make_server(app, ns.host, ns.port, ns.uvicorn_log_level, ns.timeout_keep_alive, ns.timeout_headers,
                          loop=ns.uvicorn_loop)
     try:

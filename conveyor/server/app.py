@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, Response
 
 from conveyor.engine.async_engine import AsyncEngine
 from conveyor.engine.chat import render_chat
-from conveyor.engine.engine_client import EngineInfo, ServedEngine
+from conveyor.engine.engine_client import EngineInfo, ServedEngine, picklable
 from conveyor.engine.llm_engine import LLMEngine
 from conveyor.server.body_limit import BodyLimitMiddleware
 from conveyor.server.cors import CORSConfig, install_cors
@@ -29,6 +29,7 @@ from conveyor.server.protocol import ChatCompletionRequest, CompletionRequest, D
 from conveyor.server.serving_chat import create_chat_completion, generation_prompt, messages_as_dicts
 from conveyor.server.serving_common import ServingContext
 from conveyor.server.serving_completion import create_completion
+from conveyor.structured.checker import CHECK_TIMEOUT_S, GrammarChecker
 
 OPEN_PATHS = ("/health", "/metrics")  # monitoring must work without the API key, as in vLLM
 
@@ -56,13 +57,14 @@ def build_app(engine: ServedEngine | LLMEngine, served_model_name: str | None = 
               metrics: ServerMetrics | None = None, health_detail: Callable[[], dict] | None = None,
               max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
               max_seqs_per_request: int = DEFAULT_MAX_SEQS_PER_REQUEST, cors: CORSConfig | None = None,
-              tool_call_parser: str | None = None) -> FastAPI:
+              tool_call_parser: str | None = None, grammar_check_timeout_s: float = CHECK_TIMEOUT_S) -> FastAPI:
     """An OpenAI-compatible app serving ``engine``'s model: a ``ServedEngine`` (``EngineCoreClient``, the engine
     in its own process; ``AsyncEngine``; ``distributed.ReplicaPool``), or an ``LLMEngine``, stepped in a thread of
     this process (``AsyncEngine``). The engine runs for the app's lifespan. ``max_n`` bounds ``n`` (and
     ``best_of``) per request: 128, as OpenAI's API does; ``max_seqs_per_request`` bounds prompts x n; a body over
     ``max_request_body_bytes`` is 413 (``body_limit.py``). ``cors``: what browsers on other origins may do
-    (``cors.py``; None: vLLM's defaults, anything without credentials).
+    (``cors.py``; None: vLLM's defaults, anything without credentials). A constraint whose check (compile and first
+    tokens, in a worker process: ``structured.checker``) takes longer than ``grammar_check_timeout_s`` is 400.
 
     ``metrics`` replaces the app's own ``ServerMetrics`` (scale-out passes one that merges its replicas'), and
     ``health_detail``, when given, is what ``/health`` answers with."""
@@ -77,8 +79,12 @@ def build_app(engine: ServedEngine | LLMEngine, served_model_name: str | None = 
         metrics = ServerMetrics(engine, model_name)
         metrics.attach()
     tokenizer = info.tokenizer
+    # The checker's workers get the tokenizer itself when it pickles (one sent with the engine's "ready" does),
+    # else the model to load it from.
+    checker = GrammarChecker(tokenizer if picklable(tokenizer) else info.args.model, info.model_info.vocab_size,
+                             grammar_check_timeout_s)
     ctx = ServingContext(engine, model_name, max_n, max_seqs_per_request, max_token_chars(tokenizer),
-                         tool_call_parser)
+                         tool_call_parser, checker)
     created = int(time.time())
 
     @contextlib.asynccontextmanager
@@ -93,6 +99,7 @@ def build_app(engine: ServedEngine | LLMEngine, served_model_name: str | None = 
             if logger_task is not None:
                 logger_task.cancel()
             await engine.drain(shutdown_timeout_s)
+            checker.close()
             await engine.shutdown()
 
     app = FastAPI(title="conveyor", lifespan=lifespan)

@@ -7,6 +7,7 @@ exceptions) into that shape, so the official clients raise their typed exception
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import fields
 
 from fastapi import FastAPI, Request
@@ -42,11 +43,27 @@ class APIError(Exception):
         self.headers = headers
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": _TYPES.get(self.status, "invalid_request_error"),
+        message = self.message if self.status < 500 else client_text(self.message)
+        return {"error": {"message": message, "type": _TYPES.get(self.status, "invalid_request_error"),
                           "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+# What may not reach a client in a server error's text: where a native or Python stack trace starts, and file paths
+# (the build machine's, the server's): the reliability probe of 2026-12-06 found a Rust panic's backtrace, with
+# absolute paths, in a 500's message.
+_TRACE_STARTS = ("Traceback (most recent call last)", "<backtrace>", "stack backtrace:")
+_FILE_PATH = re.compile(r"(?:[A-Za-z]:)?(?:[/\\][^\s/\\:'\"(),<>]+){2,}(?::\d+)*")
+
+
+def client_text(message: str) -> str:
+    """A server error's message as a client may read it: cut where a stack trace starts, file paths replaced by
+    ``<path>``, at most 1,000 characters."""
+    for marker in _TRACE_STARTS:
+        message = message.split(marker, 1)[0]
+    return _FILE_PATH.sub("<path>", message).strip()[:1000] or "internal error"
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:

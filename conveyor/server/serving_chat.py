@@ -14,7 +14,7 @@ from conveyor.engine.engine_client import EngineInfo
 from conveyor.server.errors import bad_request
 from conveyor.server.protocol import ChatCompletionRequest, ChatMessage
 from conveyor.server.serving_common import (
-    DeltaTracker, ServingContext, StreamUsage, check_context, merged, new_id, sse_events, usage,
+    DeltaTracker, ServingContext, StreamUsage, check_context, json_logprob, merged, new_id, sse_events, usage,
 )
 from conveyor.server.tools import ToolCall, ToolPlan, messages_for_tools, plan_tools
 
@@ -65,7 +65,7 @@ def echoed(body, messages: list[dict], role: str) -> str:
 def _logprobs(tokenizer, entries: list[TokenLogprobs]) -> dict:
     def item(token_id: int, logprob: float) -> dict:
         token = tokenizer.decode([token_id], skip_special_tokens=False)
-        return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+        return {"token": token, "logprob": json_logprob(logprob), "bytes": list(token.encode("utf-8"))}
 
     return {"content": [{**item(e.token_id, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]}
                         for e in entries]}
@@ -120,7 +120,9 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: Request, ctx:
 def _plan_tools(body: ChatCompletionRequest, ctx: ServingContext, tokenizer, params):
     """The request's tool plan and its params, constrained when the plan says so (400 when malformed)."""
     try:
-        plan = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls, ctx.tool_call_parser,
+        choice = body.tool_choice if body.tool_choice is None or isinstance(body.tool_choice, str) else \
+            body.tool_choice.model_dump()
+        plan = plan_tools(body.tools, choice, body.parallel_tool_calls, ctx.tool_call_parser,
                           tokenizer.chat_template)
     except ValueError as exc:
         raise bad_request(str(exc), "tool_choice" if "tool_choice" in str(exc) else "tools") from exc
