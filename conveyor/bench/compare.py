@@ -124,12 +124,11 @@ def _run_configs(ns, base_args, configs: list[RunConfig], workload: Workload, pr
     roof = measure_roofline(base.device, quick=True)
     print(f"machine: {roof.describe()}")
     weight_bytes = sum(p.numel() * p.element_size() for p in base.model.parameters())
-    flops = model_flops(base.model, base.model_info, workload.num_prompt_tokens, workload.num_output_tokens,
+    flops = model_flops(base.model_info, workload.num_prompt_tokens, workload.num_output_tokens,
                         len(workload.requests))
-    from conveyor.models.flops import per_token_linear_params
+    from conveyor.models.flops import prefix_hit_flops
 
-    info = base.model_info  # a prefix hit's FLOPs: per token through the layers, per key attended
-    hit_flops = (2.0 * per_token_linear_params(base.model), 4.0 * info.num_layers * info.num_heads * info.head_dim)
+    hit_flops = prefix_hit_flops(base.model_info)  # a prefix hit's FLOPs: per token through the layers, per key
     prompts = workload_prompts(workload)
     runs = []
     for config in configs:

@@ -43,11 +43,11 @@ def workload_work(prompt_tokens: int, output_tokens: int, num_requests: int) -> 
     return computed, output_tokens, avg_ctx * computed
 
 
-def model_flops(model, info, prompt_tokens: int, output_tokens: int, num_requests: int) -> float:
+def model_flops(info, prompt_tokens: int, output_tokens: int, num_requests: int) -> float:
     """FLOPs the workload needs (``models.flops.forward_flops`` of ``workload_work``)."""
     from conveyor.models.flops import forward_flops  # the models package imports torch: not at CLI start-up
 
-    return forward_flops(model, info, *workload_work(prompt_tokens, output_tokens, num_requests))
+    return forward_flops(info, *workload_work(prompt_tokens, output_tokens, num_requests))
 
 
 def run_offline(llm, workload: Workload, use_tqdm: bool = False, keep_prefix_cache: bool = False) -> OfflineResult:
@@ -111,7 +111,7 @@ def _main(ns) -> int:
     roof = measure_roofline(llm.engine.device, dtype=info.dtype)  # the run's own dtype: bfloat16 vs its own rate
     walls = [r.wall_s for r in results]
     best = min(results, key=lambda r: r.wall_s)
-    flops = model_flops(llm.engine.model, llm.engine.model_info, best.prompt_tokens, best.output_tokens,
+    flops = model_flops(llm.engine.model_info, best.prompt_tokens, best.output_tokens,
                         best.num_requests)
     achieved = flops / best.wall_s / 1e9
     print(f"\nworkload {workload.name}: {best.num_requests} requests, {best.prompt_tokens} prompt + "

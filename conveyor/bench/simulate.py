@@ -62,17 +62,12 @@ def resolve_spec(model: str | None, target: SimTarget) -> ModelSpec:
 
 
 def spec_from_model_dir(model_dir: str) -> ModelSpec:
-    """The simulator's view of a Hugging Face directory: its config.json, parsed as the real loader parses it."""
-    from conveyor.models.config import LLAMA_LIKE, parse_config
+    """The simulator's view of a Hugging Face directory: its config.json, read by its family as the real loader
+    reads it (``models.registry``), described by ``ModelConfig.spec``."""
+    from conveyor.models.registry import config_from_hf
 
     config = Path(model_dir) / "config.json"
-    cfg = parse_config(json.loads(config.read_text()), str(config))
-    if cfg.architecture not in LLAMA_LIKE:
-        raise ValueError(f"{config}: the simulator models Llama-family decoders ({', '.join(LLAMA_LIKE)}), "
-                         f"not {cfg.architecture}")
-    return ModelSpec(Path(model_dir).name, cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads,
-                     cfg.head_dim, cfg.intermediate_size, cfg.vocab_size, cfg.max_position_embeddings,
-                     cfg.tie_word_embeddings)
+    return config_from_hf(json.loads(config.read_text()), str(config)).spec(Path(model_dir).name)
 
 
 def num_kv_blocks(args, cost: RooflineCostModel, max_model_len: int) -> int:

@@ -94,10 +94,10 @@ def run(args) -> None:
         builder = StepBuilder(args.block_size, args.num_blocks)
         if kind == "prefill":
             times = _time_prefill(runner, builder, lens, max(2, args.steps // 5))
-            flops = forward_flops(runner.model, info, sum(lens), batch, sum(p + 1 for n in lens for p in range(n)))
+            flops = forward_flops(info, sum(lens), batch, sum(p + 1 for n in lens for p in range(n)))
         else:
             times, context = _time_decode(runner, builder, lens, args.steps)
-            flops = forward_flops(runner.model, info, batch, batch, context)
+            flops = forward_flops(info, batch, batch, context)
         best, med = min(times), sorted(times)[len(times) // 2]
         print(f"{kind:8s} batch {batch:4d} tokens {sum(lens) if kind == 'prefill' else batch:5d} "
               f"avg ctx {sum(lens) / len(lens):7.0f}: {med * 1e3:8.2f} ms/step (best {best * 1e3:8.2f}), "

@@ -22,7 +22,7 @@ from conveyor.kernels.build import BuildError, build_library
 from conveyor.kernels.cpu_features import LEVEL_FLAGS, cpu_features, kernel_level
 
 SOURCE_DIR = os.path.join(os.path.dirname(__file__), "csrc")
-ABI_VERSION = 9  # csrc/cvk.h's CVK_ABI_VERSION
+ABI_VERSION = 10  # csrc/cvk.h's CVK_ABI_VERSION
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 # The attention kernel's cache layout per layer: [2 (K, V), num_blocks, num_kv_heads, block_size, head_dim]. One
 # head's rows of a block are contiguous, so a request's context streams in order (the torch paths keep
@@ -44,7 +44,7 @@ class AttnArgs(ctypes.Structure):
                 ("query_start", _P), ("seq_lens", _P), ("cos_sin", _P), ("out", _P), ("plan", _P),
                 ("key_mass", _P), ("score_rows", _P), ("mass_offset", _P), ("rope_offset", _P),
                 ("q_stride", _I64), ("k_stride", _I64), ("v_stride", _I64), ("bt_stride", _I64), ("out_stride", _I64),
-                ("mass_stride", _I64), ("dtype", _I32), ("num_reqs", _I32), ("H", _I32), ("KVH", _I32), ("D", _I32), ("bs", _I32),
+                ("mass_stride", _I64), ("window", _I64), ("dtype", _I32), ("num_reqs", _I32), ("H", _I32), ("KVH", _I32), ("D", _I32), ("bs", _I32),
                 ("num_threads", _I32), ("scale", _F32)]
 
 
@@ -200,7 +200,7 @@ class CpuKernels:
                   v_cache: torch.Tensor, block_table: torch.Tensor, query_start: torch.Tensor, seq_lens: torch.Tensor,
                   cos_sin: torch.Tensor | None, out: torch.Tensor, scale: float,
                   plan: torch.Tensor | None = None, key_mass: KeyMass | None = None,
-                  rope_offset: torch.Tensor | None = None) -> None:
+                  rope_offset: torch.Tensor | None = None, window: int = 0) -> None:
         """Rope (when ``cos_sin`` is given) + KV write + causal attention of every request of a step.
 
         q [T, H, D], k and v [T, KVH, D], each with unit strides inside a token's row (views of one fused qkv
@@ -210,7 +210,8 @@ class CpuKernels:
         cos_sin [positions, D] float32 (cos halves then sin halves); out [T, H, D], written (unit strides inside a
         row). ``plan``: the step's ``attention_plan`` (else the call plans for itself). ``key_mass``: add the scored
         requests' attention mass per key into it (``KeyMass``). ``rope_offset`` int64 [R]: request r's RoPE
-        positions are its KV slots plus rope_offset[r] (KV eviction shifted them; None: the slots).
+        positions are its KV slots plus rope_offset[r] (KV eviction shifted them; None: the slots). ``window``: the
+        layer's sliding window (0: none; not with ``rope_offset`` or ``key_mass``).
         """
         num_heads, head_dim = q.shape[1], q.shape[2]
         num_kv_heads = k.shape[1]
@@ -223,7 +224,8 @@ class CpuKernels:
                      q_stride=q.stride(0), k_stride=k.stride(0), v_stride=v.stride(0), bt_stride=block_table.stride(0),
                      out_stride=out.stride(0), dtype=_DTYPE_CODES[q.dtype], num_reqs=seq_lens.shape[0], H=num_heads,
                      KVH=num_kv_heads, D=head_dim, bs=k_cache.shape[2], num_threads=torch.get_num_threads(),
-                     scale=scale, rope_offset=_ptr(rope_offset), **(key_mass.fields() if key_mass else {}))
+                     scale=scale, rope_offset=_ptr(rope_offset), window=window,
+                     **(key_mass.fields() if key_mass else {}))
         self._check(f"cvk_attention (H={num_heads} KVH={num_kv_heads} D={head_dim})",
                     self._attention(ctypes.byref(a)))
 

@@ -1,12 +1,18 @@
-"""A normalised view of a Hugging Face config.json: the handful of numbers our model files need."""
+"""``ModelConfig``: what a model family's layers need to know, read from a Hugging Face config.json or a GGUF file's
+metadata by the family's module (``models.registry``), the same fields either way.
+
+Beyond the shape, it names each feature a family's layers may have, so that a layer is built from the config and
+never guesses: per-layer sliding windows, q/k norms, the Gemma "sandwich" norms, partial rotary, the local layers'
+RoPE base, scaled embeddings, the activation, and final logit soft-capping.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-LLAMA_LIKE = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
-GPT2_LIKE = {"GPT2LMHeadModel": "gpt2"}
-SUPPORTED_ARCHITECTURES = tuple(LLAMA_LIKE) + tuple(GPT2_LIKE)
+from conveyor.sim.model_specs import ModelSpec
+
+ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
 
 
 @dataclass
@@ -22,63 +28,49 @@ class ModelConfig:
     max_position_embeddings: int
     norm_eps: float
     tie_word_embeddings: bool
+    family: str = "llama"  # the registry's name of the family whose layers compute it
     rope_theta: float = 10000.0
-    rope_scaling: dict | None = None
+    rope_scaling: dict | None = None  # normalised: {"rope_type": ..., parameters} (layers.rope_scaling)
+    rotary_dim: int | None = None  # None: the whole head
+    # Sliding window of each layer: how many keys (its own included) a query sees; 0: every earlier key.
+    # Empty: no layer has one. Slots equal positions here (KV eviction, which shifts them, is refused with windows).
+    layer_windows: tuple[int, ...] = ()
+    local_rope_theta: float | None = None  # Gemma 3: the windowed layers' RoPE base (unscaled)
     qkv_bias: bool = False
     o_bias: bool = False
     mlp_bias: bool = False
+    qk_norm: bool = False  # RMSNorm over each q and k head before RoPE (Qwen3, Gemma 3)
+    sandwich_norms: bool = False  # norms after attention and after the MLP too (Gemma 2/3: 4 norms a layer)
+    # The checkpoint stores norm weights w of layers that multiply by (norm_offset + w): Gemma's Hugging Face
+    # files (1.0); its GGUF files store 1 + w already (0.0). Added once at load.
+    norm_offset: float = 0.0
+    activation: str = "silu"  # of the gated MLP's gate
+    gated_mlp: bool = True  # gate, up and down (GPT-2: up and down only)
+    embed_scale: float | None = None  # embeddings times this (Gemma: sqrt(hidden_size))
+    attn_scale: float | None = None  # None: head_dim ** -0.5
+    final_logit_softcap: float | None = None  # logits = cap * tanh(logits / cap)
+    # Encoders (models.bert): attention sees every token of the sequence (False), which also means no KV cache
+    # and no chunked prompt; token type (segment) embeddings; a classifier's label count (0: no classifier);
+    # where learned positions start (RoBERTa: after the padding index)
+    causal: bool = True
+    has_lm_head: bool = True  # False: a decoder's ``*Model`` checkpoint (an embedder: hidden states only)
+    type_vocab_size: int = 0
+    num_labels: int = 0
+    position_offset: int = 0
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
 
+    def window(self, layer: int) -> int:
+        """Layer ``layer``'s sliding window (0: full attention)."""
+        return self.layer_windows[layer] if self.layer_windows else 0
 
-def _as_list(x) -> list[int]:
-    if x is None:
-        return []
-    return [int(t) for t in (x if isinstance(x, (list, tuple)) else [x])]
+    @property
+    def has_windows(self) -> bool:
+        return any(self.layer_windows)
 
-
-def _rope(raw: dict) -> tuple[float, dict | None]:
-    """Rope theta and scaling from either transformers-4 keys or transformers-5 ``rope_parameters``."""
-    params = raw.get("rope_parameters") or {}
-    theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
-    scaling = raw.get("rope_scaling") or (params if params.get("rope_type", "default") != "default" else None)
-    if scaling and scaling.get("rope_type", scaling.get("type", "default")) == "default":
-        scaling = None
-    return theta, scaling
-
-
-def parse_config(raw: dict, where: str = "config.json") -> ModelConfig:
-    """Validate and normalise a config dict; ValueError naming ``where`` for an unsupported architecture."""
-    archs = raw.get("architectures") or []
-    arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
-    if arch is None:
-        by_type = {v: k for k, v in {**LLAMA_LIKE, **GPT2_LIKE}.items()}
-        arch = by_type.get(raw.get("model_type", ""))
-    if arch is None:
-        raise ValueError(f"{where}: unsupported architecture {archs or raw.get('model_type')!r}; "
-                         f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
-    common = dict(bos_token_id=raw.get("bos_token_id"), eos_token_ids=_as_list(raw.get("eos_token_id")),
-                  vocab_size=raw["vocab_size"])
-    if arch in GPT2_LIKE:
-        hidden, heads = raw["n_embd"], raw["n_head"]
-        if raw.get("scale_attn_by_inverse_layer_idx") or raw.get("reorder_and_upcast_attn"):
-            raise ValueError(f"{where}: GPT-2 attention variants (scale_attn_by_inverse_layer_idx, "
-                             "reorder_and_upcast_attn) are not supported")
-        return ModelConfig(architecture=arch, hidden_size=hidden, num_layers=raw["n_layer"], num_heads=heads,
-                           num_kv_heads=heads, head_dim=hidden // heads,
-                           intermediate_size=raw.get("n_inner") or 4 * hidden,
-                           max_position_embeddings=raw["n_positions"], norm_eps=raw.get("layer_norm_epsilon", 1e-5),
-                           tie_word_embeddings=raw.get("tie_word_embeddings", True), **common)
-    heads = raw["num_attention_heads"]
-    theta, scaling = _rope(raw)
-    is_qwen2 = arch == "Qwen2ForCausalLM"
-    return ModelConfig(
-        architecture=arch, hidden_size=raw["hidden_size"], num_layers=raw["num_hidden_layers"], num_heads=heads,
-        num_kv_heads=raw.get("num_key_value_heads") or heads,
-        head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
-        intermediate_size=raw["intermediate_size"], max_position_embeddings=raw.get("max_position_embeddings", 4096),
-        norm_eps=raw.get("rms_norm_eps", 1e-6), tie_word_embeddings=raw.get("tie_word_embeddings", False),
-        rope_theta=theta, rope_scaling=scaling,
-        qkv_bias=is_qwen2 or bool(raw.get("attention_bias", False)),
-        o_bias=(not is_qwen2) and bool(raw.get("attention_bias", False)),
-        mlp_bias=bool(raw.get("mlp_bias", False)), **common)
+    def spec(self, name: str) -> ModelSpec:
+        """The simulator's and the FLOP count's plain description of this model (``sim.model_specs``)."""
+        return ModelSpec(name, self.hidden_size, self.num_layers, self.num_heads, self.num_kv_heads, self.head_dim,
+                         self.intermediate_size, self.vocab_size, self.max_position_embeddings,
+                         self.tie_word_embeddings, layer_windows=tuple(self.layer_windows),
+                         mlp_matrices=3 if self.gated_mlp else 2)

@@ -9,11 +9,15 @@ decoder layers as one native call for decode-sized steps (``models.native_stack`
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 
 from conveyor.layers.linear import PackedLinear, prepare_linears
-from conveyor.models.native_stack import NativeLayerStack
+from conveyor.models.native_stack import NativeLayerStack, unsupported_reason
+
+logger = logging.getLogger("conveyor.models")
 
 
 @torch.no_grad()
@@ -24,5 +28,8 @@ def prepare_for_cpu(model: nn.Module, kernels=None) -> None:
     for module in model.modules():
         if hasattr(module, "kernels") and module is not model and not isinstance(module, PackedLinear):
             module.kernels = kernels
-    if hasattr(model, "native_stack"):
-        model.native_stack = NativeLayerStack.build(model, kernels)
+    reason = unsupported_reason(model.config)
+    if reason is not None:
+        logger.info("native layer stack: not for this model (%s); its layers run one by one", reason)
+        return
+    model.native_stack = NativeLayerStack.build(model, kernels)

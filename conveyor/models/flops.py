@@ -1,25 +1,21 @@
-"""The FLOPs of a forward pass, counted from the model itself (one definition for every benchmark)."""
+"""The FLOPs of a forward pass: one count for every benchmark and the simulator, ``sim.model_specs.ModelSpec``'s,
+over the loaded model's spec (``ModelInfo.spec``, derived from the same config its layers were built from)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # counting needs no torch import: `conveyor bench --help` stays light
-    from torch import nn
-
-_NOT_PER_TOKEN = ("embed", "lm_head", "wte", "wpe")  # lookups, and the lm_head that only sampled rows pay
-
-
-def per_token_linear_params(model: nn.Module) -> int:
-    """Weights every computed token multiplies through: all 2-D parameters but embeddings and the lm_head."""
-    return sum(p.numel() for name, p in model.named_parameters()
-               if p.dim() == 2 and not any(k in name for k in _NOT_PER_TOKEN))
-
-
-def forward_flops(model: nn.Module, info, num_tokens: int, num_sampled: int, attended_keys: float) -> float:
+def forward_flops(info, num_tokens: int, num_sampled: int, attended_keys: float) -> float:
     """Matmul FLOPs of computing ``num_tokens`` tokens, ``num_sampled`` of them through the lm_head, where the
     queries attend to ``attended_keys`` keys in all (the sum over queries of their context length)."""
-    linear = 2.0 * per_token_linear_params(model) * num_tokens
-    lm_head = 2.0 * info.hidden_size * info.vocab_size * num_sampled
-    attention = 4.0 * info.num_layers * info.num_heads * info.head_dim * attended_keys
-    return linear + lm_head + attention
+    return info.spec.forward_flops(num_tokens, num_sampled, attended_keys)
+
+
+def token_flops(info) -> float:
+    """FLOPs of one token through every layer's linear weights (the lm_head aside)."""
+    return 2.0 * info.spec.per_token_linear_params
+
+
+def prefix_hit_flops(info) -> tuple[float, float]:
+    """(FLOPs per token through the layers, FLOPs per attended key): what a prefix-cache hit saves, priced as
+    ``forward_flops(H, 0, H(H+1)/2)`` for H hit tokens."""
+    return token_flops(info), 4.0 * info.spec.num_layers * info.spec.q_dim

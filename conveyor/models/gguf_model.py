@@ -1,9 +1,11 @@
-"""A Llama-family model from a GGUF file: the ``ModelConfig`` from its metadata, its tensors under Hugging Face
-names (so ``map_weight`` loads them as it loads a safetensors checkpoint), dequantized into the engine's dtype.
+"""A model from a GGUF file: its tensors under Hugging Face names (so ``map_weight`` loads them as it loads a
+safetensors checkpoint), by the family's table of llama.cpp tensor names (``ModelFamily.gguf_tensors``),
+dequantized into the engine's dtype, or kept in their blocks (``gguf_quantized``). The ``ModelConfig`` comes from the
+metadata through the registry (``registry.config_from_gguf``).
 
 llama.cpp's converter permutes the rows of ``q_proj`` / ``k_proj`` of a Llama so that its rotary embedding can
 rotate adjacent pairs (GPT-J style) instead of the two halves of each head (NeoX style, what Hugging Face and
-conveyor use); ``unpermute_qk`` undoes that. Qwen2 files are stored unpermuted (llama.cpp runs them NeoX style).
+conveyor use); ``unpermute_qk`` undoes that for the families that declare it (``gguf_permuted_qk``).
 """
 
 from __future__ import annotations
@@ -14,66 +16,21 @@ import numpy as np
 import torch
 
 from conveyor.models.config import ModelConfig
+from conveyor.models.family import ModelFamily
 from conveyor.models.gguf_file import GGUFError, GGUFFile
 
-# GGUF general.architecture -> (our architecture name, q/k rows permuted by llama.cpp's converter)
-GGUF_ARCHITECTURES = {"llama": ("LlamaForCausalLM", True), "qwen2": ("Qwen2ForCausalLM", False)}
-
-_LAYER_TENSORS = {  # llama.cpp tensor name (after "blk.N.") -> Hugging Face name (after "model.layers.N.")
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
-}
 _GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
-def gguf_config(f: GGUFFile) -> ModelConfig:
-    """The model's shape from the metadata (``{arch}.block_count``, ``{arch}.embedding_length``, ...)."""
-    arch = f.get("general.architecture")
-    if arch not in GGUF_ARCHITECTURES:
-        raise GGUFError(f"{f.path}: unsupported architecture {arch!r}; supported GGUF architectures: "
-                        f"{', '.join(GGUF_ARCHITECTURES)}")
-
-    def key(name: str, default=None):
-        value = f.get(f"{arch}.{name}", default)
-        if value is None:
-            raise GGUFError(f"{f.path}: metadata key {arch}.{name} is missing")
-        return value
-
-    if "rope_freqs.weight" in f.tensors or f.get(f"{arch}.rope.scaling.type", "none") not in ("none", None):
-        raise GGUFError(f"{f.path}: RoPE scaling ({f.get(f'{arch}.rope.scaling.type', 'rope_freqs')}) is not "
-                        "supported for GGUF models")
-    hidden, heads = int(key("embedding_length")), int(key("attention.head_count"))
-    head_dim = int(key("attention.key_length", hidden // heads))
-    if int(key("rope.dimension_count", head_dim)) != head_dim:
-        raise GGUFError(f"{f.path}: partial rotary embeddings (rope.dimension_count != head size) are not supported")
-    if "token_embd.weight" not in f.tensors:
-        raise GGUFError(f"{f.path}: the tensor token_embd.weight is missing")
-    vocab = int(f.get(f"{arch}.vocab_size") or f.tensors["token_embd.weight"].shape[0])
-    eos = [f.get(k) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
-                              "tokenizer.ggml.eom_token_id")]
-    bias = "blk.0.attn_q.bias" in f.tensors
-    return ModelConfig(
-        architecture=GGUF_ARCHITECTURES[arch][0], hidden_size=hidden, num_layers=int(key("block_count")),
-        num_heads=heads, num_kv_heads=int(key("attention.head_count_kv", heads)), head_dim=head_dim,
-        intermediate_size=int(key("feed_forward_length")), vocab_size=vocab,
-        max_position_embeddings=int(key("context_length")),
-        norm_eps=float(key("attention.layer_norm_rms_epsilon")),
-        tie_word_embeddings="output.weight" not in f.tensors, rope_theta=float(key("rope.freq_base", 10000.0)),
-        qkv_bias=bias, o_bias="blk.0.attn_output.bias" in f.tensors,
-        bos_token_id=f.get("tokenizer.ggml.bos_token_id"),
-        eos_token_ids=sorted({int(t) for t in eos if t is not None}))
-
-
-def hf_name(gguf_name: str) -> str | None:
-    """The Hugging Face name of a llama.cpp tensor name, or None for tensors the model does not use."""
+def hf_name(gguf_name: str, family: ModelFamily) -> str | None:
+    """The Hugging Face name of a llama.cpp tensor name in ``family``'s files, or None for tensors without one."""
     base, _, kind = gguf_name.rpartition(".")  # kind: weight | bias
-    if base in _GLOBAL_TENSORS:
-        return f"{_GLOBAL_TENSORS[base]}.{kind}"
+    global_tensors = family.gguf_global_tensors or _GLOBAL_TENSORS
+    if base in global_tensors:
+        return f"{global_tensors[base]}.{kind}"
     parts = base.split(".")
-    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_TENSORS:
-        return f"model.layers.{parts[1]}.{_LAYER_TENSORS[parts[2]]}.{kind}"
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in family.gguf_tensors:
+        return f"{family.gguf_layer_prefix}.{parts[1]}.{family.gguf_tensors[parts[2]]}.{kind}"
     return None
 
 
@@ -92,43 +49,57 @@ def qk_row_order(rows: int, n_heads: int) -> torch.Tensor:
     return unpermute_qk(torch.arange(rows, dtype=torch.float32).unsqueeze(1), n_heads)[:, 0].to(torch.int64)
 
 
-def gguf_quantized(f: GGUFFile, cfg: ModelConfig, plan: dict[str, list[str]]):
+def _permuted_heads(name: str, cfg: ModelConfig, family: ModelFamily) -> int | None:
+    """The head count to unpermute ``name``'s rows by, or None when they are stored as Hugging Face orders them."""
+    if not family.gguf_permuted_qk:
+        return None
+    if ".attn_q." in name:
+        return cfg.num_heads
+    if ".attn_k." in name:
+        return cfg.num_kv_heads
+    return None
+
+
+def gguf_quantized(f: GGUFFile, cfg: ModelConfig, family: ModelFamily, plan: dict[str, list[str]], model):
     """{model parameter -> its QuantizedTensor} for the parameters ``plan`` keeps quantized (models.quantize
-    .plan_gguf): each GGUF part read in its blocks, q/k rows unpermuted, fused parts stacked in row order."""
+    .plan_gguf): each GGUF part read in its blocks, q/k rows unpermuted and put in the order the model computes in
+    (``map_weight``'s ``row_order``), fused parts stacked in row order."""
     from conveyor.layers.quantized import QuantizedTensor, from_gguf
 
-    permuted = GGUF_ARCHITECTURES[f.get("general.architecture")][1]
     out = {}
     for param, names in plan.items():
         parts = []
         for name in names:
             info = f.tensors[name]
             quant = from_gguf(f.raw(name), info.qtype.name, info.shape)
-            if permuted and (".attn_q." in name or ".attn_k." in name):
-                heads = cfg.num_heads if ".attn_q." in name else cfg.num_kv_heads
+            heads = _permuted_heads(name, cfg, family)
+            if heads is not None:
                 quant = quant.take_rows(qk_row_order(info.shape[0], heads))
+            target = model.map_weight(hf_name(name, family))
+            if target.row_order is not None:
+                quant = quant.take_rows(target.row_order)
             parts.append(quant)
         out[param] = QuantizedTensor.cat(parts)
     return out
 
 
-def gguf_weights(f: GGUFFile, cfg: ModelConfig, dtype: torch.dtype,
+def gguf_weights(f: GGUFFile, cfg: ModelConfig, family: ModelFamily, dtype: torch.dtype,
                  skip: frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
     """(Hugging Face name, tensor in ``dtype``) for every tensor the model uses but those named in ``skip`` (kept
     quantized), dequantized one at a time.
 
-    Tensors of other architectures' layouts (e.g. a fused attn_qkv) are an error, not silently skipped."""
-    arch = f.get("general.architecture")
-    permuted = GGUF_ARCHITECTURES[arch][1]
+    A tensor the family has no place for (another architecture's layout, experts of a mixture) is an error, not
+    silently skipped."""
     for name in f.tensors:
-        target = hf_name(name)
+        target = hf_name(name, family)
         if target is None:
-            if name.startswith("blk.") or name in ("output.weight", "token_embd.weight"):
-                raise GGUFError(f"{f.path}: tensor {name!r} has no place in a {arch} model")
-            continue
+            if name in family.gguf_consumed:
+                continue  # read with the metadata (RoPE factors)
+            raise GGUFError(f"{f.path}: tensor {name!r} has no place in a {f.get('general.architecture')} model")
         if name in skip:
             continue
         tensor = f.load(name, torch.float32)
-        if permuted and (".attn_q." in name or ".attn_k." in name):
-            tensor = unpermute_qk(tensor, cfg.num_heads if ".attn_q." in name else cfg.num_kv_heads)
+        heads = _permuted_heads(name, cfg, family)
+        if heads is not None:
+            tensor = unpermute_qk(tensor, heads)
         yield target, tensor.to(dtype)

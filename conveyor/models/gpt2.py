@@ -11,6 +11,8 @@ from torch import nn
 from conveyor.layers.activation import gelu_new
 from conveyor.layers.embedding import Embedding
 from conveyor.models.config import ModelConfig
+from conveyor.models.family import ModelFamily
+from conveyor.models.hf_config import HFConfig
 from conveyor.models.weights import WeightTarget
 
 CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
@@ -64,6 +66,7 @@ class GPT2LMHeadModel(nn.Module):
         self.h = nn.ModuleList(GPT2Block(cfg) for _ in range(cfg.num_layers))
         self.ln_f = nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.native_stack = None  # GPT-2's blocks are not the native layer stack's (native_stack.unsupported_reason)
 
     def forward(self, input_ids, positions, kv_caches, attn):
         x = self.wte(input_ids) + self.wpe(positions)
@@ -85,3 +88,25 @@ class GPT2LMHeadModel(nn.Module):
         if name.endswith((".attn.bias", ".attn.masked_bias")) or (name == "lm_head.weight" and self.lm_head is None):
             return None  # old checkpoints' causal-mask buffers; tied lm_head copy
         return WeightTarget(name, transpose=name.endswith(CONV1D_WEIGHTS))
+
+
+def from_hf(c: HFConfig, architecture: str) -> ModelConfig:
+    hidden, heads = c.require("n_embd"), c.require("n_head")
+    for key in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn"):
+        c.expect(key, False, why="GPT-2's attention variants are not computed")
+    c.expect("activation_function", "gelu_new", "gelu_pytorch_tanh", why="the MLP runs tanh-GELU")
+    c.expect("scale_attn_weights", True, why="attention is scaled by head_dim ** -0.5")
+    for key in ("n_ctx", "layer_norm_epsilon", "n_inner", "summary_type", "summary_use_proj", "summary_activation",
+                "summary_proj_to_labels", "summary_first_dropout", "attn_pdrop"):
+        c.get(key)  # read below, or settings of other heads than the language model's
+    eos = c.get("eos_token_id")
+    return ModelConfig(architecture=architecture, family="gpt2", hidden_size=hidden, num_layers=c.require("n_layer"),
+                       num_heads=heads, num_kv_heads=heads, head_dim=hidden // heads,
+                       intermediate_size=c.get("n_inner") or 4 * hidden, vocab_size=c.require("vocab_size"),
+                       max_position_embeddings=c.require("n_positions"), norm_eps=c.get("layer_norm_epsilon", 1e-5),
+                       tie_word_embeddings=c.get("tie_word_embeddings", True), activation="gelu_tanh", gated_mlp=False,
+                       bos_token_id=c.get("bos_token_id"),
+                       eos_token_ids=[] if eos is None else [int(t) for t in (eos if isinstance(eos, list) else [eos])])
+
+
+FAMILY = ModelFamily(name="gpt2", hf_architectures=("GPT2LMHeadModel",), config_from_hf=from_hf, build=GPT2LMHeadModel)

@@ -12,8 +12,13 @@ With quantized linears (``layers.quantized.QuantLinear``, every one of them) the
 ``QuantWeight`` descriptors instead and every GEMM is the integer kernel's, in float32 or bfloat16, with or
 without AMX, up to ``QUANT_STACK_MAX_ROWS`` rows.
 
-``NativeLayerStack.build(model, kernels)`` returns None where it cannot apply (no kernels, a linear without its
-native packing, norms in another dtype); ``accepts(num_tokens, attn)`` says per step whether this one can.
+Which models it runs is declared, not probed: ``unsupported_reason(cfg)`` names what a model's config has that
+the native stack does not compute (Gemma's four norms, tanh-GELU, a second RoPE table, scaled embeddings; GPT-2's
+blocks), and such a model runs the per-layer path. It runs per-layer sliding windows and Qwen3's q/k norms (each
+head's rows normed by the same row kernel as the per-layer path, so bit-identical still).
+``NativeLayerStack.build(model, kernels)`` also returns None where the kernels cannot apply (no kernels, a linear
+without its native packing, norms in another dtype); ``accepts(num_tokens, attn)`` says per step whether this one
+can.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import torch
 
 from conveyor.layers.attention.base import AttentionBackend
 from conveyor.layers.quantized import QuantLinear, descriptor_address
+from conveyor.models.config import ModelConfig
 
 # Quantized stacks run steps up to this many rows, the float stacks' limit (the per-call crossings it saves
 # matter at decode sizes; above, the per-layer path runs the same integer kernels).
@@ -29,12 +35,25 @@ QUANT_STACK_MAX_ROWS = 128
 
 # The order of the per-layer pointer fields cvk_llama_layers reads (see its comment in csrc/layer_stack.cpp).
 _FIELDS = ("in_norm", "qkv", "qkv_bias", "o", "o_bias", "post_norm", "gate_up", "gate_up_bias", "down", "down_bias",
-           "k_cache", "v_cache")
+           "q_norm", "k_norm", "window", "k_cache", "v_cache")
 _KV_FIELDS = 2  # the last two fields: filled per KV cache, not per model
 
 
 def _ptr(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.data_ptr()
+
+
+def unsupported_reason(cfg: ModelConfig) -> str | None:
+    """What ``cfg``'s layers have that cvk_llama_layers does not compute (None: it runs them)."""
+    checks = (
+        (cfg.family == "gpt2", "GPT-2 blocks (LayerNorm, learned positions)"),
+        (not cfg.gated_mlp or cfg.activation != "silu", f"a {cfg.activation} MLP (the stack runs SiLU-and-mul)"),
+        (cfg.sandwich_norms, "four norms a layer"),
+        (cfg.local_rope_theta is not None, "a second RoPE table for the windowed layers"),
+        (cfg.embed_scale is not None, "scaled embeddings"),
+    )
+    reasons = [why for failed, why in checks if failed]
+    return ", ".join(reasons) if reasons else None
 
 
 class NativeLayerStack:
@@ -53,10 +72,11 @@ class NativeLayerStack:
         rows = []
         for layer in model.layers:
             attn, mlp = layer.self_attn, layer.mlp
+            q_norm, k_norm = (attn.q_norm.weight, attn.k_norm.weight) if attn.q_norm is not None else (None, None)
             rows.append([_ptr(layer.input_layernorm.weight), weight(attn.qkv_proj), _ptr(attn.qkv_proj.bias),
                          weight(attn.o_proj), _ptr(attn.o_proj.bias), _ptr(layer.post_attention_layernorm.weight),
                          weight(mlp.gate_up_proj), _ptr(mlp.gate_up_proj.bias), weight(mlp.down_proj),
-                         _ptr(mlp.down_proj.bias), 0, 0])
+                         _ptr(mlp.down_proj.bias), _ptr(q_norm), _ptr(k_norm), attn.window, 0, 0])
         # the activations' int8 scratch is sized for the widest input (down_proj's, usually)
         self.max_padded_in = max(lin.quant.padded_in for layer in model.layers
                                  for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
@@ -67,9 +87,9 @@ class NativeLayerStack:
 
     @classmethod
     def build(cls, model: torch.nn.Module, kernels) -> NativeLayerStack | None:
-        """The stack for ``model`` (a Llama-family decoder with its linears packed by ``prepare_linears``), or
-        None when some part would not run natively."""
-        if kernels is None or not hasattr(model, "layers") or not len(model.layers):
+        """The stack for ``model`` (a decoder ``unsupported_reason`` accepts, its linears packed by
+        ``prepare_linears``), or None when some part would not run natively."""
+        if kernels is None or unsupported_reason(model.config) is not None or not len(model.layers):
             return None
         cfg = model.config
         if not kernels.supports(model.layers[0].input_layernorm.weight.dtype, cfg.head_dim):

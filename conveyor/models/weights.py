@@ -15,12 +15,15 @@ from safetensors import safe_open
 class WeightTarget(NamedTuple):
     """Where one checkpoint tensor goes: parameter ``param`` whole, or rows [offset, offset + rows) of it when the
     tensor is one part of a fused parameter (q_proj of qkv_proj); transposed first when the checkpoint stores it
-    [in, out] (GPT-2's Conv1D)."""
+    [in, out] (GPT-2's Conv1D); its rows taken in ``row_order`` (partial rotary's q/k layout); ``shift`` added
+    (Gemma's norms store w for a layer that multiplies by 1 + w)."""
 
     param: str
     offset: int | None = None
     rows: int | None = None
     transpose: bool = False
+    row_order: torch.Tensor | None = None
+    shift: float = 0.0
 
 
 def checkpoint_files(model_dir: str) -> list[str]:
@@ -69,6 +72,10 @@ def load_into(model: torch.nn.Module, weights, where: str, exclude: frozenset[st
             raise ValueError(f"{where}: unexpected weight {name!r}")
         if target.transpose:
             tensor = tensor.t()
+        if target.row_order is not None:
+            tensor = tensor.index_select(0, target.row_order)
+        if target.shift:
+            tensor = tensor.float() + target.shift  # in float32, as the reference adds it, then rounded once
         dst = params[target.param].data
         if target.offset is not None:
             dst = dst.narrow(0, target.offset, target.rows)

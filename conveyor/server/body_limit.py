@@ -104,7 +104,7 @@ class BodyLimitMiddleware:
             declared = _declared_length(headers)
             if not _expects_continue(headers) and (declared is None or declared <= DRAIN_MAX_BYTES):
                 await drain(receive)
-            await refusal.response()(scope, receive, send)
+            await refusal.response(scope["path"])(scope, receive, send)
             return
         received = 0
 

@@ -1,12 +1,17 @@
 """The shapes of the models the simulator knows, from their Hugging Face ``config.json`` files. PURE PYTHON.
 
 Only what a cost model needs: layer count, widths, heads, vocabulary. Every FLOP and byte count of the cost
-models derives from the properties below, so a unit test can check them by hand for a known shape.
+models derives from the properties below, so a unit test can check them by hand for a known shape. A loaded
+model's spec comes from its config (``models.config.ModelConfig.spec``), and ``forward_flops`` here is the one FLOP
+count of a forward pass (``models.flops`` asks it).
+
+A mixture-of-experts family would add its routed MLP's shape here (experts, experts per token, expert width) so
+that ``linear_params_per_layer`` counts the experts a token runs, not all of them.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -23,6 +28,13 @@ class ModelSpec:
     vocab_size: int
     max_position_embeddings: int
     tie_word_embeddings: bool
+    # Each layer's sliding window (0: full attention; empty: none has one). The attention FLOPs below count every
+    # key a query could see without windows: an upper bound for windowed layers.
+    layer_windows: tuple[int, ...] = field(default=())
+    mlp_matrices: int = 3  # gate, up, down (GPT-2's MLP: 2)
+
+    def __post_init__(self) -> None:  # a profile read back from JSON gives a list
+        object.__setattr__(self, "layer_windows", tuple(self.layer_windows))
 
     @property
     def q_dim(self) -> int:
@@ -37,7 +49,7 @@ class ModelSpec:
         """Weights every computed token multiplies through in one layer: q/k/v, o, gate/up, down."""
         h = self.hidden_size
         attention = h * (self.q_dim + 2 * self.kv_dim) + self.q_dim * h
-        mlp = 3 * h * self.intermediate_size
+        mlp = self.mlp_matrices * h * self.intermediate_size
         return attention + mlp
 
     @property
@@ -62,10 +74,6 @@ class ModelSpec:
         lm_head = 2.0 * self.lm_head_params * num_sampled
         attention = 4.0 * self.num_layers * self.q_dim * attended_keys
         return linear + lm_head + attention
-
-    def kv_elements_per_token(self) -> int:
-        """K and V elements one token keeps in the cache, over all layers."""
-        return 2 * self.num_layers * self.kv_dim
 
 
 # The numbers are those of each model's published config.json (Hugging Face hub), copied here so the simulator

@@ -52,14 +52,17 @@ def one_thread():
         torch.set_num_threads(saved)
 
 
-def reference_attention(qkv, k_cache, v_cache, block_table, qsl, seq_lens, rotary, heads, kv_heads, head_dim, scale):
-    """Rope, cache write and causal attention in float32, one request at a time. Returns (out, k, v caches)."""
+def reference_attention(qkv, k_cache, v_cache, block_table, qsl, seq_lens, rotary, heads, kv_heads, head_dim, scale,
+                        window=0):
+    """Rope, cache write and causal attention in float32, one request at a time (a query sees its last ``window``
+    keys only, when given). Returns (out, k, v caches)."""
     with one_thread():
         return _reference_attention(qkv, k_cache, v_cache, block_table, qsl, seq_lens, rotary, heads, kv_heads,
-                                    head_dim, scale)
+                                    head_dim, scale, window)
 
 
-def _reference_attention(qkv, k_cache, v_cache, block_table, qsl, seq_lens, rotary, heads, kv_heads, head_dim, scale):
+def _reference_attention(qkv, k_cache, v_cache, block_table, qsl, seq_lens, rotary, heads, kv_heads, head_dim, scale,
+                         window=0):
     k_cache, v_cache = k_cache.clone(), v_cache.clone()
     bs = k_cache.shape[1]
     x = qkv.float().view(qkv.shape[0], heads + 2 * kv_heads, head_dim)
@@ -80,6 +83,8 @@ def _reference_attention(qkv, k_cache, v_cache, block_table, qsl, seq_lens, rota
         ks, vs = flat_k[slots].float(), flat_v[slots].float()  # [L, KVH, D]
         qf = q.to(qkv.dtype).float()  # the kernel sees q rounded to the model dtype, as the torch path does
         mask = torch.arange(L).unsqueeze(0) <= pos.unsqueeze(1)
+        if window:
+            mask &= torch.arange(L).unsqueeze(0) > pos.unsqueeze(1) - window
         o = F.scaled_dot_product_attention(qf.transpose(0, 1), ks.transpose(0, 1), vs.transpose(0, 1),
                                            attn_mask=mask, scale=scale, enable_gqa=True)
         out[s:e] = o.transpose(0, 1).reshape(e - s, heads * head_dim)
@@ -134,20 +139,49 @@ def test_attention_generic_head_size_matches_torch(kernels, dtype, block_size, h
     check_attention(kernels, dtype, block_size, heads, kv_heads, head_dim, mix)
 
 
-def check_attention(kernels, dtype, block_size, heads, kv_heads, head_dim, mix):
+def check_attention(kernels, dtype, block_size, heads, kv_heads, head_dim, mix, window=0):
     qkv, k_cache, v_cache, table, qsl, seq_lens = make_step(MIXES[mix], heads, kv_heads, head_dim, block_size, dtype)
     rotary = RotaryEmbedding(head_dim, 512, 10000.0)
     scale = head_dim ** -0.5
     want, want_k, want_v = reference_attention(qkv, k_cache, v_cache, table, qsl, seq_lens, rotary, heads, kv_heads,
-                                               head_dim, scale)
+                                               head_dim, scale, window)
     out = torch.full((qkv.shape[0], heads * head_dim), float("nan"), dtype=dtype)
     cos_sin = rotary.cos_sin.flatten(1).contiguous()
     q, k, v = split_heads(qkv, heads, kv_heads, head_dim)
     kc, vc = head_major(k_cache), head_major(v_cache)
-    kernels.attention(q, k, v, kc, vc, table, qsl, seq_lens, cos_sin, out.view(-1, heads, head_dim), scale)
+    kernels.attention(q, k, v, kc, vc, table, qsl, seq_lens, cos_sin, out.view(-1, heads, head_dim), scale,
+                      window=window)
     torch.testing.assert_close(head_major(kc).float(), want_k.float(), **TOL[dtype])
     torch.testing.assert_close(head_major(vc), want_v)
     torch.testing.assert_close(out.float(), want, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(6, 2, 64), (8, 1, 32)])
+@pytest.mark.parametrize("window", [5, 40])
+@pytest.mark.parametrize("mix", ["decodes", "chunks_with_context", "mixed"])
+def test_attention_with_sliding_window_matches_torch(kernels, dtype, block_size, heads, kv_heads, head_dim, window,
+                                                     mix):
+    """Each query sees its last ``window`` keys: decode items start at the window, prompt tiles mask each row's
+    keys before it (the tiles of 8 query heads a kv head hold few queries, 16 heads' many)."""
+    if not kernels.supports(dtype, head_dim):
+        pytest.skip(f"head_dim {head_dim} is not a multiple of this level's vector width: the torch path")
+    check_attention(kernels, dtype, block_size, heads, kv_heads, head_dim, mix, window)
+
+
+def test_window_with_eviction_inputs_is_refused(kernels):
+    """Windows count positions: with rope offsets (KV eviction shifted the slots) a windowed call is refused."""
+    heads, kv_heads, d = 4, 4, 64
+    qkv, k_cache, v_cache, table, qsl, seq_lens = make_step([(10, 1)], heads, kv_heads, d, 16, torch.float32)
+    q, k, v = split_heads(qkv, heads, kv_heads, d)
+    out = torch.empty(1, heads, d)
+    cos_sin = RotaryEmbedding(d, 512, 10000.0).cos_sin.flatten(1).contiguous()
+    from conveyor.kernels.cpu_ops import KernelError
+
+    with pytest.raises(KernelError, match="bad argument"):
+        kernels.attention(q, k, v, head_major(k_cache), head_major(v_cache), table, qsl, seq_lens, cos_sin, out, 0.1,
+                          rope_offset=torch.zeros(1, dtype=torch.int64), window=4)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])

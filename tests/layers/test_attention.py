@@ -69,6 +69,35 @@ def test_cpu_backend_matches_reference(block_size, mix, pad):
     torch.testing.assert_close(fast_cache, ref_cache)
 
 
+def window_oracle(q, cache, meta, scale, window):
+    """Each query over exactly its last ``window`` keys (read from the written token-major cache), one by one."""
+    out = torch.empty_like(q)
+    group = q.shape[1] // cache.shape[3]
+    for i, seq_len in enumerate(meta.seq_lens):
+        for row in range(meta.query_start_loc[i], meta.query_start_loc[i + 1]):
+            slot = meta.num_computed[i] + row - meta.query_start_loc[i]
+            keys = torch.arange(max(0, slot - window + 1), slot + 1)
+            where = meta.block_table[i, keys // meta.block_size] * meta.block_size + keys % meta.block_size
+            ks = cache[0].flatten(0, 1)[where].repeat_interleave(group, dim=1)  # [n, H, d]
+            vs = cache[1].flatten(0, 1)[where].repeat_interleave(group, dim=1)
+            p = torch.softmax(torch.einsum("hd,nhd->hn", q[row], ks) * scale, dim=-1)
+            out[row] = torch.einsum("hn,nhd->hd", p, vs)
+    return out
+
+
+@pytest.mark.parametrize("window", [1, 6, 40])
+@pytest.mark.parametrize("mix", sorted(MIXES))
+def test_sliding_window_in_every_torch_backend(mix, window):
+    meta, _, q, k, v, cache = make_step(16, MIXES[mix])
+    outs = {}
+    for backend in ("reference", "cpu-torch"):
+        written = cache.clone()
+        outs[backend] = make_attention(backend, meta, torch.float32).forward(q, k, v, written, 0.25, window=window)
+    want = window_oracle(q, written, meta, 0.25, window)
+    for backend, out in outs.items():
+        torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5, msg=backend)
+
+
 def test_writes_before_reads_and_pad_touches_nothing():
     """Request B's context block is written by request A in the same step (a same-step prefix hit)."""
     bs = 4
@@ -108,7 +137,7 @@ def test_pad_rows_attend_within_segments_and_the_backend_never_sees_them():
     class Recording:  # an attention backend that records what it is given
         name = "recording"
 
-        def forward(self, q, k, v, kv_cache, scale, rope=None):
+        def forward(self, q, k, v, kv_cache, scale, rope=None, window=0):
             seen.append(q.shape[0])
             return torch.zeros_like(q)
 

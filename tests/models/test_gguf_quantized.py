@@ -14,7 +14,8 @@ from conveyor.kernels import load_cpu_kernels
 from conveyor.layers.quantized import QuantEmbedding, QuantLinear
 from conveyor.models import load_model
 from conveyor.models.gguf_file import GGUFFile
-from conveyor.models.gguf_model import gguf_config, gguf_weights
+from conveyor.models.gguf_model import gguf_weights
+from conveyor.models.registry import config_from_gguf
 from conveyor.models.native_stack import NativeLayerStack
 from tests.helpers.checkpoints import write_word_tokenizer
 from tests.helpers.gguf import write_llama_gguf
@@ -74,7 +75,7 @@ def test_every_linear_and_the_embedding_stay_in_their_blocks(untied, tmp_path, q
     assert all(p.device.type == "meta" for n, p in model.named_parameters() if n.endswith("proj.weight"))
     # the weights are the file's, dequantized exactly as the gguf package does (q/k unpermuted, fused in order)
     with GGUFFile(str(path)) as f:
-        ref = dict(gguf_weights(f, gguf_config(f), torch.float32))
+        ref = dict(gguf_weights(f, *config_from_gguf(f), torch.float32))
     layer = model.layers[1]
     qkv = torch.cat([ref[f"model.layers.1.self_attn.{p}_proj.weight"] for p in "qkv"])
     gate_up = torch.cat([ref[f"model.layers.1.mlp.{p}_proj.weight"] for p in ("gate", "up")])

@@ -59,6 +59,18 @@ def qwen2(path):  # q/k/v biases
         num_key_value_heads=1, max_position_embeddings=512, tie_word_embeddings=False, rope_theta=1000.0))
 
 
+def qwen3(path):  # q/k RMSNorm per head, normed in place inside the stack; head_dim apart from hidden / heads
+    return save_model(path, transformers.Qwen3ForCausalLM, transformers.Qwen3Config(
+        vocab_size=VOCAB, hidden_size=128, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=64, max_position_embeddings=512, tie_word_embeddings=False))
+
+
+def mistral_window(path):  # a sliding window of 6 on every layer (the prompts run to 176 tokens)
+    return save_model(path, transformers.MistralForCausalLM, transformers.MistralConfig(
+        vocab_size=VOCAB, hidden_size=128, intermediate_size=192, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=512, tie_word_embeddings=False, sliding_window=6))
+
+
 def generate(llm, with_stack: bool):
     model = llm.engine.model
     stack = model.native_stack
@@ -75,7 +87,7 @@ def generate(llm, with_stack: bool):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("make", [llama, llama_mlp_bias, qwen2, llama_head_dim_32])
+@pytest.mark.parametrize("make", [llama, llama_mlp_bias, qwen2, llama_head_dim_32, qwen3, mistral_window])
 def test_stack_is_bit_identical_to_the_per_layer_path(tmp_path, dtype, make):
     llm = LLM(str(make(tmp_path / "m")), dtype=dtype, enable_prefix_caching=False, detokenize=False, block_size=16)
     stack = llm.engine.model.native_stack
@@ -103,6 +115,14 @@ def test_stack_applies_only_where_every_part_runs_natively(tmp_path):
     assert not stack.accepts(stack.max_rows + 1, native) and not stack.accepts(0, native)
     assert not stack.accepts(1, object.__new__(CpuAttention))  # the torch attention path keeps the layer loop
     assert NativeLayerStack.build(llm.engine.model, None) is None
+    from conveyor.models.native_stack import unsupported_reason
+    from dataclasses import replace
+
+    cfg = llm.engine.model.config  # declined by the declared check, not by probing modules: Gemma's layers
+    assert unsupported_reason(cfg) is None
+    gemma_like = replace(cfg, sandwich_norms=True, activation="gelu_tanh", embed_scale=11.3)
+    assert unsupported_reason(gemma_like) == "a gelu_tanh MLP (the stack runs SiLU-and-mul), four norms a layer, " \
+                                             "scaled embeddings"
     float64 = LLM(str(tmp_path / "m"), dtype="float64", enable_prefix_caching=False, detokenize=False)
     assert float64.engine.model.native_stack is None  # no native kernels in float64
 

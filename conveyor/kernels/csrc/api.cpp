@@ -55,6 +55,7 @@ const char* cvk_struct_layout(int which) {
       CVK_FIELD(CvkAttnArgs, score_rows), CVK_FIELD(CvkAttnArgs, mass_offset), CVK_FIELD(CvkAttnArgs, rope_offset),
       CVK_FIELD(CvkAttnArgs, q_stride), CVK_FIELD(CvkAttnArgs, k_stride), CVK_FIELD(CvkAttnArgs, v_stride),
       CVK_FIELD(CvkAttnArgs, bt_stride), CVK_FIELD(CvkAttnArgs, out_stride), CVK_FIELD(CvkAttnArgs, mass_stride),
+      CVK_FIELD(CvkAttnArgs, window),
       CVK_FIELD(CvkAttnArgs, dtype), CVK_FIELD(CvkAttnArgs, num_reqs),
       CVK_FIELD(CvkAttnArgs, H), CVK_FIELD(CvkAttnArgs, KVH), CVK_FIELD(CvkAttnArgs, D), CVK_FIELD(CvkAttnArgs, bs),
       CVK_FIELD(CvkAttnArgs, num_threads), CVK_FIELD(CvkAttnArgs, scale)});

@@ -150,6 +150,7 @@ int attention(const AttnArgs& a) {
   if (a.dtype != CVK_F32 && a.dtype != CVK_BF16) return CVK_ERR_BADARG;
   if (!attention_supports(a.H, a.KVH, a.D)) return CVK_ERR_UNSUPPORTED;
   if (!mass_fits(a)) return CVK_ERR_BADARG;
+  if (a.window < 0 || (a.window > 0 && (a.key_mass != nullptr || a.rope_offset != nullptr))) return CVK_ERR_BADARG;
   const PlanHeader* plan = static_cast<const PlanHeader*>(a.plan);
   void* own = nullptr;
   if (plan == nullptr) {

@@ -20,7 +20,8 @@ void attend_one_query(const AttnArgs& a, const Item& it) {
   const int rows = (it.kvh_end - it.kvh) * G;
   const int64_t qs = a.query_start[it.req];
   const int64_t ctx0 = a.seq_lens[it.req] - (a.query_start[it.req + 1] - qs);
-  const int64_t end = ctx0 + it.q0 + 1;  // keys [0, end)
+  const int64_t end = ctx0 + it.q0 + 1;  // keys [start, end): all earlier ones, or the layer's window
+  const int64_t start = a.window > 0 ? std::max<int64_t>(0, end - a.window) : 0;
   const int64_t* table = a.block_table + int64_t(it.req) * a.bt_stride;
   const int64_t hstride = int64_t(a.bs) * D;  // from one head's rows of a block to the next head's
   const T* qrow = static_cast<const T*>(a.q) + (qs + it.q0) * a.q_stride + int64_t(it.kvh) * G * D;
@@ -53,7 +54,7 @@ void attend_one_query(const AttnArgs& a, const Item& it) {
   MassCapture capture;
   if (mass != nullptr) capture.begin(rows, end);
   int64_t offs[KC], next_offs[KC];
-  for (int64_t j0 = 0; j0 < end; j0 += KC) {
+  for (int64_t j0 = start; j0 < end; j0 += KC) {
     const int nk = int(std::min<int64_t>(KC, end - j0));
     const int nk_next = int(std::max<int64_t>(0, std::min<int64_t>(KC, end - j0 - KC)));
     kv_offsets(a, table, j0, nk, offs);
@@ -115,7 +116,7 @@ void attend_one_query(const AttnArgs& a, const Item& it) {
         for (int j = nk; j < KP; j++) s[j] = -INFINITY;
         V mx = V::set1(m[r]);
         for (int j = 0; j < KP; j += W) mx = V::max(mx, V::load(s + j));
-        const float m_new = mx.hmax();  // finite: key 0 is in the first chunk
+        const float m_new = mx.hmax();  // finite: the first visible key is in the first chunk
         const float alpha = expf(m[r] - m_new);
         const V mn = V::set1(m_new);
         V psum = V::zero();

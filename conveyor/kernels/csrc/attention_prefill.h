@@ -56,12 +56,20 @@ void attend_tile(const AttnArgs& a, const Item& it) {
   const int nrows = (it.q1 - it.q0) * G, rv_n = (nrows + W - 1) / W;
   const int64_t end = ctx0 + it.q1;        // keys [0, end) are visible to some row
   const int64_t diag = ctx0 + it.q0;       // keys <= diag are visible to every row
+  // A sliding window (a.window > 0): row r sees keys last[r] - window + 1 .. last[r]. The chunks start at the
+  // first row's first key, and every row's first key lies in that first chunk (a tile has at most KC queries),
+  // so no row meets a chunk with nothing to see before its keys begin. Keys before a row's first are masked.
+  const int64_t start = a.window > 0 ? std::max<int64_t>(0, diag - a.window + 1) : 0;
+  const int64_t late_first = a.window > 0 ? ctx0 + it.q1 - a.window : 0;  // the last row's first key
   const int64_t* table = a.block_table + int64_t(it.req) * a.bt_stride;
   const T* kc = static_cast<const T*>(a.k_cache);
   const T* vc = static_cast<const T*>(a.v_cache);
   // (a constant false below the avx512bf16 level: the amx branches below are then dead code)
   // (and for the compiled head sizes only: the AMX helpers take D as a template argument, DM below)
-  const bool amx = kAmx && sizeof(T) == 2 && DV > 0 && g_amx_attention && a.bs % TILE_KEYS == 0 && D % 32 == 0;
+  // (windowed layers take the vector path: the tiles read keys in block-aligned groups from chunk starts at
+  // multiples of KC, which a window's first key is not)
+  const bool amx = kAmx && sizeof(T) == 2 && DV > 0 && g_amx_attention && a.bs % TILE_KEYS == 0 && D % 32 == 0 &&
+                   a.window == 0;
   if constexpr (!Prefetch)
     if (!amx && rv_n == 1) return attend_tile<T, DV, true>(a, it);
 
@@ -72,6 +80,7 @@ void attend_tile(const AttnArgs& a, const Item& it) {
   alignas(64) float O[MAX_ROWS * DM];
   alignas(64) float ST[KP * MAX_ROWS];  // scores, then probabilities: [key][row]
   alignas(64) float last[MAX_ROWS];     // row r sees keys 0 .. last[r]
+  alignas(64) float first[MAX_ROWS];    // with a window, from first[r] on
   alignas(64) float kbuf[sizeof(T) == 2 ? KC * DM : 1];
   alignas(64) float vbuf[sizeof(T) == 2 ? KC * DM : 1];
   alignas(64) float mrow[MAX_ROWS], lrow[MAX_ROWS], alpha[MAX_ROWS];
@@ -93,7 +102,8 @@ void attend_tile(const AttnArgs& a, const Item& it) {
     qsrc[r] = static_cast<const T*>(a.q) + (qs + i) * a.q_stride + int64_t(h) * D;
     if (!amx)
       for (int d = 0; d < D; d++) QT[d * MAX_ROWS + r] = real ? to_f32(qsrc[r][d]) * a.scale : 0.f;
-    last[r] = float(real ? ctx0 + i : ctx0);  // padding rows see key 0 only: finite, ignored
+    last[r] = float(real ? ctx0 + i : diag);  // padding rows see the first row's keys: finite, ignored
+    first[r] = last[r] - float(a.window) + 1.f;
   }
   if constexpr (sizeof(T) == 2 && DV > 0 && DM % 32 == 0)
     if (amx) vnni_queries<DM>(reinterpret_cast<const uint16_t* const*>(qsrc), nrows, QT2);
@@ -105,7 +115,7 @@ void attend_tile(const AttnArgs& a, const Item& it) {
   }
   const V neg_inf = V::set1(-INFINITY);
   if (amx) amx_configure(16, 16);
-  for (int64_t j0 = 0; j0 < end; j0 += KC) {
+  for (int64_t j0 = start; j0 < end; j0 += KC) {
     const int nk = int(std::min<int64_t>(KC, end - j0));
     const int nkp = (nk + KB - 1) / KB * KB;
     if (!amx) chunk_rows<T, DV>(a, table, vc, it.kvh, j0, nk, 0, vrow, vbuf);
@@ -167,6 +177,16 @@ void attend_tile(const AttnArgs& a, const Item& it) {
         for (int rv = 0; rv < rv_n; rv++) {
           float* s = ST + j * MAX_ROWS + rv * W;
           V::blend_gt(pos, V::load(last + rv * W), neg_inf, V::load(s)).store(s);
+        }
+      }
+    }
+    // the window's mask where the chunk starts before some row's first key
+    if (a.window > 0 && j0 < late_first) {
+      for (int j = 0; j < nk; j++) {
+        const V pos = V::set1(float(j0 + j));
+        for (int rv = 0; rv < rv_n; rv++) {
+          float* s = ST + j * MAX_ROWS + rv * W;
+          V::blend_gt(V::load(first + rv * W), pos, neg_inf, V::load(s)).store(s);
         }
       }
     }

@@ -9,7 +9,7 @@
 
 #include <stdint.h>
 
-#define CVK_ABI_VERSION 9
+#define CVK_ABI_VERSION 10
 
 enum {
   CVK_OK = 0,
@@ -31,6 +31,8 @@ enum { CVK_F32 = 0, CVK_BF16 = 1 }; /* dtype codes; bfloat16 is stored as uint16
  *   plan: the step's work plan from cvk_attention_plan (the same for every layer), or NULL to plan in the call.
  *   rope_offset: NULL (every token's RoPE position is its KV slot), or [num_reqs] int64: request r's positions
  *     are its slots + rope_offset[r] (KV eviction dropped that many of its earlier tokens).
+ *   window: 0, or the layer's sliding window: a query at slot p sees keys p - window + 1 .. p only (slots are
+ *     positions then: a windowed call with rope_offset or key_mass is CVK_ERR_BADARG).
  * Attention mass for KV eviction by score, when key_mass is not NULL: for each request r with score_rows[r] > 0,
  * every one of its last score_rows[r] new tokens' H query heads adds its softmax probability of each key it sees
  * into key_mass[mass_offset[r] + kvh * mass_stride + slot] (kvh: the head's kv head), float32, accumulated (+=)
@@ -52,7 +54,7 @@ typedef struct CvkAttnArgs {
   const int32_t* score_rows;
   const int64_t* mass_offset;
   const int64_t* rope_offset;
-  int64_t q_stride, k_stride, v_stride, bt_stride, out_stride, mass_stride;
+  int64_t q_stride, k_stride, v_stride, bt_stride, out_stride, mass_stride, window;
   int32_t dtype, num_reqs, H, KVH, D, bs, num_threads;
   float scale;
 } CvkAttnArgs;
@@ -90,7 +92,7 @@ typedef struct CvkLayerStackArgs {
 
 #ifdef __cplusplus
 static_assert(sizeof(void*) == 8, "the Python mirrors assume 64-bit pointers");
-static_assert(sizeof(CvkAttnArgs) == 15 * 8 + 6 * 8 + 8 * 4, "CvkAttnArgs changed: bump CVK_ABI_VERSION");
+static_assert(sizeof(CvkAttnArgs) == 15 * 8 + 7 * 8 + 8 * 4, "CvkAttnArgs changed: bump CVK_ABI_VERSION");
 static_assert(sizeof(CvkLayerStackArgs) == 18 * 8 + 5 * 8 + 12 * 4, "CvkLayerStackArgs changed: bump CVK_ABI_VERSION");
 #endif
 

@@ -20,6 +20,10 @@ bool attention_supports(int H, int KVH, int D);
 void add_rmsnorm(int dtype, const void* x, int64_t x_stride, void* res, const void* w, void* out, int64_t rows,
                  int64_t n, float eps, bool add, int num_threads);
 void silu_mul(int dtype, const void* gu, void* out, int64_t rows, int64_t n, int num_threads);
+// RMSNorm in place of `heads` rows of D values per token (token t's at x + t * token_stride), each row as
+// add_rmsnorm computes it: q/k norms inside a fused qkv buffer
+void rmsnorm_heads(int dtype, void* x, int64_t token_stride, int64_t T, int heads, int D, const void* w, float eps,
+                   int num_threads);
 // argmax.cpp
 void argmax_rows(int dtype, const void* x, int64_t x_stride, int64_t rows, int64_t n, int64_t* out, int num_threads);
 // gemm_skinny.cpp: y = x W^T + bias, W packed (cvk_skinny_gemm) in blocks of NBLK output columns

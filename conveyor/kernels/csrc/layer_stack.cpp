@@ -14,21 +14,22 @@ namespace cvk {
 // batches: T rows within the skinny GEMM's range), so a step crosses from Python into native code once for all
 // layers instead of about ten times per layer (at small batches the crossings and the tensors they allocate cost
 // as much as the GEMMs). Per layer, exactly the ops of the per-layer path, in its order:
-//   h = rmsnorm(residual += x) (layer 0: h = rmsnorm(residual)); qkv = h Wqkv^T (+b); rope + KV write +
-//   attention(qkv) -> attn; x = attn Wo^T (+b); h = rmsnorm(residual += x); gu = h Wgu^T (+b);
-//   act = silu(gate) * up; x = act Wdown^T (+b)
+//   h = rmsnorm(residual += x) (layer 0: h = rmsnorm(residual)); qkv = h Wqkv^T (+b); with q/k norms (Qwen3),
+//   rmsnorm of each q and k head in place; rope + KV write + attention(qkv, the layer's window) -> attn;
+//   x = attn Wo^T (+b); h = rmsnorm(residual += x); gu = h Wgu^T (+b); act = silu(gate) * up; x = act Wdown^T (+b)
 // so the results are bit-identical to it. On entry `residual` holds the embeddings; on return `x` holds the last
 // layer's output and `residual` the stream before it (the final norm stays in Python).
 // Arguments: CvkLayerStackArgs (cvk.h). Per-layer pointers come as one int64 array, field-major (fields[f * L + layer]), fields in this order:
 //   0 input-norm weight, 1 qkv packed weight, 2 qkv bias (0: none), 3 o packed, 4 o bias, 5 post-norm weight,
-//   6 gate_up packed, 7 gate_up bias, 8 down packed, 9 down bias, 10 k cache, 11 v cache.
+//   6 gate_up packed, 7 gate_up bias, 8 down packed, 9 down bias, 10 q-norm weight (0: none), 11 k-norm weight,
+//   12 the layer's sliding window (a number, 0: none), 13 k cache, 14 v cache.
 // Scratch (dense, the step's dtype): h [T, hidden], qkv [T, (H + 2 KVH) D], attn [T, H D], gu [T, 2 inter],
 // act [T, inter]. Weights are packed as cvk_skinny_gemm takes them, and bfloat16 runs its GEMMs on AMX only
 // (use_amx: the caller checked cvk_amx_init); or, when s.quantized, the linear fields point at CvkQuantWeight
 // descriptors and every GEMM is cvk_quant_gemm's (either dtype), its activations quantized into s.quant_scratch. The attention plan is the step's (s.plan), or built here once
 // for all layers. Returns CVK_OK, or the first failing part's code.
-enum { LW_IN_NORM, LW_QKV, LW_QKV_B, LW_O, LW_O_B, LW_POST_NORM, LW_GU, LW_GU_B, LW_DOWN, LW_DOWN_B, LW_KC, LW_VC,
-       LW_FIELDS };
+enum { LW_IN_NORM, LW_QKV, LW_QKV_B, LW_O, LW_O_B, LW_POST_NORM, LW_GU, LW_GU_B, LW_DOWN, LW_DOWN_B, LW_Q_NORM,
+       LW_K_NORM, LW_WINDOW, LW_KC, LW_VC, LW_FIELDS };
 
 int llama_layers(const CvkLayerStackArgs& s) {
   const int dtype = s.dtype, L = s.L, H = s.H, KVH = s.KVH, D = s.D, num_threads = s.num_threads;
@@ -110,7 +111,12 @@ int llama_layers(const CvkLayerStackArgs& s) {
   for (int l = 0; l < L; l++) {
     norm(l == 0 ? residual : x, ptr(LW_IN_NORM, l), l > 0);
     gemm(h, hidden, l, LW_QKV, LW_QKV_B, s.qkv, qkv_n);
+    if (ptr(LW_Q_NORM, l) != nullptr) {  // the per-layer path's rows of head_dim, the same row kernel
+      rmsnorm_heads(dtype, s.qkv, qkv_n, T, H, D, ptr(LW_Q_NORM, l), eps, num_threads);
+      rmsnorm_heads(dtype, qkv_c + q_n * es, qkv_n, T, KVH, D, ptr(LW_K_NORM, l), eps, num_threads);
+    }
     AttnArgs a = base;
+    a.window = fields[int64_t(LW_WINDOW) * L + l];
     a.q = qkv_c;
     a.k = qkv_c + q_n * es;
     a.v = qkv_c + (q_n + int64_t(KVH) * D) * es;

@@ -72,6 +72,21 @@ void add_rmsnorm_impl(const void* x, int64_t x_stride, void* res, const void* w,
   });
 }
 
+// RMSNorm in place of each token's `heads` rows of D values (rmsnorm_heads).
+template <typename T>
+void rmsnorm_heads_impl(void* x, int64_t token_stride, int64_t tokens, int heads, int D, const void* w, float eps,
+                        int num_threads) {
+  const int64_t rows = tokens * heads;
+  const int threads = rows * D < (1 << 15) ? 1 : std::max(1, num_threads);
+  on_team(threads, [&] {
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+      T* row = static_cast<T*>(x) + (r / heads) * token_stride + (r % heads) * int64_t(D);
+      add_rmsnorm_row<T>(row, nullptr, static_cast<const T*>(w), row, D, eps, false);
+    }
+  });
+}
+
 // SwiGLU on a fused gate_up projection: out[r, i] = silu(gate[r, i]) * up[r, i].
 template <typename T>
 void silu_mul_impl(const void* gu, void* out, int64_t rows, int64_t n, int num_threads) {
@@ -103,6 +118,12 @@ void add_rmsnorm(int dtype, const void* x, int64_t x_stride, void* res, const vo
                  int64_t n, float eps, bool add, int num_threads) {
   if (dtype == 0) add_rmsnorm_impl<float>(x, x_stride, res, w, out, rows, n, eps, add, num_threads);
   else add_rmsnorm_impl<uint16_t>(x, x_stride, res, w, out, rows, n, eps, add, num_threads);
+}
+
+void rmsnorm_heads(int dtype, void* x, int64_t token_stride, int64_t T, int heads, int D, const void* w, float eps,
+                   int num_threads) {
+  if (dtype == 0) rmsnorm_heads_impl<float>(x, token_stride, T, heads, D, w, eps, num_threads);
+  else rmsnorm_heads_impl<uint16_t>(x, token_stride, T, heads, D, w, eps, num_threads);
 }
 
 void silu_mul(int dtype, const void* gu, void* out, int64_t rows, int64_t n, int num_threads) {

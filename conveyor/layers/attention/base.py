@@ -34,18 +34,29 @@ class AttentionBackend(Protocol):
         """The shape of one layer's cache (K and V of every block)."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, scale: float,
-                rope: torch.Tensor | None = None) -> torch.Tensor:
+                rope: torch.Tensor | None = None, window: int = 0) -> torch.Tensor:
         """q [T, H, d] and k, v [T, KVH, d] for the step's new tokens; returns [T, H, d].
 
         First writes the K/V of every new token into ``kv_cache`` (of ``kv_cache_shape``), then reads: a request
         may attend to keys another request wrote in this very step (a same-step prefix hit). ``rope`` is given
-        only to a backend that ``fuses_rope`` (which may also be called with ``rope=None`` and q, k rotated)."""
+        only to a backend that ``fuses_rope`` (which may also be called with ``rope=None`` and q, k rotated).
+        ``window`` > 0 is the calling layer's sliding window: a query at slot p sees keys p - window + 1 .. p
+        (transformers' and llama.cpp's definition); 0: every earlier key."""
 
 
 def token_major_kv_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
     """[2 (K, V), num_blocks, block_size, num_kv_heads, head_dim]: the torch backends' layout, in which a block's
     slots are rows a gather can take whole."""
     return (2, num_blocks, block_size, num_kv_heads, head_dim)
+
+
+def window_allows(q_slots: torch.Tensor, k_slots: torch.Tensor, window: int) -> torch.Tensor:
+    """Causal (and, with ``window`` > 0, sliding-window) visibility [queries, keys] of keys at ``k_slots`` from
+    queries at ``q_slots``: the one mask rule every torch path builds."""
+    allowed = k_slots.unsqueeze(0) <= q_slots.unsqueeze(1)
+    if window:
+        allowed &= k_slots.unsqueeze(0) > q_slots.unsqueeze(1) - window
+    return allowed
 
 
 def reject_rope(backend: str, rope: torch.Tensor | None) -> None:

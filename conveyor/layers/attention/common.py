@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from conveyor.layers.attention.base import window_allows
 from conveyor.layers.attention.metadata import AttentionMetadata
 
 # SDPA's kernels on a GPU, cuDNN's left out: it builds an execution graph per input shape, and the shapes of a
@@ -40,9 +41,21 @@ def gather_context(kv_cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int
     return k, v
 
 
-def causal_self_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """Plain causal attention of a sequence over its own fresh K/V (no cache): [n, H, d] -> [n, H, d]."""
+def causal_self_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                          window: int = 0) -> torch.Tensor:
+    """Plain causal attention of a sequence over its own fresh K/V (no cache): [n, H, d] -> [n, H, d]; with a
+    sliding ``window``, each query sees its last ``window`` keys."""
+    return attend_with_context(q, k, v, 0, scale, window)
+
+
+def attend_with_context(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, computed: int, scale: float,
+                        window: int = 0) -> torch.Tensor:
+    """n queries at slots computed .. computed + n - 1 over keys 0 .. computed + n - 1 (bottom-right aligned
+    causal, and the sliding ``window`` when given): [n, H, d] -> [n, H, d]."""
+    n, seq_len = q.shape[0], k.shape[0]
+    mask = {"is_causal": True} if computed == 0 and not window else {"attn_mask": window_allows(
+        torch.arange(computed, computed + n, device=q.device), torch.arange(seq_len, device=q.device), window)}
     out = sdpa(
         q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
-        is_causal=True, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+        scale=scale, enable_gqa=q.shape[1] != k.shape[1], **mask)
     return out.squeeze(0).transpose(0, 1)

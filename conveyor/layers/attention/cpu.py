@@ -10,12 +10,12 @@ Prefill chunks run one request at a time: without prior context straight on the 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from conveyor.layers.attention.base import reject_rope, token_major_kv_shape
-from conveyor.layers.attention.common import causal_self_attention, gather_context, sdpa, write_kv
+from conveyor.layers.attention.common import attend_with_context, gather_context, sdpa, write_kv
 from conveyor.layers.attention.metadata import AttentionMetadata
 
 # A bucket keeps taking shorter requests while the padding it adds stays under this fraction of its length.
@@ -29,8 +29,21 @@ class DecodeBucket:
     flat_block_ids: torch.Tensor  # [(end - start) * num_blocks] int64
     num_blocks: int
     mask: torch.Tensor  # [b, 1, 1, num_blocks * block_size] additive: 0 inside the context, -inf beyond
+    lens: torch.Tensor  # [b, 1] the requests' context lengths (for the windowed layers' masks)
     k_buf: torch.Tensor | None = None  # gather targets, allocated once per step and reused by every layer
     v_buf: torch.Tensor | None = None
+    window_masks: dict[int, torch.Tensor] = field(default_factory=dict)  # window -> its mask, built once per step
+
+    def mask_for(self, window: int) -> torch.Tensor:
+        """The additive mask of a layer with this sliding window (0: ``mask``): keys before the last ``window``
+        of each request's context hidden too."""
+        if not window:
+            return self.mask
+        if window not in self.window_masks:
+            slots = torch.arange(self.mask.shape[-1], device=self.mask.device).unsqueeze(0)
+            before = slots <= self.lens - 1 - window
+            self.window_masks[window] = self.mask.masked_fill(before[:, None, None, :], float("-inf"))
+        return self.window_masks[window]
 
 
 def plan_decode_buckets(seq_lens: list[int], num_decodes: int) -> list[tuple[int, int]]:
@@ -70,11 +83,11 @@ class CpuAttention:
             ids = meta.block_table[start:end, :nblk].reshape(-1)
             outside = torch.arange(nblk * bs, device=device).unsqueeze(0) >= lens.unsqueeze(1)
             mask = torch.zeros(outside.shape, dtype=dtype, device=device).masked_fill_(outside, float("-inf"))
-            self.buckets.append(DecodeBucket(start, end, ids, nblk, mask[:, None, None, :]))
+            self.buckets.append(DecodeBucket(start, end, ids, nblk, mask[:, None, None, :], lens.unsqueeze(1)))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                scale: float, rope: torch.Tensor | None = None) -> torch.Tensor:
-        """q [T, H, d], k/v [T, KVH, d] for the new tokens; returns [T, H, d]."""
+                scale: float, rope: torch.Tensor | None = None, window: int = 0) -> torch.Tensor:
+        """q [T, H, d], k/v [T, KVH, d] for the new tokens; returns [T, H, d] (``window``: base.AttentionBackend)."""
         reject_rope(self.name, rope)
         meta = self.meta
         write_kv(kv_cache, k, v, meta)
@@ -93,24 +106,13 @@ class CpuAttention:
             vb = b.v_buf.view(n, ctx, kv_heads, head_dim).transpose(1, 2)
             # GQA without repeating K/V: the `group` query heads sharing a KV head act as `group` query rows.
             qb = q[b.start:b.end].reshape(n, kv_heads, group, head_dim)
-            ob = sdpa(qb, kb, vb, attn_mask=b.mask, scale=scale)
+            ob = sdpa(qb, kb, vb, attn_mask=b.mask_for(window), scale=scale)
             out[b.start:b.end] = ob.reshape(n, num_heads, head_dim)
         for i in self.prefill_ids:
             start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
             if meta.num_computed[i] == 0:
-                out[start:end] = causal_self_attention(q[start:end], k[start:end], v[start:end], scale)
+                out[start:end] = attend_with_context(q[start:end], k[start:end], v[start:end], 0, scale, window)
                 continue
             ctx_k, ctx_v = gather_context(kv_cache, meta.block_table[i], meta.seq_lens[i])
-            out[start:end] = _attend_with_context(q[start:end], ctx_k, ctx_v, meta.num_computed[i], scale)
+            out[start:end] = attend_with_context(q[start:end], ctx_k, ctx_v, meta.num_computed[i], scale, window)
         return out
-
-
-def _attend_with_context(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, computed: int,
-                         scale: float) -> torch.Tensor:
-    """A chunk of n queries at positions computed.. over keys 0..computed+n-1 (bottom-right aligned causal)."""
-    n, seq_len = q.shape[0], k.shape[0]
-    allowed = torch.ones(n, seq_len, dtype=torch.bool, device=q.device).tril_(diagonal=computed)
-    out = sdpa(
-        q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
-        attn_mask=allowed, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
-    return out.squeeze(0).transpose(0, 1)

@@ -44,7 +44,7 @@ class FlashAttention:
         self.block_table = meta.block_table.to(torch.int32)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                scale: float, rope: torch.Tensor | None = None) -> torch.Tensor:
+                scale: float, rope: torch.Tensor | None = None, window: int = 0) -> torch.Tensor:
         reject_rope(self.name, rope)
         meta = self.meta
         write_kv(kv_cache, k, v, meta)
@@ -53,7 +53,7 @@ class FlashAttention:
         return flash_attn_varlen_func(
             q, kv_cache[0], kv_cache[1], cu_seqlens_q=self.cu_q, cu_seqlens_k=self.cu_k,
             max_seqlen_q=self.max_q, max_seqlen_k=self.max_k, softmax_scale=scale, causal=True,
-            block_table=self.block_table)
+            window_size=(window - 1, 0) if window else (-1, -1), block_table=self.block_table)
 
 
 def flash_attention_serves(block_size: int) -> bool:

@@ -56,7 +56,9 @@ class KeyMassAttention:
             self._dec_valid = torch.arange(nb * bs, device=lens.device) < lens[:, None]  # [n, L]
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, scale: float,
-                rope: torch.Tensor | None = None) -> torch.Tensor:
+                rope: torch.Tensor | None = None, window: int = 0) -> torch.Tensor:
+        if window:  # the engine refuses KV eviction for a windowed model at start-up (engine.args)
+            raise ValueError("attention scores for KV eviction are not computed for sliding-window layers")
         out = self.inner.forward(q, k, v, kv_cache, scale, rope=rope) if rope is not None else \
             self.inner.forward(q, k, v, kv_cache, scale)
         kv_heads = k.shape[1]

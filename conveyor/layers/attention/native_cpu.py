@@ -87,9 +87,9 @@ class NativeCpuAttention:
         return self._plan[1]
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, scale: float,
-                rope: torch.Tensor | None = None) -> torch.Tensor:
+                rope: torch.Tensor | None = None, window: int = 0) -> torch.Tensor:
         """q [T, H, d], k/v [T, KVH, d] (views into the fused qkv rows are fine; q and k are rotated in place
-        when ``rope`` is given); writes the new K/V into ``kv_cache`` ([2, num_blocks, KVH, block_size, d]:
+        when ``rope`` is given; ``window``: the layer's sliding window, 0 for none); writes the new K/V into ``kv_cache`` ([2, num_blocks, KVH, block_size, d]:
         head-major blocks) and returns [T, H, d]."""
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if self.meta.num_reqs:
@@ -97,5 +97,5 @@ class NativeCpuAttention:
             self.kernels.attention(q, k, v, kv_cache[0], kv_cache[1], self.block_table, self.query_start,
                                    self.seq_lens, rope, out, scale, plan=plan,
                                    key_mass=self.mass_buffer(k.shape[1]),
-                                   rope_offset=self.rope_offset if rope is not None else None)
+                                   rope_offset=self.rope_offset if rope is not None else None, window=window)
         return out

@@ -48,11 +48,11 @@ class PaddedAttention:
         self.padding = padding
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                scale: float, rope: torch.Tensor | None = None) -> torch.Tensor:
+                scale: float, rope: torch.Tensor | None = None, window: int = 0) -> torch.Tensor:
         reject_rope(f"padded {self.name}", rope)
         n = self.num_real
         out = torch.empty_like(q)
-        out[:n] = self.inner.forward(q[:n], k[:n], v[:n], kv_cache, scale)
+        out[:n] = self.inner.forward(q[:n], k[:n], v[:n], kv_cache, scale, window=window)
         for s, e in self.padding.segments(n):
-            out[s:e] = causal_self_attention(q[s:e], k[s:e], v[s:e], scale)
+            out[s:e] = causal_self_attention(q[s:e], k[s:e], v[s:e], scale, window)
         return out

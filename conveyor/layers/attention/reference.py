@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from conveyor.layers.attention.base import reject_rope, token_major_kv_shape
+from conveyor.layers.attention.base import reject_rope, token_major_kv_shape, window_allows
 from conveyor.layers.attention.common import gather_context, write_kv
 from conveyor.layers.attention.metadata import AttentionMetadata
 
@@ -23,8 +23,8 @@ class ReferenceAttention:
         self.meta = meta
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                scale: float, rope: torch.Tensor | None = None) -> torch.Tensor:
-        """q [T, H, d], k/v [T, KVH, d] for the new tokens; returns [T, H, d]."""
+                scale: float, rope: torch.Tensor | None = None, window: int = 0) -> torch.Tensor:
+        """q [T, H, d], k/v [T, KVH, d] for the new tokens; returns [T, H, d] (``window``: see base)."""
         reject_rope(self.name, rope)
         meta = self.meta
         write_kv(kv_cache, k, v, meta)
@@ -34,9 +34,9 @@ class ReferenceAttention:
             start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
             computed = meta.num_computed[i]
             ctx_k, ctx_v = gather_context(kv_cache, meta.block_table[i], seq_len)
-            # Query j sits at position computed + j and sees keys 0 .. computed + j.
-            q_pos = torch.arange(computed, seq_len, device=q.device).unsqueeze(1)
-            allowed = torch.arange(seq_len, device=q.device).unsqueeze(0) <= q_pos  # [n, seq_len]
+            # Query j sits at position computed + j and sees keys 0 .. computed + j (the last `window` of them).
+            allowed = window_allows(torch.arange(computed, seq_len, device=q.device),
+                                    torch.arange(seq_len, device=q.device), window)  # [n, seq_len]
             qh = q[start:end].transpose(0, 1).float()  # [H, n, d]
             kh = ctx_k.transpose(0, 1).repeat_interleave(group, dim=0).float()  # [H, seq_len, d]
             vh = ctx_v.transpose(0, 1).repeat_interleave(group, dim=0).float()
