@@ -38,7 +38,7 @@ from tests.helpers.load import assert_serving, start_serve, tail
 REPO = Path(__file__).resolve().parents[2]
 SEED = os.environ.get("CONVEYOR_FUZZ_SEED", "1")
 SEED = str(random.randrange(2**32)) if SEED == "random" else SEED
-MAX_EXAMPLES = 25  # generated requests per operation, on top of its examples and boundary values
+MAX_EXAMPLES = 10  # generated requests per operation, on top of its examples and boundary values
 
 
 @pytest.mark.slow

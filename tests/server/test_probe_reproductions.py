@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from tests.helpers.checkpoints import TINY_VOCAB, save_tiny_llama, write_byte_tokenizer
-from tests.helpers.load import Served, SharedServer, assert_serving, idle, start_serve, tail, wait_gauges
+from tests.helpers.load import Served, SharedServer, assert_serving, idle, tail, wait_gauges
 from tests.helpers.server import CHAT_TEMPLATE
 
 pytestmark = pytest.mark.slow  # real servers in subprocesses: run by CI, skipped by -m "not slow"
@@ -91,43 +91,6 @@ def test_an_integer_past_64_bits_is_400_and_nothing_wedges(srv, name, path, body
     resp = httpx.post(srv.url + path, json=body, timeout=30)
     assert_error(resp, 400, param, srv)
     assert_serving(srv, MODEL)
-
-
-# ---- N-1's other half: SIGTERM did not end the wedged server in 60 s ------------------------------------------
-SHUTDOWN_TIMEOUT_S = 3  # SERVE_FLAGS' --shutdown-timeout
-# What SIGTERM may take at most: the drain's deadline, then the engine's STOP_TIMEOUT_S (5 s) to exit before it is
-# killed, and a few seconds for the rest of the shutdown.
-EXIT_BOUND_S = SHUTDOWN_TIMEOUT_S + 5 + 4
-
-
-@pytest.mark.parametrize("loop", LOOPS)
-def test_sigterm_ends_the_server_within_the_drain_bound_even_with_a_frozen_engine(probe_model_dir, tmp_path, loop):
-    """The engine process stops answering (SIGSTOP) with a stream in flight; SIGTERM must still end the server
-    within the drain's deadline plus the engine's stop bound, the stream ending with [DONE], and no process left
-    (before: the server waited 30 s for the engine to stop, on top of the drain)."""
-    served = start_serve(str(probe_model_dir), tmp_path / "serve.log", loop=loop, extra=SERVE_FLAGS,
-                         served_model_name=MODEL)
-    engine = served.engine_process()
-    try:
-        with httpx.stream("POST", served.url + C, json=c(max_tokens=3000, ignore_eos=True, stream=True),
-                          timeout=60) as resp:
-            lines = resp.iter_lines()
-            assert next(line for line in lines if line.startswith("data: "))
-            os.kill(engine.pid, signal.SIGSTOP)
-            served.watch_exit()
-            signalled = time.monotonic()
-            served.proc.send_signal(signal.SIGTERM)
-            rest = [line for line in lines if line.startswith("data: ")]
-        exit_s = served.wait_exit(signalled, EXIT_BOUND_S + 30)  # waits past the bound, to tell late from never
-        assert rest and rest[-1] == "data: [DONE]", rest[-3:]
-        assert exit_s is not None and exit_s <= EXIT_BOUND_S, f"exit {exit_s} s after SIGTERM" + tail(served)
-    finally:
-        try:
-            os.kill(engine.pid, signal.SIGCONT)
-        except ProcessLookupError:
-            pass
-        _, left = served.stop(timeout_s=10)
-    assert not left, f"processes outlived conveyor serve: {left}"
 
 
 # ---- N-7: an abandoned batch kept growing while the rest of it was submitted --------------------------------
@@ -317,3 +280,40 @@ def test_a_well_formed_tool_history_is_served(srv):
     assert resp.status_code == 200, resp.text[:300]
     (call,) = resp.json()["choices"][0]["message"]["tool_calls"]
     assert call["function"]["name"] == "pick" and json.loads(call["function"]["arguments"])["x"] in ("a", "b")
+
+
+# ---- N-1's other half: SIGTERM did not end the wedged server in 60 s (last: it ends the shared server) -------
+SHUTDOWN_TIMEOUT_S = 3  # SERVE_FLAGS' --shutdown-timeout
+# What SIGTERM may take at most: the drain's deadline, then the engine's STOP_TIMEOUT_S (5 s) to exit before it is
+# killed, and a few seconds for the rest of the shutdown.
+EXIT_BOUND_S = SHUTDOWN_TIMEOUT_S + 5 + 4
+
+
+def test_sigterm_ends_the_server_within_the_drain_bound_even_with_a_frozen_engine(shared):
+    """The engine process stops answering (SIGSTOP) with a stream in flight; SIGTERM must still end the server
+    within the drain's deadline plus the engine's stop bound, the stream ending with [DONE], and no process left
+    (before: the server waited 30 s for the engine to stop, on top of the drain). The module's last case on each
+    loop: it ends the shared server."""
+    served = shared.get()
+    shared.served = None  # this case stops it
+    engine = served.engine_process()
+    try:
+        with httpx.stream("POST", served.url + C, json=c(max_tokens=3000, ignore_eos=True, stream=True),
+                          timeout=60) as resp:
+            lines = resp.iter_lines()
+            assert next(line for line in lines if line.startswith("data: "))
+            os.kill(engine.pid, signal.SIGSTOP)
+            served.watch_exit()
+            signalled = time.monotonic()
+            served.proc.send_signal(signal.SIGTERM)
+            rest = [line for line in lines if line.startswith("data: ")]
+        exit_s = served.wait_exit(signalled, EXIT_BOUND_S + 30)  # waits past the bound, to tell late from never
+        assert rest and rest[-1] == "data: [DONE]", rest[-3:]
+        assert exit_s is not None and exit_s <= EXIT_BOUND_S, f"exit {exit_s} s after SIGTERM" + tail(served)
+    finally:
+        try:
+            os.kill(engine.pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+        _, left = served.stop(timeout_s=10)
+    assert not left, f"processes outlived conveyor serve: {left}"

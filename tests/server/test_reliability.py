@@ -264,7 +264,7 @@ CASES = [
     ("detokenize 2**70", "POST", DETOK, {"tokens": [2**70]}, 400, "tokens"),
     ("detokenize [true]", "POST", DETOK, {"tokens": [True]}, 400, "tokens"),
     ("GET on a POST route", "GET", C, None, 405, None),
-    ("unknown route", "POST", "/v1/embeddings", c(), 404, None),
+    ("unknown route", "POST", "/v1/no-such-route", c(), 404, None),
 ]
 
 LEAKS = ("Traceback", 'File "', "site-packages", "0x7f")  # no stack traces, paths or addresses in any answer
