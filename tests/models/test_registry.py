@@ -78,6 +78,13 @@ def test_published_configs_are_read_by_their_family(raw, family, windows):
     assert cfg.family == family and cfg.layer_windows == windows
 
 
+def test_windows_where_transformers_applies_them():
+    assert config_from_hf({**LLAMA_32, "sliding_window": 16}).layer_windows == ()  # Llama's code ignores it
+    assert config_from_hf({**MISTRAL_V01, "sliding_window": None}).layer_windows == ()
+    qwen = config_from_hf({**QWEN25, "use_sliding_window": True, "sliding_window": 64})
+    assert qwen.layer_windows == (0,) * 21 + (64,) * 3  # from max_window_layers on
+
+
 def test_features_each_family_declares():
     gemma = config_from_hf(GEMMA3_1B)
     assert (gemma.qk_norm, gemma.sandwich_norms, gemma.norm_offset, gemma.activation) == (True, True, 1.0, "gelu_tanh")
