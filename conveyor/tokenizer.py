@@ -43,6 +43,7 @@ class Tokenizer:
     chat_template: str | None = None
     bos_token: str = ""
     eos_token: str = ""
+    pad_token: str | None = None  # none of the tokenizers here reads one (/tokenizer_info reports it)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         raise NotImplementedError
