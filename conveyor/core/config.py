@@ -14,6 +14,11 @@ KV_LAYOUTS = ("paged", "slab")
 ATTENTION_BACKENDS = ("auto", "cpu", "cpu-native", "cpu-torch", "reference", "cuda")
 # --quantization: what becomes of a GGUF file's blocks or a float checkpoint's weights at load (models.quantize)
 QUANTIZATION_CHOICES = ("auto", "none", "int8")
+# When a step schedules nothing while requests wait and none runs, only time or a new request can change that
+# (a dynamic batch forming until max_wait_ms; the engine's requests waiting for a grammar): a driver asks again
+# after this long. One period for every driver (the engine's step loop, the in-process replay, the simulator),
+# so the simulator schedules a trace as the real engine does.
+IDLE_POLL_S = 0.001
 # Policies a request may speculate or evict KV under: the baselines park finished requests in fixed slots and pad
 # batches.
 SPECULATING_POLICIES = ("continuous", "chunked")

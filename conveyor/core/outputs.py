@@ -165,12 +165,13 @@ class RequestUpdate(msgspec.Struct, array_like=True, gc=False):
         return self.finish_reason is not None
 
     @classmethod
-    def of(cls, request: Request, token: int, logprobs: TokenLogprobs | None,
-           stop: StopDecision | None) -> RequestUpdate:
-        """``request``'s update for ``token`` (just appended), which ``stop`` (when not None) finished."""
+    def of(cls, request: Request, token: int, logprobs: TokenLogprobs | None, stop: StopDecision | None,
+           pooled: list[float] | None = None) -> RequestUpdate:
+        """``request``'s update for ``token`` (just appended; -1 for a pooling request's ``pooled`` result), which
+        ``stop`` (when not None) finished."""
         return cls(request.request_id, token, logprobs, request.finish_reason if stop is not None else None,
                    stop.stop_reason if stop is not None else None, request.num_cached_prompt_tokens,
-                   request.num_preemptions, request.times.first_scheduled)
+                   request.num_preemptions, request.times.first_scheduled, pooled)
 
 
 @dataclass(frozen=True, slots=True)

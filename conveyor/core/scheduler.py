@@ -15,20 +15,15 @@ from collections import deque
 from conveyor.core.budget import TokenBudget
 from conveyor.core.config import SchedulerConfig
 from conveyor.core.interfaces import KVManager
+from conveyor.core.invariants import check_scheduler
 from conveyor.core.kv_eviction import KVEvictor
 from conveyor.core.outputs import (
     CachedRequestData, ModelOutput, NewRequestData, RequestUpdate, SchedulerOutput, SchedulerStats, is_decode,
 )
 from conveyor.core.policies import OnFinish, SchedulingPolicy, make_policy
-from conveyor.core.request import Request, RequestStatus
+from conveyor.core.request import Request, RequestStatus, StopDecision
 from conveyor.core.speculative import SpecDecodeCounters
 from conveyor.core.speculator import Speculator
-
-# When a step schedules nothing while requests wait and none runs, only time or a new request can change that
-# (a dynamic batch forming until max_wait_ms; the engine's requests waiting for a grammar): a driver asks again
-# after this long. One period for every driver (the engine's step loop, the in-process replay, the simulator),
-# so the simulator schedules a trace as the real engine does.
-IDLE_POLL_S = 0.001
 
 
 class Scheduler:
@@ -309,12 +304,11 @@ class Scheduler:
         """A prefill-only request's prompt is computed: it finishes now with its pooled result and frees its
         blocks (every policy retires it: a padded baseline's slot has nothing left to decode)."""
         request.times.first_token = request.times.last_token = now
-        request.mark_finished(RequestStatus.FINISHED_STOPPED, now)
+        stop = StopDecision(RequestStatus.FINISHED_STOPPED)
+        request.mark_finished(stop.status, now)
         self.running.remove(request)
         self._retire(request)
-        return RequestUpdate(request.request_id, -1, None, request.finish_reason, None,
-                             request.num_cached_prompt_tokens, request.num_preemptions, request.times.first_scheduled,
-                             pooled)
+        return RequestUpdate.of(request, -1, None, stop, pooled)
 
     def _verified(self, request: Request, proposed: int, accepted: int) -> None:
         """Roll a request back past its rejected proposals: their KV is not its tokens' (the slots after
@@ -325,18 +319,6 @@ class Scheduler:
             self._kept_blocks[request.request_id] = kept
         self.speculator.verified(request.request_id, proposed, accepted)
 
-    # ---- checks -----------------------------------------------------------------------------------------
     def check_invariants(self) -> None:
-        """The KV manager's invariants plus the scheduler's own bookkeeping."""
-        self.kv.check_invariants()
-        ids = [r.request_id for r in self.running] + [r.request_id for r in self.waiting]
-        assert len(ids) == len(set(ids)), "a request is both running and waiting"
-        assert set(ids) <= set(self.requests), "a queued request is not registered"
-        assert len(self.running) <= self.config.max_num_seqs, "more running requests than max_num_seqs"
-        for request in self.waiting:
-            assert not self.kv.block_ids(request.request_id), f"waiting {request.request_id} holds blocks"
-        for request in self.running:
-            assert request.status.holds_slot, f"running {request.request_id} is {request.status}"
-            assert request.num_computed_tokens <= request.num_tokens
-        if self.evictor is not None:
-            self.evictor.check_invariants(self.kv, self.requests.values(), self.running)
+        """The KV manager's invariants, the policy objects' and the scheduler's own (``core.invariants``)."""
+        check_scheduler(self)

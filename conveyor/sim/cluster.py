@@ -28,9 +28,9 @@ import heapq
 import itertools
 from dataclasses import dataclass, field
 
+from conveyor.core.config import IDLE_POLL_S
 from conveyor.core.request import Request
 from conveyor.core.sampling_params import SamplingParams
-from conveyor.core.scheduler import IDLE_POLL_S
 from conveyor.sim.instance import COLOCATED, DECODE, PREFILL, Instance
 from conveyor.sim.kv_transfer import KVLink, LinkSpec
 from conveyor.sim.loop import MAX_IDLE_POLLS
