@@ -327,7 +327,8 @@ class Scheduler:
             out.scheduled_cached_reqs.append(CachedRequestData(rid, new_blocks, request.num_computed_tokens,
                                                                self._kept_blocks.pop(rid, None),
                                                                self._evicted.pop(rid, None),
-                                                               request.num_evicted_tokens))
+                                                               request.num_evicted_tokens,
+                                                               self.kv.num_skipped_blocks(rid)))
         else:
             assert request.num_evicted_tokens == 0, "a request is sent whole only with its whole KV"
             self._seen_by_executor.add(rid)

@@ -22,6 +22,7 @@ from conveyor.core.kv_manager import KVCacheManager
 from conveyor.core.request import Request, RequestStatus
 from conveyor.core.sampling_params import SamplingParams
 from conveyor.core.scheduler import Scheduler
+from conveyor.core.sliding_window import freeable_window
 from conveyor.engine.args import EngineArgs, parse_cpu_ids
 from conveyor.engine.core_step import CoreOutput, CoreStepOutput, child_requests
 from conveyor.engine.engine_client import EngineInfo
@@ -118,6 +119,7 @@ class LLMEngine:
             self.model, self.model_info, num_blocks=num_blocks, block_size=cache.block_size, device=device,
             attention_backend=args.attention_backend, seed=args.seed,  # --seed seeds sampling too, as in vLLM
             structured=self.structured, pooler=make_pooler(self.model, self.model_info, self.tokenizer),
+            null_block_id=self.kv_manager.null_block_id,
         )
         if self.draft_model is not None and executor is None:
             self.executor.attach_draft(self.draft_model, self.draft_info, args.attention_backend)
@@ -173,7 +175,12 @@ class LLMEngine:
             from conveyor.core.slab_manager import SlabKVManager
 
             return SlabKVManager(num_blocks, cache.block_size, self.max_model_len)
-        return KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching, cache.prefix_cache_eviction)
+        # Blocks outside every window are given back when every layer that reads the tables (the draft's too:
+        # its K/V lives in the same blocks) has a window; an encoder keeps no K/V across steps.
+        models = [info.layer_windows for info in (self.model_info, self.draft_info) if info is not None]
+        window = freeable_window(*models) if cache.free_outside_window and self.model_info.causal else 0
+        return KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching, cache.prefix_cache_eviction,
+                              sliding_window=window)
 
     @functools.cached_property
     def info(self) -> EngineInfo:
