@@ -104,7 +104,8 @@ def test_blocks_given_back_are_never_read(mistral, backend, policy):
 
         if poison:
             runner.execute = poisoned
-        outs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+        outs = llm.generate(PROMPTS[2:], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=0),
+                            use_tqdm=False)  # four prompts of 32 .. 44 tokens: four to five windows
         assert skipped[0] > 0 or not poison  # blocks were given back, and poisoned while free
         return results(outs)
 
