@@ -51,6 +51,8 @@ def unsupported_reason(cfg: ModelConfig) -> str | None:
         (cfg.sandwich_norms, "four norms a layer"),
         (cfg.local_rope_theta is not None, "a second RoPE table for the windowed layers"),
         (cfg.embed_scale is not None, "scaled embeddings"),
+        (cfg.moe is not None, "a mixture of experts"),
+        (cfg.qk_norm_across_heads, "q/k norms across heads"),
     )
     reasons = [why for failed, why in checks if failed]
     return ", ".join(reasons) if reasons else None

@@ -30,6 +30,8 @@ GEMMA_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<start_of_turn>{{ 'mode
 LLAMA3_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
                    "{{ m['content'] }}<|eot_id|>{% endfor %}"
                    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}")
+MISTRAL_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'user' %}[INST] {{ m['content'] }} "
+                    "[/INST]{% else %}{{ m['content'] }}</s>{% endif %}{% endfor %}")
 PHI3_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
                  "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
 
@@ -67,9 +69,7 @@ TINIES = {
                              "<|end_header_id|>"], chat_template=LLAMA3_TEMPLATE),
     "mistral": Tiny("mistral", "MistralForCausalLM", "MistralConfig", _common(sliding_window=8), window=8,
                     gguf_extra={"llama.attention.sliding_window": 8},
-                    specials=["[INST]", "[/INST]"],
-                    chat_template="{% for m in messages %}{% if m['role'] == 'user' %}[INST] {{ m['content'] }} "
-                                  "[/INST]{% else %}{{ m['content'] }}</s>{% endif %}{% endfor %}"),
+                    specials=["[INST]", "[/INST]"], chat_template=MISTRAL_TEMPLATE),
     "qwen2": Tiny("qwen2", "Qwen2ForCausalLM", "Qwen2Config", _common(num_key_value_heads=1, rope_theta=1000.0),
                   specials=["<|im_start|>", "<|im_end|>"], eos_token="<|im_end|>"),
     "qwen3": Tiny("qwen3", "Qwen3ForCausalLM", "Qwen3Config", _common(head_dim=32, tie_word_embeddings=True),
@@ -92,6 +92,19 @@ TINIES = {
                                           "original_max_position_embeddings": 16},
                          original_max_position_embeddings=16, sliding_window=12, pad_token_id=None),
                  specials=["<|user|>", "<|assistant|>", "<|end|>"], chat_template=PHI3_TEMPLATE, window=12),
+    # mixtures of experts: 8 experts, 2 a token, so a step of a few tokens reads some and skips others
+    "qwen3_moe": Tiny("qwen3_moe", "Qwen3MoeForCausalLM", "Qwen3MoeConfig",
+                      _common(head_dim=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=96,
+                              norm_topk_prob=True),
+                      specials=["<|im_start|>", "<|im_end|>"], eos_token="<|im_end|>"),
+    "mixtral": Tiny("mixtral", "MixtralForCausalLM", "MixtralConfig",
+                    _common(num_local_experts=8, num_experts_per_tok=2, intermediate_size=96, rope_theta=10000.0),
+                    specials=["[INST]", "[/INST]"], chat_template=MISTRAL_TEMPLATE),
+    # llama.cpp's olmoe reads q and k norms of the model's width: as many KV heads as heads (OLMoE's own shape)
+    "olmoe": Tiny("olmoe", "OlmoeForCausalLM", "OlmoeConfig",
+                  _common(num_key_value_heads=4, num_experts=8, num_experts_per_tok=2, intermediate_size=96,
+                          pad_token_id=None),
+                  specials=["<|im_start|>", "<|im_end|>"], eos_token="<|im_end|>"),
 }
 
 
@@ -155,7 +168,13 @@ def convert_all(jobs: list[tuple[Path, Path, str]]) -> None:
         raise FileNotFoundError(f"{CONVERTER_DIR}/convert_hf_to_gguf.py is missing: run scripts/setup.sh")
     script = CONVERTER_DIR / "convert_hf_to_gguf.py"
     runs = [[str(script), str(d), "--outfile", str(o), "--outtype", t] for d, o, t in jobs]
+    # The tiny checkpoints' tokenizer is SentencePiece (tokenizer.model). The converters of Qwen3-MoE and OLMoE read
+    # only a BPE tokenizer.json they recognise by hash (TextModel.set_vocab), so they are pointed at the converter's
+    # own SentencePiece reader, which the Llama, Qwen2 and Gemma converters use for the same files; the families
+    # whose converters choose their reader themselves are not affected.
     driver = ("import runpy, sys\n"
+              "from conversion.base import TextModel\n"
+              "TextModel.set_vocab = TextModel._set_vocab_sentencepiece\n"
               f"for argv in {runs!r}:\n"
               "    sys.argv = argv\n"
               f"    runpy.run_path({str(script)!r}, run_name='__main__')\n")
