@@ -46,6 +46,11 @@ constexpr int64_t AMX_QDOT_MIN_ROWS_Q8 = 3;  // 8-bit weights (CVK_Q8)
 int quant_gemm(const CvkQuantGemmArgs& a);
 int quant_dequantize(const CvkQuantWeight& w, const int64_t* rows, int64_t count, int dtype, void* out,
                      int64_t out_stride, int num_threads);
+// moe.cpp: a mixture's routed MLP for one step (cvk_moe), and its scratch bytes
+int64_t moe_scratch_bytes(int64_t T, int64_t hidden, int64_t inter, int E, int top_k, int dtype);
+int moe(const CvkMoeArgs& a);
+// The router logits' share at the start of the layer stack's moe_scratch: T * E floats, 64-byte aligned.
+inline int64_t moe_logits_bytes(int64_t T, int E) { return (T * E * 4 + 63) / 64 * 64; }
 // layer_stack.cpp: cvk_llama_layers
 int llama_layers(const CvkLayerStackArgs& s);
 }  // namespace cvk

@@ -17,19 +17,22 @@ namespace cvk {
 //   h = rmsnorm(residual += x) (layer 0: h = rmsnorm(residual)); qkv = h Wqkv^T (+b); with q/k norms (Qwen3),
 //   rmsnorm of each q and k head in place; rope + KV write + attention(qkv, the layer's window) -> attn;
 //   x = attn Wo^T (+b); h = rmsnorm(residual += x); gu = h Wgu^T (+b); act = silu(gate) * up; x = act Wdown^T (+b)
+// or, for a mixture of experts, logits = h Wrouter^T and x = cvk_moe(h, logits) (moe.cpp),
 // so the results are bit-identical to it. On entry `residual` holds the embeddings; on return `x` holds the last
 // layer's output and `residual` the stream before it (the final norm stays in Python).
 // Arguments: CvkLayerStackArgs (cvk.h). Per-layer pointers come as one int64 array, field-major (fields[f * L + layer]), fields in this order:
 //   0 input-norm weight, 1 qkv packed weight, 2 qkv bias (0: none), 3 o packed, 4 o bias, 5 post-norm weight,
 //   6 gate_up packed, 7 gate_up bias, 8 down packed, 9 down bias, 10 q-norm weight (0: none), 11 k-norm weight,
-//   12 the layer's sliding window (a number, 0: none), 13 k cache, 14 v cache.
+//   12 the layer's sliding window (a number, 0: none), 13 a mixture's router weight packed for the float32 skinny
+//   GEMM (0: a dense MLP), 14 its experts' table (CvkMoeArgs.experts), 15 k cache, 16 v cache.
+// With s.qk_norm_across_heads the q and k norms span all heads' rows (OLMoE), one row of H * D and one of KVH * D.
 // Scratch (dense, the step's dtype): h [T, hidden], qkv [T, (H + 2 KVH) D], attn [T, H D], gu [T, 2 inter],
 // act [T, inter]. Weights are packed as cvk_skinny_gemm takes them, and bfloat16 runs its GEMMs on AMX only
 // (use_amx: the caller checked cvk_amx_init); or, when s.quantized, the linear fields point at CvkQuantWeight
 // descriptors and every GEMM is cvk_quant_gemm's (either dtype), its activations quantized into s.quant_scratch. The attention plan is the step's (s.plan), or built here once
 // for all layers. Returns CVK_OK, or the first failing part's code.
 enum { LW_IN_NORM, LW_QKV, LW_QKV_B, LW_O, LW_O_B, LW_POST_NORM, LW_GU, LW_GU_B, LW_DOWN, LW_DOWN_B, LW_Q_NORM,
-       LW_K_NORM, LW_WINDOW, LW_KC, LW_VC, LW_FIELDS };
+       LW_K_NORM, LW_WINDOW, LW_ROUTER, LW_EXPERTS, LW_KC, LW_VC, LW_FIELDS };
 
 int llama_layers(const CvkLayerStackArgs& s) {
   const int dtype = s.dtype, L = s.L, H = s.H, KVH = s.KVH, D = s.D, num_threads = s.num_threads;
@@ -45,6 +48,10 @@ int llama_layers(const CvkLayerStackArgs& s) {
   if (dtype == CVK_BF16 && !quant && (!s.use_amx || hidden % 32 != 0 || inter % 32 != 0 || (int64_t(H) * D) % 32 != 0))
     return CVK_ERR_BADARG;
   if (!attention_supports(H, KVH, D)) return CVK_ERR_UNSUPPORTED;
+  if (s.E > 0 && (dtype != CVK_F32 || s.moe_scratch == nullptr ||
+                  s.moe_scratch_bytes < moe_logits_bytes(T, s.E) + moe_scratch_bytes(T, hidden, s.moe_inter, s.E,
+                                                                                         s.top_k, dtype)))
+    return CVK_ERR_BADARG;  // a mixture's router runs on the float32 skinny GEMM
   const int64_t es = dtype == 0 ? 4 : 2;
   const int64_t qkv_n = int64_t(H + 2 * KVH) * D, q_n = int64_t(H) * D;
   auto ptr = [&](int field, int layer) { return reinterpret_cast<const void*>(fields[int64_t(field) * L + layer]); };
@@ -111,7 +118,10 @@ int llama_layers(const CvkLayerStackArgs& s) {
   for (int l = 0; l < L; l++) {
     norm(l == 0 ? residual : x, ptr(LW_IN_NORM, l), l > 0);
     gemm(h, hidden, l, LW_QKV, LW_QKV_B, s.qkv, qkv_n);
-    if (ptr(LW_Q_NORM, l) != nullptr) {  // the per-layer path's rows of head_dim, the same row kernel
+    if (ptr(LW_Q_NORM, l) != nullptr && s.qk_norm_across_heads) {  // one row of all heads each, as per layer
+      rmsnorm_heads(dtype, s.qkv, qkv_n, T, 1, H * D, ptr(LW_Q_NORM, l), eps, num_threads);
+      rmsnorm_heads(dtype, qkv_c + q_n * es, qkv_n, T, 1, KVH * D, ptr(LW_K_NORM, l), eps, num_threads);
+    } else if (ptr(LW_Q_NORM, l) != nullptr) {  // the per-layer path's rows of head_dim, the same row kernel
       rmsnorm_heads(dtype, s.qkv, qkv_n, T, H, D, ptr(LW_Q_NORM, l), eps, num_threads);
       rmsnorm_heads(dtype, qkv_c + q_n * es, qkv_n, T, KVH, D, ptr(LW_K_NORM, l), eps, num_threads);
     }
@@ -131,6 +141,33 @@ int llama_layers(const CvkLayerStackArgs& s) {
     }
     gemm(attn, q_n, l, LW_O, LW_O_B, x, hidden);
     norm(x, ptr(LW_POST_NORM, l), true);
+    if (ptr(LW_ROUTER, l) != nullptr) {  // a mixture: the router's logits, then the experts they choose
+      float* logits = static_cast<float*>(s.moe_scratch);
+      skinny_gemm(0, h, hidden, T, ptr(LW_ROUTER, l), nullptr, logits, s.E, s.E, hidden, num_threads);
+      CvkMoeArgs m{};
+      m.x = h;
+      m.out = x;
+      m.logits = logits;
+      m.experts = reinterpret_cast<const int64_t*>(ptr(LW_EXPERTS, l));
+      m.scratch = static_cast<char*>(s.moe_scratch) + moe_logits_bytes(T, s.E);
+      m.scratch_bytes = s.moe_scratch_bytes - moe_logits_bytes(T, s.E);
+      m.T = T;
+      m.x_stride = hidden;
+      m.hidden = hidden;
+      m.inter = s.moe_inter;
+      m.dtype = dtype;
+      m.E = s.E;
+      m.top_k = s.top_k;
+      m.norm_topk_prob = s.norm_topk_prob;
+      m.num_threads = num_threads;
+      const int mrc = moe(m);
+      if (mrc != 0) {
+#pragma omp atomic write
+        rc = mrc;
+        break;
+      }
+      continue;
+    }
     if (dtype == 0 || quant) {
       gemm(h, hidden, l, LW_GU, LW_GU_B, gu, 2 * inter);
       silu_mul(dtype, gu, act, T, inter, num_threads);
