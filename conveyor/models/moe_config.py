@@ -57,8 +57,11 @@ def from_gguf(m: GGUFMeta, norm_topk_prob: bool, width_key: str = "expert_feed_f
     for key in ("expert_shared_count", "expert_shared_feed_forward_length"):
         if m.get(key):
             m.refuse(key, "shared experts are not built")
-    return MoEConfig(num_experts=experts, top_k=top_k, intermediate_size=int(m.require(width_key)),
-                     norm_topk_prob=norm_topk_prob)
+    width = int(m.require(width_key))
+    other = m.get("expert_feed_forward_length")  # the architectures whose experts' width is feed_forward_length
+    if other is not None and int(other) != width:
+        m.refuse("expert_feed_forward_length", f"llama.cpp's {m.arch} graph sizes its experts by {width_key}")
+    return MoEConfig(num_experts=experts, top_k=top_k, intermediate_size=width, norm_topk_prob=norm_topk_prob)
 
 
 # llama.cpp's per-layer MoE tensors -> their Hugging Face names in conveyor's layers (Qwen3-MoE's): the router, and

@@ -137,14 +137,15 @@ def write_tokenizer(path: Path, tiny: Tiny) -> None:
     (path / "tokenizer_config.json").write_text(json.dumps(config))
 
 
-def save_tiny(path: Path, name: str, seed: int = 0):
-    """The tiny ``name`` checkpoint in directory ``path``; returns the transformers model (float32, eval)."""
+def save_tiny(path: Path, name: str, seed: int = 0, **overrides):
+    """The tiny ``name`` checkpoint in directory ``path`` (its config with ``overrides``); returns the transformers
+    model (float32, eval)."""
     import torch
     import transformers
 
     tiny = TINIES[name]
     torch.manual_seed(seed)
-    config = getattr(transformers, tiny.config_class)(**tiny.config)
+    config = getattr(transformers, tiny.config_class)(**{**tiny.config, **overrides})
     model = getattr(transformers, tiny.model_class)(config).to(torch.float32).eval()
     with torch.no_grad():  # random norm weights and biases, so a wrongly wired one cannot hide
         for pname, p in model.named_parameters():
@@ -205,11 +206,25 @@ def add_gguf_metadata(path: Path, values: dict[str, int]) -> None:
     tmp.replace(path)
 
 
-def convert_tinies(root: Path, names: list[str], outtypes: tuple[str, ...] = ("f32", "q8_0")) -> dict:
+# Variants of a tiny for other tests, converted in the same run: label -> (tiny, config overrides, outtypes).
+# "qwen3_moe_wide": a Qwen3-MoE whose widths are whole K-quant super-blocks (256), for tests/models/test_moe.py.
+VARIANTS = {"qwen3_moe_wide": ("qwen3_moe", dict(hidden_size=256, moe_intermediate_size=256, head_dim=64,
+                                                 num_experts=4), ("f32",))}
+
+
+def convert_tinies(root: Path, names: list[str], outtypes: tuple[str, ...] = ("f32", "q8_0"),
+                   variants: tuple[str, ...] = ()) -> dict:
     """Every tiny family member written to ``root / name / "hf"`` and converted to ``root / name / "<type>.gguf"``
     for each of ``outtypes`` in one converter run, plus the metadata each family's test adds
-    (``Tiny.gguf_extra``). Returns {name: (transformers model, hf dir, {outtype: gguf path})}."""
+    (``Tiny.gguf_extra``), and the ``VARIANTS`` named. Returns {name: (transformers model, hf dir, {outtype: gguf
+    path})}."""
     out, jobs = {}, []
+    for label in variants:
+        name, overrides, types = VARIANTS[label]
+        model = save_tiny(root / label / "hf", name, **overrides)
+        ggufs = {t: root / label / f"{t}.gguf" for t in types}
+        jobs += [(root / label / "hf", path, t) for t, path in ggufs.items()]
+        out[label] = (model, root / label / "hf", ggufs)
     for name in names:
         model = save_tiny(root / name / "hf", name)
         ggufs = {t: root / name / f"{t}.gguf" for t in outtypes}
@@ -218,6 +233,47 @@ def convert_tinies(root: Path, names: list[str], outtypes: tuple[str, ...] = ("f
     convert_all(jobs)
     for name, (_, _, ggufs) in out.items():
         for path in ggufs.values():
-            if TINIES[name].gguf_extra:
+            if name in TINIES and TINIES[name].gguf_extra:
                 add_gguf_metadata(path, TINIES[name].gguf_extra)
     return out
+
+
+def requantize_gguf(src: Path, dst: Path, types: dict[str, str]) -> Path:
+    """A copy of the GGUF ``src`` (llama.cpp's converter's F32 output) with the tensors ``types`` names stored in
+    the type given (as llama-quantize would store them): the gguf package's own quantizer for the types it
+    writes (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1), random blocks with sane scales for the K-quants it cannot write (the
+    weights then differ from the source's: the tests compare against the file's own dequantization)."""
+    import gguf
+    import numpy as np
+    from gguf import quants
+
+    reader = gguf.GGUFReader(src, "r")
+    writer = gguf.GGUFWriter(str(dst), arch=reader.get_field(gguf.Keys.General.ARCHITECTURE).contents())
+    for field in reader.fields.values():
+        if field.name == gguf.Keys.General.ARCHITECTURE or field.name.startswith("GGUF."):
+            continue
+        kind = field.types[0]
+        writer.add_key_value(field.name, field.contents(), kind,
+                             sub_type=field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None)
+    rng = np.random.default_rng(0)
+    for tensor in reader.tensors:
+        data = np.array(tensor.data)
+        if tensor.name in types:
+            qtype = gguf.GGMLQuantizationType[types[tensor.name]]
+            shape = data.shape
+            if qtype.name in ("Q4_K", "Q5_K"):
+                block, size = gguf.GGML_QUANT_SIZES[qtype]
+                blocks = rng.integers(0, 256, size=(data.size // block, size), dtype=np.uint8)
+                scales = rng.uniform(0.001, 0.01, (len(blocks), 2)).astype(np.float16)  # d, dmin
+                blocks[:, 0:4] = scales.view(np.uint8).reshape(len(blocks), 4)
+                data = blocks.reshape(*shape[:-1], shape[-1] // block * size)
+            else:
+                data = quants.quantize(data.astype(np.float32), qtype)
+            writer.add_tensor(tensor.name, data, raw_dtype=qtype)
+        else:
+            writer.add_tensor(tensor.name, data, raw_dtype=tensor.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return dst
