@@ -104,7 +104,7 @@ def matmul_floor(model, info, prompt_tokens: int, output_tokens: int, num_reques
     import torch.nn.functional as F
 
     from conveyor.layers.linear import onednn_available
-    from conveyor.models.flops import per_token_linear_params
+    from conveyor.models.flops import token_flops
 
     dt = getattr(torch, dtype)
     hidden, inter = info.hidden_size, getattr(model.config, "intermediate_size", 4 * info.hidden_size)
@@ -127,7 +127,7 @@ def matmul_floor(model, info, prompt_tokens: int, output_tokens: int, num_reques
             best = min(best, (time.perf_counter() - t) / reps)
         return 2 * m * hidden * 2 * inter / best
 
-    per_token = 2.0 * per_token_linear_params(model)
+    per_token = token_flops(info)
     lm_head = 2.0 * info.hidden_size * info.vocab_size
     prefill_rate, decode_rate = rate(2048), rate(64)
     prompt_flops = per_token * prompt_tokens

@@ -33,9 +33,11 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", default=None, help="the name clients pass as `model` (default: the "
                    "model's name, e.g. SmolLM2-135M-Instruct, or the GGUF file's / directory's name)")
-    p.add_argument("--api-key", default=os.environ.get("CONVEYOR_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on every route but /health and /metrics "
-                   "(default: $CONVEYOR_API_KEY)")
+    env_keys = [k for k in os.environ.get("CONVEYOR_API_KEY", "").split(",") if k]
+    p.add_argument("--api-key", nargs="+", default=env_keys or None, metavar="KEY",
+                   help="require one of these keys ('Authorization: Bearer KEY' or 'x-api-key: KEY') on every route "
+                   "but /health and /metrics; each key sees only the responses it stored (default: "
+                   "$CONVEYOR_API_KEY, comma-separated)")
     p.add_argument("--log-stats-interval", type=float, default=5.0, help="seconds between status log lines")
     p.add_argument("--disable-log-stats", action="store_true")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
@@ -70,6 +72,17 @@ def add_serve_parser(sub) -> None:
                    "template; generic, a constrained JSON reply, when it has none)")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="accepted for vLLM's command lines: tool_choice auto is always served")
+    from conveyor.server.reasoning import REASONING_PARSERS
+
+    p.add_argument("--embedding-model", default=None, metavar="MODEL",
+                   help="also serve this embedding or reranking model (a name, GGUF file or directory), in an engine "
+                        "of its own behind the same server: /v1/embeddings, /v1/rerank and /v1/score go to it, or "
+                        "requests naming it; --pooler-config applies to it")
+    p.add_argument("--embedding-served-model-name", default=None,
+                   help="the name clients pass as `model` for --embedding-model (default: its own name)")
+    p.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
+                   help="the model's reasoning syntax, split off the answer as reasoning_content / thinking "
+                   "(default: read from the chat template: <think> or [THINK]; none: never split)")
     add_cors_args(p)
     _add_scale_out_args(p)
     EngineArgs.add_cli_args(p)
@@ -162,10 +175,15 @@ def run_serve(ns: argparse.Namespace) -> int:
     frontend_cpus = split_cpus(ns, args) if ns.frontend_cpus else None
     if frontend_cpus is not None:
         args = dataclasses.replace(args, cpu_ids=frontend_cpus[1])
+    second_args = None
+    if ns.embedding_model:  # its own engine, with the same knobs but its own context length
+        second_args = dataclasses.replace(args, model=ns.embedding_model, max_model_len=None, speculative_config=None)
+        args = dataclasses.replace(args, pooler_config=None, convert="auto")
     if not ns.engine_in_process:
         from conveyor.engine.core_client import EngineCoreClient
 
         engine = EngineCoreClient(args)  # the engine process starts loading the model now ...
+        second = EngineCoreClient(second_args) if second_args is not None else None
     if frontend_cpus is not None:
         os.sched_setaffinity(0, frontend_cpus[0])  # after the spawn: the engine process set its own CPUs
         logger.info("API server on CPUs %s, engine on CPUs %s", frontend_cpus[0], frontend_cpus[1])
@@ -177,6 +195,8 @@ def run_serve(ns: argparse.Namespace) -> int:
         from conveyor.engine.llm_engine import LLMEngine
 
         engine = LLMEngine(args)
+        second = LLMEngine(second_args) if second_args is not None else None
+    also_serve = [(second, ns.embedding_served_model_name)] if second is not None else []
     info = engine.info  # (the engine process: waits until it is ready)
     model = info.model_info
     if info.random_weights:
@@ -188,7 +208,8 @@ def run_serve(ns: argparse.Namespace) -> int:
     app = build_app(engine, ns.served_model_name or model.name, ns.api_key,
                     0.0 if ns.disable_log_stats else ns.log_stats_interval, ns.shutdown_timeout, ns.max_n,
                     max_request_body_bytes=ns.max_request_body_bytes, max_seqs_per_request=ns.max_seqs_per_request,
-                    tool_call_parser=ns.tool_call_parser, cors=CORSConfig.from_namespace(ns))
+                    tool_call_parser=ns.tool_call_parser, reasoning_parser=ns.reasoning_parser,
+                    cors=CORSConfig.from_namespace(ns), also_serve=also_serve)
     server = make_server(app, ns.host, ns.port, ns.uvicorn_log_level, ns.timeout_keep_alive, ns.timeout_headers,
                          loop=ns.uvicorn_loop)
     try:

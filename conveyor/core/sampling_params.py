@@ -10,6 +10,8 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
+from conveyor.core.pooling_params import PoolingParams
+
 # Bounds that come from where the values end up, not from taste:
 FLOAT32_MAX = 3.4028234663852886e38  # sampling runs in float32: a larger float becomes inf there
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1  # what torch.Generator.manual_seed accepts
@@ -20,6 +22,19 @@ MIN_TEMPERATURE = 1e-2
 # Below this a repetition penalty multiplies logits by more than 100; with a small temperature that overflows
 # float32 as well. No sensible use needs less.
 MIN_REPETITION_PENALTY = 1e-2
+
+
+@dataclass(frozen=True)
+class ReasoningBlock:
+    """A reasoning block the output may write before its constraint applies (``<think>...</think>``, then the
+    answer): reasoning models are constrained in their answer, not in their reasoning. Markers are text; a
+    marker that is a special token of the vocabulary also gives its id. ``start`` None: the prompt opened the
+    block, so the output starts inside it; else the output may open one with ``start`` or answer at once."""
+
+    end: str
+    start: str | None = None
+    end_token_id: int | None = None
+    start_token_id: int | None = None
 
 
 @dataclass
@@ -34,6 +49,7 @@ class StructuredOutputsParams:
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
+    reasoning: ReasoningBlock | None = None  # set by the server for reasoning models: not a kind of its own
 
     KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
@@ -89,6 +105,9 @@ class SamplingParams:
     # bad_words as token sequences (each word with and without a leading space), filled in by the engine's
     # tokenizer (``conveyor.engine.logit_edits.tokenize_bad_words``) before the request is queued
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
+    # A prefill-only request (embedding, scoring): its prompt's hidden states pooled, no token generated
+    # (core.pooling_params); None: a generation request
+    pooling: PoolingParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -102,6 +121,8 @@ class SamplingParams:
             self.logit_bias = {_token_id_key(k): v for k, v in self.logit_bias.items()}
         if isinstance(self.structured_outputs, dict):  # from JSON or the IPC
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        if isinstance(self.pooling, dict):  # from the IPC
+            self.pooling = PoolingParams(**self.pooling)
         self._validate()
         if 0.0 < self.temperature < MIN_TEMPERATURE:
             self.temperature = MIN_TEMPERATURE

@@ -16,11 +16,13 @@ class FinalMessageError(ValueError):
 
 def chat_prompt(tokenizer, messages: Conversation, add_generation_prompt: bool = True,
                 chat_template: str | None = None, continue_final_message: bool = False,
-                tools: list[dict] | None = None) -> str:
+                tools: list[dict] | None = None, template_kwargs: dict | None = None) -> str:
     """A conversation as prompt text through the chat template. ValueError when the template refuses the
     messages. ``continue_final_message``: the final message is left open (no end-of-turn after it, no generation
     prompt), so that the model continues it, e.g. an assistant answer prefilled by the client (vLLM's and
-    transformers' option; FinalMessageError when it cannot be). ``tools``: for templates that render them."""
+    transformers' option; FinalMessageError when it cannot be). ``tools``: for templates that render them;
+    ``template_kwargs``: more variables for the template (vLLM's ``chat_template_kwargs``, e.g. Qwen3's
+    ``enable_thinking``)."""
     if not messages:
         raise ValueError("a conversation needs at least one message")
     for i, m in enumerate(messages):
@@ -30,7 +32,7 @@ def chat_prompt(tokenizer, messages: Conversation, add_generation_prompt: bool =
         raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
     try:
         text = tokenizer.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt,
-                                             chat_template=chat_template, tools=tools)
+                                             chat_template=chat_template, tools=tools, **(template_kwargs or {}))
     except Exception as exc:  # jinja errors (raise_exception in templates, bad roles) are the caller's
         raise ValueError(f"messages could not be rendered with the chat template: {exc}") from exc
     return open_final_message(text, messages[-1].get("content")) if continue_final_message else text

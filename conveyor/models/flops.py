@@ -10,8 +10,12 @@ def forward_flops(info, num_tokens: int, num_sampled: int, attended_keys: float)
     return info.spec.forward_flops(num_tokens, num_sampled, attended_keys)
 
 
+def token_flops(info) -> float:
+    """FLOPs of one token through every layer's linear weights (the lm_head aside)."""
+    return 2.0 * info.spec.per_token_linear_params
+
+
 def prefix_hit_flops(info) -> tuple[float, float]:
     """(FLOPs per token through the layers, FLOPs per attended key): what a prefix-cache hit saves, priced as
     ``forward_flops(H, 0, H(H+1)/2)`` for H hit tokens."""
-    spec = info.spec
-    return 2.0 * spec.per_token_linear_params, 4.0 * spec.num_layers * spec.q_dim
+    return token_flops(info), 4.0 * info.spec.num_layers * info.spec.q_dim

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import time
 from collections.abc import Callable
 
@@ -17,46 +16,32 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from conveyor.engine.async_engine import AsyncEngine
-from conveyor.engine.chat import render_chat
-from conveyor.engine.engine_client import EngineInfo, ServedEngine
+from conveyor.engine.engine_client import ServedEngine
 from conveyor.engine.llm_engine import LLMEngine
+from conveyor.server.anthropic.messages import install_anthropic_routes
+from conveyor.server.auth import APIKeyMiddleware
 from conveyor.server.body_limit import BodyLimitMiddleware
 from conveyor.server.cors import CORSConfig, install_cors
-from conveyor.server.errors import APIError, bad_request, from_engine_error, install_error_handlers
+from conveyor.server.errors import APIError, install_error_handlers
 from conveyor.server.limits import DEFAULT_MAX_REQUEST_BODY_BYTES, DEFAULT_MAX_SEQS_PER_REQUEST, max_token_chars
 from conveyor.server.metrics import ServerMetrics, log_stats_forever
-from conveyor.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
-from conveyor.server.serving_chat import create_chat_completion, generation_prompt, messages_as_dicts
+from conveyor.server.protocol import ChatCompletionRequest, CompletionRequest
+from conveyor.server.serving_chat import create_chat_completion
+from conveyor.server.served_models import ServedModels
 from conveyor.server.serving_common import ServingContext
+from conveyor.server.serving_pooling import install_pooling_routes
 from conveyor.server.serving_completion import create_completion
-
-OPEN_PATHS = ("/health", "/metrics")  # monitoring must work without the API key, as in vLLM
-
-
-class APIKeyMiddleware:
-    """Refuse requests without ``Authorization: Bearer <key>`` (pure ASGI: it must not buffer SSE streams)."""
-
-    def __init__(self, app, api_key: str) -> None:
-        self.app = app
-        self.expected = f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS and scope["method"] != "OPTIONS":
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
-                error = APIError(401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
-                                 code="invalid_api_key")
-                await error.response()(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
+from conveyor.server.tokenizer_routes import install_tokenizer_routes
 
 
-def build_app(engine: ServedEngine | LLMEngine, served_model_name: str | None = None, api_key: str | None = None,
+def build_app(engine: ServedEngine | LLMEngine, served_model_name: str | None = None,
+              api_key: str | list[str] | None = None,
               log_stats_interval_s: float = 5.0, shutdown_timeout_s: float = 30.0, max_n: int = 128,
               metrics: ServerMetrics | None = None, health_detail: Callable[[], dict] | None = None,
               max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
               max_seqs_per_request: int = DEFAULT_MAX_SEQS_PER_REQUEST, cors: CORSConfig | None = None,
-              tool_call_parser: str | None = None) -> FastAPI:
+              tool_call_parser: str | None = None, reasoning_parser: str | None = None,
+              also_serve: list[tuple[ServedEngine | LLMEngine, str | None]] = ()) -> FastAPI:
     """An OpenAI-compatible app serving ``engine``'s model: a ``ServedEngine`` (``EngineCoreClient``, the engine
     in its own process; ``AsyncEngine``; ``distributed.ReplicaPool``), or an ``LLMEngine``, stepped in a thread of
     this process (``AsyncEngine``). The engine runs for the app's lifespan. ``max_n`` bounds ``n`` (and
@@ -64,8 +49,16 @@ def build_app(engine: ServedEngine | LLMEngine, served_model_name: str | None = 
     ``max_request_body_bytes`` is 413 (``body_limit.py``). ``cors``: what browsers on other origins may do
     (``cors.py``; None: vLLM's defaults, anything without credentials).
 
+    ``api_key``: one key or several, any of which a request may present. ``tool_call_parser`` and
+    ``reasoning_parser``: the model's tool-call and reasoning syntaxes (None: read from its chat template).
+
     ``metrics`` replaces the app's own ``ServerMetrics`` (scale-out passes one that merges its replicas'), and
-    ``health_detail``, when given, is what ``/health`` answers with."""
+    ``health_detail``, when given, is what ``/health`` answers with.
+
+    ``also_serve``: more (engine, served name or None) pairs, each model in its own engine behind this one app
+    (``conveyor serve --embedding-model``); a request goes to the model its ``model`` field names, else to the
+    first that serves its endpoint's task (``served_models.ServedModels``). Metrics and the tokenizer and
+    Anthropic routes are the first engine's."""
     if max_request_body_bytes < 1 or max_seqs_per_request < 1:
         raise ValueError(f"max_request_body_bytes and max_seqs_per_request must be >= 1, got "
                          f"{max_request_body_bytes} and {max_seqs_per_request}")
@@ -78,12 +71,21 @@ def build_app(engine: ServedEngine | LLMEngine, served_model_name: str | None = 
         metrics.attach()
     tokenizer = info.tokenizer
     ctx = ServingContext(engine, model_name, max_n, max_seqs_per_request, max_token_chars(tokenizer),
-                         tool_call_parser)
+                         tool_call_parser, reasoning_parser)
     created = int(time.time())
+    served = ServedModels()
+    served.add(ctx)
+    engines = [engine]
+    for other, name in also_serve:
+        other = AsyncEngine(other) if isinstance(other, LLMEngine) else other
+        engines.append(other)
+        served.add(ServingContext(other, name or other.info.model_info.name, max_n, max_seqs_per_request,
+                                  max_token_chars(other.info.tokenizer), tool_call_parser, reasoning_parser))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        engine.start()
+        for each in engines:
+            each.start()
         logger_task = None
         if log_stats_interval_s > 0:
             logger_task = asyncio.create_task(log_stats_forever(metrics, log_stats_interval_s))
@@ -92,44 +94,54 @@ def build_app(engine: ServedEngine | LLMEngine, served_model_name: str | None = 
         finally:
             if logger_task is not None:
                 logger_task.cancel()
-            await engine.drain(shutdown_timeout_s)
-            await engine.shutdown()
+            await asyncio.gather(*(each.drain(shutdown_timeout_s) for each in engines))
+            for each in engines:
+                await each.shutdown()
 
     app = FastAPI(title="conveyor", lifespan=lifespan)
     app.state.async_engine = engine
     app.state.metrics = metrics
     app.state.shutdown_timeout_s = shutdown_timeout_s
     install_error_handlers(app)
-    if api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    api_keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
+    if api_keys:
+        app.add_middleware(APIKeyMiddleware, api_keys=api_keys)
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_body_bytes)  # before anything reads the body
     install_cors(app, cors or CORSConfig())  # outermost: its headers go on the answers of the two above too
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request):
-        return await create_completion(body, raw, ctx, tokenizer)
+        chosen = served.for_request(body.model, "generate")
+        return await create_completion(body, raw, chosen, chosen.engine.info.tokenizer)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw: Request):
-        return await create_chat_completion(body, raw, ctx, tokenizer)
+        chosen = served.for_request(body.model, "generate")
+        return await create_chat_completion(body, raw, chosen, chosen.engine.info.tokenizer)
 
-    card = {"id": model_name, "object": "model", "created": created, "owned_by": "conveyor",
-            "root": info.args.model or info.model_info.name, "parent": None, "max_model_len": info.max_model_len}
+    install_pooling_routes(app, served)
+
+    def card(each: ServingContext) -> dict:
+        each_info = each.engine.info
+        return {"id": each.model_name, "object": "model", "created": created, "owned_by": "conveyor",
+                "root": each_info.args.model or each_info.model_info.name, "parent": None,
+                "max_model_len": each_info.max_model_len}
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [card]}
+        return {"object": "list", "data": [card(each) for each in served.contexts.values()]}
 
     # ":path": a served name may hold slashes ("org/model"); the openai client sends them %2F-encoded, and the
     # server decodes the path before routing.
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str):
-        ctx.check_model(model_id)  # 404 model_not_found, as for an unknown `model` in a request body
-        return card
+        if model_id not in served.contexts:
+            ctx.check_model(model_id)  # 404 model_not_found, as for an unknown `model` in a request body
+        return card(served.contexts[model_id])
 
     @app.get("/health")
     async def health():
-        if not engine.is_running:
+        if not all(each.is_running for each in engines):
             return JSONResponse(APIError(503, "engine is not running", code="engine_dead").body(), 503)
         return JSONResponse(health_detail()) if health_detail else Response(status_code=200)
 
@@ -143,42 +155,7 @@ def build_app(engine: ServedEngine | LLMEngine, served_model_name: str | None = 
     async def prometheus():
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest):
-        ctx.check_model(body.model)
-        if (body.prompt is None) == (body.messages is None):
-            raise bad_request("give exactly one of prompt or messages", "prompt")
-        messages = messages_as_dicts(body.messages) if body.messages is not None else None
-        add_generation_prompt = generation_prompt(body)
-
-        def run(e: EngineInfo) -> tuple[list[int], list[str] | None]:
-            if messages is not None:
-                ids = render_chat(e.tokenizer, messages, add_generation_prompt,
-                                  add_special_tokens=bool(body.add_special_tokens),
-                                  continue_final_message=body.continue_final_message)
-            else:
-                add = True if body.add_special_tokens is None else body.add_special_tokens
-                ids = e.encode(body.prompt, add_special_tokens=add)
-            strs = [e.tokenizer.decode([t], skip_special_tokens=False) for t in ids] if body.return_token_strs else None
-            return ids, strs
-
-        ids, strs = await _tokenizer_call(engine, run)
-        return {"count": len(ids), "max_model_len": info.max_model_len, "tokens": ids, "token_strs": strs}
-
-    @app.post("/detokenize")
-    async def detokenize(body: DetokenizeRequest):
-        ctx.check_model(body.model)
-        vocab = info.model_info.vocab_size
-        if any(not 0 <= t < vocab for t in body.tokens):
-            raise bad_request(f"tokens must be integers in [0, {vocab})", "tokens")
-        text = await _tokenizer_call(engine, lambda e: e.tokenizer.decode(body.tokens))
-        return {"prompt": text}
-
+    install_tokenizer_routes(app, ctx)
+    install_anthropic_routes(app, ctx)
     return app
 
-
-async def _tokenizer_call(engine: ServedEngine, fn):
-    try:
-        return await engine.tokenizer_call(fn)
-    except Exception as exc:
-        raise from_engine_error(exc) from exc

@@ -56,7 +56,7 @@ class BodyLimitMiddleware:
             return
         refusal = _refuse_by_headers(scope["headers"], self.max_bytes)
         if refusal is not None:
-            await refusal.response()(scope, receive, send)
+            await refusal.response(scope["path"])(scope, receive, send)
             return
         received = 0
 

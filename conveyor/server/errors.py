@@ -1,4 +1,7 @@
-"""Errors in OpenAI's JSON shape: ``{"error": {"message", "type", "param", "code"}}`` with the matching status.
+"""Errors in the shape of the protocol a request speaks, with the matching status: OpenAI's
+``{"error": {"message", "type", "param", "code"}}`` (chat, completions, Responses and everything else),
+Anthropic's ``{"type": "error", "error": {"type", "message"}}`` under ``/v1/messages``, Ollama's ``{"error": "..."}``
+under ``/api/``.
 
 Handlers turn every failure (our own ``APIError``, pydantic validation, invalid JSON, unknown routes, engine
 exceptions) into that shape, so the official clients raise their typed exceptions (BadRequestError, ...).
@@ -41,12 +44,34 @@ class APIError(Exception):
         self.code = code
         self.headers = headers
 
-    def body(self) -> dict:
+    def body(self, path: str = "") -> dict:
+        """This error in the shape of the protocol served under ``path`` (OpenAI's by default)."""
+        for prefix, shape in ERROR_SHAPES:
+            if path.startswith(prefix):
+                return shape(self)
         return {"error": {"message": self.message, "type": _TYPES.get(self.status, "invalid_request_error"),
                           "param": self.param, "code": self.code}}
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+    def response(self, path: str = "") -> JSONResponse:
+        return JSONResponse(self.body(path), status_code=self.status, headers=self.headers)
+
+
+# Anthropic's error types by status (docs.anthropic.com, "Errors"); its SDK raises its typed exceptions by status.
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                    404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
+                    503: "overloaded_error", 529: "overloaded_error"}
+
+
+def anthropic_error(error: APIError) -> dict:
+    return {"type": "error", "error": {"type": _ANTHROPIC_TYPES.get(error.status, "invalid_request_error"),
+                                       "message": error.message}}
+
+
+def ollama_error(error: APIError) -> dict:
+    return {"error": error.message}
+
+
+ERROR_SHAPES = (("/v1/messages", anthropic_error), ("/api/", ollama_error))
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -62,7 +87,8 @@ def from_value_error(exc: ValueError) -> APIError:
 
 _PARAM_NAMES = {f.name for f in fields(SamplingParams)} | {
     "prompt", "messages", "max_completion_tokens", "response_format", "guided_json", "guided_regex",
-    "guided_choice", "guided_grammar", "tools", "tool_choice"}
+    "guided_choice", "guided_grammar", "tools", "tool_choice",
+    "model", "input", "dimensions", "query", "documents", "text_1", "text_2", "truncate_prompt_tokens"}
 
 
 def from_engine_error(exc: BaseException) -> APIError:
@@ -96,16 +122,16 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    """Every error response of ``app`` in OpenAI's shape."""
+    """Every error response of ``app`` in the shape of the protocol of its route (``APIError.body``)."""
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-        return exc.response()
+        return exc.response(request.url.path)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
-        message, param = _validation_message(exc)
-        return APIError(400, message, param).response()  # vLLM and OpenAI answer 400, not FastAPI's 422
+        message, param = _validation_message(exc)  # vLLM and OpenAI answer 400, not FastAPI's 422
+        return APIError(400, message, param).response(request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -113,8 +139,9 @@ def install_error_handlers(app: FastAPI) -> None:
         if exc.status_code == 404:
             message = f"no route {request.method} {request.url.path}"
         code = "request_too_large" if exc.status_code == 413 else None  # a body read past the cap (body_limit.py)
-        return APIError(exc.status_code, message, code=code, headers=getattr(exc, "headers", None)).response()
+        error = APIError(exc.status_code, message, code=code, headers=getattr(exc, "headers", None))
+        return error.response(request.url.path)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-        return from_engine_error(exc).response()
+        return from_engine_error(exc).response(request.url.path)

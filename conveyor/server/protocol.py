@@ -55,10 +55,9 @@ REFUSED_FIELDS: tuple[Refused, ...] = (
     # something) would change what the model sees and the usage; embeddings replace the tokens; a suffix asks
     # for fill-in-the-middle.
     Refused("truncate_prompt_tokens"), Refused("prompt_embeds"), Refused("suffix", (None, "")),
-    # What the chat template would be given: another template, extra variables (enable_thinking, ...), RAG
-    # documents. Ignored, the model sees another prompt than the one asked for.
-    Refused("chat_template", endpoint="chat"), Refused("chat_template_kwargs", (None, {}), "chat"),
-    Refused("documents", (None, []), "chat"),
+    # What the chat template would be given: another template, RAG documents. Ignored, the model sees another
+    # prompt than the one asked for. (chat_template_kwargs is served: its variables go to the template.)
+    Refused("chat_template", endpoint="chat"), Refused("documents", (None, []), "chat"),
     # Served on /v1/completions only.
     Refused("prompt_logprobs", endpoint="chat"),
     # OpenAI's deprecated function calling (tools and tool_choice are served: server/tools.py).
@@ -230,6 +229,7 @@ class ChatCompletionRequest(SamplingFields):
     continue_final_message: Bool = False  # vLLM's: the final message left open, for the model to continue
     echo: Bool = False  # vLLM's: the reply starts with the final message's text when it is in the reply's role
     add_special_tokens: Bool = False  # the chat template already writes BOS where the model wants it
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: more variables for the template (enable_thinking)
 
 
 class TokenizeRequest(BaseModel):

@@ -8,19 +8,22 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TypeVar
 
 from fastapi import Request
 
 from conveyor.core.sampling_params import SamplingParams
-from conveyor.engine.engine_client import Prepare, RequestStream, ServedEngine
+from conveyor.engine.engine_client import EngineInfo, Prepare, RequestStream, ServedEngine
 from conveyor.engine.outputs import CompletionOutput, RequestOutput
 from conveyor.server.errors import APIError, bad_request, from_engine_error, from_value_error
 from conveyor.server.limits import DEFAULT_MAX_SEQS_PER_REQUEST, check_stop
 from conveyor.server.protocol import SamplingFields
+from conveyor.server.reasoning import model_reasoning
 from conveyor.structured.grammars import grammar_text
 
 logger = logging.getLogger("conveyor.server")
+T = TypeVar("T")
 
 
 def sse(payload: dict) -> str:
@@ -81,16 +84,30 @@ class ServingContext:
 
     def __init__(self, engine: ServedEngine, model_name: str, max_n: int = 128,
                  max_seqs_per_request: int = DEFAULT_MAX_SEQS_PER_REQUEST, max_token_chars: int | None = None,
-                 tool_call_parser: str | None = None) -> None:
+                 tool_call_parser: str | None = None, reasoning_parser: str | None = None) -> None:
         self.engine = engine
         self.tool_call_parser = tool_call_parser  # None: picked from the chat template (server/tools.py)
+        self.chat_template = engine.info.tokenizer.chat_template
+        # How the model reasons (None: it does not); the parser's None: read from the template (server/reasoning.py)
+        self.reasoning = model_reasoning(reasoning_parser, engine.info.tokenizer)
         self.model_name = model_name
         self.max_model_len = engine.info.max_model_len
         self.max_n = max_n
         self.max_seqs_per_request = max_seqs_per_request
         self.admission_cap = engine.info.max_seqs_per_request  # the queue bound's
         self.vocab_size = engine.info.model_info.vocab_size
+        self.task = engine.info.model_info.task  # "generate", or a pooling model's "embed" / "score"
         self.max_token_chars = max_token_chars
+
+    async def tokenizer_call(self, fn: Callable[[EngineInfo], T]) -> T:
+        """``fn(info)`` off the event loop with the server's tokenizer (``ServedEngine.tokenizer_call``); its
+        errors as API errors (a ValueError is a 400)."""
+        try:
+            return await self.engine.tokenizer_call(fn)
+        except APIError:
+            raise
+        except Exception as exc:
+            raise from_engine_error(exc) from exc
 
     def check_size(self, params: SamplingParams, num_prompts: int) -> None:
         """400 for a request bigger than this server serves: ``n`` over ``--max-n``, prompts x n over
@@ -159,16 +176,18 @@ class ServingContext:
                 raise from_value_error(exc) from exc
             raise bad_request(f"{field}: {str(exc).split(': ', 1)[-1]}", field) from exc
 
-    async def submit(self, request_id: str, prompts: list[Prepare], params: SamplingParams,
+    async def submit(self, request_id: str, prompts: list[Prepare], params: SamplingParams | list[SamplingParams],
                      raw: Request | None = None) -> list[RequestStream]:
-        """Queue one engine request per prompt (ids ``{request_id}-{i}``), all at once; all or nothing. Each
+        """Queue one engine request per prompt (ids ``{request_id}-{i}``; ``params`` one for all, or one per prompt),
+        all at once; all or nothing. Each
         ``Prepare`` has run (off the event loop: a worker thread, or the engine thread in process) when this
         returns. A client that disconnects meanwhile (``raw``) ends it at once: the prompts already queued are
         aborted, the others never are (APIError 499), so an abandoned batch does not go on growing while the rest
         of it is submitted."""
         arrival = time.monotonic()
-        adds = [asyncio.ensure_future(self.engine.add_request(f"{request_id}-{i}", prepare, params, arrival))
-                for i, prepare in enumerate(prompts)]
+        each = params if isinstance(params, list) else [params] * len(prompts)
+        adds = [asyncio.ensure_future(self.engine.add_request(f"{request_id}-{i}", prepare, p, arrival))
+                for i, (prepare, p) in enumerate(zip(prompts, each))]
         gone = asyncio.ensure_future(_wait_disconnect(raw)) if raw is not None else None
         failure: BaseException | None = None
         try:
@@ -210,7 +229,12 @@ class ServingContext:
                 pass
             return out
 
-        results = asyncio.ensure_future(asyncio.gather(*(last(s) for s in streams)))
+        return await self.unless_disconnected(asyncio.gather(*(last(s) for s in streams)), streams, raw)
+
+    async def unless_disconnected(self, work: Awaitable[T], streams: list[RequestStream], raw: Request) -> T:
+        """``work``'s result (it reads ``streams`` to their end); a client that disconnects first aborts the
+        streams (499, which nobody reads), and a failure of ``work`` aborts whatever of them still runs."""
+        results = asyncio.ensure_future(work)
         gone = asyncio.ensure_future(_wait_disconnect(raw))
         try:
             await asyncio.wait({results, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -227,26 +251,42 @@ class ServingContext:
             raise APIError(499, "client disconnected", code="client_closed_request")
         try:
             return results.result()
+        except APIError:
+            self.abort(streams)
+            raise
         except Exception as exc:
             self.abort(streams)  # one prompt of a batch failed: the answer is an error, so stop the others
             raise from_engine_error(exc) from exc
 
 
-async def sse_events(events: AsyncIterator[dict], ctx: ServingContext,
-                     streams: list[RequestStream]) -> AsyncIterator[str]:
-    """``events`` as server-sent events, ended by ``data: [DONE]``. The headers are sent by then, so an error is
-    reported in-band (as vLLM does). Whatever happens, the request's unfinished streams are aborted: a no-op for
-    finished ones, and it frees the blocks of a client that went away."""
-    try:
+def sse_events(events: AsyncIterator[dict], ctx: ServingContext, streams: list[RequestStream]) -> AsyncIterator[str]:
+    """``events`` as server-sent events, ended by ``data: [DONE]`` (OpenAI's streams); see ``guarded_stream``."""
+
+    async def frames() -> AsyncIterator[str]:
         async with contextlib.aclosing(events):
             async for event in events:
                 yield sse(event)
+
+    return guarded_stream(frames(), ctx, streams, lambda error: sse(error.body()), SSE_DONE)
+
+
+async def guarded_stream(frames: AsyncIterator[str], ctx: ServingContext, streams: list[RequestStream],
+                         error_frame: Callable[[APIError], str], end: str | None = None) -> AsyncIterator[str]:
+    """A response body of ``frames`` (each protocol's: SSE events, NDJSON lines), then ``end``. The headers are
+    sent by then, so an error is reported in-band, as ``error_frame`` writes it (as vLLM does). Whatever happens,
+    the request's unfinished streams are aborted: a no-op for finished ones, and it frees the blocks of a client
+    that went away."""
+    try:
+        async with contextlib.aclosing(frames):
+            async for frame in frames:
+                yield frame
     except Exception as exc:
         error = exc if isinstance(exc, APIError) else from_engine_error(exc)
-        yield sse(error.body())
+        yield error_frame(error)
     finally:
         ctx.abort(streams)
-    yield SSE_DONE
+    if end is not None:
+        yield end
 
 
 async def _wait_disconnect(raw: Request) -> None:

@@ -15,31 +15,19 @@ chat template is given, and how the generated text becomes OpenAI ``tool_calls``
 from __future__ import annotations
 
 import json
-import re
-import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from conveyor.core.sampling_params import StructuredOutputsParams
+from conveyor.server.tool_parsers import ToolParser, make_parser
 
 PARSERS = ("hermes", "llama3_json", "mistral", "generic")
 
 
 @dataclass
-class ToolCall:
-    name: str
-    arguments: str  # JSON text, as OpenAI sends it
-    id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
-
-    def as_openai(self, index: int | None = None) -> dict:
-        call = {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
-        return call if index is None else {"index": index, **call}
-
-
-@dataclass
 class ToolPlan:
     """How one request uses its tools: ``constraint`` (None: unconstrained), the tools the chat template sees,
-    a system message to prepend (generic format) and the format the reply is parsed with."""
+    a system message to prepend (generic format) and the syntax the reply is read in (``tool_parsers``)."""
 
     mode: str  # "named" | "required" | "auto"
     parser: str  # one of PARSERS, or "named" / "required"
@@ -48,56 +36,11 @@ class ToolPlan:
     template_tools: list[dict] | None = None
     system_message: str | None = None
     named: str | None = None
+    one_call: bool = False  # parallel_tool_calls: false
 
-    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        """(content, tool calls) of a finished reply. A reply that is not a well-formed call is content."""
-        try:
-            if self.parser == "named":
-                json.loads(text)
-                return None, [ToolCall(self.named, text)]
-            if self.parser == "required":
-                return None, [_call(c) for c in json.loads(text)]
-            if self.parser == "generic":
-                reply = json.loads(text)
-                if "tool_calls" in reply:
-                    return None, [_call(c) for c in reply["tool_calls"]]
-                return reply.get("response", ""), []
-            return _PARSE[self.parser](text)
-        except (ValueError, TypeError, KeyError, AttributeError):
-            return text, []  # cut short (max_tokens) or not a call: the text as it is
-
-
-def _call(obj: dict) -> ToolCall:
-    args = obj.get("arguments", obj.get("parameters", {}))
-    return ToolCall(str(obj["name"]), args if isinstance(args, str) else json.dumps(args, ensure_ascii=False))
-
-
-def _parse_hermes(text: str) -> tuple[str | None, list[ToolCall]]:
-    bodies = re.findall(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", text, re.S)
-    if not bodies:
-        return text, []
-    calls = [_call(json.loads(b)) for b in bodies]
-    content = text[:text.index("<tool_call>")].strip()
-    return content or None, calls
-
-
-def _parse_llama3_json(text: str) -> tuple[str | None, list[ToolCall]]:
-    body = text.strip().removeprefix("<|python_tag|>").strip()
-    if not body.startswith("{"):
-        return text, []
-    calls = [_call(json.loads(part)) for part in body.split(";") if part.strip()]
-    return None, calls
-
-
-def _parse_mistral(text: str) -> tuple[str | None, list[ToolCall]]:
-    if "[TOOL_CALLS]" not in text:
-        return text, []
-    head, body = text.split("[TOOL_CALLS]", 1)
-    calls = json.loads(body.strip())
-    return head.strip() or None, [_call(c) for c in (calls if isinstance(calls, list) else [calls])]
-
-
-_PARSE = {"hermes": _parse_hermes, "llama3_json": _parse_llama3_json, "mistral": _parse_mistral}
+    def reply_parser(self) -> ToolParser:
+        """A parser for one reply (one per choice)."""
+        return make_parser(self.parser, self.one_call, self.named)
 
 
 def parser_for_template(template: str | None) -> str:
@@ -129,17 +72,17 @@ def plan_tools(tools: list[dict] | None, tool_choice: Any, parallel_tool_calls: 
         if name not in by_name:
             raise ValueError(f"tool_choice names no tool of this request: {tool_choice!r}")
         return ToolPlan("named", "named", tools, StructuredOutputsParams(json=_parameters(by_name[name])),
-                        named=name)
+                        named=name, one_call=True)
     if tool_choice == "required":
         return ToolPlan("required", "required", tools,
-                        StructuredOutputsParams(json=_calls_schema(by_name, one_call)))
+                        StructuredOutputsParams(json=_calls_schema(by_name, one_call)), one_call=one_call)
     if tool_choice != "auto":
         raise ValueError(f'tool_choice must be "none", "auto", "required" or a named function, got {tool_choice!r}')
     parser = parser or parser_for_template(template)
     if parser not in PARSERS:
         raise ValueError(f"tool_call_parser must be one of {', '.join(PARSERS)}, got {parser!r}")
     if parser != "generic":
-        return ToolPlan("auto", parser, tools, template_tools=tools)
+        return ToolPlan("auto", parser, tools, template_tools=tools, one_call=one_call)
     schema = {"anyOf": [
         {"type": "object", "properties": {"tool_calls": _calls_schema(by_name, one_call)},
          "required": ["tool_calls"], "additionalProperties": False},
@@ -147,7 +90,7 @@ def plan_tools(tools: list[dict] | None, tool_choice: Any, parallel_tool_calls: 
          "additionalProperties": False},
     ]}
     return ToolPlan("auto", "generic", tools, StructuredOutputsParams(json=schema),
-                    system_message=_generic_system_message(tools))
+                    system_message=_generic_system_message(tools), one_call=one_call)
 
 
 def _checked_tools(tools: list[dict] | None) -> list[dict]:

@@ -8,12 +8,52 @@ from __future__ import annotations
 
 import json
 
-from conveyor.core.sampling_params import StructuredOutputsParams
+from conveyor.core.sampling_params import ReasoningBlock, StructuredOutputsParams
 
 # JSON is generated compact (", " and ": " between items, no newlines): with flexible whitespace a small model
 # can spend its whole max_tokens on spaces and newlines inside a valid document.
 JSON_OPTIONS = {"whitespace_flexible": False}
 ANY_JSON_OBJECT = {"type": "object"}
+# Keywords whose value is one subschema, a list of them, or a name -> subschema map.
+_ONE_SCHEMA = ("additionalProperties", "items", "not", "if", "then", "else", "contains", "propertyNames",
+               "unevaluatedItems", "additionalItems")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_OPEN_KEYS = ("additionalProperties", "patternProperties", "unevaluatedProperties")
+
+
+def closed_objects(schema):
+    """``schema`` with every object schema that lists ``properties`` closed to other keys
+    (``additionalProperties: false``) unless it says what other keys may hold, as vLLM's default backend
+    (xgrammar, ``strict_mode``) compiles schemas. Clients' tool and output schemas (LangChain's ``@tool``,
+    instructor, LlamaIndex) seldom say it, and a small model otherwise invents keys until ``max_tokens``.
+
+    Left open: an object schema that lists no properties (``{"type": "object"}`` is any object), and the
+    members of an ``allOf`` and an object beside one (closing either would forbid the keys the other adds)."""
+    return _close(schema, in_all_of=False)
+
+
+def _close(node, in_all_of: bool):
+    if isinstance(node, list):
+        return [_close(item, in_all_of=False) for item in node]
+    if not isinstance(node, dict):
+        return node
+    out = dict(node)
+    for key in _ONE_SCHEMA:
+        if isinstance(out.get(key), (dict, list)):
+            out[key] = _close(out[key], in_all_of=False)
+    for key in _SCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [_close(s, in_all_of=False) for s in out[key]]
+    for key in _SCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: _close(s, in_all_of=False) for name, s in out[key].items()}
+    if isinstance(out.get("allOf"), list):
+        out["allOf"] = [_close(s, in_all_of=True) for s in out["allOf"]]
+    lists_properties = isinstance(out.get("properties"), dict)
+    if lists_properties and not in_all_of and "allOf" not in out and not any(k in out for k in _OPEN_KEYS):
+        out["additionalProperties"] = False
+    return out
 
 
 def grammar_text(spec: StructuredOutputsParams) -> str:
@@ -27,6 +67,7 @@ def grammar_text(spec: StructuredOutputsParams) -> str:
             schema = ANY_JSON_OBJECT if kind == "json_object" else spec.json
             if isinstance(schema, str):
                 schema = json.loads(schema)
+            schema = closed_objects(schema)
             text = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
         elif kind == "regex":
             text = llguidance.LLMatcher.grammar_from_regex(spec.regex)
@@ -36,7 +77,41 @@ def grammar_text(spec: StructuredOutputsParams) -> str:
             text = llguidance.grammar_from("grammar", spec.grammar)
     except (ValueError, TypeError, RuntimeError) as exc:
         raise ValueError(f"structured_outputs.{kind}: {exc}") from None
+    if spec.reasoning is not None:
+        text = after_reasoning(text, spec.reasoning)
     is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(text)
     if is_error:
         raise ValueError(f"structured_outputs.{kind}: {messages[0]}")
     return text
+
+
+def after_reasoning(grammar: str, block: ReasoningBlock) -> str:
+    """``grammar`` (llguidance's JSON form or Lark text) applied after a reasoning block: the block's body is free
+    text up to its end marker (a lazy lexeme, so the first end marker closes it; a marker that is one token is
+    named by id, since llguidance reads added tokens as special), a little whitespace may follow, then the
+    constrained answer (llguidance's own recipe for reasoning models, docs/syntax.md)."""
+    if grammar.lstrip().startswith("{"):
+        inner = json.loads(grammar)["grammars"]
+    else:
+        inner = [{"lark_grammar": grammar}]
+    inner[0] = {**inner[0], "name": "answer"}
+    if block.end_token_id is not None:  # a special token: the body is any text, the token ends it
+        body = f"think: /(?s:.*)/ <[{block.end_token_id}]>"
+    else:
+        body = "think[lazy]: /(?s:.*)" + _regex_literal(block.end) + "/"
+    if block.start is None:
+        start = "start: think ws? @answer"
+    else:
+        opening = f"<[{block.start_token_id}]>" if block.start_token_id is not None else json.dumps(block.start)
+        start = f"start: (ws? {opening} think ws?)? @answer"
+    # a few newlines around the block (Qwen3 writes two after it); unbounded, a small model may write only those
+    lark = "\n".join([start, body, "ws: /[ \\t\\r\\n]{1,8}/"])
+    return json.dumps({"grammars": [{"lark_grammar": lark}, *inner]})
+
+
+_REGEX_META = set("\\.+*?()|[]{}^$#&-~/")
+
+
+def _regex_literal(text: str) -> str:
+    """``text`` as a literal inside a Lark ``/.../`` regex (Rust regex syntax, ``/`` escaped)."""
+    return "".join("\\" + c if c in _REGEX_META else c for c in text)

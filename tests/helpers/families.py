@@ -50,6 +50,7 @@ class Tiny:
     window: int = 0  # the sliding window the prompts must exceed (0: none)
     # GGUF metadata the converter leaves out and the test adds (llama.cpp's converter drops Mistral's window)
     gguf_extra: dict = field(default_factory=dict)
+    converts: bool = True  # llama.cpp's converter knows the architecture
 
 
 def _common(**over) -> dict:
@@ -70,6 +71,11 @@ TINIES = {
     "mistral": Tiny("mistral", "MistralForCausalLM", "MistralConfig", _common(sliding_window=8), window=8,
                     gguf_extra={"llama.attention.sliding_window": 8},
                     specials=["[INST]", "[/INST]"], chat_template=MISTRAL_TEMPLATE),
+    # Ministral: windows on some layers only (layer_types); llama.cpp's converter has no MinistralForCausalLM
+    "ministral": Tiny("ministral", "MinistralForCausalLM", "MinistralConfig",
+                      _common(num_hidden_layers=3, sliding_window=8, head_dim=16,
+                              layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
+                      window=8, converts=False),
     "qwen2": Tiny("qwen2", "Qwen2ForCausalLM", "Qwen2Config", _common(num_key_value_heads=1, rope_theta=1000.0),
                   specials=["<|im_start|>", "<|im_end|>"], eos_token="<|im_end|>"),
     "qwen3": Tiny("qwen3", "Qwen3ForCausalLM", "Qwen3Config", _common(head_dim=32, tie_word_embeddings=True),
@@ -158,6 +164,11 @@ def save_tiny(path: Path, name: str, seed: int = 0, **overrides):
 
 
 def converter_available() -> bool:
+    """Whether the converter is in ``.cache/llama.cpp``; fetched there first when it is not (a worktree that never
+    ran ``scripts/setup.sh``), by the script setup.sh runs."""
+    if not (CONVERTER_DIR / "convert_hf_to_gguf.py").is_file():
+        subprocess.run(["bash", str(REPO / "scripts" / "fetch_llama_cpp_converter.sh"), sys.executable],
+                       capture_output=True, timeout=600)
     return (CONVERTER_DIR / "convert_hf_to_gguf.py").is_file()
 
 

@@ -20,7 +20,7 @@ from conveyor.core.sampling_params import SamplingParams
 from conveyor.engine.llm import LLM
 from conveyor.kernels import load_cpu_kernels
 from conveyor.layers.quantized import QuantLinear
-from tests.helpers.families import TINIES, VOCAB, converter_available
+from tests.helpers.families import TINIES, VOCAB, converter_available, save_tiny
 
 pytestmark = pytest.mark.slow  # real models and engines: run by CI, skipped by -m "not slow"
 transformers = pytest.importorskip("transformers")
@@ -39,7 +39,7 @@ END_OF_TURN = {"llama3": ("<|eot_id|>", "<|eom_id|>"), "mistral": ("</s>",), "qw
 class Checkpoint:
     def __init__(self, name: str, hf, model_dir, ggufs: dict) -> None:
         self.name, self.hf, self.dir, self.ggufs = name, hf, model_dir, ggufs
-        self.gguf = ggufs["f32"]
+        self.gguf = ggufs.get("f32")
 
     def path(self, source: str) -> str:
         return str(self.dir if source == "hf" else self.gguf)
@@ -55,7 +55,10 @@ def converted(converted_families) -> dict:
     return converted_families
 
 
-@pytest.fixture(params=list(TINIES))
+CONVERTED = [name for name, tiny in TINIES.items() if tiny.converts]
+
+
+@pytest.fixture(params=CONVERTED)
 def ckpt(request, converted) -> Checkpoint:
     return Checkpoint(request.param, *converted[request.param])
 
@@ -127,6 +130,15 @@ def test_bfloat16_and_quantized_stay_close(ckpt, variant):
     assert (prompt_lps - ref).abs().mean() < 0.02
 
 
+def test_ministral_windows_on_some_layers_match_transformers(tmp_path):
+    """MinistralForCausalLM's per-layer windows (``layer_types``), from its directory (no GGUF: llama.cpp's
+    converter does not know it)."""
+    ckpt = Checkpoint("ministral", save_tiny(tmp_path, "ministral"), tmp_path, {})
+    llm = LLM(str(tmp_path), dtype="float32", max_num_batched_tokens=16, block_size=4, num_kv_blocks=64)
+    assert llm.engine.model_info.layer_windows == (8, 0, 8)
+    assert_close_to_transformers(ckpt, llm, atol=2e-3)
+
+
 def check_chat(ckpt: Checkpoint, llm: LLM) -> None:
     """The GGUF's chat template and end-of-turn token drive ``LLM.chat`` with no extra settings."""
     tok = llm.engine.tokenizer
@@ -145,3 +157,19 @@ def test_kv_eviction_with_a_windowed_model_is_refused_at_start_up(converted):
     _, model_dir, _ = converted["mistral"]
     with pytest.raises(ValueError, match="--kv-eviction sink does not run with a sliding-window model"):
         LLM(str(model_dir), kv_eviction="sink", kv_budget_tokens=64)
+
+
+def test_served_gguf_chats_with_its_own_template_and_stop_tokens(ckpt):
+    """`conveyor serve`'s app over a real uvicorn server, the OpenAI client, the GGUF alone (no template, no stop
+    settings passed): the reply stops at a stop token or the length."""
+    import openai
+
+    from tests.helpers.server import serve_model
+
+    with serve_model(ckpt.gguf, dtype="float32", num_kv_blocks=64) as (url, _):
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none")
+        reply = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hello"}],
+                                               max_tokens=5, temperature=0)
+    choice = reply.choices[0]
+    assert choice.finish_reason in ("stop", "length") and reply.usage.completion_tokens >= 1
+    assert reply.usage.prompt_tokens > 3  # the family's template wrapped the message

@@ -364,7 +364,7 @@ REFUSED = [  # (endpoint, fields): each must be answered 400 "<field> is not sup
     *((CHAT, {name: value}) for name, value in (
         ("truncate_prompt_tokens", -5), ("logits_processors", ["my.Processor"]), ("prompt_logprobs", 1),
         ("chat_template", "{{ messages }}"),
-        ("chat_template_kwargs", {"enable_thinking": False}), ("documents", [{"title": "a", "text": "b"}]),
+        ("documents", [{"title": "a", "text": "b"}]),
         ("functions", [{"name": "f", "parameters": {}}]), ("function_call", "auto"), ("audio", {"voice": "alloy"}),
         ("modalities", ["text", "audio"]), ("web_search_options", {}))),
 ]
