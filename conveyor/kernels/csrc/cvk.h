@@ -87,7 +87,7 @@ typedef struct CvkLayerStackArgs {
   int64_t T, hidden, inter, bt_stride, mass_stride;
   int32_t dtype, use_amx, L, num_reqs, H, KVH, D, bs, num_threads;
   float scale, eps;
-  int32_t quantized; /* 1: the linear fields point at CvkQuantWeight descriptors, not packed float weights */
+  int32_t quantized; /* 1: some linear fields hold CvkQuantWeight descriptors (a per-layer field says which) */
   /* A mixture of experts (E > 0; float32 only): per layer its router and experts' table (layer_stack.cpp's
    * fields), top_k and norm_topk_prob as in CvkMoeArgs, the experts' width moe_inter, and moe_scratch: the router
    * logits (T * E floats, 64-byte aligned) then cvk_moe_scratch_bytes(T, ...) for cvk_moe, moe_scratch_bytes in

@@ -24,15 +24,18 @@ namespace cvk {
 //   0 input-norm weight, 1 qkv packed weight, 2 qkv bias (0: none), 3 o packed, 4 o bias, 5 post-norm weight,
 //   6 gate_up packed, 7 gate_up bias, 8 down packed, 9 down bias, 10 q-norm weight (0: none), 11 k-norm weight,
 //   12 the layer's sliding window (a number, 0: none), 13 a mixture's router weight packed for the float32 skinny
-//   GEMM (0: a dense MLP), 14 its experts' table (CvkMoeArgs.experts), 15 k cache, 16 v cache.
+//   GEMM (0: a dense MLP), 14 its experts' table (CvkMoeArgs.experts), 15 which linear fields hold CvkQuantWeight
+//   descriptors (bit f for field f; the others hold packed float weights: llama.cpp's Q4_K_M keeps some layers in
+//   Q6_K, which conveyor holds in float), 16 k cache, 17 v cache.
 // With s.qk_norm_across_heads the q and k norms span all heads' rows (OLMoE), one row of H * D and one of KVH * D.
 // Scratch (dense, the step's dtype): h [T, hidden], qkv [T, (H + 2 KVH) D], attn [T, H D], gu [T, 2 inter],
 // act [T, inter]. Weights are packed as cvk_skinny_gemm takes them, and bfloat16 runs its GEMMs on AMX only
-// (use_amx: the caller checked cvk_amx_init); or, when s.quantized, the linear fields point at CvkQuantWeight
-// descriptors and every GEMM is cvk_quant_gemm's (either dtype), its activations quantized into s.quant_scratch. The attention plan is the step's (s.plan), or built here once
+// (use_amx: the caller checked cvk_amx_init); a linear field that points at a CvkQuantWeight descriptor (its bit
+// in field 15) is cvk_quant_gemm's (either dtype), its activations quantized into s.quant_scratch (given when any
+// field is). The attention plan is the step's (s.plan), or built here once
 // for all layers. Returns CVK_OK, or the first failing part's code.
 enum { LW_IN_NORM, LW_QKV, LW_QKV_B, LW_O, LW_O_B, LW_POST_NORM, LW_GU, LW_GU_B, LW_DOWN, LW_DOWN_B, LW_Q_NORM,
-       LW_K_NORM, LW_WINDOW, LW_ROUTER, LW_EXPERTS, LW_KC, LW_VC, LW_FIELDS };
+       LW_K_NORM, LW_WINDOW, LW_ROUTER, LW_EXPERTS, LW_QUANT, LW_KC, LW_VC, LW_FIELDS };
 
 int llama_layers(const CvkLayerStackArgs& s) {
   const int dtype = s.dtype, L = s.L, H = s.H, KVH = s.KVH, D = s.D, num_threads = s.num_threads;
@@ -42,10 +45,14 @@ int llama_layers(const CvkLayerStackArgs& s) {
   const float eps = s.eps;
   if (T <= 0) return CVK_OK;
   if (dtype != CVK_F32 && dtype != CVK_BF16) return CVK_ERR_BADARG;
-  const bool quant = s.quantized != 0;
-  if (quant && s.quant_scratch == nullptr) return CVK_ERR_BADARG;
-  if (dtype == CVK_BF16 && !quant && !kAmx) return CVK_ERR_UNSUPPORTED;
-  if (dtype == CVK_BF16 && !quant && (!s.use_amx || hidden % 32 != 0 || inter % 32 != 0 || (int64_t(H) * D) % 32 != 0))
+  auto is_quant = [&](int field, int layer) { return (fields[int64_t(LW_QUANT) * L + layer] >> field) & 1; };
+  bool any_float = false;  // a float linear field: bfloat16 runs those on AMX only
+  for (int l = 0; l < L; l++)
+    for (int f : {LW_QKV, LW_O, LW_GU, LW_DOWN}) any_float |= fields[int64_t(f) * L + l] != 0 && !is_quant(f, l);
+  if (s.quantized != 0 && s.quant_scratch == nullptr) return CVK_ERR_BADARG;
+  if (dtype == CVK_BF16 && any_float && !kAmx) return CVK_ERR_UNSUPPORTED;
+  if (dtype == CVK_BF16 && any_float &&
+      (!s.use_amx || hidden % 32 != 0 || inter % 32 != 0 || (int64_t(H) * D) % 32 != 0))
     return CVK_ERR_BADARG;
   if (!attention_supports(H, KVH, D)) return CVK_ERR_UNSUPPORTED;
   if (s.E > 0 && (dtype != CVK_F32 || s.moe_scratch == nullptr ||
@@ -56,7 +63,7 @@ int llama_layers(const CvkLayerStackArgs& s) {
   const int64_t qkv_n = int64_t(H + 2 * KVH) * D, q_n = int64_t(H) * D;
   auto ptr = [&](int field, int layer) { return reinterpret_cast<const void*>(fields[int64_t(field) * L + layer]); };
   auto gemm = [&](const void* in, int64_t K, int layer, int wf, int bf, void* out, int64_t N) {
-    if (quant) {
+    if (is_quant(wf, layer)) {
       CvkQuantGemmArgs q{};
       q.w = static_cast<const CvkQuantWeight*>(ptr(wf, layer));
       q.x = in;
@@ -168,7 +175,7 @@ int llama_layers(const CvkLayerStackArgs& s) {
       }
       continue;
     }
-    if (dtype == 0 || quant) {
+    if (dtype == 0 || is_quant(LW_GU, l)) {
       gemm(h, hidden, l, LW_GU, LW_GU_B, gu, 2 * inter);
       silu_mul(dtype, gu, act, T, inter, num_threads);
     } else {
