@@ -66,8 +66,11 @@ def machine() -> str:
     cpu = platform.processor()
     try:
         with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
+            info = dict(line.split(":", 1) for line in f.read().split("\n\n")[0].splitlines() if ":" in line)
+        info = {k.strip(): v.strip() for k, v in info.items()}
+        flags = [f for f in ("avx512f", "avx512_vnni", "avx512_bf16", "amx_int8") if f in info["flags"].split()]
+        cpu = f"{info['model name']} (family {info['cpu family']} model {info['model']}: {' '.join(flags)})"
+    except (OSError, KeyError):
         pass
     load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
     return f"{cpu}, {os.cpu_count()} CPUs; load average {load}"
@@ -97,7 +100,7 @@ def make(ns: argparse.Namespace) -> int:
         t = time.perf_counter()
         convert_all([(hf_dir, bf16, "bf16")])
         print(f"converted in {time.perf_counter() - t:.0f} s", flush=True)
-    for qtype in ns.types.split(","):
+    for qtype in filter(None, ns.types.split(",")):
         dst = out / f"moe-{qtype}.gguf"
         if not dst.exists():
             subprocess.run([ns.llama_quantize, str(bf16), str(dst), qtype, str(ns.threads)], check=True,
@@ -132,7 +135,7 @@ def experts(ns: argparse.Namespace) -> int:
     from conveyor.engine.llm import LLM
 
     batches = [int(b) for b in ns.batches.split(",")]
-    llm = LLM(ns.gguf, max_num_seqs=max(batches), max_model_len=1024, enable_prefix_caching=False,
+    llm = LLM(ns.gguf, max_num_seqs=max(batches), max_model_len=ns.max_model_len, enable_prefix_caching=False,
               detokenize=False, seed=0, max_num_batched_tokens=4096)
     eng, net = llm.engine, llm.engine.model
     moe = net.config.moe
@@ -159,7 +162,7 @@ def experts(ns: argparse.Namespace) -> int:
         """ms per step of ``steps`` decode steps of ``batch`` requests."""
         rng = torch.Generator().manual_seed(batch)
         for _ in range(batch):
-            prompt = torch.randint(100, 32000, (64,), generator=rng).tolist()
+            prompt = torch.randint(100, eng.model_info.vocab_size, (64,), generator=rng).tolist()
             eng.add_request(f"b{next(ids)}", {"prompt_token_ids": prompt},
                             SamplingParams(max_tokens=steps + 8, ignore_eos=True))
         for _ in range(3):  # the prompts (at most 4,096 tokens: one step), then two decode steps
@@ -275,6 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gguf", required=True)
     p.add_argument("--batches", default="1,4,16,64")
     p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--max-model-len", type=int, default=1024)
     p.set_defaults(func=experts)
     p = sub.add_parser("compare", help="paired rounds against llama-bench and llama-server")
     p.add_argument("--gguf", action="append", required=True)

@@ -64,19 +64,10 @@ int llama_layers(const CvkLayerStackArgs& s) {
   auto ptr = [&](int field, int layer) { return reinterpret_cast<const void*>(fields[int64_t(field) * L + layer]); };
   auto gemm = [&](const void* in, int64_t K, int layer, int wf, int bf, void* out, int64_t N) {
     if (is_quant(wf, layer)) {
-      CvkQuantGemmArgs q{};
-      q.w = static_cast<const CvkQuantWeight*>(ptr(wf, layer));
-      q.x = in;
-      q.bias = ptr(bf, layer);
-      q.y = out;
-      q.scratch = s.quant_scratch;
-      q.M = T;
-      q.x_stride = K;
-      q.y_stride = N;
-      q.scratch_bytes = quant_scratch_bytes(T, q.w->KP);  // the caller sized it for the largest K
-      q.dtype = dtype;
-      q.num_threads = num_threads;
-      quant_gemm(q);
+      const CvkQuantWeight* w = static_cast<const CvkQuantWeight*>(ptr(wf, layer));
+      // the caller sized the scratch for the largest K
+      quant_gemm_rows(w, in, K, T, ptr(bf, layer), out, N, s.quant_scratch, quant_scratch_bytes(T, w->KP), dtype,
+                      num_threads);
     } else if (dtype == 0)
       skinny_gemm(0, in, K, T, ptr(wf, layer), ptr(bf, layer), out, N, N, K, num_threads);
     else

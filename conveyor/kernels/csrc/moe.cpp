@@ -94,18 +94,8 @@ void moe_impl(const CvkMoeArgs& a, const Scratch& s) {
   T* out = static_cast<T*>(a.out);
   auto gemm = [&](int64_t w, int64_t kind, const void* in, int64_t K, int64_t M, void* y, int64_t N) {
     if (kind == CVK_MOE_QUANT) {
-      CvkQuantGemmArgs q{};
-      q.w = reinterpret_cast<const CvkQuantWeight*>(w);
-      q.x = in;
-      q.y = y;
-      q.scratch = s.qscratch;
-      q.M = M;
-      q.x_stride = K;
-      q.y_stride = N;
-      q.scratch_bytes = s.qscratch_bytes;
-      q.dtype = a.dtype;
-      q.num_threads = nt;
-      quant_gemm(q);
+      quant_gemm_rows(reinterpret_cast<const CvkQuantWeight*>(w), in, K, M, nullptr, y, N, s.qscratch,
+                      s.qscratch_bytes, a.dtype, nt);
     } else {
       skinny_gemm(a.dtype, in, K, M, reinterpret_cast<const void*>(w), nullptr, y, N, N, K, nt);
     }
