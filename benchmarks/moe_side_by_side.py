@@ -98,7 +98,9 @@ def make(ns: argparse.Namespace) -> int:
         write_tokenizer(hf_dir, TINIES["qwen3_moe"])
     if not bf16.exists():
         t = time.perf_counter()
-        convert_all([(hf_dir, bf16, "bf16")])
+        part = bf16.with_suffix(".part")  # renamed once whole
+        convert_all([(hf_dir, part, "bf16")], timeout_s=4 * 3600)
+        part.rename(bf16)
         print(f"converted in {time.perf_counter() - t:.0f} s", flush=True)
     for qtype in filter(None, ns.types.split(",")):
         dst = out / f"moe-{qtype}.gguf"

@@ -172,7 +172,7 @@ def converter_available() -> bool:
     return (CONVERTER_DIR / "convert_hf_to_gguf.py").is_file()
 
 
-def convert_all(jobs: list[tuple[Path, Path, str]]) -> None:
+def convert_all(jobs: list[tuple[Path, Path, str]], timeout_s: float = 600) -> None:
     """``convert_hf_to_gguf.py model_dir --outfile outfile --outtype outtype`` for every job, in one subprocess (it
     imports its own gguf-py, which must not meet the installed gguf package here; one interpreter for all jobs
     pays torch's and transformers' import once)."""
@@ -191,7 +191,7 @@ def convert_all(jobs: list[tuple[Path, Path, str]]) -> None:
               "    sys.argv = argv\n"
               f"    runpy.run_path({str(script)!r}, run_name='__main__')\n")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(CONVERTER_DIR)}
-    proc = subprocess.run([sys.executable, "-c", driver], capture_output=True, text=True, env=env, timeout=600,
+    proc = subprocess.run([sys.executable, "-c", driver], capture_output=True, text=True, env=env, timeout=timeout_s,
                           cwd=str(CONVERTER_DIR))
     if proc.returncode != 0:
         raise RuntimeError(f"convert_hf_to_gguf.py failed:\n{proc.stderr[-4000:]}")
