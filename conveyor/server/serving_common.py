@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import time
@@ -13,21 +14,33 @@ from typing import TypeVar
 
 from fastapi import Request
 
-from conveyor.core.sampling_params import SamplingParams
+from conveyor.core.sampling_params import RequestOutputKind, SamplingParams
 from conveyor.engine.engine_client import EngineInfo, Prepare, RequestStream, ServedEngine
-from conveyor.engine.outputs import CompletionOutput, RequestOutput
+from conveyor.engine.outputs import RequestOutput
 from conveyor.server.errors import APIError, bad_request, from_engine_error, from_value_error
 from conveyor.server.limits import DEFAULT_MAX_SEQS_PER_REQUEST, check_stop
 from conveyor.server.protocol import SamplingFields
 from conveyor.server.reasoning import model_reasoning
+from conveyor.structured.checker import GrammarChecker
 from conveyor.structured.grammars import grammar_text
 
 logger = logging.getLogger("conveyor.server")
 T = TypeVar("T")
 
 
+# vLLM's convention for a logprob JSON cannot hold: a token a grammar masked has logprob -inf (the sampler takes
+# logprobs after the bitmask), which is not JSON; vLLM's OpenAI server answers max(logprob, -9999.0).
+MIN_LOGPROB = -9999.0
+
+
+def json_logprob(value: float) -> float:
+    """``value`` as the answer carries it: -inf (and NaN, which no step should produce) as ``MIN_LOGPROB``."""
+    return value if value >= MIN_LOGPROB else MIN_LOGPROB
+
+
 def sse(payload: dict) -> str:
-    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+    """One server-sent event. Strict JSON: a non-finite number raises instead of going out as ``-Infinity``."""
+    return f"data: {json.dumps(payload, separators=(',', ':'), allow_nan=False)}\n\n"
 
 
 SSE_DONE = "data: [DONE]\n\n"
@@ -84,8 +97,10 @@ class ServingContext:
 
     def __init__(self, engine: ServedEngine, model_name: str, max_n: int = 128,
                  max_seqs_per_request: int = DEFAULT_MAX_SEQS_PER_REQUEST, max_token_chars: int | None = None,
-                 tool_call_parser: str | None = None, reasoning_parser: str | None = None) -> None:
+                 tool_call_parser: str | None = None, reasoning_parser: str | None = None,
+                 grammar_checker: GrammarChecker | None = None) -> None:
         self.engine = engine
+        self.grammar_checker = grammar_checker  # None: constraints are translated and validated, not compiled
         self.tool_call_parser = tool_call_parser  # None: picked from the chat template (server/tools.py)
         self.chat_template = engine.info.tokenizer.chat_template
         # How the model reasons (None: it does not); the parser's None: read from the template (server/reasoning.py)
@@ -148,7 +163,7 @@ class ServingContext:
 
     def sampling_params(self, body: SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """The checks every generation endpoint makes after its own, and the request's ``SamplingParams``
-        (APIError 400 when bad)."""
+        (APIError 400 when bad): a stream's outputs are deltas (``RequestStream``), any other's cumulative."""
         if body.refused is not None:
             raise bad_request(body.refused.message, body.refused.name)
         if body.stream_options is not None and not body.stream:
@@ -159,18 +174,20 @@ class ServingContext:
             params.check_vocabulary(self.vocab_size)
         except ValueError as exc:
             raise from_value_error(exc) from exc
+        if body.stream:
+            params = dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)
         return params
 
     async def check_constraint(self, params: SamplingParams, field: str | None = None) -> None:
         """400 for a structured-output constraint that cannot be enforced (an unsupported JSON schema keyword, a
-        regex look-ahead, a grammar that does not parse), before the request reaches the engine; ``field``: the
-        request field that asked for it, which the error names. On a thread: a large schema takes milliseconds
-        to translate."""
+        regex look-ahead, a grammar that does not parse, one that matches no text, one past llguidance's limits or
+        the check's time bound: ``structured.checker``), before the request reaches the engine; ``field``: the
+        request field that asked for it, which the error names. On a thread: the check waits for its worker."""
         spec = params.structured_outputs
         if spec is None:
             return
         try:
-            await asyncio.to_thread(grammar_text, spec)
+            await asyncio.to_thread(self.grammar_checker.check if self.grammar_checker else grammar_text, spec)
         except ValueError as exc:
             if field is None:
                 raise from_value_error(exc) from exc
@@ -325,32 +342,3 @@ async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Reque
     finally:
         for t in tasks:
             t.cancel()
-
-
-class DeltaTracker:
-    """What of each completion has already been streamed. While a completion runs, the last
-    ``max_stop_len - 1`` characters are held back: a stop string may be completed by a later token, and the
-    engine then cuts the text at its start."""
-
-    def __init__(self, params: SamplingParams) -> None:
-        self.hold = max((len(s) for s in params.stop), default=1) - 1
-        if params.include_stop_str_in_output:
-            self.hold = 0
-        self.chars: dict[int, int] = {}
-        self.tokens: dict[int, int] = {}
-        self.done: set[int] = set()
-
-    def delta(self, index: int, c: CompletionOutput) -> tuple[str, int, int, bool] | None:
-        """(new text, first new token, end token, finished now), or None when there is nothing to send."""
-        if index in self.done:
-            return None
-        sent_chars, sent_tokens = self.chars.get(index, 0), self.tokens.get(index, 0)
-        end = len(c.text) if c.finished else max(sent_chars, len(c.text) - self.hold)
-        text = c.text[sent_chars:end]
-        n_tokens = len(c.token_ids)
-        if not text and n_tokens == sent_tokens and not c.finished:
-            return None
-        self.chars[index], self.tokens[index] = end, n_tokens
-        if c.finished:
-            self.done.add(index)
-        return text, sent_tokens, n_tokens, c.finished

@@ -37,15 +37,21 @@ def write_st_pooling(path: Path, mode: str, normalize: bool = True) -> None:
         "pooling_mode_mean_tokens": mode == "mean", "pooling_mode_lasttoken": mode == "lasttoken"}))
 
 
+def tiny_qwen3_config():
+    from transformers import Qwen3Config
+
+    return Qwen3Config(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                       bos_token_id=1, eos_token_id=2, pad_token_id=3, tie_word_embeddings=False)
+
+
 def save_tiny_decoder_embedder(path: Path, mode: str = "lasttoken", seed: int = 0) -> Path:
     """A Qwen3Model (no LM head, as Qwen3-Embedding ships) with ``mode`` pooling and normalisation."""
     import torch
-    from transformers import Qwen3Config, Qwen3Model
+    from transformers import Qwen3Model
 
     torch.manual_seed(seed)
-    cfg = Qwen3Config(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
-                      bos_token_id=1, eos_token_id=2, pad_token_id=3, tie_word_embeddings=False)
+    cfg = tiny_qwen3_config()
     path.mkdir(parents=True, exist_ok=True)
     Qwen3Model(cfg).to(torch.float32).save_pretrained(path, safe_serialization=True)
     write_word_tokenizer(path, 384)
@@ -56,12 +62,10 @@ def save_tiny_decoder_embedder(path: Path, mode: str = "lasttoken", seed: int = 
 def save_tiny_reranker(path: Path, seed: int = 0) -> Path:
     """A Qwen3ForCausalLM whose vocabulary holds "yes" and "no" (a decoder reranker's shape, Qwen3-Reranker's)."""
     import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers import Qwen3ForCausalLM
 
     torch.manual_seed(seed)
-    cfg = Qwen3Config(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
-                      bos_token_id=1, eos_token_id=2, pad_token_id=3, tie_word_embeddings=False)
+    cfg = tiny_qwen3_config()
     path.mkdir(parents=True, exist_ok=True)
     Qwen3ForCausalLM(cfg).to(torch.float32).save_pretrained(path, safe_serialization=True)
     write_word_tokenizer(path, 384)

@@ -138,7 +138,7 @@ def test_embeddings_beside_chat_under_load(served):
         outcomes: list[int] = []
         async with httpx.AsyncClient(base_url=served.url, timeout=120) as client:
             async def embed(k: int):
-                texts = [f"passage {k} number {i} " * (1 + (k * 7 + i) % 40) for i in range(1 + k % 24)]
+                texts = [f"passage {k} number {i} " * (1 + (k * 7 + i) % 40) for i in range(1 + k % 16)]
                 r = await client.post("/v1/embeddings", json={"model": EMB, "input": texts})
                 outcomes.append(r.status_code)
                 if r.status_code == 200:
@@ -157,7 +157,7 @@ def test_embeddings_beside_chat_under_load(served):
                     outcomes.append(499)
 
             largest = client.post("/v1/embeddings", json={"model": EMB, "input": [f"t{i}" for i in range(2048)]})
-            jobs = [embed(k) for k in range(40)] + [chat(k) for k in range(12)] + [hang_up(k) for k in range(16)]
+            jobs = [embed(k) for k in range(24)] + [chat(k) for k in range(8)] + [hang_up(k) for k in range(12)]
             results = await asyncio.gather(largest, *jobs, return_exceptions=True)
             errors = [r for r in results if isinstance(r, Exception)]
             assert not errors, errors[:3]
