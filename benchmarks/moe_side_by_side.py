@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""A mixture of experts against llama.cpp: a random-weight Qwen3-MoE of a realistic shape (``SHAPE``: 2.0B
-parameters, 64 experts, 8 a token, 0.39B of them active), written with transformers, converted by llama.cpp's
+"""A mixture of experts against llama.cpp: a random-weight Qwen3-MoE of a realistic shape (``SHAPE``: 1.76B
+parameters, 64 experts, 8 a token, 0.32B of them active), written with transformers, converted by llama.cpp's
 ``convert_hf_to_gguf.py`` and quantized by ``llama-quantize``; conveyor against ``llama-bench`` (batch-1 decode) and
 ``llama-server`` (the long-tail trace over HTTP) on the same files and threads; and what batching does to the
 experts a decode step reads.
@@ -53,10 +53,12 @@ for path in (HERE, REPO):
 
 import gguf_side_by_side as sbs  # noqa: E402
 
-# Qwen3-30B-A3B's proportions scaled down (its 2048 / 48 layers / 128 experts / 768-wide experts / 151,936 tokens):
-# 2.0B parameters, 1.81B of them in experts, 0.39B a token (attention 126M, 8 experts 226M, lm_head 33M)
-SHAPE = dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, num_key_value_heads=4, head_dim=128,
-             num_experts=64, num_experts_per_tok=8, moe_intermediate_size=384, intermediate_size=3072,
+# OLMoE-1B-7B's routing (64 experts, 8 a token, 16 layers) at half its width, in Qwen3-MoE's layers (q/k norms,
+# 16 query / 4 KV heads of 128): 1.76B parameters, 1.61B of them in experts, 0.32B a token (attention 84M, 8 experts
+# 201M, lm_head 33M). The experts' width is a multiple of 256, so llama-quantize's Q4_K_M holds them in K-quants
+# (Q4_K, and Q6_K for half the layers' down projections) as it does for published MoE models
+SHAPE = dict(hidden_size=1024, num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=4, head_dim=128,
+             num_experts=64, num_experts_per_tok=8, moe_intermediate_size=512, intermediate_size=3072,
              vocab_size=32000, max_position_embeddings=4096, rms_norm_eps=1e-6, norm_topk_prob=True,
              tie_word_embeddings=False, rope_theta=1000000.0, bos_token_id=1, eos_token_id=2)
 

@@ -123,7 +123,13 @@ _TABLE = {
     "llama-3-70b": (8192, 80, 64, 8, 128, 28672, 128256, 8192, False),  # meta-llama/Meta-Llama-3-70B
     "qwen2.5-7b": (3584, 28, 28, 4, 128, 18944, 152064, 32768, False),  # Qwen/Qwen2.5-7B-Instruct
 }
+# Mixtures of experts: the same fields, then (experts, experts a token, an expert's intermediate size).
+_MOE_TABLE = {
+    "qwen3-30b-a3b": ((2048, 48, 32, 4, 128, 6144, 151936, 40960, False), (128, 8, 768)),  # Qwen/Qwen3-30B-A3B
+}
 MODELS: dict[str, ModelSpec] = {name: ModelSpec(name, *row) for name, row in _TABLE.items()}
+MODELS.update({name: ModelSpec(name, *row, num_experts=moe[0], experts_per_token=moe[1],
+                               expert_intermediate_size=moe[2]) for name, (row, moe) in _MOE_TABLE.items()})
 # The names conveyor's real engine reports for the same shapes, so a profile measured on one finds its spec.
 ALIASES = {"conveyor-embedded-llama-40m-random": "bench-llama-40m", "llama-40m-fp32": "bench-llama-40m",
            "smollm2-135m-fp32": "smollm2-135m", "smollm2-135m-instruct": "smollm2-135m"}
