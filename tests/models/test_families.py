@@ -20,7 +20,7 @@ from conveyor.core.sampling_params import SamplingParams
 from conveyor.engine.llm import LLM
 from conveyor.kernels import load_cpu_kernels
 from conveyor.layers.quantized import QuantLinear
-from tests.helpers.families import TINIES, VOCAB, convert_tinies, converter_available, save_tiny
+from tests.helpers.families import TINIES, VOCAB, converter_available, save_tiny
 
 pytestmark = pytest.mark.slow  # real models and engines: run by CI, skipped by -m "not slow"
 transformers = pytest.importorskip("transformers")
@@ -33,7 +33,8 @@ GREEDY = 6
 WINDOWED_EVERY_LAYER = {"mistral", "phi3"}  # (Gemma 3 has global layers)
 # the tokens each family's chat turns end with (what llama.cpp finds by text; the converter writes one eos id)
 END_OF_TURN = {"llama3": ("<|eot_id|>", "<|eom_id|>"), "mistral": ("</s>",), "qwen2": ("<|im_end|>",),
-               "qwen3": ("<|im_end|>",), "gemma3": ("<end_of_turn>",), "phi3": ("<|end|>",)}
+               "qwen3": ("<|im_end|>",), "gemma3": ("<end_of_turn>",), "phi3": ("<|end|>",),
+               "qwen3_moe": ("<|im_end|>",), "mixtral": ("</s>",), "olmoe": ("<|im_end|>",)}
 
 
 class Checkpoint:
@@ -51,9 +52,8 @@ class Checkpoint:
 
 
 @pytest.fixture(scope="module")
-def converted(tmp_path_factory) -> dict:
-    """Every family's checkpoint and its F32 and Q8_0 GGUFs, converted in one run of the converter."""
-    return convert_tinies(tmp_path_factory.mktemp("families"), CONVERTED)
+def converted(converted_families) -> dict:
+    return converted_families
 
 
 CONVERTED = [name for name, tiny in TINIES.items() if tiny.converts]
