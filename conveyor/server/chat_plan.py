@@ -89,17 +89,24 @@ class ChatRequestPlan:
     echo: str
     max_tokens: int | None
     template_kwargs: dict
+    raw_prompt: str | None = None  # a prompt that bypasses the template (Ollama's raw generate)
+    prefix_ids: tuple[int, ...] = ()  # token ids before the prompt (Ollama's generate context)
 
     def render(self, info: EngineInfo, ctx: ServingContext,
                check_length: bool = True) -> tuple[list[int], str | None]:
         """(prompt token ids, where a reply starts: ``reasoning.reply_start``, None for a model that does not
         reason). Runs off the event loop; ValueError (400) when the template refuses the messages or (with
         ``check_length``) the prompt does not fit with ``max_tokens``."""
-        text = chat.chat_prompt(info.tokenizer, self.messages, self.add_generation_prompt,
-                                continue_final_message=self.body.continue_final_message,
-                                tools=self.tools.template_tools if self.tools is not None else None,
-                                template_kwargs=self.template_kwargs)
-        ids = encode_text(info.tokenizer, text, self.body.add_special_tokens, field="messages")
+        if self.raw_prompt is not None:
+            text = self.raw_prompt
+            ids = encode_text(info.tokenizer, text, True, field="prompt")
+        else:
+            text = chat.chat_prompt(info.tokenizer, self.messages, self.add_generation_prompt,
+                                    continue_final_message=self.body.continue_final_message,
+                                    tools=self.tools.template_tools if self.tools is not None else None,
+                                    template_kwargs=self.template_kwargs)
+            ids = encode_text(info.tokenizer, text, self.body.add_special_tokens, field="messages")
+        ids = [*self.prefix_ids, *ids]
         if check_length:
             check_context(len(ids), self.max_tokens, info.max_model_len)
         return ids, reply_start(ctx.reasoning.syntax, text) if ctx.reasoning is not None else None
@@ -117,7 +124,7 @@ class ChatRequestPlan:
             params = dataclasses.replace(params, skip_special_tokens=False)  # the markers must reach the text
         request_id = new_id(prefix)
         streams = await ctx.submit(request_id, [lambda _: {"prompt_token_ids": ids}], params, raw)
-        return ChatRun(ctx, self, request_id, streams, len(ids), start)
+        return ChatRun(ctx, self, request_id, streams, ids, start)
 
 
 def internal_request(fields: dict) -> ChatCompletionRequest:
@@ -190,9 +197,10 @@ class ChatRun:
     (``results``). Both read the text with the same parsers, so a streamed reply and a whole one agree."""
 
     def __init__(self, ctx: ServingContext, plan: ChatRequestPlan, request_id: str, streams: list[RequestStream],
-                 prompt_tokens: int, start: str | None) -> None:
+                 prompt_ids: list[int], start: str | None) -> None:
         self.ctx, self.plan, self.request_id, self.streams = ctx, plan, request_id, streams
-        self.prompt_tokens = prompt_tokens
+        self.prompt_ids = prompt_ids
+        self.prompt_tokens = len(prompt_ids)
         self.created = int(time.time())
         self.final: RequestOutput | None = None
         self._start = start
