@@ -25,6 +25,7 @@ from conveyor.server.cors import CORSConfig, install_cors
 from conveyor.server.errors import APIError, install_error_handlers
 from conveyor.server.limits import DEFAULT_MAX_REQUEST_BODY_BYTES, DEFAULT_MAX_SEQS_PER_REQUEST, max_token_chars
 from conveyor.server.metrics import ServerMetrics, log_stats_forever
+from conveyor.server.ollama.routes import install_ollama_routes
 from conveyor.server.protocol import ChatCompletionRequest, CompletionRequest
 from conveyor.server.responses.serving import install_responses_routes
 from conveyor.server.responses.store import ResponseStore
@@ -137,5 +138,6 @@ def build_app(engine: ServedEngine | LLMEngine, served_model_name: str | None = 
     install_tokenizer_routes(app, ctx)
     install_anthropic_routes(app, ctx)
     install_responses_routes(app, ctx, responses_store or ResponseStore())
+    install_ollama_routes(app, ctx)
     return app
 
