@@ -19,7 +19,8 @@ from datetime import datetime, timezone
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from conveyor.server.chat_plan import ChatRun, check_plan, internal_request, plan_chat
+from conveyor.server.chat_plan import check_plan, internal_request, plan_chat
+from conveyor.server.chat_run import ChatRun
 from conveyor.server.errors import APIError, ollama_error
 from conveyor.server.ollama.model_card import ModelCard
 from conveyor.server.ollama.protocol import ChatRequest, GenerateRequest, ShowRequest, chat_body, generate_body
