@@ -196,7 +196,21 @@ class NamedParser:
         return ParsedPiece() if self._started else self.feed("")
 
 
-class JsonEnvelopeParser:
+class _CallReader:
+    """What the parsers that read calls share: the reply's calls (``_Calls``) and what they tell the caller."""
+
+    _calls: _Calls
+
+    @property
+    def done(self) -> bool:
+        return self._calls.done
+
+    @property
+    def wants_answer(self) -> bool:
+        return self._calls.wants_answer
+
+
+class JsonEnvelopeParser(_CallReader):
     """Replies constrained to JSON: ``tool_choice: "required"`` (an array of ``{"name", "arguments"}``) and the
     generic format of ``"auto"`` (``{"tool_calls": [...]}`` or ``{"response": "..."}``, llama.cpp's)."""
 
@@ -210,14 +224,6 @@ class JsonEnvelopeParser:
         self._text = ""
         self._mode: str | None = None
         self._pos = 0
-
-    @property
-    def done(self) -> bool:
-        return self._calls.done
-
-    @property
-    def wants_answer(self) -> bool:
-        return self._calls.wants_answer
 
     def feed(self, text: str) -> ParsedPiece:
         if self.done or self._mode == "closed":
@@ -243,7 +249,7 @@ class JsonEnvelopeParser:
         return ParsedPiece()  # an envelope cut short: its complete calls were returned, the rest is dropped
 
 
-class MarkedCallsParser:
+class MarkedCallsParser(_CallReader):
     """Model-native syntaxes, unconstrained: answer text, then calls behind a marker.
 
     - ``hermes``: ``<tool_call>{"name", "arguments"}</tool_call>`` (Qwen2.5/3, Hermes and many fine-tunes);
@@ -259,14 +265,6 @@ class MarkedCallsParser:
         self._text = ""  # everything fed
         self._pos = 0  # how much of it is settled (sent as content, or read as calls)
         self._in_calls = False
-
-    @property
-    def done(self) -> bool:
-        return self._calls.done
-
-    @property
-    def wants_answer(self) -> bool:
-        return self._calls.wants_answer
 
     def feed(self, text: str) -> ParsedPiece:
         if self.done:

@@ -76,6 +76,22 @@ def test_a_function_tool_round_trip_with_items_and_previous_response_id(client):
         client.responses.retrieve(again.id)  # store: false
 
 
+def test_namespaced_tools_are_called_by_their_namespace(client):
+    """Codex groups tools in namespaces: a call names its namespace, and comes back in the history with it."""
+    grouped = [{"type": "namespace", "name": "weather", "description": "weather tools",
+                "tools": [{"type": "function", "name": "get", "parameters": WEATHER_SCHEMA, "strict": False}]}]
+    first = client.responses.create(model=MODEL, input="Weather?", tools=grouped, tool_choice="required",
+                                    max_output_tokens=200, **NO_THINKING)
+    (call,) = [item for item in first.output if item.type == "function_call"]
+    assert (call.namespace, call.name) == ("weather", "get")
+    jsonschema.validate(json.loads(call.arguments), WEATHER_SCHEMA)
+    answer = client.responses.create(model=MODEL, store=False, tools=grouped, tool_choice="none", **NO_THINKING,
+                                     input=[{"role": "user", "content": "Weather?"}, call.model_dump(),
+                                            {"type": "function_call_output", "call_id": call.call_id,
+                                             "output": "12 C"}])
+    assert answer.output_text == ANSWER
+
+
 def test_streamed_events_reassemble_into_the_same_response(client):
     whole = client.responses.create(model=MODEL, input="Capital of France?", temperature=0)
     with client.responses.stream(model=MODEL, input="Capital of France?", temperature=0) as stream:

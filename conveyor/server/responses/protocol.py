@@ -2,7 +2,8 @@
 
 Served: ``input`` as a string or items (messages in any role, ``developer`` as ``system``; ``function_call`` and
 ``function_call_output``; ``reasoning`` items of earlier turns, dropped from the prompt), ``instructions``,
-``tools`` (``function`` tools), ``tool_choice``, ``parallel_tool_calls``, ``text.format`` (``json_schema``,
+``tools`` (``function`` tools, and ``namespace`` tools: groups of them, whose calls name their namespace),
+``tool_choice``, ``parallel_tool_calls``, ``text.format`` (``json_schema``,
 ``json_object``, ``text``), ``max_output_tokens``, ``temperature``, ``top_p``, ``reasoning.effort`` (``none``
 turns the chat template's thinking off), ``previous_response_id`` and ``store``, ``metadata``, ``user``,
 ``include``, ``truncation`` (accepted). Refused with a 400: other tool types (web search, file search, computer use,
@@ -99,8 +100,8 @@ def conversation(items: list[dict], earlier: list[dict]) -> list[dict]:
         elif kind == "function_call":
             if not all(isinstance(item.get(k), str) for k in ("call_id", "name", "arguments")):
                 raise bad_request(f"{where}: a function_call needs call_id, name and arguments (strings)", "input")
-            call = {"id": item["call_id"], "type": "function",
-                    "function": {"name": item["name"], "arguments": item["arguments"]}}
+            call = {"id": item["call_id"], "type": "function", "function": {
+                "name": joined(item.get("namespace"), item["name"]), "arguments": item["arguments"]}}
             called.add(item["call_id"])
             if out and out[-1]["role"] == "assistant":  # one turn: its text and its calls
                 out[-1] = {**out[-1], "tool_calls": [*out[-1].get("tool_calls", []), call]}
@@ -121,23 +122,47 @@ def conversation(items: list[dict], earlier: list[dict]) -> list[dict]:
     return out
 
 
+def joined(namespace: str | None, name: str) -> str:
+    """A namespaced function's name as the model sees it (``namespace.name``)."""
+    return f"{namespace}.{name}" if namespace else name
+
+
+def split_name(name: str, namespaces: set[str]) -> tuple[str | None, str]:
+    """(namespace, name) of a called function: the request's namespaces are the names' prefixes."""
+    head, _, tail = name.partition(".")
+    return (head, tail) if tail and head in namespaces else (None, name)
+
+
+def namespaces(body: ResponsesRequest) -> set[str]:
+    return {t["name"] for t in body.tools or () if t.get("type") == "namespace" and isinstance(t.get("name"), str)}
+
+
+def _function(tool: dict, where: str, namespace: str | None = None) -> dict:
+    if tool.get("type") != "function" or not isinstance(tool.get("name"), str):
+        raise bad_request(f"{where}: only function tools ({{\"type\": \"function\", \"name\", \"parameters\"}}) "
+                          f"and namespaces of them are supported, got type {tool.get('type')!r} (hosted tools such "
+                          "as web_search run on OpenAI's side, not here)", "tools")
+    return {"type": "function", "function": {
+        "name": joined(namespace, tool["name"]), "description": tool.get("description") or "",
+        "parameters": tool.get("parameters") or {"type": "object", "properties": {}}}}
+
+
 def _tools(body: ResponsesRequest) -> tuple[list[dict] | None, Any]:
     tools = None
     if body.tools:
         tools = []
         for i, tool in enumerate(body.tools):
-            if tool.get("type") != "function" or not isinstance(tool.get("name"), str):
-                raise bad_request(f"tools[{i}]: only function tools ({{\"type\": \"function\", \"name\", "
-                                  f"\"parameters\"}}) are supported, got type {tool.get('type')!r}", "tools")
-            tools.append({"type": "function", "function": {
-                "name": tool["name"], "description": tool.get("description") or "",
-                "parameters": tool.get("parameters") or {"type": "object", "properties": {}}}})
+            if tool.get("type") == "namespace" and isinstance(tool.get("name"), str):
+                tools += [_function(t, f"tools[{i}].tools[{j}]", tool["name"])
+                          for j, t in enumerate(tool.get("tools") or [])]
+            else:
+                tools.append(_function(tool, f"tools[{i}]"))
     choice = body.tool_choice
     if isinstance(choice, dict):
         if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
             raise bad_request('tool_choice must be "none", "auto", "required" or {"type": "function", "name": ...}, '
                               f"got {choice!r}", "tool_choice")
-        choice = {"type": "function", "function": {"name": choice["name"]}}
+        choice = {"type": "function", "function": {"name": joined(choice.get("namespace"), choice["name"])}}
     return tools, choice
 
 

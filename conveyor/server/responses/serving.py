@@ -29,7 +29,7 @@ from conveyor.server.errors import APIError
 from conveyor.server.reply import ReplyResult
 from conveyor.server.reply_blocks import Block, BlockEvent, BlockSequencer
 from conveyor.server.responses.protocol import (
-    ResponsesRequest, chat_body, conversation, input_items, output_conversation,
+    ResponsesRequest, chat_body, conversation, input_items, namespaces, output_conversation, split_name,
 )
 from conveyor.server.responses.store import ResponseStore
 from conveyor.server.serving_common import ServingContext, guarded_stream
@@ -78,6 +78,8 @@ class ResponseShape:
 
 
 def _tool_echo(tool: dict) -> dict:
+    if tool.get("type") == "namespace":
+        return tool
     return {"type": "function", "name": tool.get("name"), "description": tool.get("description"),
             "parameters": tool.get("parameters"), "strict": tool.get("strict")}
 
@@ -100,18 +102,20 @@ def _message_item(item_id: str, text: str | None, status: str = "completed") -> 
             "content": [_text_part(text)] if text is not None else []}
 
 
-def _call_item(item_id: str, call_id: str, name: str, arguments: str, status: str = "completed") -> dict:
+def _call_item(item_id: str, call_id: str, name: str, arguments: str, status: str = "completed",
+               spaces: set[str] = frozenset()) -> dict:
+    namespace, name = split_name(name, spaces)
     return {"id": item_id, "type": "function_call", "call_id": call_id, "name": name, "arguments": arguments,
-            "status": status}
+            "status": status, **({"namespace": namespace} if namespace else {})}
 
 
-def output_items(r: ReplyResult, keep_reasoning: bool = True) -> list[dict]:
+def output_items(r: ReplyResult, keep_reasoning: bool = True, spaces: set[str] = frozenset()) -> list[dict]:
     items = []
     if r.reasoning and keep_reasoning:
         items.append(_reasoning_item(_id("rs"), r.reasoning))
     if r.content or not r.tool_calls:  # a reply with neither text nor calls has its empty message
         items.append(_message_item(_id("msg"), r.content))
-    items += [_call_item(_id("fc"), c.id, c.name, c.arguments) for c in r.tool_calls]
+    items += [_call_item(_id("fc"), c.id, c.name, c.arguments, spaces=spaces) for c in r.tool_calls]
     return items
 
 
@@ -145,7 +149,7 @@ class ResponsesService:
             return StreamingResponse(guarded_stream(frames, self.ctx, run.streams, _error_frame),
                                      media_type="text/event-stream")
         (result,) = await run.results(raw)
-        output = output_items(result, shape.keeps_reasoning)
+        output = output_items(result, shape.keeps_reasoning, namespaces(body))
         response = shape.whole("completed", output, result.num_tokens, result.finish_reason)
         await keep(response, output_conversation(result.content, [(c.id, c.name, c.arguments)
                                                                    for c in result.tool_calls]))
@@ -183,7 +187,8 @@ def _sse(data: dict) -> str:
 class _EventWriter:
     """Numbers the events of one stream and writes the item events of its blocks."""
 
-    def __init__(self) -> None:
+    def __init__(self, spaces: set[str]) -> None:
+        self.spaces = spaces  # the request's tool namespaces
         self.seq = 0
         self.items: dict[int, dict] = {}  # block index -> the item it became (its id, and its whole form at the end)
 
@@ -226,20 +231,20 @@ class _EventWriter:
                             part=_part(b.kind, b.text))]
         else:
             frames.append(self("response.function_call_arguments.done", item_id=item_id, output_index=at,
-                               name=b.name, arguments=b.text))
+                               name=done["name"], arguments=b.text))
         return [*frames, self("response.output_item.done", output_index=at, item=done)]
 
-    @staticmethod
-    def _item(b: Block, status: str, item_id: str | None = None) -> dict:
+    def _item(self, b: Block, status: str, item_id: str | None = None) -> dict:
         if b.kind == "reasoning":
             return _reasoning_item(item_id or _id("rs"), b.text if status == "completed" else "", status)
         if b.kind == "text":
             return _message_item(item_id or _id("msg"), b.text if status == "completed" else None, status)
-        return _call_item(item_id or _id("fc"), b.call_id, b.name, b.text if status == "completed" else "", status)
+        return _call_item(item_id or _id("fc"), b.call_id, b.name, b.text if status == "completed" else "", status,
+                          self.spaces)
 
 
 async def _stream(shape: ResponseShape, run: ChatRun, keep) -> AsyncIterator[str]:
-    write = _EventWriter()
+    write = _EventWriter(namespaces(shape.body))
     yield write("response.created", response=shape.whole("in_progress", [], 0))
     yield write("response.in_progress", response=shape.whole("in_progress", [], 0))
     blocks = BlockSequencer(keep_reasoning=shape.keeps_reasoning)
