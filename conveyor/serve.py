@@ -74,9 +74,21 @@ def add_serve_parser(sub) -> None:
                    help="accepted for vLLM's command lines: tool_choice auto is always served")
     from conveyor.server.reasoning import REASONING_PARSERS
 
+    p.add_argument("--embedding-model", default=None, metavar="MODEL",
+                   help="also serve this embedding or reranking model (a name, GGUF file or directory), in an engine "
+                        "of its own behind the same server: /v1/embeddings, /v1/rerank and /v1/score go to it, or "
+                        "requests naming it; --pooler-config applies to it")
+    p.add_argument("--embedding-served-model-name", default=None,
+                   help="the name clients pass as `model` for --embedding-model (default: its own name)")
     p.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
                    help="the model's reasoning syntax, split off the answer as reasoning_content / thinking "
                    "(default: read from the chat template: <think> or [THINK]; none: never split)")
+
+    from conveyor.structured.checker import CHECK_TIMEOUT_S
+
+    p.add_argument("--grammar-check-timeout", type=float, default=CHECK_TIMEOUT_S,
+                   help="seconds a new constraint (response_format, guided_*, tools) may take to compile and to "
+                   "compute its first masks in the check before it runs (a worker process); slower is 400")
     add_cors_args(p)
     from conveyor.server.responses.store import add_store_args
 
@@ -172,10 +184,15 @@ def run_serve(ns: argparse.Namespace) -> int:
     frontend_cpus = split_cpus(ns, args) if ns.frontend_cpus else None
     if frontend_cpus is not None:
         args = dataclasses.replace(args, cpu_ids=frontend_cpus[1])
+    second_args = None
+    if ns.embedding_model:  # its own engine, with the same knobs but its own context length
+        second_args = dataclasses.replace(args, model=ns.embedding_model, max_model_len=None, speculative_config=None)
+        args = dataclasses.replace(args, pooler_config=None, convert="auto")
     if not ns.engine_in_process:
         from conveyor.engine.core_client import EngineCoreClient
 
         engine = EngineCoreClient(args)  # the engine process starts loading the model now ...
+        second = EngineCoreClient(second_args) if second_args is not None else None
     if frontend_cpus is not None:
         os.sched_setaffinity(0, frontend_cpus[0])  # after the spawn: the engine process set its own CPUs
         logger.info("API server on CPUs %s, engine on CPUs %s", frontend_cpus[0], frontend_cpus[1])
@@ -188,6 +205,8 @@ def run_serve(ns: argparse.Namespace) -> int:
         from conveyor.engine.llm_engine import LLMEngine
 
         engine = LLMEngine(args)
+        second = LLMEngine(second_args) if second_args is not None else None
+    also_serve = [(second, ns.embedding_served_model_name)] if second is not None else []
     info = engine.info  # (the engine process: waits until it is ready)
     model = info.model_info
     if info.random_weights:
@@ -200,7 +219,8 @@ def run_serve(ns: argparse.Namespace) -> int:
                     0.0 if ns.disable_log_stats else ns.log_stats_interval, ns.shutdown_timeout, ns.max_n,
                     max_request_body_bytes=ns.max_request_body_bytes, max_seqs_per_request=ns.max_seqs_per_request,
                     tool_call_parser=ns.tool_call_parser, reasoning_parser=ns.reasoning_parser,
-                    cors=CORSConfig.from_namespace(ns), responses_store=ResponseStore.from_namespace(ns))
+                    cors=CORSConfig.from_namespace(ns), responses_store=ResponseStore.from_namespace(ns),
+                    also_serve=also_serve, grammar_check_timeout_s=ns.grammar_check_timeout)
     server = make_server(app, ns.host, ns.port, ns.uvicorn_log_level, ns.timeout_keep_alive, ns.timeout_headers,
                          loop=ns.uvicorn_loop)
     try:

@@ -51,6 +51,17 @@ class Tokenizer:
         """Text of ``ids``. Read-only (no tokenizer state changes), so any thread may call it."""
         raise NotImplementedError
 
+    def encode_input(self, text: str, pair: str | None = None,
+                     max_tokens: int | None = None) -> tuple[list[int], int | None]:
+        """The token ids of a pooling model's input: ``text``, or the pair (``text``, ``pair``) as a cross-encoder
+        takes it ([CLS] text [SEP] pair [SEP], the pair as segment 1), with the special tokens; cut to
+        ``max_tokens`` keeping the special tokens (the text's end, or for a pair the second text's end, goes), as
+        the tokenizer's own truncation does. Returns (ids, index of the pair's first token or None)."""
+        if pair is not None:
+            raise ValueError("this tokenizer does not encode text pairs (a cross-encoder's [CLS] a [SEP] b [SEP])")
+        ids = self.encode(text)
+        return (ids if max_tokens is None else ids[:max_tokens]), None
+
     def tokenizers_json(self) -> str | None:
         """The ``tokenizers`` serialisation (tokenizer.json text) of this vocabulary, for libraries that build
         their own view of it (llguidance); None when the tokenizer is not a ``tokenizers`` one."""
@@ -129,6 +140,10 @@ class HFTokenizer(Tokenizer):
         from tokenizers import Tokenizer as RustTokenizer
 
         self._tok = RustTokenizer.from_file(os.path.join(model_dir, "tokenizer.json"))
+        # A tokenizer.json may carry the padding and truncation its trainer batched with (all-MiniLM-L6-v2's pads
+        # every text to 128 ids): the engine packs sequences without padding and checks lengths itself.
+        self._tok.no_padding()
+        self._tok.no_truncation()
         config = _read_json(os.path.join(model_dir, "tokenizer_config.json"))
         self.bos_token = _token_text(config.get("bos_token")) or ""
         self.eos_token = _token_text(config.get("eos_token")) or ""
@@ -143,9 +158,34 @@ class HFTokenizer(Tokenizer):
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def encode_input(self, text: str, pair: str | None = None,
+                     max_tokens: int | None = None) -> tuple[list[int], int | None]:
+        return _encode_with_template(self._tok, text, pair, max_tokens)
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         vocab = self.vocab_size
         return self._tok.decode([i for i in ids if 0 <= i < vocab], skip_special_tokens=skip_special_tokens)
+
+
+def _encode_with_template(tok, text: str, pair: str | None, max_tokens: int | None,
+                          bos: int | None = None) -> tuple[list[int], int | None]:
+    """``Tokenizer.encode_input`` on a ``tokenizers`` tokenizer: the texts' own tokens cut first, then its
+    post-processor's special tokens (and type ids) added, so a cut keeps them; ``bos`` prepended after."""
+    first = tok.encode(text, add_special_tokens=False)
+    second = tok.encode(pair, add_special_tokens=False) if pair is not None else None
+    if max_tokens is not None:
+        room = max_tokens - tok.num_special_tokens_to_add(second is not None) - (bos is not None)
+        if second is None:
+            first.truncate(max(room, 0))
+        else:
+            second.truncate(max(room - len(first.ids), 0))
+    enc = tok.post_process(first, second, add_special_tokens=True)
+    ids = ([bos] if bos is not None else []) + enc.ids
+    if second is None:
+        return ids, None
+    if 1 not in enc.type_ids:
+        raise ValueError("this tokenizer does not mark a text pair's second segment (no token type ids)")
+    return ids, enc.type_ids.index(1) + (bos is not None)
 
 
 class TransformersTokenizer(Tokenizer):
@@ -182,12 +222,20 @@ class GGUFTokenizer(Tokenizer):
         self.bos_token, self.eos_token = vocab.bos_token, vocab.eos_token
         self.add_bos, self.vocab_size = vocab.add_bos, vocab.vocab_size
         self.all_special_ids, self.chat_template = vocab.special_ids, vocab.chat_template
+        self.post_processed = vocab.post_processed  # WordPiece adds [CLS] .. [SEP] itself
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if self.post_processed:
+            return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
         ids = self._tok.encode(text, add_special_tokens=False).ids
         if add_special_tokens and self.add_bos and self.bos_token_id is not None:
             ids = [self.bos_token_id] + ids
         return ids
+
+    def encode_input(self, text: str, pair: str | None = None,
+                     max_tokens: int | None = None) -> tuple[list[int], int | None]:
+        bos = self.bos_token_id if self.add_bos and not self.post_processed else None
+        return _encode_with_template(self._tok, text, pair, max_tokens, bos)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         vocab = self.vocab_size

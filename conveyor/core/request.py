@@ -35,6 +35,11 @@ class RequestStatus(enum.Enum):
     FINISHED_ABORTED = "abort"  # aborted by the caller (client gone, shutdown)
 
     @property
+    def is_pooling(self) -> bool:
+        """A prefill-only request (embedding, scoring): it finishes when its prompt is computed."""
+        return self.sampling_params.pooling is not None
+
+    @property
     def is_finished(self) -> bool:
         return self in _FINISHED
 
@@ -120,6 +125,11 @@ class Request:
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_pooling(self) -> bool:
+        """A prefill-only request (embedding, scoring): it finishes when its prompt is computed."""
+        return self.sampling_params.pooling is not None
 
     @property
     def is_finished(self) -> bool:

@@ -10,6 +10,8 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
+from conveyor.core.pooling_params import PoolingParams
+
 # Bounds that come from where the values end up, not from taste:
 FLOAT32_MAX = 3.4028234663852886e38  # sampling runs in float32: a larger float becomes inf there
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1  # what torch.Generator.manual_seed accepts
@@ -103,6 +105,9 @@ class SamplingParams:
     # bad_words as token sequences (each word with and without a leading space), filled in by the engine's
     # tokenizer (``conveyor.engine.logit_edits.tokenize_bad_words``) before the request is queued
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
+    # A prefill-only request (embedding, scoring): its prompt's hidden states pooled, no token generated
+    # (core.pooling_params); None: a generation request
+    pooling: PoolingParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -116,6 +121,8 @@ class SamplingParams:
             self.logit_bias = {_token_id_key(k): v for k, v in self.logit_bias.items()}
         if isinstance(self.structured_outputs, dict):  # from JSON or the IPC
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        if isinstance(self.pooling, dict):  # from the IPC
+            self.pooling = PoolingParams(**self.pooling)
         self._validate()
         if 0.0 < self.temperature < MIN_TEMPERATURE:
             self.temperature = MIN_TEMPERATURE
@@ -176,6 +183,9 @@ class SamplingParams:
         if self.structured_outputs is not None and self.ignore_eos:
             raise bad("ignore_eos", "cannot be combined with structured outputs (the grammar decides where the "
                                     "output ends)")
+        if self.structured_outputs is not None and self.min_tokens:
+            raise bad("min_tokens", "cannot be combined with structured outputs (the grammar decides where the "
+                                    "output ends: one that ends sooner would leave no token to sample)")
 
     def check_vocabulary(self, vocab_size: int) -> None:
         """ValueError naming the field for a token id (``stop_token_ids``, ``allowed_token_ids``, ``logit_bias``'s

@@ -169,7 +169,7 @@ class Scheduler:
                 break
             if not request.status.holds_slot:
                 continue  # preempted (or retired) earlier in this loop
-            num_new = budget.grant(self._capped(request, behind[request.request_id]))
+            num_new = budget.grant(self._capped(request, behind[request.request_id]), self.config.whole_prompts)
             if num_new == 0:
                 continue
             if self.evictor is not None:
@@ -204,7 +204,8 @@ class Scheduler:
                         and len(hit_blocks) > most:  # a hit and the first chunk must fit the budget
                     hit_blocks = hit_blocks[:most]
                     hit_tokens = most * self.kv.block_size
-            num_new = budget.grant(self._capped(request, request.num_tokens - handed_over - hit_tokens))
+            num_new = budget.grant(self._capped(request, request.num_tokens - handed_over - hit_tokens),
+                                   self.config.whole_prompts)
             if num_new == 0:
                 break
             new_blocks = self.kv.allocate_slots(request, num_new, hit_blocks)
@@ -376,6 +377,10 @@ class Scheduler:
             if request is None or not request.status.holds_slot:
                 continue  # aborted while the step ran
             request.num_computed_tokens += num_new
+            if request.is_pooling:
+                if request.num_computed_tokens >= request.num_prompt_tokens and rid not in model_out.failed:
+                    updates.append(self._finish_pooled(request, model_out.pooled.get(rid), now))
+                continue
             token = model_out.sampled_token_ids.get(rid)
             drafts = sched_out.scheduled_spec_tokens.get(rid)
             tokens = [] if token is None else [token]
@@ -403,6 +408,17 @@ class Scheduler:
                 if stop is not None:
                     break  # tokens accepted past a stop are nobody's
         return updates
+
+    def _finish_pooled(self, request: Request, pooled: list[float] | None, now: float) -> RequestUpdate:
+        """A prefill-only request's prompt is computed: it finishes now with its pooled result and frees its
+        blocks (every policy retires it: a padded baseline's slot has nothing left to decode)."""
+        request.times.first_token = request.times.last_token = now
+        request.mark_finished(RequestStatus.FINISHED_STOPPED, now)
+        self.running.remove(request)
+        self._retire(request)
+        return RequestUpdate(request.request_id, -1, None, True, request.finish_reason, None,
+                             request.num_cached_prompt_tokens, request.num_preemptions, request.times.first_scheduled,
+                             pooled)
 
     def _verified(self, request: Request, proposed: int, accepted: int) -> None:
         """Roll a request back past its rejected proposals: their KV is not its tokens' (the slots after

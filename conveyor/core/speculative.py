@@ -96,7 +96,7 @@ def speculates(params, num_output_tokens: int) -> bool:
     request draws the same tokens whatever else is in the batch; a proposal's rows would use its generator as
     many more times as the step's lengths, which depend on the load)."""
     return (params.seed is None and params.logprobs is None and not params.has_penalties
-            and not params.has_logit_edits and params.structured_outputs is None
+            and not params.has_logit_edits and params.structured_outputs is None and params.pooling is None
             and num_output_tokens >= params.min_tokens)
 
 

@@ -15,6 +15,7 @@ from conveyor.core.config import ATTENTION_BACKENDS, KV_LAYOUTS, QUANTIZATION_CH
 from conveyor.core.kv_eviction import H2O_RANKS, KV_EVICTION_POLICIES
 from conveyor.core.policies import POLICIES
 from conveyor.core.prefix_eviction import PREFIX_EVICTION_POLICIES
+from conveyor.models.pooling_config import CONVERT_CHOICES
 
 DTYPE_CHOICES = ("float32", "bfloat16", "float16", "auto")
 
@@ -76,6 +77,14 @@ class EngineArgs:
                                 "steps (1: every step, as the paper; prompt chunks are always scored)")
     kv_h2o_rank: str = _arg(CacheConfig.kv_h2o_rank, "h2o: rank old blocks by their attention mass per query "
                             "that saw them (mean) or by accumulated mass as the paper (sum)", choices=H2O_RANKS)
+    convert: str = _arg("auto", "what the model serves: auto (from its checkpoint: an encoder, an architecture "
+                                "without an LM head or sentence-transformers' files embed, a classifier scores), "
+                                "none (generate), embed, classify (score pairs)", choices=CONVERT_CHOICES)
+    pooler_config: str | None = _arg(
+        None, 'a pooling model\'s settings as a JSON object (vLLM\'s): "pooling_type" (mean, cls, last), "normalize", '
+              '"dimensions" (default embedding length), "matryoshka_dimensions" (lengths a request may ask for, or '
+              'true: any), "classifier_from_token" (a decoder reranker\'s ["no", "yes"]), "score_template" '
+              '(its prompt, with {query}, {document}, {instruction}); LLM(pooler_config=...) also takes a dict')
     attention_backend: str = _arg("auto", "attention implementation: auto and cpu pick the fastest this machine "
                                           "runs (see conveyor.layers.attention)", choices=ATTENTION_BACKENDS)
     max_num_queued_reqs: int | None = _arg(None, "bound on waiting requests (default: unbounded)")
@@ -87,14 +96,29 @@ class EngineArgs:
     cpu_ids: str | None = _arg(None, "CPUs the engine computes on, e.g. '1' or '0,2-3' (default: every CPU it may "
                                      "use); one torch thread per CPU unless --num-threads says otherwise")
 
-    def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
-        return SchedulerConfig(**{**self._values_of(SchedulerConfig), "max_model_len": max_model_len})
+    def scheduler_config(self, max_model_len: int, whole_prompts: bool = False) -> SchedulerConfig:
+        return SchedulerConfig(**{**self._values_of(SchedulerConfig), "max_model_len": max_model_len,
+                                  "whole_prompts": whole_prompts})
+
+    def pooler_overrides(self) -> dict | None:
+        """``pooler_config`` as a dict (it may be given as JSON text or, from Python, a dict)."""
+        if self.pooler_config is None or isinstance(self.pooler_config, dict):
+            return self.pooler_config
+        import json
+
+        try:
+            value = json.loads(self.pooler_config)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--pooler-config is not JSON: {exc}") from None
+        if not isinstance(value, dict):
+            raise ValueError("--pooler-config must be a JSON object")
+        return value
 
     def cache_config(self) -> CacheConfig:
         return CacheConfig(**self._values_of(CacheConfig))
 
     def _values_of(self, config_class) -> dict:
-        return {f.name: getattr(self, f.name) for f in fields(config_class)}
+        return {f.name: getattr(self, f.name) for f in fields(config_class) if hasattr(self, f.name)}
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:

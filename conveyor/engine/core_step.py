@@ -28,6 +28,7 @@ class CoreOutput(msgspec.Struct, array_like=True, gc=False):
     num_cached_tokens: int  # prompt tokens the prefix cache served at its first admission
     num_preemptions: int
     first_scheduled: float | None  # time.monotonic() of its first scheduling (the clock is system-wide)
+    pooled: list[float] | None = None  # a pooling request's result (new_token_id is then -1)
 
 
 class CoreStepOutput(msgspec.Struct, array_like=True, gc=False):

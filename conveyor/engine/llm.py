@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 from tqdm.auto import tqdm
 
+from conveyor.core.pooling_params import PoolingParams
 from conveyor.core.sampling_params import SamplingParams
 from conveyor.engine.args import EngineArgs
 from conveyor.engine.chat import Conversation, as_conversations, render_chat
 from conveyor.engine.llm_engine import LLMEngine, PromptType
-from conveyor.engine.outputs import RequestOutput
+from conveyor.engine.outputs import EmbeddingOutput, PoolingRequestOutput, RequestOutput, ScoringOutput
+from conveyor.engine.pooling import embed_prompt, score_prompt, truncation
 from conveyor.structured.grammars import grammar_text
 
 
@@ -47,18 +50,66 @@ class LLM:
             engine.validate_prompt(token_ids, p)
             if p.structured_outputs is not None:
                 grammar_text(p.structured_outputs)  # ValueError for a constraint that cannot be enforced
-        ids = [
-            engine.add_request(None, {"prompt": text, "prompt_token_ids": token_ids}, p)
-            for (text, token_ids), p in zip(tokenized, params)
-        ]
+        return self._run([{"prompt": text, "prompt_token_ids": token_ids} for text, token_ids in tokenized], params,
+                         "generate", use_tqdm)
+
+    def _run(self, prompts: list[dict], params: list[SamplingParams], desc: str,
+             use_tqdm: bool) -> list[RequestOutput]:
+        """Queue every (checked) prompt, step until all finished; their outputs in order."""
+        engine = self.engine
+        ids = [engine.add_request(None, prompt, p) for prompt, p in zip(prompts, params)]
         results: dict[str, RequestOutput] = {}
-        with tqdm(total=len(ids), desc="generate", unit="req", disable=not use_tqdm) as bar:
+        with tqdm(total=len(ids), desc=desc, unit="req", disable=not use_tqdm) as bar:
             while len(results) < len(ids):
                 for out in engine.step():
                     if out.finished:
                         results[out.request_id] = out
                         bar.update(1)
         return [results[i] for i in ids]
+
+    def embed(self, prompts: str | list[int] | Sequence[str | list[int]], truncate_prompt_tokens: int | None = None,
+              use_tqdm: bool = True, pooling_params: PoolingParams | None = None) -> list[PoolingRequestOutput]:
+        """Embeddings of texts (or token id lists), as vLLM's ``LLM.embed``: ``out.outputs.embedding`` each, in
+        order. ``truncate_prompt_tokens`` cuts inputs to that many tokens (-1: the model's limit) instead of
+        refusing them; ``pooling_params`` sets ``dimensions`` / ``normalize``."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        engine, params = self.engine, pooling_params or PoolingParams()
+        keep = truncation(truncate_prompt_tokens, engine.max_model_len)
+        token_lists = [embed_prompt(self.tokenizer, p, keep) for p in prompts]
+        outs = self._pool(token_lists, [replace(params, task="embed")] * len(token_lists), "embed", use_tqdm)
+        return [PoolingRequestOutput(o.request_id, o.prompt_token_ids, EmbeddingOutput(o.pooled)) for o in outs]
+
+    def score(self, data_1: str | Sequence[str], data_2: str | Sequence[str], truncate_prompt_tokens: int | None = None,
+              use_tqdm: bool = True, instruction: str | None = None) -> list[PoolingRequestOutput]:
+        """Relevance scores of (data_1, data_2) pairs, as vLLM's ``LLM.score``: one query against many documents,
+        or pairs position by position; ``out.outputs.score`` each, in order. ``instruction``: a decoder
+        reranker's task line (its template's {instruction})."""
+        queries = [data_1] if isinstance(data_1, str) else list(data_1)
+        documents = [data_2] if isinstance(data_2, str) else list(data_2)
+        if len(queries) == 1:
+            queries = queries * len(documents)
+        if len(queries) != len(documents):
+            raise ValueError(f"score: {len(queries)} queries for {len(documents)} documents (give one query, or "
+                             "one per document)")
+        engine = self.engine
+        keep = truncation(truncate_prompt_tokens, engine.max_model_len)
+        pairs = [score_prompt(self.tokenizer, engine.model_info, q, d, keep, instruction)
+                 for q, d in zip(queries, documents)]
+        outs = self._pool([ids for ids, _ in pairs], [PoolingParams(task="score", pair_start=start)
+                                                      for _, start in pairs], "score", use_tqdm)
+        return [PoolingRequestOutput(o.request_id, o.prompt_token_ids, ScoringOutput(o.pooled[0])) for o in outs]
+
+    def _pool(self, token_lists: list[list[int]], pooling: list[PoolingParams], desc: str,
+              use_tqdm: bool) -> list[RequestOutput]:
+        params = [SamplingParams(max_tokens=1, pooling=p) for p in pooling]
+        for ids, p in zip(token_lists, params):  # all checked first: a bad one must strand no others
+            self.engine.validate_prompt(ids, p)
+        outs = self._run([{"prompt_token_ids": ids} for ids in token_lists], params, desc, use_tqdm)
+        for out in outs:
+            if out.error is not None or out.pooled is None:
+                raise RuntimeError(f"request {out.request_id} failed: {out.error or 'no result'}")
+        return outs
 
     def chat(
         self,

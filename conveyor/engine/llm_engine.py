@@ -29,6 +29,7 @@ from conveyor.engine.kv_handoff import (
     HandoffBook, KVHandoff, check_fits, decode_request, export_first_tokens, write_admitted,
 )
 from conveyor.engine.output_processor import OutputProcessor
+from conveyor.engine.pooling import check_pooling_input, check_task, make_pooler
 from conveyor.engine.outputs import RequestOutput
 from conveyor.engine.prompts import PromptType, encode_text, prompt_tokens
 from conveyor.engine.step_record import StepRecord
@@ -69,14 +70,19 @@ class LLMEngine:
         else:
             self.tokenizer = load_tokenizer(args.model)
             self.model, self.model_info = load_model(args.model, dtype=args.dtype, device=device, seed=args.seed,
-                                                         quantization=args.quantization)
+                                                         quantization=args.quantization, convert=args.convert,
+                                                         pooler_config=args.pooler_overrides())
             logger.info("model %s, dtype %s (%s)", self.model_info.name, self.model_info.dtype,
                         self.model_info.dtype_reason)
         self.load_time_s = time.perf_counter() - start  # tokenizer + weights (read, dequantized, laid out)
         limit = self.model_info.max_position_embeddings
         if args.max_model_len is not None and args.max_model_len > limit:
             raise ValueError(f"max_model_len ({args.max_model_len}) exceeds the model's context ({limit})")
+        pooling = self.model_info.pooling
+        if args.max_model_len is None and pooling is not None and pooling.max_seq_length:
+            limit = min(limit, pooling.max_seq_length)  # sentence-transformers' input limit, as vLLM takes it
         self.max_model_len = args.max_model_len or limit
+        causal = self.model_info.causal
 
         cache = args.cache_config()
         if args.kv_eviction != "none" and any(self.model_info.layer_windows):
@@ -87,7 +93,11 @@ class LLMEngine:
                              "use --kv-eviction none")
         self.draft_model, self.draft_info = self._load_draft(args, device)
         num_blocks = cache.num_kv_blocks
-        if num_blocks is None:  # the draft's K/V lives in the same blocks: the budget holds both
+        if not causal:  # an encoder keeps no K/V: its blocks only count one step's tokens (all finish in it)
+            cache.enable_prefix_caching = False
+            budget = max(args.max_num_batched_tokens, self.max_model_len)
+            num_blocks = num_blocks or -(-budget // cache.block_size) + args.max_num_seqs
+        elif num_blocks is None:  # the draft's K/V lives in the same blocks: the budget holds both
             per_block = sum(ModelRunner.kv_cache_bytes_per_block(info, cache.block_size)
                             for info in (self.model_info, self.draft_info) if info is not None)
             num_blocks = int(cache.kv_cache_memory * (1 << 30)) // per_block
@@ -98,8 +108,8 @@ class LLMEngine:
             )
         self.num_kv_blocks = num_blocks
         self.kv_manager = self._make_kv_manager(cache, num_blocks)
-        self.scheduler = Scheduler(args.scheduler_config(self.max_model_len), self.kv_manager,
-                                   cache.eviction_config())
+        self.scheduler = Scheduler(args.scheduler_config(self.max_model_len, whole_prompts=not causal),
+                                   self.kv_manager, cache.eviction_config())
         # Constrained decoding: grammars compile on a thread of their own; a constrained request waits here,
         # outside the scheduler, until its grammar is ready (the grammar gate: see _admit_compiled).
         self.structured = StructuredOutputs(self.tokenizer, self.model_info.vocab_size)
@@ -107,7 +117,7 @@ class LLMEngine:
         self.executor = executor or ModelRunner(
             self.model, self.model_info, num_blocks=num_blocks, block_size=cache.block_size, device=device,
             attention_backend=args.attention_backend, seed=args.seed,  # --seed seeds sampling too, as in vLLM
-            structured=self.structured,
+            structured=self.structured, pooler=make_pooler(self.model, self.model_info, self.tokenizer),
         )
         if self.draft_model is not None and executor is None:
             self.executor.attach_draft(self.draft_model, self.draft_info, args.attention_backend)
@@ -187,12 +197,17 @@ class LLMEngine:
 
     def validate_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError when a request cannot be served by this model: an empty or too long prompt, ids
-        outside the vocabulary, ``min_tokens`` that do not fit in the context.
+        outside the vocabulary, ``min_tokens`` that do not fit in the context, a pooling request to a model that
+        does not pool or a generation request to one that only does (``pooling.check_task``).
 
         ``max_tokens`` beyond the remaining context is not an error here: ``Request.max_output_tokens`` caps it
         (the OpenAI server is stricter and refuses it, as vLLM's does). ``min_tokens`` is a promise, so it is."""
         if not token_ids:
             raise ValueError("prompt must not be empty")
+        check_task(self.model_info, params.pooling)
+        if params.pooling is not None:  # prefill-only: the whole context is the prompt's
+            check_pooling_input(token_ids, self.max_model_len, self.model_info.vocab_size)
+            return
         if len(token_ids) >= self.max_model_len:
             raise ValueError(
                 f"prompt is {len(token_ids)} tokens, which leaves no room to generate within this model's "
@@ -412,7 +427,7 @@ class LLMEngine:
             model_out = self.executor.execute(sched_out)
         now = time.monotonic()
         outputs = [CoreOutput(u.request_id, u.new_token_id, u.logprobs, u.finish_reason if u.finished else None,
-                              u.stop_reason, u.num_cached_tokens, u.num_preemptions, u.first_scheduled)
+                              u.stop_reason, u.num_cached_tokens, u.num_preemptions, u.first_scheduled, u.pooled)
                    for u in self.scheduler.update(sched_out, model_out, now)]
         if self.args.debug_invariants:
             self.scheduler.check_invariants()

@@ -41,12 +41,13 @@ class _Parent:
     children: list[_Child]
     metrics: RequestMetrics
     prompt_logprobs: list | None = None  # filled as prefill chunks complete
+    pooled: list[float] | None = None  # a pooling request's result
 
     def output(self) -> RequestOutput:
         finished = all(c.completion.finished for c in self.children)
         return RequestOutput(
             self.request_id, self.prompt, self.prompt_token_ids, [c.completion for c in self.children],
-            self.metrics, finished, self.prompt_logprobs,
+            self.metrics, finished, self.prompt_logprobs, pooled=self.pooled,
         )
 
     def add_prompt_logprobs(self, chunk: PromptLogprobs) -> None:
@@ -89,7 +90,7 @@ class OutputProcessor:
             parent.prompt_logprobs = [None]
         for index, (child_id, params) in enumerate(children):
             detok = None
-            if self.detokenize:
+            if self.detokenize and params.pooling is None:  # a pooling request's only output is its result
                 detok = IncrementalDetokenizer(
                     self.tokenizer, prompt_token_ids, params.stop, params.include_stop_str_in_output,
                     params.skip_special_tokens,
@@ -150,6 +151,10 @@ class OutputProcessor:
         if child.first_token is None:
             child.first_token = now
         child.last_token = now
+        if update.pooled is not None:  # a prefill-only request's result: no token
+            child.parent.pooled = update.pooled
+            comp.finish_reason = update.finish_reason
+            return False
         comp.token_ids.append(update.new_token_id)
         comp.token_times.append(now)
         if update.logprobs is not None and comp.logprobs is not None:

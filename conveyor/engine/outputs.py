@@ -70,6 +70,8 @@ class RequestOutput:
     # A prefill-only request's last output (``LLMEngine.add_prefill_request``): its first token is in
     # ``outputs``, and this ``engine.kv_handoff.KVHandoff`` continues it on a decode engine.
     kv_handoff: Any = None
+    # A pooling request's result (SamplingParams.pooling): its embedding, or [score]; ``outputs`` hold no tokens
+    pooled: list[float] | None = None
 
     @property
     def num_generated_tokens(self) -> int:
@@ -85,3 +87,25 @@ def snapshot(out: RequestOutput) -> RequestOutput:
         for c in out.outputs
     ]
     return replace(out, outputs=outputs, metrics=replace(out.metrics))
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+
+@dataclass
+class ScoringOutput:
+    score: float
+
+
+@dataclass
+class PoolingRequestOutput:
+    """One embedding or score, as vLLM's ``EmbeddingRequestOutput`` / ``ScoringRequestOutput``:
+    ``out.outputs.embedding`` or ``out.outputs.score``."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput | ScoringOutput
+    finished: bool = True
+

@@ -8,6 +8,7 @@ import torch
 
 from conveyor.models import registry
 from conveyor.models.config import ModelConfig
+from conveyor.models.pooling_config import PoolingConfig
 from conveyor.sim.model_specs import ModelSpec
 
 # float64 is for tests: the numerical oracle in which random weights' near-ties cannot flip.
@@ -36,6 +37,16 @@ class ModelInfo:
     # later, a KV manager that frees the blocks every layer's window has left
     layer_windows: tuple[int, ...] = ()
     spec: ModelSpec | None = None  # the plain description: the simulator's and the one FLOP count's
+    # What it serves (models.pooling_config): "generate", or a pooling model's "embed" / "score" and how it pools
+    task: str = "generate"
+    pooling: PoolingConfig | None = None
+    causal: bool = True  # False: a bidirectional encoder (no KV cache, a sequence runs whole)
+    type_vocab_size: int = 0  # token types (segments) the model embeds: 2 for BERT, pairs as two segments
+
+    @property
+    def embedding_size(self) -> int:
+        """The length of the embeddings an embed model returns by default."""
+        return (self.pooling.dimensions if self.pooling and self.pooling.dimensions else None) or self.hidden_size
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device = "cpu", checkpoint_dtype=None) -> torch.dtype:
@@ -113,4 +124,5 @@ def make_info(name: str, cfg: ModelConfig, model: torch.nn.Module, dtype: torch.
         vocab_size=cfg.vocab_size, max_position_embeddings=cfg.max_position_embeddings,
         eos_token_ids=list(cfg.eos_token_ids), bos_token_id=cfg.bos_token_id,
         dtype=str(dtype).removeprefix("torch."), num_params=sum(p.numel() for p in model.parameters()),
-        dtype_reason=dtype_reason, layer_windows=tuple(cfg.layer_windows), spec=cfg.spec(name))
+        dtype_reason=dtype_reason, layer_windows=tuple(cfg.layer_windows), spec=cfg.spec(name), causal=cfg.causal,
+        type_vocab_size=cfg.type_vocab_size)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from conveyor.sim.model_specs import ModelSpec
 
-ACTIVATIONS = ("silu", "gelu_tanh")
+ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
 
 
 @dataclass
@@ -49,6 +49,14 @@ class ModelConfig:
     embed_scale: float | None = None  # embeddings times this (Gemma: sqrt(hidden_size))
     attn_scale: float | None = None  # None: head_dim ** -0.5
     final_logit_softcap: float | None = None  # logits = cap * tanh(logits / cap)
+    # Encoders (models.bert): attention sees every token of the sequence (False), which also means no KV cache
+    # and no chunked prompt; token type (segment) embeddings; a classifier's label count (0: no classifier);
+    # where learned positions start (RoBERTa: after the padding index)
+    causal: bool = True
+    has_lm_head: bool = True  # False: a decoder's ``*Model`` checkpoint (an embedder: hidden states only)
+    type_vocab_size: int = 0
+    num_labels: int = 0
+    position_offset: int = 0
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
 

@@ -48,5 +48,9 @@ class ModelFamily:
     gguf_consumed: tuple[str, ...] = ()
     gguf_permuted_qk: bool = False
     refused_architectures: dict[str, str] = field(default_factory=dict)
+    # llama.cpp's names of the tensors outside the layers -> Hugging Face's (None: the decoders' token_embd,
+    # output_norm, output), and the Hugging Face prefix of layer N's tensors
+    gguf_global_tensors: dict[str, str] | None = None
+    gguf_layer_prefix: str = "model.layers"
 
 

@@ -25,11 +25,12 @@ _GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.nor
 def hf_name(gguf_name: str, family: ModelFamily) -> str | None:
     """The Hugging Face name of a llama.cpp tensor name in ``family``'s files, or None for tensors without one."""
     base, _, kind = gguf_name.rpartition(".")  # kind: weight | bias
-    if base in _GLOBAL_TENSORS:
-        return f"{_GLOBAL_TENSORS[base]}.{kind}"
+    global_tensors = family.gguf_global_tensors or _GLOBAL_TENSORS
+    if base in global_tensors:
+        return f"{global_tensors[base]}.{kind}"
     parts = base.split(".")
     if len(parts) == 3 and parts[0] == "blk" and parts[2] in family.gguf_tensors:
-        return f"model.layers.{parts[1]}.{family.gguf_tensors[parts[2]]}.{kind}"
+        return f"{family.gguf_layer_prefix}.{parts[1]}.{family.gguf_tensors[parts[2]]}.{kind}"
     return None
 
 

@@ -84,13 +84,47 @@ def build_gguf_tokenizer(f: GGUFFile) -> RustTokenizer:
         tok.normalizer = normalizers.Sequence(steps)
         tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
                                          decoders.Strip(" ", 1, 0)])
+    elif kind == "bert":
+        tok = _wordpiece(f, tokens, types)
     else:
         raise GGUFError(f"{f.path}: tokenizer type {kind!r} is not supported; supported: gpt2 (byte-level BPE), "
-                        "llama (SentencePiece)")
+                        "llama (SentencePiece), bert (WordPiece)")
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
                             for t, ty in zip(tokens, types) if ty == CONTROL])
     tok.add_tokens([AddedToken(t, special=False, normalized=False)
                     for t, ty in zip(tokens, types) if ty == USER_DEFINED])
+    return tok
+
+
+def _wordpiece(f: GGUFFile, tokens: list[str], types: list[int]) -> RustTokenizer:
+    """BERT's WordPiece from llama.cpp's "phantom space" vocabulary: its converter writes a word-initial piece
+    ``w`` as ``\u2581w`` and a continuation ``##w`` as ``w`` (control tokens as they are), so this undoes that.
+    Text is split and normalised as llama.cpp's WPM tokenizer and BERT's own do (lower case and accents stripped
+    when the file says so), and [CLS] text [SEP] (a pair: [CLS] a [SEP] b [SEP], b as segment 1) added."""
+    from tokenizers import processors
+
+    vocab = {}
+    for i, (t, ty) in enumerate(zip(tokens, types)):
+        piece = t if ty == CONTROL else (t[1:] if t.startswith("\u2581") else "##" + t)
+        vocab.setdefault(piece, i)
+    unk = f.get("tokenizer.ggml.unknown_token_id")
+    tok = RustTokenizer(models.WordPiece(vocab, unk_token=tokens[unk] if unk is not None else "[UNK]",
+                                         max_input_chars_per_word=100))
+    lower = bool(f.get("tokenizer.ggml.normalizer.lowercase", True))
+    tok.normalizer = normalizers.BertNormalizer(
+        clean_text=True, handle_chinese_chars=True, lowercase=lower,
+        strip_accents=bool(f.get("tokenizer.ggml.normalizer.strip_accents", lower)))
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.decoder = decoders.WordPiece()
+    cls_id = f.get("tokenizer.ggml.cls_token_id", f.get("tokenizer.ggml.bos_token_id"))
+    sep_id = f.get("tokenizer.ggml.seperator_token_id", f.get("tokenizer.ggml.eos_token_id"))
+    if cls_id is None or sep_id is None:
+        raise GGUFError(f"{f.path}: a WordPiece vocabulary without [CLS] / [SEP] ids (tokenizer.ggml.cls_token_id, "
+                        "seperator_token_id)")
+    cls, sep = (tokens[cls_id], cls_id), (tokens[sep_id], sep_id)
+    tok.post_processor = processors.TemplateProcessing(single=f"{cls[0]} $A {sep[0]}",
+                                                       pair=f"{cls[0]} $A {sep[0]} $B:1 {sep[0]}:1",
+                                                       special_tokens=[cls, sep])
     return tok
 
 
@@ -107,6 +141,8 @@ class GGUFVocab:
     add_bos: bool
     special_ids: list[int]
     chat_template: str | None
+    # the tokenizer adds its own special tokens (WordPiece's [CLS] .. [SEP]); else only BOS, by add_bos
+    post_processed: bool = False
 
 
 def read_gguf_vocab(path: str) -> GGUFVocab:
@@ -125,4 +161,4 @@ def read_gguf_vocab(path: str) -> GGUFVocab:
             bos_token=tokens[bos] if bos is not None else "", eos_token=tokens[eos] if eos is not None else "",
             add_bos=bool(f.get("tokenizer.ggml.add_bos_token", f.get("tokenizer.ggml.model") == "llama")),
             special_ids=sorted({i for i, ty in enumerate(types) if ty == CONTROL} | {i for i in (bos, eos) if i is not None}),
-            chat_template=f.get("tokenizer.chat_template"))
+            chat_template=f.get("tokenizer.chat_template"), post_processed=f.get("tokenizer.ggml.model") == "bert")

@@ -21,9 +21,10 @@ HARMLESS_KEYS = frozenset({
     "chunk_size_feed_forward", "is_decoder", "add_cross_attention", "tf_legacy_loss", "use_bfloat16",
     "torchscript", "pruned_heads", "finetuning_task", "num_labels", "max_length", "min_length", "do_sample",
     "temperature", "top_k", "top_p", "num_beams", "repetition_penalty", "bad_words_ids", "forced_bos_token_id",
-    "forced_eos_token_id", "_attn_implementation_autoset", "quantization", "unsloth_fixed", "keys_to_ignore_at_inference",
-    "bos_token", "eos_token", "generation_config", "rope_scaling_type", "output_router_logits",
+    "forced_eos_token_id", "_attn_implementation_autoset", "unsloth_fixed", "keys_to_ignore_at_inference",
+    "bos_token", "eos_token",
     "is_llama_config", "transformers.js_config",  # SmolLM2's config carries these markers
+    "matryoshka_dimensions", "is_matryoshka",  # which embedding lengths a pooling model serves (pooling_config)
 })
 _NEUTRAL = (None, False, 0, 0.0, "", [], {})
 SLIDING, FULL = "sliding_attention", "full_attention"

@@ -15,7 +15,10 @@ from conveyor.models.family import ModelFamily
 
 
 def from_hf(c: hf_config.HFConfig, architecture: str) -> ModelConfig:
-    return hf_config.decoder_config(c, architecture, "llama")
+    cfg = hf_config.decoder_config(c, architecture, "llama")
+    if architecture.startswith("Llama"):  # transformers' Llama attends to every key whatever sliding_window says
+        cfg.layer_windows = ()
+    return cfg
 
 
 def from_gguf(m: gguf_config.GGUFMeta) -> ModelConfig:

@@ -13,6 +13,7 @@ from conveyor.models.cpu_layout import prepare_for_cpu
 from conveyor.models.embedded import load_embedded
 from conveyor.models.gguf_file import GGUFFile
 from conveyor.models.gguf_model import gguf_quantized, gguf_weights, hf_name
+from conveyor.models.pooling_config import choose_task, matryoshka_of, pooling_config, sentence_transformers_config
 from conveyor.models.registry import config_from_gguf, config_from_hf
 from conveyor.models.quantize import QUANTIZATION_CHOICES, describe, install, plan_gguf, quantize_linears_int8
 from conveyor.models.sources import resolve_model
@@ -31,13 +32,15 @@ def _generation_eos(model_dir: str) -> list[int]:
 
 
 def load_model(model: str | None, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu",
-               seed: int = 0, quantization: str = "auto") -> tuple[torch.nn.Module, ModelInfo]:
+               seed: int = 0, quantization: str = "auto", convert: str = "auto",
+               pooler_config: dict | None = None) -> tuple[torch.nn.Module, ModelInfo]:
     """Load a model by name, GGUF file or HF checkpoint directory; None is the default model (SmolLM2).
 
     ``quantization`` (``models.quantize``): "auto" keeps a GGUF file's weights in their blocks where the CPU
     kernels have them (else dequantizes, as "none" always does); "int8" quantizes a float checkpoint's linear
     layers to per-channel int8. Quantized weights need the native CPU kernels: elsewhere "auto" dequantizes and
-    "int8" is a ValueError.
+    "int8" is a ValueError. ``convert`` and ``pooler_config`` (``models.pooling_config``) say what a model serves
+    where its checkpoint does not (``ModelInfo.task`` / ``pooling``).
 
     Raises FileNotFoundError for a missing model / config / weights (``ModelNotInstalledError`` for a named model
     whose package is missing), ValueError (``GGUFError`` for GGUF files) for an unsupported architecture or
@@ -59,14 +62,23 @@ def load_model(model: str | None, dtype: str | torch.dtype = "float32", device: 
                          "none dequantizes them; int8 is for float checkpoints")
     keep_quantized = kernels if quantization == "auto" else None
     done: list[str] = []
+    st, matryoshka, gguf_pooling, sources = {}, (), None, ()
     if source.kind == "embedded":
         torch_dtype, why = choose_dtype(dtype, device, quantized=quantization == "int8")
         net, info = load_embedded(torch_dtype, device, seed)
         info.dtype_reason = why
     elif source.kind == "gguf":
-        net, info, done = _load_gguf(source.path, source.name, dtype, device, keep_quantized)
+        net, info, done, gguf_pooling = _load_gguf(source.path, source.name, dtype, device, keep_quantized)
+        sources = ("GGUF pooling_type",) if gguf_pooling else ()
     else:
-        net, info = _load_hf_dir(source.path, dtype, device, quantized=quantization == "int8")
+        net, info, matryoshka = _load_hf_dir(source.path, dtype, device, quantized=quantization == "int8")
+        st = sentence_transformers_config(source.path)
+        sources = ("sentence-transformers files",) if st else ()
+    info.task = choose_task(info.architecture, info.causal, net.config.num_labels, bool(st), convert)
+    info.pooling = pooling_config(info.task, info.causal, st, pooler_config, gguf_pooling, matryoshka,
+                                  sources + (("--pooler-config",) if pooler_config else ()))
+    if info.pooling is not None:
+        logger.info("pooling model, %s", info.pooling.describe())
     if quantization == "int8":
         done = quantize_linears_int8(net, kernels, resolve_dtype(info.dtype))
     if torch.device(device).type == "cpu":
@@ -76,11 +88,11 @@ def load_model(model: str | None, dtype: str | torch.dtype = "float32", device: 
 
 
 def _load_gguf(path: str, name: str, dtype: str | torch.dtype, device: str | torch.device,
-               kernels=None) -> tuple[torch.nn.Module, ModelInfo, list[str]]:
+               kernels=None) -> tuple[torch.nn.Module, ModelInfo, list[str], int | None]:
     """A GGUF file's model: with ``kernels``, the weights ``plan_gguf`` picks stay in their blocks
     (``QuantLinear`` / ``QuantEmbedding``); every other tensor is dequantized into ``dtype`` ("auto": as
     ``choose_dtype`` picks it for the device, since a quantized checkpoint has no dtype of its own to keep).
-    Returns the model, its info and the parameters kept quantized."""
+    Returns the model, its info, the parameters kept quantized and the file's pooling type (an embedding model's)."""
     with GGUFFile(path) as f:
         cfg, family = config_from_gguf(f)
         plan: dict[str, list[str]] = {}
@@ -93,11 +105,14 @@ def _load_gguf(path: str, name: str, dtype: str | torch.dtype, device: str | tor
             load_into(net, gguf_weights(f, cfg, family, torch_dtype, skip), where=path, exclude=frozenset(plan))
             info = make_info(name, cfg, net, torch_dtype, why)  # before a tied lm_head gets a module of its own
             done = install(net, gguf_quantized(f, cfg, family, plan, net), kernels, torch_dtype) if plan else []
-    return net, info, done
+        pooling = f.get(f"{f.get('general.architecture')}.pooling_type")
+    return net, info, done, pooling
 
 
 def _load_hf_dir(model: str, dtype: str | torch.dtype, device: str | torch.device,
-                 quantized: bool = False) -> tuple[torch.nn.Module, ModelInfo]:
+                 quantized: bool = False) -> tuple[torch.nn.Module, ModelInfo, tuple[int, ...] | None]:
+    """A Hugging Face directory's model, its info and the embedding lengths its config declares it was trained to
+    be cut to (``pooling_config.matryoshka_of``)."""
     config_path = os.path.join(model, "config.json")
     if not os.path.isdir(model):
         raise FileNotFoundError(f"model directory {model!r} does not exist")
@@ -112,4 +127,4 @@ def _load_hf_dir(model: str, dtype: str | torch.dtype, device: str | torch.devic
     net = build_model(cfg, torch_dtype, device)
     with torch.no_grad():
         load_into(net, iter_weights(files), where=model)
-    return net, make_info(os.path.basename(os.path.normpath(model)), cfg, net, torch_dtype, why)
+    return net, make_info(os.path.basename(os.path.normpath(model)), cfg, net, torch_dtype, why), matryoshka_of(raw)

@@ -26,7 +26,7 @@ stack declines it by its declared check (``native_stack.unsupported_reason``: th
 
 from __future__ import annotations
 
-from conveyor.models import gemma3, gpt2, llama, phi3, qwen
+from conveyor.models import bert, gemma3, gpt2, llama, phi3, qwen
 from conveyor.models.config import ModelConfig
 from conveyor.models.family import CausalLM, ModelFamily
 from conveyor.models.gguf_config import GGUFMeta
@@ -34,7 +34,8 @@ from conveyor.models.gguf_file import GGUFError
 from conveyor.models.hf_config import HFConfig
 
 
-FAMILIES: tuple[ModelFamily, ...] = (llama.FAMILY, qwen.QWEN2, qwen.QWEN3, gemma3.FAMILY, phi3.FAMILY, gpt2.FAMILY)
+FAMILIES: tuple[ModelFamily, ...] = (llama.FAMILY, qwen.QWEN2, qwen.QWEN3, gemma3.FAMILY, phi3.FAMILY, gpt2.FAMILY,
+                                     bert.FAMILY)
 
 
 def family_named(name: str) -> ModelFamily:
@@ -45,7 +46,7 @@ def family_named(name: str) -> ModelFamily:
 
 
 def supported_architectures() -> list[str]:
-    return [a for fam in FAMILIES for a in fam.hf_architectures]
+    return [a for fam in FAMILIES for a in fam.hf_architectures]  # (and each *ForCausalLM's bare *Model)
 
 
 def config_from_hf(raw: dict, where: str = "config.json") -> ModelConfig:
@@ -56,7 +57,8 @@ def config_from_hf(raw: dict, where: str = "config.json") -> ModelConfig:
         for arch in archs:
             if arch in fam.refused_architectures:
                 raise ValueError(f"{where}: {arch} is not supported: {fam.refused_architectures[arch]}")
-    found = [(fam, a) for a in archs for fam in FAMILIES if a in fam.hf_architectures]
+    found = [(fam, a) for a in archs for fam in FAMILIES if a in fam.hf_architectures or _causal_lm_of(a) in
+             fam.hf_architectures]
     if not found:
         raise ValueError(f"{where}: unsupported architecture {archs or raw.get('model_type')!r}; "
                          f"supported: {', '.join(supported_architectures())}")
@@ -64,7 +66,15 @@ def config_from_hf(raw: dict, where: str = "config.json") -> ModelConfig:
     reader = HFConfig(raw, where)
     cfg = fam.config_from_hf(reader, arch)
     reader.finish()
+    if arch not in fam.hf_architectures:  # a decoder's bare ``*Model``: the same layers without the LM head
+        cfg.has_lm_head = False
     return cfg
+
+
+def _causal_lm_of(architecture: str) -> str | None:
+    """``Qwen3Model`` -> ``Qwen3ForCausalLM``: a decoder checkpoint saved without its LM head (an embedder, as
+    Qwen3-Embedding and e5-mistral ship), served by its causal family's layers."""
+    return architecture.removesuffix("Model") + "ForCausalLM" if architecture.endswith("Model") else None
 
 
 def config_from_gguf(f) -> tuple[ModelConfig, ModelFamily]:

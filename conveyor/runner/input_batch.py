@@ -17,6 +17,7 @@ from conveyor.core.block_pool import cdiv
 from conveyor.core.outputs import SchedulerOutput, is_decode
 from conveyor.core.sampling_params import SamplingParams
 from conveyor.layers.attention import AttentionMetadata, Padding
+from conveyor.runner.pooler import PoolRows
 
 # The persistent block table starts with room for this many requests x blocks each and doubles when outgrown.
 INITIAL_TABLE_ROWS = 64
@@ -150,6 +151,8 @@ class StepInputs:
     # KV eviction by score: request index in the step -> its trailing query rows whose attention mass is wanted
     scored: dict[int, int] = field(default_factory=dict)
     req_ids: list[str] = field(default_factory=list)  # request ids in step order (attention metadata rows)
+    pool_rows: list[PoolRows] = field(default_factory=list)  # pooling requests' rows (runner.pooler)
+    token_type_ids: torch.Tensor | None = None  # [T] segments, for a model that embeds them (an encoder)
 
 
 @dataclass
@@ -175,8 +178,9 @@ class InputBatch:
     """Holds every live request's state; ``update`` applies a SchedulerOutput, ``prepare`` flattens it."""
 
     def __init__(self, block_size: int, device: torch.device | str = "cpu", max_position: int | None = None,
-                 structured=None) -> None:
+                 structured=None, token_types: bool = False) -> None:
         self.block_size = block_size
+        self.token_types = token_types  # build each step's token type ids (a model with segment embeddings)
         self.structured = structured  # conveyor.structured.StructuredOutputs: matchers for constrained requests
         self.device = torch.device(device)
         self.max_position = max_position
@@ -282,7 +286,11 @@ class InputBatch:
             positions = np.concatenate([positions, np.arange(padding.num_tokens) % max(padding.segment, 1)])
         pad = padding.num_tokens if padding else 0
 
-        sampling_idx = [i for i, s in enumerate(ordered) if int(seq_lens[i]) == len(s.token_ids)]
+        sampling_idx = [i for i, s in enumerate(ordered) if int(seq_lens[i]) == len(s.token_ids)
+                        and s.params.pooling is None]
+        pool_rows = [PoolRows(s.req_id, s.params.pooling, int(query_start[i]), int(computed[i]), int(num_new[i]),
+                              int(seq_lens[i]) >= s.num_prompt_tokens)
+                     for i, s in enumerate(ordered) if s.params.pooling is not None]
         prompt_rows = []
         for i, s in enumerate(ordered):
             if s.params.prompt_logprobs is None:
@@ -307,10 +315,15 @@ class InputBatch:
         dev = self.device
         scored = {i: so.kv_score_rows[s.req_id] for i, s in enumerate(ordered) if s.req_id in so.kv_score_rows} \
             if so.kv_score_rows else {}
+        token_types = None
+        if self.token_types:  # segment 1 from a pair's second text on (PoolingParams.pair_start)
+            starts = column((s.params.pooling.pair_start if s.params.pooling is not None
+                             and s.params.pooling.pair_start is not None else len(s.token_ids)) for s in ordered)
+            token_types = torch.from_numpy(positions[:num_tokens] >= np.repeat(starts, num_new)).to(dev, torch.int64)
         return StepInputs(torch.tensor(input_ids, dtype=torch.int64, device=dev),
                           torch.from_numpy(positions).to(dev), flat.meta, padding, logits_indices, sampling,
                           SamplingMetadata.build(sampling, dev), prompt_rows, spec, scored,
-                          [s.req_id for s in ordered])
+                          [s.req_id for s in ordered], pool_rows, token_types)
 
     def _padding(self, num_pad_tokens: int, longest_chunk: int) -> Padding:
         """Pad rows form sequences no longer than the step's longest chunk: the rows a padded [batch, longest]

@@ -12,8 +12,10 @@ from conveyor.layers.attention.base import token_major_kv_shape
 from conveyor.models.build import ModelInfo, resolve_dtype
 from conveyor.runner.input_batch import InputBatch, PromptRows, StepInputs
 from conveyor.runner.kv_io import gather_kv, scatter_kv
+from conveyor.runner.pooler import Pooler
 from conveyor.runner.sampler import Sampler, prompt_logprobs
 from conveyor.runner.spec_verify import verify_proposals
+from conveyor.structured.grammars import error_text
 
 PROMPT_LOGITS_ROWS = 256  # prompt logprobs in slices: [256, 49152] float32 logits are 50 MB
 
@@ -28,18 +30,23 @@ class ModelRunner:
 
     def __init__(self, model: torch.nn.Module, info: ModelInfo, num_blocks: int, block_size: int,
                  device: str | torch.device = "cpu", attention_backend: str = "auto", seed: int = 0,
-                 structured=None) -> None:
+                 structured=None, pooler: Pooler | None = None) -> None:
         self.model, self.info = model, info
         self.device = torch.device(device)
         self.num_blocks, self.block_size = num_blocks, block_size
         self.dtype = resolve_dtype(info.dtype)
         # Resolved (and the native kernels built or loaded) here, while the engine starts: not in a request.
         self.backend = resolve_backend(attention_backend, self.device, self.dtype, info.head_dim, block_size)
+        # A bidirectional encoder keeps no K/V: each sequence runs whole in one step (the blocks the scheduler
+        # gives it are bookkeeping of the tokens in flight)
         self.kv_caches = allocate_kv_caches(self.backend, info.num_layers, num_blocks, block_size,
-                                            info.num_kv_heads, info.head_dim, self.dtype, self.device)
+                                            info.num_kv_heads, info.head_dim, self.dtype, self.device) \
+            if info.causal else []
         self.structured = structured  # conveyor.structured.StructuredOutputs (None: no constrained requests)
         self.batch = InputBatch(block_size, self.device, max_position=info.max_position_embeddings,
-                                structured=structured)
+                                structured=structured, token_types=info.type_vocab_size > 0)
+        self.pooler = pooler  # a pooling model's (runner.pooler): embedding and scoring requests' results
+        self._pooled: dict[str, list[float]] = {}  # the step's pooled results, from forward to execute
         # The constrained rows' bitmasks are filled on this thread while the forward pass runs.
         self._mask_filler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="conveyor-bitmask")
         self.sampler = Sampler(info.eos_token_ids, self.device, seed)
@@ -58,7 +65,10 @@ class ModelRunner:
 
     @staticmethod
     def kv_cache_bytes_per_block(info: ModelInfo, block_size: int) -> int:
-        """Bytes one KV block takes over all layers (K and V), to size num_blocks from a memory budget."""
+        """Bytes one KV block takes over all layers (K and V), to size num_blocks from a memory budget (0 for an
+        encoder, which keeps none)."""
+        if not info.causal:
+            return 0
         element = torch.empty(0, dtype=resolve_dtype(info.dtype)).element_size()
         return 2 * info.num_layers * block_size * info.num_kv_heads * info.head_dim * element
 
@@ -94,6 +104,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, so: SchedulerOutput) -> ModelOutput:
+        if self.pooler is not None:
+            for rid in so.finished_req_ids | so.preempted_req_ids:
+                self.pooler.forget(rid)
         self.batch.update(so)
         if self._imported_generators:
             self._restore_generators()
@@ -106,6 +119,7 @@ class ModelRunner:
         logits, prompt_lps = self.forward(step)
         out = ModelOutput() if logits is None else self.sample(logits, step, masks)
         out.prompt_logprobs = prompt_lps
+        out.pooled, self._pooled = self._pooled, {}
         if self._scored_attention is not None:  # KV eviction by score asked for this step's attention mass
             out.kv_block_scores = {step.req_ids[i]: s for i, s in self._scored_attention.block_scores().items()}
             self._scored_attention = None
@@ -126,9 +140,14 @@ class ModelRunner:
         sample, in ``step.sampling`` order (None when none does), and the logprobs of the prompt tokens this step
         scores for requests that asked (``prompt_logprobs``): those need rows that do not sample, so they are
         taken here, while every row's hidden state is at hand."""
-        attn = make_attention(self.backend, step.attn_meta, self.dtype, step.padding, step.scored)
-        self._scored_attention = attn if step.scored else None
-        hidden = self.model(step.input_ids, step.positions, self.kv_caches, attn)
+        if not self.info.causal:  # an encoder: the step's whole sequences packed, attention within each
+            hidden = self.model(step.input_ids, step.positions, step.token_type_ids, step.attn_meta.query_start_loc)
+        else:
+            attn = make_attention(self.backend, step.attn_meta, self.dtype, step.padding, step.scored)
+            self._scored_attention = attn if step.scored else None
+            hidden = self.model(step.input_ids, step.positions, self.kv_caches, attn)
+        if step.pool_rows:
+            self._pooled = self.pooler.pool(hidden, step.pool_rows)
         prompt_lps = {rows.state.req_id: self._prompt_logprobs(hidden, rows) for rows in step.prompt_rows
                       if rows.state.error is None}
         if not step.sampling and not step.spec:
@@ -161,7 +180,8 @@ class ModelRunner:
             if state.error is not None:
                 continue  # failed: the engine retires it after this step
             if state.matcher is not None and not state.matcher.consume_token(token):
-                state.error = f"its grammar refused the sampled token {token}: {state.matcher.get_error()}"
+                why = error_text(state.matcher.get_error())
+                state.error = f"its grammar refused the sampled token {token}: {why}"
                 out.failed[state.req_id] = state.error
                 continue
             state.token_ids.append(token)

@@ -16,7 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from conveyor.engine.async_engine import AsyncEngine
-from conveyor.engine.engine_client import ServedEngine
+from conveyor.engine.engine_client import ServedEngine, picklable
 from conveyor.engine.llm_engine import LLMEngine
 from conveyor.server.anthropic.messages import install_anthropic_routes
 from conveyor.server.auth import APIKeyMiddleware
@@ -29,10 +29,13 @@ from conveyor.server.ollama.routes import install_ollama_routes
 from conveyor.server.protocol import ChatCompletionRequest, CompletionRequest
 from conveyor.server.responses.serving import install_responses_routes
 from conveyor.server.responses.store import ResponseStore
+from conveyor.server.served_models import ServedModels
 from conveyor.server.serving_chat import create_chat_completion
 from conveyor.server.serving_common import ServingContext
 from conveyor.server.serving_completion import create_completion
+from conveyor.server.serving_pooling import install_pooling_routes
 from conveyor.server.tokenizer_routes import install_tokenizer_routes
+from conveyor.structured.checker import CHECK_TIMEOUT_S, GrammarChecker
 
 
 def build_app(engine: ServedEngine | LLMEngine, served_model_name: str | None = None,
@@ -42,13 +45,16 @@ def build_app(engine: ServedEngine | LLMEngine, served_model_name: str | None = 
               max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
               max_seqs_per_request: int = DEFAULT_MAX_SEQS_PER_REQUEST, cors: CORSConfig | None = None,
               tool_call_parser: str | None = None, reasoning_parser: str | None = None,
-              responses_store: ResponseStore | None = None) -> FastAPI:
+              responses_store: ResponseStore | None = None,
+              also_serve: list[tuple[ServedEngine | LLMEngine, str | None]] = (),
+              grammar_check_timeout_s: float = CHECK_TIMEOUT_S) -> FastAPI:
     """An OpenAI-compatible app serving ``engine``'s model: a ``ServedEngine`` (``EngineCoreClient``, the engine
     in its own process; ``AsyncEngine``; ``distributed.ReplicaPool``), or an ``LLMEngine``, stepped in a thread of
     this process (``AsyncEngine``). The engine runs for the app's lifespan. ``max_n`` bounds ``n`` (and
     ``best_of``) per request: 128, as OpenAI's API does; ``max_seqs_per_request`` bounds prompts x n; a body over
     ``max_request_body_bytes`` is 413 (``body_limit.py``). ``cors``: what browsers on other origins may do
-    (``cors.py``; None: vLLM's defaults, anything without credentials).
+    (``cors.py``; None: vLLM's defaults, anything without credentials). A constraint whose check (compile and first
+    tokens, in a worker process: ``structured.checker``) takes longer than ``grammar_check_timeout_s`` is 400.
 
     ``api_key``: one key or several, any of which a request may present. ``tool_call_parser`` and
     ``reasoning_parser``: the model's tool-call and reasoning syntaxes (None: read from its chat template).
@@ -56,7 +62,12 @@ def build_app(engine: ServedEngine | LLMEngine, served_model_name: str | None = 
     process; ``conveyor serve`` passes an SQLite file).
 
     ``metrics`` replaces the app's own ``ServerMetrics`` (scale-out passes one that merges its replicas'), and
-    ``health_detail``, when given, is what ``/health`` answers with."""
+    ``health_detail``, when given, is what ``/health`` answers with.
+
+    ``also_serve``: more (engine, served name or None) pairs, each model in its own engine behind this one app
+    (``conveyor serve --embedding-model``); a request goes to the model its ``model`` field names, else to the
+    first that serves its endpoint's task (``served_models.ServedModels``). Metrics and the tokenizer and
+    Anthropic routes are the first engine's."""
     if max_request_body_bytes < 1 or max_seqs_per_request < 1:
         raise ValueError(f"max_request_body_bytes and max_seqs_per_request must be >= 1, got "
                          f"{max_request_body_bytes} and {max_seqs_per_request}")
@@ -68,13 +79,26 @@ def build_app(engine: ServedEngine | LLMEngine, served_model_name: str | None = 
         metrics = ServerMetrics(engine, model_name)
         metrics.attach()
     tokenizer = info.tokenizer
+    # The checker's workers get the tokenizer itself when it pickles (one sent with the engine's "ready" does),
+    # else the model to load it from.
+    checker = GrammarChecker(tokenizer if picklable(tokenizer) else info.args.model, info.model_info.vocab_size,
+                             grammar_check_timeout_s)
     ctx = ServingContext(engine, model_name, max_n, max_seqs_per_request, max_token_chars(tokenizer),
-                         tool_call_parser, reasoning_parser)
+                         tool_call_parser, reasoning_parser, grammar_checker=checker)
     created = int(time.time())
+    served = ServedModels()
+    served.add(ctx)
+    engines = [engine]
+    for other, name in also_serve:
+        other = AsyncEngine(other) if isinstance(other, LLMEngine) else other
+        engines.append(other)
+        served.add(ServingContext(other, name or other.info.model_info.name, max_n, max_seqs_per_request,
+                                  max_token_chars(other.info.tokenizer), tool_call_parser, reasoning_parser))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        engine.start()
+        for each in engines:
+            each.start()
         logger_task = None
         if log_stats_interval_s > 0:
             logger_task = asyncio.create_task(log_stats_forever(metrics, log_stats_interval_s))
@@ -83,8 +107,10 @@ def build_app(engine: ServedEngine | LLMEngine, served_model_name: str | None = 
         finally:
             if logger_task is not None:
                 logger_task.cancel()
-            await engine.drain(shutdown_timeout_s)
-            await engine.shutdown()
+            await asyncio.gather(*(each.drain(shutdown_timeout_s) for each in engines))
+            checker.close()
+            for each in engines:
+                await each.shutdown()
 
     app = FastAPI(title="conveyor", lifespan=lifespan)
     app.state.async_engine = engine
@@ -99,29 +125,37 @@ def build_app(engine: ServedEngine | LLMEngine, served_model_name: str | None = 
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request):
-        return await create_completion(body, raw, ctx, tokenizer)
+        chosen = served.for_request(body.model, "generate")
+        return await create_completion(body, raw, chosen, chosen.engine.info.tokenizer)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw: Request):
-        return await create_chat_completion(body, raw, ctx, tokenizer)
+        chosen = served.for_request(body.model, "generate")
+        return await create_chat_completion(body, raw, chosen, chosen.engine.info.tokenizer)
 
-    card = {"id": model_name, "object": "model", "created": created, "owned_by": "conveyor",
-            "root": info.args.model or info.model_info.name, "parent": None, "max_model_len": info.max_model_len}
+    install_pooling_routes(app, served)
+
+    def card(each: ServingContext) -> dict:
+        each_info = each.engine.info
+        return {"id": each.model_name, "object": "model", "created": created, "owned_by": "conveyor",
+                "root": each_info.args.model or each_info.model_info.name, "parent": None,
+                "max_model_len": each_info.max_model_len}
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [card]}
+        return {"object": "list", "data": [card(each) for each in served.contexts.values()]}
 
     # ":path": a served name may hold slashes ("org/model"); the openai client sends them %2F-encoded, and the
     # server decodes the path before routing.
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str):
-        ctx.check_model(model_id)  # 404 model_not_found, as for an unknown `model` in a request body
-        return card
+        if model_id not in served.contexts:
+            ctx.check_model(model_id)  # 404 model_not_found, as for an unknown `model` in a request body
+        return card(served.contexts[model_id])
 
     @app.get("/health")
     async def health():
-        if not engine.is_running:
+        if not all(each.is_running for each in engines):
             return JSONResponse(APIError(503, "engine is not running", code="engine_dead").body(), 503)
         return JSONResponse(health_detail()) if health_detail else Response(status_code=200)
 

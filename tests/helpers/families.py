@@ -150,6 +150,11 @@ def save_tiny(path: Path, name: str, seed: int = 0):
 
 
 def converter_available() -> bool:
+    """Whether the converter is in ``.cache/llama.cpp``; fetched there first when it is not (a worktree that never
+    ran ``scripts/setup.sh``), by the script setup.sh runs."""
+    if not (CONVERTER_DIR / "convert_hf_to_gguf.py").is_file():
+        subprocess.run(["bash", str(REPO / "scripts" / "fetch_llama_cpp_converter.sh"), sys.executable],
+                       capture_output=True, timeout=600)
     return (CONVERTER_DIR / "convert_hf_to_gguf.py").is_file()
 
 

@@ -157,3 +157,19 @@ def test_kv_eviction_with_a_windowed_model_is_refused_at_start_up(converted):
     _, model_dir, _ = converted["mistral"]
     with pytest.raises(ValueError, match="--kv-eviction sink does not run with a sliding-window model"):
         LLM(str(model_dir), kv_eviction="sink", kv_budget_tokens=64)
+
+
+def test_served_gguf_chats_with_its_own_template_and_stop_tokens(ckpt):
+    """`conveyor serve`'s app over a real uvicorn server, the OpenAI client, the GGUF alone (no template, no stop
+    settings passed): the reply stops at a stop token or the length."""
+    import openai
+
+    from tests.helpers.server import serve_model
+
+    with serve_model(ckpt.gguf, dtype="float32", num_kv_blocks=64) as (url, _):
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none")
+        reply = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hello"}],
+                                               max_tokens=5, temperature=0)
+    choice = reply.choices[0]
+    assert choice.finish_reason in ("stop", "length") and reply.usage.completion_tokens >= 1
+    assert reply.usage.prompt_tokens > 3  # the family's template wrapped the message

@@ -148,7 +148,7 @@ def test_sharded_checkpoint_and_info(tmp_path):
 def test_load_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="nope"):
         load_model(str(tmp_path / "nope"))
-    (tmp_path / "config.json").write_text('{"architectures": ["BertModel"], "model_type": "bert"}')
+    (tmp_path / "config.json").write_text('{"architectures": ["MambaForCausalLM"], "model_type": "mamba"}')
     with pytest.raises(ValueError, match="unsupported architecture"):
         load_model(str(tmp_path))
 

@@ -78,6 +78,13 @@ def test_published_configs_are_read_by_their_family(raw, family, windows):
     assert cfg.family == family and cfg.layer_windows == windows
 
 
+def test_windows_where_transformers_applies_them():
+    assert config_from_hf({**LLAMA_32, "sliding_window": 16}).layer_windows == ()  # Llama's code ignores it
+    assert config_from_hf({**MISTRAL_V01, "sliding_window": None}).layer_windows == ()
+    qwen = config_from_hf({**QWEN25, "use_sliding_window": True, "sliding_window": 64})
+    assert qwen.layer_windows == (0,) * 21 + (64,) * 3  # from max_window_layers on
+
+
 def test_features_each_family_declares():
     gemma = config_from_hf(GEMMA3_1B)
     assert (gemma.qk_norm, gemma.sandwich_norms, gemma.norm_offset, gemma.activation) == (True, True, 1.0, "gelu_tanh")
@@ -132,7 +139,8 @@ def write_gguf(path, arch="llama", extra=None, tensors=("token_embd",)):
         w.add_uint32(f"{arch}.{key}", value)
     w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)
     for key, value in (extra or {}).items():
-        (w.add_float32 if isinstance(value, float) else w.add_uint32)(key, value)
+        add = w.add_string if isinstance(value, str) else w.add_float32 if isinstance(value, float) else w.add_uint32
+        add(key, value)
     for name in tensors:
         w.add_tensor(f"{name}.weight", torch.zeros(16, 32).numpy())
     w.write_header_to_file()
@@ -146,11 +154,21 @@ def write_gguf(path, arch="llama", extra=None, tensors=("token_embd",)):
     ({"llama.expert_count": 8}, ("token_embd",), "llama.expert_count=8 is a setting conveyor does not know"),
     ({"llama.rope.scaling.attn_factor": 2.0}, ("token_embd",), "attn_factor"),
     ({}, ("token_embd", "rope_freqs", "output"), "rope_freqs"),
-], ids=["expert_count", "attn_factor", "rope_freqs_size"])
+    ({"llama.rope.scaling.type": "fancy"}, ("token_embd",), "llama.rope.scaling.type='fancy'"),
+], ids=["expert_count", "attn_factor", "rope_freqs_size", "rope_type"])
 def test_gguf_metadata_conveyor_cannot_compute_is_refused(tmp_path, extra, tensors, match):
     with GGUFFile(write_gguf(tmp_path / "m.gguf", extra=extra, tensors=tensors)) as f:
         with pytest.raises(GGUFError, match=match):
             config_from_gguf(f)
+
+
+def test_gguf_attention_sinks_are_refused_naming_the_tensor(tmp_path):
+    from conveyor.models.gguf_model import gguf_weights
+
+    with GGUFFile(write_gguf(tmp_path / "s.gguf", tensors=("token_embd", "blk.0.attn_sinks"))) as f:
+        cfg, family = config_from_gguf(f)
+        with pytest.raises(GGUFError, match="tensor 'blk.0.attn_sinks.weight' has no place in a llama model"):
+            list(gguf_weights(f, cfg, family, torch.float32))
 
 
 def test_gguf_of_an_unknown_architecture_and_a_gemma3_window_pattern(tmp_path):

@@ -48,7 +48,7 @@ class ResponsesRequest(BaseModel):
     max_output_tokens: PositiveInt | None = None
     temperature: Annotated[Float, Field(ge=0.0, le=2.0)] | None = None  # OpenAI's ranges
     top_p: Annotated[Float, Field(gt=0.0, le=1.0)] | None = None
-    top_logprobs: Literal[0] | None = None
+    top_logprobs: Annotated[int, Field(strict=True, ge=0, le=0)] | None = None  # logprobs are not served here
     reasoning: ReasoningConfig | None = None
     previous_response_id: str | None = Field(default=None, max_length=200)
     store: Bool = True

@@ -1,0 +1,173 @@
+"""/v1/embeddings, /v1/rerank and /v1/score against a real server with the clients applications use: the openai SDK
+(float and base64), LangChain's OpenAIEmbeddings and a retriever over its in-memory vector store, LiteLLM, Cohere's
+client (rerank v2) and Jina's / vLLM's rerank shape; bad input answered 4xx naming the field while the server keeps
+serving; a generation model and an embedding model side by side in one ``conveyor serve`` (each in its own engine
+process), under load: many clients, the largest batch, and clients that disconnect mid-request."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+
+import httpx
+import numpy as np
+import pytest
+
+from conveyor.engine.llm_engine import LLMEngine
+from conveyor.server.app import build_app
+from tests.helpers.checkpoints import save_tiny_llama
+from tests.helpers.load import assert_serving, idle, start_serve, wait_gauges
+from tests.helpers.pooling import minilm_dir, save_tiny_cross_encoder
+from tests.helpers.server import running_server
+
+pytestmark = pytest.mark.slow
+EMB = "minilm"
+DOCS = ["Paris is the capital of France.", "The mitochondria is the powerhouse of the cell.",
+        "Bread is baked from flour, water and yeast.", "The Eiffel Tower stands in Paris."]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """``conveyor serve --model tiny-llama --embedding-model all-MiniLM-L6-v2``: two engine processes."""
+    root = tmp_path_factory.mktemp("emb")
+    gen = save_tiny_llama(root / "gen")
+    server = start_serve(str(gen), root / "serve.log", extra=("--embedding-model", minilm_dir(),
+                                                              "--embedding-served-model-name", EMB,
+                                                              "--dtype", "float32", "--max-num-seqs", "64"))
+    yield server
+    _, left = server.stop(timeout_s=30)
+    assert not left, f"processes outlived conveyor serve: {left}"
+
+
+def reference(texts: list[str]) -> np.ndarray:
+    from sentence_transformers import SentenceTransformer
+
+    return SentenceTransformer(minilm_dir(), device="cpu").encode(texts)
+
+
+def test_openai_sdk_float_and_base64(served):
+    import openai
+
+    client = openai.OpenAI(base_url=served.url + "/v1", api_key="x")
+    ref = reference(DOCS)
+    floats = client.embeddings.create(model=EMB, input=DOCS, encoding_format="float")
+    b64 = client.embeddings.create(model=EMB, input=DOCS)  # the SDK asks for base64 and decodes it
+    assert [d.index for d in floats.data] == list(range(len(DOCS)))
+    assert floats.usage.prompt_tokens == floats.usage.total_tokens > len(DOCS)
+    for got in (np.array([d.embedding for d in floats.data]), np.array([d.embedding for d in b64.data])):
+        cos = (got * ref).sum(1) / np.linalg.norm(got, axis=1) / np.linalg.norm(ref, axis=1)
+        assert cos.min() >= 0.99999
+    raw = httpx.post(served.url + "/v1/embeddings", json={"input": [[101, 7592, 102]], "encoding_format": "base64"})
+    vector = np.frombuffer(base64.b64decode(raw.json()["data"][0]["embedding"]), dtype="<f4")
+    assert raw.status_code == 200 and vector.shape == (384,) and abs(np.linalg.norm(vector) - 1) < 1e-5
+    # the generation model still answers beside it, routed by endpoint
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "w5"}], max_tokens=3)
+    assert chat.choices[0].message.content is not None
+    assert {m.id for m in client.models.list().data} == {"tiny", EMB}
+
+
+def test_langchain_retriever_and_litellm(served):
+    import litellm
+    from langchain_core.vectorstores import InMemoryVectorStore
+    from langchain_openai import OpenAIEmbeddings
+
+    embeddings = OpenAIEmbeddings(model=EMB, base_url=served.url + "/v1", api_key="x", check_embedding_ctx_length=False)
+    store = InMemoryVectorStore.from_texts(DOCS, embeddings)
+    found = store.as_retriever(search_kwargs={"k": 2}).invoke("What is the capital city of France?")
+    assert {d.page_content for d in found} == {DOCS[0], DOCS[3]}
+    result = litellm.embedding(model=f"openai/{EMB}", input=["hello", "world"], api_base=served.url + "/v1",
+                               api_key="x")
+    assert len(result.data) == 2 and len(result.data[0]["embedding"]) == 384
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"input": ""}, "input"), ({"input": []}, "input"), ({"input": ["ok", ""]}, "input"),
+    ({"input": ["x"] * 100_000}, "input"), ({"input": [[1, 2, 999_999]]}, "input"),
+    ({"input": "x", "dimensions": 4096}, "dimensions"), ({"input": "x", "dimensions": 0}, "dimensions"),
+    ({"input": "word " * 400}, "input"), ({"input": "x", "model": "tiny"}, "model"),
+    ({"input": "x", "encoding_format": "int8"}, "encoding_format"),
+])
+def test_bad_input_names_the_field(served, body, param):
+    r = httpx.post(served.url + "/v1/embeddings", json={"model": EMB, **body} if "model" not in body else body,
+                   timeout=60)
+    assert 400 <= r.status_code < 500, r.text
+    assert r.json()["error"]["param"] == param, r.text
+    assert_serving(served)
+
+
+def test_rerank_and_score_cross_encoder(tmp_path):
+    import cohere
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    path = save_tiny_cross_encoder(tmp_path / "ce")
+    app = build_app(LLMEngine(model=str(path), dtype="float32"), "ce", log_stats_interval_s=0.0,
+                    shutdown_timeout_s=2.0)
+    query, docs = "w1 w2", ["w3 w4", "w1 w2 w5", "abc"]
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = torch.sigmoid(model(**tok([query] * 3, docs, return_tensors="pt", padding=True)).logits[:, 0])
+    order = sorted(range(3), key=lambda i: -want[i].item())
+    with running_server(app) as url:
+        co = cohere.ClientV2(api_key="x", base_url=url)
+        ranked = co.rerank(model="ce", query=query, documents=docs, top_n=2)
+        assert [r.index for r in ranked.results] == order[:2]
+        assert abs(ranked.results[0].relevance_score - want[order[0]].item()) < 1e-5
+        jina = httpx.post(url + "/v1/rerank", json={"model": "ce", "query": query, "documents": docs}).json()
+        assert [r["index"] for r in jina["results"]] == order and jina["usage"]["total_tokens"] > 0
+        assert jina["results"][0]["document"] == {"text": docs[order[0]]}
+        score = httpx.post(url + "/v1/score", json={"model": "ce", "text_1": query, "text_2": docs}).json()
+        assert [d["index"] for d in score["data"]] == [0, 1, 2]
+        assert max(abs(d["score"] - w.item()) for d, w in zip(score["data"], want)) < 1e-5
+        for body, param in (({"query": query, "documents": []}, "documents"),
+                            ({"query": "", "documents": docs}, "query"),
+                            ({"query": query, "documents": [{"nope": 1}]}, "documents")):
+            bad = httpx.post(url + "/v1/rerank", json=body)
+            assert bad.status_code == 400 and bad.json()["error"]["param"] == param, bad.text
+        bad = httpx.post(url + "/v1/embeddings", json={"input": "x"})  # a reranker asked for embeddings
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "model"
+
+
+def test_embeddings_beside_chat_under_load(served):
+    """Many clients (embeddings of every size, chat), the largest batch OpenAI allows, and clients that hang up
+    mid-request: every request ends (200, or a 4xx/5xx in OpenAI's shape), nothing is left running, and the
+    server answers both models afterwards."""
+
+    async def drive():
+        outcomes: list[int] = []
+        async with httpx.AsyncClient(base_url=served.url, timeout=120) as client:
+            async def embed(k: int):
+                texts = [f"passage {k} number {i} " * (1 + (k * 7 + i) % 40) for i in range(1 + k % 16)]
+                r = await client.post("/v1/embeddings", json={"model": EMB, "input": texts})
+                outcomes.append(r.status_code)
+                if r.status_code == 200:
+                    assert len(r.json()["data"]) == len(texts)
+
+            async def chat(k: int):
+                r = await client.post("/v1/chat/completions", json={
+                    "model": "tiny", "messages": [{"role": "user", "content": f"w{k % 90 + 5}"}], "max_tokens": 8})
+                outcomes.append(r.status_code)
+
+            async def hang_up(k: int):  # a big request abandoned while it is queued or running
+                try:
+                    await client.post("/v1/embeddings", json={"model": EMB, "input": ["long text " * 100] * 64},
+                                      timeout=0.05 + 0.02 * k)
+                except httpx.TimeoutException:
+                    outcomes.append(499)
+
+            largest = client.post("/v1/embeddings", json={"model": EMB, "input": [f"t{i}" for i in range(2048)]})
+            jobs = [embed(k) for k in range(24)] + [chat(k) for k in range(8)] + [hang_up(k) for k in range(12)]
+            results = await asyncio.gather(largest, *jobs, return_exceptions=True)
+            errors = [r for r in results if isinstance(r, Exception)]
+            assert not errors, errors[:3]
+            assert results[0].status_code == 200 and len(results[0].json()["data"]) == 2048
+        return outcomes
+
+    outcomes = asyncio.run(drive())
+    assert set(outcomes) <= {200, 499}, outcomes
+    settled, last, _ = wait_gauges(served.url, idle, 60.0)
+    assert settled, f"requests left running after the burst: {last}"
+    assert_serving(served)
+    r = httpx.post(served.url + "/v1/embeddings", json={"model": EMB, "input": "still here"}, timeout=30)
+    assert r.status_code == 200
