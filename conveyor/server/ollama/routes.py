@@ -4,8 +4,8 @@
 
 Model names are resolved as Ollama clients send them: the served name, with or without a ``:tag``
 (``SmolLM2-135M-Instruct:latest``), in any case; another name is Ollama's 404. ``/api/embed`` belongs to the
-embedding requests (another request kind, still to come): it will be one more route here over that path, with
-the same name resolution and error shape.
+embedding requests (``serving_pooling.py``, the pooling request kind): it is not served yet, and will be one more
+route here over that path, with the same name resolution and error shape.
 """
 
 from __future__ import annotations
