@@ -6,6 +6,7 @@ Field names follow vLLM's ``SamplingParams`` so users and clients feel at home. 
 
 from __future__ import annotations
 
+import enum
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
@@ -35,6 +36,19 @@ class ReasoningBlock:
     start: str | None = None
     end_token_id: int | None = None
     start_token_id: int | None = None
+
+
+class RequestOutputKind(enum.IntEnum):
+    """What each output of a request holds, as vLLM's ``RequestOutputKind`` (``engine.outputs.RequestOutput``).
+
+    ``CUMULATIVE`` (the default): everything so far, the output processor's own state (valid until its next
+    step: copy what you keep; read it on the thread that steps the engine). ``DELTA`` (what streaming handlers
+    ask): only what is new since the request's previous output, every output a fresh object; while a completion
+    runs its text stops ``max(len(stop)) - 1`` characters short of the end, since a later token may complete a
+    stop string there and cut the text (``engine.detokenizer``)."""
+
+    CUMULATIVE = 0
+    DELTA = 1
 
 
 @dataclass
@@ -108,6 +122,7 @@ class SamplingParams:
     # A prefill-only request (embedding, scoring): its prompt's hidden states pooled, no token generated
     # (core.pooling_params); None: a generation request
     pooling: PoolingParams | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE  # what each of its outputs holds
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

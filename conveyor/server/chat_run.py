@@ -18,12 +18,12 @@ from typing import TYPE_CHECKING
 from fastapi import Request
 
 from conveyor.core.outputs import TokenLogprobs
-from conveyor.core.sampling_params import SamplingParams, StructuredOutputsParams
+from conveyor.core.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from conveyor.engine.engine_client import RequestStream
 from conveyor.engine.outputs import RequestOutput
 from conveyor.server.reasoning import ReasoningSplitter, reasoning_block
 from conveyor.server.reply import ReplyDelta, ReplyParser, ReplyResult, finish_reason
-from conveyor.server.serving_common import DeltaTracker, ServingContext, merged, usage
+from conveyor.server.serving_common import ServingContext, merged, token_usage
 
 if TYPE_CHECKING:
     from conveyor.server.chat_plan import ChatRequestPlan
@@ -56,6 +56,7 @@ class ChatRun:
         self.prompt_tokens = len(prompt_ids)
         self.created = int(time.time())
         self.final: RequestOutput | None = None
+        self.token_ids: list[list[int]] = []  # each choice's generated tokens (of the attempt returned)
         self.retried_tokens = 0  # tokens of an attempt that was not returned (counted in the usage)
         self._start = start
         self._params: SamplingParams | None = None
@@ -70,6 +71,8 @@ class ChatRun:
                 params, structured_outputs=dataclasses.replace(params.structured_outputs, reasoning=block))
         if start is not None and self.ctx.reasoning.decodes_markers:
             params = dataclasses.replace(params, skip_special_tokens=False)  # the markers must reach the text
+        # Every reply is read as deltas (``_read``), streamed or not.
+        params = dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)
         self._params = params
         ids = self.prompt_ids
         streams = await self.ctx.submit(self.request_id + attempt, [lambda _: {"prompt_token_ids": ids}], params,
@@ -97,7 +100,7 @@ class ChatRun:
             if event is not None:
                 yield event
                 continue
-            self.retried_tokens += sum(len(c.token_ids) for c in self.final.outputs)
+            self.retried_tokens += sum(s.num_generated_tokens for s in self.streams)
             self.ctx.abort(self.streams)
             await self.submit(dataclasses.replace(self._params, structured_outputs=answer), "-answer")
             async for again in self._read(can_retry=False):
@@ -114,27 +117,27 @@ class ChatRun:
         """One attempt's events; None (and nothing more) when its one reply is to be generated again (only before
         anything of it was sent, and ``can_retry``)."""
         params = self._params
-        tracker = DeltaTracker(params)
         parsers = [self._parser() for _ in range(params.n)]
+        self.token_ids = [[] for _ in range(params.n)]
         calls = [0] * params.n
         closed: set[int] = set()
         sent = False
-        async for _, out in merged(self.streams):
+        async for _, out in merged(self.streams):  # deltas: each choice's new text, tokens and logprobs
             self.final = out
             for c in out.outputs:
-                if c.index in closed or (delta_text := tracker.delta(c.index, c)) is None:
+                if c.index in closed:
                     continue
-                text, t0, t1, finished = delta_text
+                finished = c.finished
+                self.token_ids[c.index] += c.token_ids
                 parser = parsers[c.index]
-                delta = parser.feed(text)
+                delta = parser.feed(c.text)
                 if parser.wants_answer and can_retry and not sent and not delta:
                     yield None
                     return
                 if finished or parser.done:
                     delta += parser.finish()
                 calls[c.index] += sum(d.id is not None for d in delta.tool_calls)
-                logprobs = c.logprobs[t0:t1] if c.logprobs is not None else None
-                event = ChoiceEvent(c.index, delta, len(c.token_ids) + self.retried_tokens, logprobs)
+                event = ChoiceEvent(c.index, delta, c.num_tokens + self.retried_tokens, c.logprobs)
                 sent = sent or bool(delta)
                 if finished or parser.done:
                     closed.add(c.index)
@@ -153,6 +156,8 @@ class ChatRun:
                 result = results[event.index]
                 result.add(event.delta)
                 result.num_tokens = event.num_tokens
+                if event.logprobs is not None:
+                    result.logprobs = (result.logprobs or []) + event.logprobs
                 if event.finish_reason is not None:
                     result.finish_reason, result.stop_reason = event.finish_reason, event.stop_reason
             return results
@@ -160,9 +165,6 @@ class ChatRun:
         return await self.ctx.unless_disconnected(collect(), self.streams, raw)
 
     def usage(self) -> dict:
-        if self.final is None:
-            return {"prompt_tokens": self.prompt_tokens, "completion_tokens": 0, "total_tokens": self.prompt_tokens}
-        counted = usage([self.final])
-        counted["completion_tokens"] += self.retried_tokens
-        counted["total_tokens"] += self.retried_tokens
-        return counted
+        """Token counts (an attempt that was not returned included: it was computed)."""
+        return token_usage(self.prompt_tokens, sum(s.num_generated_tokens for s in self.streams)
+                           + self.retried_tokens)

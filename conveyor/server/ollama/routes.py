@@ -136,9 +136,7 @@ class _Shape:
                  "prompt_eval_duration": first - self.started, "eval_count": tokens, "eval_duration": end - first}
         out = {**self.piece(delta, calls, done=True), **stats}
         if not self.chat:
-            final = self.run.final
-            generated = list(final.outputs[0].token_ids) if final is not None else []
-            out["context"] = [*self.run.prompt_ids, *generated]
+            out["context"] = [*self.run.prompt_ids, *(self.run.token_ids[0] if self.run.token_ids else [])]
         return out
 
 
