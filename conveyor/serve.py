@@ -90,6 +90,9 @@ def add_serve_parser(sub) -> None:
                    help="seconds a new constraint (response_format, guided_*, tools) may take to compile and to "
                    "compute its first masks in the check before it runs (a worker process); slower is 400")
     add_cors_args(p)
+    from conveyor.server.responses.store import add_store_args
+
+    add_store_args(p)
     _add_scale_out_args(p)
     EngineArgs.add_cli_args(p)
     p.set_defaults(func=run_serve)
@@ -196,6 +199,7 @@ def run_serve(ns: argparse.Namespace) -> int:
     from conveyor.server.app import build_app  # ... while this process imports the server
     from conveyor.server.cors import CORSConfig
     from conveyor.server.launcher import make_server
+    from conveyor.server.responses.store import ResponseStore
 
     if ns.engine_in_process:
         from conveyor.engine.llm_engine import LLMEngine
@@ -215,8 +219,8 @@ def run_serve(ns: argparse.Namespace) -> int:
                     0.0 if ns.disable_log_stats else ns.log_stats_interval, ns.shutdown_timeout, ns.max_n,
                     max_request_body_bytes=ns.max_request_body_bytes, max_seqs_per_request=ns.max_seqs_per_request,
                     tool_call_parser=ns.tool_call_parser, reasoning_parser=ns.reasoning_parser,
-                    cors=CORSConfig.from_namespace(ns), also_serve=also_serve,
-                    grammar_check_timeout_s=ns.grammar_check_timeout)
+                    cors=CORSConfig.from_namespace(ns), responses_store=ResponseStore.from_namespace(ns),
+                    also_serve=also_serve, grammar_check_timeout_s=ns.grammar_check_timeout)
     server = make_server(app, ns.host, ns.port, ns.uvicorn_log_level, ns.timeout_keep_alive, ns.timeout_headers,
                          loop=ns.uvicorn_loop)
     try:

@@ -45,6 +45,15 @@ def smollm2_hf():
     return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
 
 
+def pytest_configure(config):
+    """Servers the tests start keep their state (the Responses store's SQLite file) in a directory of this run,
+    not in the user's: ``conveyor serve`` puts it under $XDG_STATE_HOME, which every subprocess inherits."""
+    import os
+    import tempfile
+
+    os.environ["XDG_STATE_HOME"] = tempfile.mkdtemp(prefix="conveyor-test-state-")
+
+
 def pytest_collection_modifyitems(config, items):
     """Everything under tests/e2e/ runs the real default model: slow by directory, whatever its file says."""
     e2e = Path(__file__).parent / "e2e"

@@ -25,12 +25,15 @@ from conveyor.server.cors import CORSConfig, install_cors
 from conveyor.server.errors import APIError, install_error_handlers
 from conveyor.server.limits import DEFAULT_MAX_REQUEST_BODY_BYTES, DEFAULT_MAX_SEQS_PER_REQUEST, max_token_chars
 from conveyor.server.metrics import ServerMetrics, log_stats_forever
+from conveyor.server.ollama.routes import install_ollama_routes
 from conveyor.server.protocol import ChatCompletionRequest, CompletionRequest
-from conveyor.server.serving_chat import create_chat_completion
+from conveyor.server.responses.serving import install_responses_routes
+from conveyor.server.responses.store import ResponseStore
 from conveyor.server.served_models import ServedModels
+from conveyor.server.serving_chat import create_chat_completion
 from conveyor.server.serving_common import ServingContext
-from conveyor.server.serving_pooling import install_pooling_routes
 from conveyor.server.serving_completion import create_completion
+from conveyor.server.serving_pooling import install_pooling_routes
 from conveyor.server.tokenizer_routes import install_tokenizer_routes
 from conveyor.structured.checker import CHECK_TIMEOUT_S, GrammarChecker
 
@@ -42,6 +45,7 @@ def build_app(engine: ServedEngine | LLMEngine, served_model_name: str | None = 
               max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
               max_seqs_per_request: int = DEFAULT_MAX_SEQS_PER_REQUEST, cors: CORSConfig | None = None,
               tool_call_parser: str | None = None, reasoning_parser: str | None = None,
+              responses_store: ResponseStore | None = None,
               also_serve: list[tuple[ServedEngine | LLMEngine, str | None]] = (),
               grammar_check_timeout_s: float = CHECK_TIMEOUT_S) -> FastAPI:
     """An OpenAI-compatible app serving ``engine``'s model: a ``ServedEngine`` (``EngineCoreClient``, the engine
@@ -54,6 +58,8 @@ def build_app(engine: ServedEngine | LLMEngine, served_model_name: str | None = 
 
     ``api_key``: one key or several, any of which a request may present. ``tool_call_parser`` and
     ``reasoning_parser``: the model's tool-call and reasoning syntaxes (None: read from its chat template).
+    ``responses_store``: where the Responses API keeps past responses (None: in memory, bounded, gone with the
+    process; ``conveyor serve`` passes an SQLite file).
 
     ``metrics`` replaces the app's own ``ServerMetrics`` (scale-out passes one that merges its replicas'), and
     ``health_detail``, when given, is what ``/health`` answers with.
@@ -165,5 +171,7 @@ def build_app(engine: ServedEngine | LLMEngine, served_model_name: str | None = 
 
     install_tokenizer_routes(app, ctx)
     install_anthropic_routes(app, ctx)
+    install_responses_routes(app, ctx, responses_store or ResponseStore())
+    install_ollama_routes(app, ctx)
     return app
 
