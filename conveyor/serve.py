@@ -84,6 +84,9 @@ def add_serve_parser(sub) -> None:
                    help="the model's reasoning syntax, split off the answer as reasoning_content / thinking "
                    "(default: read from the chat template: <think> or [THINK]; none: never split)")
     add_cors_args(p)
+    from conveyor.server.batches.setup import add_batch_args
+
+    add_batch_args(p)
     _add_scale_out_args(p)
     EngineArgs.add_cli_args(p)
     p.set_defaults(func=run_serve)
@@ -188,6 +191,7 @@ def run_serve(ns: argparse.Namespace) -> int:
         os.sched_setaffinity(0, frontend_cpus[0])  # after the spawn: the engine process set its own CPUs
         logger.info("API server on CPUs %s, engine on CPUs %s", frontend_cpus[0], frontend_cpus[1])
     from conveyor.server.app import build_app  # ... while this process imports the server
+    from conveyor.server.batches.setup import BatchAPIConfig
     from conveyor.server.cors import CORSConfig
     from conveyor.server.launcher import make_server
 
@@ -209,7 +213,8 @@ def run_serve(ns: argparse.Namespace) -> int:
                     0.0 if ns.disable_log_stats else ns.log_stats_interval, ns.shutdown_timeout, ns.max_n,
                     max_request_body_bytes=ns.max_request_body_bytes, max_seqs_per_request=ns.max_seqs_per_request,
                     tool_call_parser=ns.tool_call_parser, reasoning_parser=ns.reasoning_parser,
-                    cors=CORSConfig.from_namespace(ns), also_serve=also_serve)
+                    cors=CORSConfig.from_namespace(ns), also_serve=also_serve,
+                    batches=BatchAPIConfig.from_namespace(ns, args))
     server = make_server(app, ns.host, ns.port, ns.uvicorn_log_level, ns.timeout_keep_alive, ns.timeout_headers,
                          loop=ns.uvicorn_loop)
     try:

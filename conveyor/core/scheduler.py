@@ -8,7 +8,6 @@ the sampled tokens and applies the policy's decision on every request that finis
 
 from __future__ import annotations
 
-from collections import deque
 
 from conveyor.core.budget import TokenBudget
 from conveyor.core.config import SchedulerConfig
@@ -23,7 +22,7 @@ from conveyor.core.outputs import (
     SchedulerStats,
     is_decode,
 )
-from conveyor.core.policies import OnFinish, SchedulingPolicy, make_policy
+from conveyor.core.policies import OnFinish, Room, SchedulingPolicy, WaitingQueue, make_policy
 from conveyor.core.request import Request, RequestStatus
 from conveyor.core.speculative import (
     DRAFT_PLACEHOLDER,
@@ -52,7 +51,7 @@ class Scheduler:
         self.kv = kv_manager
         self.policy: SchedulingPolicy = make_policy(config)
         self.requests: dict[str, Request] = {}
-        self.waiting: deque[Request] = deque()
+        self.waiting: WaitingQueue = self.policy.waiting_queue()
         self.running: list[Request] = []  # admission order: the tail is the newest
         self._finished_ids: set[str] = set()  # to tell the executor at the next schedule()
         self._seen_by_executor: set[str] = set()
@@ -146,7 +145,12 @@ class Scheduler:
         out = SchedulerOutput(finished_req_ids=self._finished_ids)
         self._finished_ids = set()
         budget = TokenBudget(self.policy)
-        preempted_any = self._schedule_running(budget, out)
+        room = Room(self.config.max_num_seqs - len(self.running), round(self.kv.num_blocks * (1 - self.kv.usage())),
+                    self.kv.block_size)
+        yielded = self.policy.yield_to_waiting(self.running, self.waiting, room)
+        for request in yielded.preempt:  # room for waiting requests that outrank them: these admit this step
+            self._preempt(request, out)
+        preempted_any = self._schedule_running(budget, out, yielded.hold)
         if not preempted_any:  # admitting in a step that preempted would only thrash
             self._admit(budget, now, out)
         if self.spec is not None:
@@ -156,19 +160,20 @@ class Scheduler:
         self.num_steps += 1
         return out
 
-    def _schedule_running(self, budget: TokenBudget, out: SchedulerOutput) -> bool:
-        """Running requests: decodes first, then unfinished prompt chunks (stall-free chunked prefill).
-        Preempts from the policy's victims when blocks run out; returns whether it did."""
+    def _schedule_running(self, budget: TokenBudget, out: SchedulerOutput, hold: frozenset[str]) -> bool:
+        """Running requests: decodes first, then unfinished prompt chunks (stall-free chunked prefill), in the
+        policy's order, but for those it ``hold``s this step. Preempts from the policy's victims when blocks run
+        out; returns whether it did."""
         behind = {r.request_id: r.num_tokens - r.num_computed_tokens for r in self.running}
         decodes = [r for r in self.running if is_decode(behind[r.request_id])]
         prefills = [r for r in self.running if behind[r.request_id] > 1]
         scheduled: set[str] = set()
         preempted_any = False
-        for request in decodes + prefills:
+        for request in self.policy.order_running(decodes + prefills):
             if budget.exhausted:
                 break
-            if not request.status.holds_slot:
-                continue  # preempted (or retired) earlier in this loop
+            if not request.status.holds_slot or request.request_id in hold:
+                continue  # preempted (or retired) earlier in this loop, or making room for a waiting request
             num_new = budget.grant(self._capped(request, behind[request.request_id]), self.config.whole_prompts)
             if num_new == 0:
                 continue
