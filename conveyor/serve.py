@@ -84,9 +84,11 @@ def add_serve_parser(sub) -> None:
                    help="the model's reasoning syntax, split off the answer as reasoning_content / thinking "
                    "(default: read from the chat template: <think> or [THINK]; none: never split)")
     add_cors_args(p)
+    from conveyor.server.admission import add_admission_args
     from conveyor.server.batches.setup import add_batch_args
 
     add_batch_args(p)
+    add_admission_args(p)
     _add_scale_out_args(p)
     EngineArgs.add_cli_args(p)
     p.set_defaults(func=run_serve)
@@ -157,7 +159,16 @@ def run_serve(ns: argparse.Namespace) -> int:
     if ns.model_tag and not ns.model:
         ns.model = ns.model_tag
     args = EngineArgs.from_cli_args(ns)
+    from conveyor.server.admission import ServiceClasses
+
+    try:
+        service_classes = ServiceClasses.from_namespace(ns)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
     if ns.data_parallel_size > 1 or ns.ray_address or ns.autoscaling_config or ns.disaggregate:
+        if service_classes is not None:
+            raise SystemExit("--service-class needs one engine (SLO-aware admission reads its queue); not with "
+                             "--data-parallel-size, --disaggregate or Ray")
         if args.cpu_ids or ns.frontend_cpus:  # each replica would pin itself to the same CPUs
             raise SystemExit("--cpu-ids and --frontend-cpus place one engine; with --data-parallel-size, Ray places "
                              "the replicas (--cpus-per-replica CPUs each)")
@@ -214,7 +225,8 @@ def run_serve(ns: argparse.Namespace) -> int:
                     max_request_body_bytes=ns.max_request_body_bytes, max_seqs_per_request=ns.max_seqs_per_request,
                     tool_call_parser=ns.tool_call_parser, reasoning_parser=ns.reasoning_parser,
                     cors=CORSConfig.from_namespace(ns), also_serve=also_serve,
-                    batches=BatchAPIConfig.from_namespace(ns, args))
+                    batches=BatchAPIConfig.from_namespace(ns, args),
+                    service_classes=service_classes)
     server = make_server(app, ns.host, ns.port, ns.uvicorn_log_level, ns.timeout_keep_alive, ns.timeout_headers,
                          loop=ns.uvicorn_loop)
     try:

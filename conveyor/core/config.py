@@ -48,6 +48,9 @@ class SchedulerConfig:
     # "fcfs" or "priority" (each request's ``priority``, lower first); None: priority for continuous and chunked
     # batching (with every priority equal it serves in arrival order), fcfs for the baselines
     scheduling_policy: str | None = None
+    # priority: while requests of several priorities run, the tokens of those below the best may add at most this
+    # fraction to the step's time (from the measured step cost); None: they take whatever budget is left
+    priority_step_slack: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens"):
@@ -70,6 +73,8 @@ class SchedulerConfig:
             raise ValueError(f"scheduling_policy priority runs with the {' or '.join(PRIORITY_POLICIES)} policy, not "
                              f"{self.policy!r} (a static batch is not re-decided when a request of higher priority "
                              "arrives)")
+        if self.priority_step_slack is not None and not self.priority_step_slack >= 0:
+            raise ValueError(f"priority_step_slack must be >= 0, got {self.priority_step_slack}")
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if self.speculative_config is not None and self.policy not in SPECULATING_POLICIES:
             raise ValueError(f"speculative decoding runs with the {' or '.join(SPECULATING_POLICIES)} policy, "

@@ -48,6 +48,10 @@ class EngineArgs:
                                          "priority (each request's priority, lower first, ties by arrival; the "
                                          "default for continuous and chunked batching) or fcfs (arrival order; "
                                          "the baselines' only order)", choices=SCHEDULING_POLICIES)
+    priority_step_slack: float | None = _arg(
+        SchedulerConfig.priority_step_slack, "priority scheduling: while requests of several priorities run, the "
+        "tokens of those below the best may add at most this fraction to a step's measured time (e.g. 0.15: a batch "
+        "job slows interactive decodes by at most 15%%); default: they fill the step's token budget")
     max_num_seqs: int = _arg(SchedulerConfig.max_num_seqs, "most requests in the running batch")
     max_num_batched_tokens: int = _arg(SchedulerConfig.max_num_batched_tokens,
                                        "token budget of one step (chunked prefill)")

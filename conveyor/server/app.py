@@ -19,6 +19,7 @@ from conveyor.engine.async_engine import AsyncEngine
 from conveyor.engine.engine_client import ServedEngine
 from conveyor.engine.llm_engine import LLMEngine
 from conveyor.server.anthropic.messages import install_anthropic_routes
+from conveyor.server.admission import ServiceClasses, make_admission
 from conveyor.server.auth import APIKeyMiddleware
 from conveyor.server.batches.setup import BatchAPIConfig, install_batch_api
 from conveyor.server.body_limit import BodyLimitMiddleware
@@ -45,7 +46,7 @@ def build_app(engine: ServedEngine | LLMEngine, served_model_name: str | None = 
               max_seqs_per_request: int = DEFAULT_MAX_SEQS_PER_REQUEST, cors: CORSConfig | None = None,
               tool_call_parser: str | None = None, reasoning_parser: str | None = None,
               also_serve: list[tuple[ServedEngine | LLMEngine, str | None]] = (),
-              batches: BatchAPIConfig | None = None) -> FastAPI:
+              batches: BatchAPIConfig | None = None, service_classes: ServiceClasses | None = None) -> FastAPI:
     """An OpenAI-compatible app serving ``engine``'s model: a ``ServedEngine`` (``EngineCoreClient``, the engine
     in its own process; ``AsyncEngine``; ``distributed.ReplicaPool``), or an ``LLMEngine``, stepped in a thread of
     this process (``AsyncEngine``). The engine runs for the app's lifespan. ``max_n`` bounds ``n`` (and
@@ -65,7 +66,10 @@ def build_app(engine: ServedEngine | LLMEngine, served_model_name: str | None = 
     Anthropic routes are the first engine's.
 
     ``batches``: serve the Batch API (``/v1/files``, ``/v1/batches``) with this store and runner configuration
-    (None: not served); its lines go through this app's own completion, chat and embedding handlers."""
+    (None: not served); its lines go through this app's own completion, chat and embedding handlers.
+
+    ``service_classes``: SLO-aware admission for the first engine's requests (``admission.py``; None: every
+    request is admitted)."""
     if max_request_body_bytes < 1 or max_seqs_per_request < 1:
         raise ValueError(f"max_request_body_bytes and max_seqs_per_request must be >= 1, got "
                          f"{max_request_body_bytes} and {max_seqs_per_request}")
@@ -79,6 +83,8 @@ def build_app(engine: ServedEngine | LLMEngine, served_model_name: str | None = 
     tokenizer = info.tokenizer
     ctx = ServingContext(engine, model_name, max_n, max_seqs_per_request, max_token_chars(tokenizer),
                          tool_call_parser, reasoning_parser)
+    if service_classes is not None:
+        ctx.admission = make_admission(service_classes, engine, metrics.registry)
     created = int(time.time())
     served = ServedModels()
     served.add(ctx)

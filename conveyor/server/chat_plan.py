@@ -116,7 +116,8 @@ class ChatRequestPlan:
         if start is not None and ctx.reasoning.decodes_markers:
             params = dataclasses.replace(params, skip_special_tokens=False)  # the markers must reach the text
         request_id = new_id(prefix)
-        streams = await ctx.submit(request_id, [lambda _: {"prompt_token_ids": ids}], params, raw)
+        streams = await ctx.submit(request_id, [lambda _: {"prompt_token_ids": ids}], params, raw,
+                                   self.body.service_tier)
         return ChatRun(ctx, self, request_id, streams, len(ids), start)
 
 

@@ -49,6 +49,7 @@ TopK = _int(-1, INT64_MAX)  # -1 and 0: off; beyond the vocabulary: the whole vo
 TokenId = _int(0, MAX_TOKEN_ID)
 LogprobCount = _int(0, MAX_LOGPROBS)
 Priority = _int(PRIORITY_MIN, PRIORITY_MAX)  # vLLM's request priority: lower runs first
+ServiceTier = Annotated[str, Field(strict=True, min_length=1, max_length=64)]  # a service class's name
 # A finite float (ints are taken as floats; bools and strings are not). Ranges are SamplingParams' business.
 Float = Annotated[float, Field(strict=True, allow_inf_nan=False)]
 

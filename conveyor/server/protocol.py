@@ -17,7 +17,8 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 from conveyor.core.sampling_params import SamplingParams
 from conveyor.server.fields import (
-    Bool, Float, LogprobCount, NonNegativeInt, PositiveInt, Priority, Prompt, Seed, TokenId, TokenIdKey, TopK,
+    Bool, Float, LogprobCount, NonNegativeInt, PositiveInt, Priority, Prompt, Seed, ServiceTier, TokenId, TokenIdKey,
+    TopK,
 )
 from conveyor.server.structured_fields import GUIDED_ALIASES, structured_outputs_of
 
@@ -143,6 +144,8 @@ class SamplingFields(BaseModel):
     kv_budget_tokens: PositiveInt | None = None
     # vLLM's: the request's place in the queue under --scheduling-policy priority (lower first, ties by arrival)
     priority: Priority = 0
+    # OpenAI's: which service class serves it (server/admission.py: auto, default, or a --service-class name)
+    service_tier: ServiceTier | None = None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """The engine's ``SamplingParams``; raises ValueError (message starts with the field name) when bad."""

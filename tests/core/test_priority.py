@@ -133,3 +133,40 @@ def _drive(scheduling_policy: str, seed: int) -> list[tuple]:
 @pytest.mark.parametrize("seed", range(4))
 def test_equal_priorities_schedule_exactly_as_fcfs(seed):
     assert _drive("priority", seed) == _drive("fcfs", seed)
+
+
+def test_a_step_slack_caps_what_lower_priorities_add_to_a_step_of_higher_ones():
+    # steps cost 10 ms + 1 ms a token (the scheduler measures them): with a slack of 0.5, two interactive decodes
+    # (a 12 ms step) leave 6 ms, six tokens, to the batch
+    s = make_scheduler(max_num_batched_tokens=64, num_blocks=256, priority_step_slack=0.5)
+    ex = FakeExecutor()
+    now = 0.0
+
+    def timed_step():
+        nonlocal now
+        out = s.schedule(now)
+        now += 0.010 + 0.001 * out.total_num_scheduled_tokens
+        s.update(out, ex.execute(out), now)
+        s.check_invariants()
+        return out
+
+    for i in range(2):
+        s.add_request(req(f"u{i}", 0, prompt_len=8 + 8 * i, max_tokens=200, arrival=float(i), first_token=900 + 50 * i))
+    for _ in range(3):
+        timed_step()  # prompts, then decodes: two step sizes measured
+    for i in range(3):
+        s.add_request(req(f"b{i}", BATCH_PRIORITY, prompt_len=100, max_tokens=50, arrival=10.0 + i,
+                          first_token=100 * i + 10))
+    batch_tokens = []
+    for _ in range(30):
+        out = timed_step()
+        assert out.num_scheduled_tokens["u0"] == 1 and out.num_scheduled_tokens["u1"] == 1
+        batch_tokens.append(sum(n for rid, n in out.num_scheduled_tokens.items() if rid.startswith("b")))
+    assert max(batch_tokens) <= 6 and sum(batch_tokens) >= 30 * 5, batch_tokens
+    # without the slack the batch takes the whole budget that is left
+    s2 = make_scheduler(max_num_batched_tokens=64, num_blocks=256)
+    s2.add_request(req("u", 0, max_tokens=200))
+    step(s2, ex)
+    s2.add_request(req("b", BATCH_PRIORITY, prompt_len=100, arrival=1.0, first_token=700))
+    out, _ = step(s2, ex)
+    assert out.num_scheduled_tokens == {"u": 1, "b": 63}

@@ -233,3 +233,22 @@ def test_the_store_is_bounded_in_files(tiny_chat_dir, tmp_path):
         second = build_app(make_engine(tiny_chat_dir), "tiny", None, log_stats_interval_s=0.0,
                            batches=BatchAPIConfig(str(tmp_path), StoreLimits(), 4, BATCH_PRIORITY))
         assert not any(getattr(r, "path", "") == "/v1/batches" for r in second.routes)
+
+
+def test_the_priority_field_is_served_and_an_fcfs_engine_refuses_it(server, tiny_chat_dir):
+    c = client(server)
+    for endpoint in ("chat", "completions"):
+        create = c.chat.completions.create if endpoint == "chat" else c.completions.create
+        kwargs = {"messages": [{"role": "user", "content": "w1"}]} if endpoint == "chat" else {"prompt": "w1"}
+        assert create(model="tiny", max_tokens=2, extra_body={"priority": -3}, **kwargs).choices
+        with pytest.raises(openai.BadRequestError) as caught:
+            create(model="tiny", max_tokens=2, extra_body={"priority": 2**31}, **kwargs)
+        assert caught.value.body["param"] == "priority"
+    app = build_app(make_engine(tiny_chat_dir, scheduling_policy="fcfs"), "tiny", None, log_stats_interval_s=0.0,
+                    shutdown_timeout_s=2.0)
+    with running_server(app) as url:
+        fcfs = client(url)
+        with pytest.raises(openai.BadRequestError) as caught:
+            fcfs.completions.create(model="tiny", prompt="w1", max_tokens=2, extra_body={"priority": 1})
+        assert caught.value.body["param"] == "priority" and "fcfs" in caught.value.body["message"]
+        assert fcfs.completions.create(model="tiny", prompt="w1", max_tokens=2, extra_body={"priority": 0}).choices

@@ -36,19 +36,25 @@ NO_WASTE = WastedWork()
 
 
 class Room(NamedTuple):
-    """What a step has free before it schedules anyone: seats in the running batch, KV blocks, and their size."""
+    """What a step has free before it schedules anyone: seats in the running batch, KV blocks, and their size; and
+    the step's cost as the scheduler measured it, (fixed seconds, seconds per token, a prompt chunk's seconds)
+    (``speculative.StepCostModel``; None: not asked for, or not known yet)."""
 
     free_seats: int
     free_blocks: int
     block_size: int
+    step_cost: tuple[float, float, float] | None = None
 
 
 class StepYield(NamedTuple):
-    """Running requests that make room for waiting ones this step: ``preempt`` lose their blocks and go back to the
-    queue (recompute); ``hold`` (ids) keep their blocks but compute nothing this step."""
+    """Running requests that make room for others this step: ``preempt`` lose their blocks and go back to the queue
+    (recompute); ``caps`` (id -> tokens) compute at most that many tokens this step (0: none, their blocks kept);
+    ``admit_cap`` (priority, tokens): waiting requests of a worse priority than that may be admitted with at most
+    that many tokens in all this step."""
 
     preempt: list[Request]
-    hold: frozenset[str] = frozenset()
+    caps: dict[str, int] | None = None
+    admit_cap: tuple[int, int] | None = None
 
 
 NO_YIELD = StepYield([])

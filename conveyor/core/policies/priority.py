@@ -11,7 +11,9 @@ The decisions, as ``PriorityOrder`` adds them to a batching policy (continuous o
                     when blocks run out)
 ``choose_victim``   the lowest priority; among equals the most recently admitted (FCFS's rule)
 ``yield_to_waiting`` which running requests make room for waiting ones that outrank them: preempted for a seat or
-                    blocks, held (no tokens this step) when they are prompt chunks that would spend the budget
+                    blocks, held (no tokens this step) when they are prompt chunks that would spend the budget; and,
+                    with ``priority_step_slack``, how many tokens those below the best running priority may add to
+                    a step (at most that fraction of its measured time)
 ==================  ===============================================================================================
 
 With every priority equal this is first come, first served: the same queue order, victims and steps.
@@ -88,17 +90,31 @@ class PriorityOrder:
         return next(r for r in reversed(candidates) if r.priority == lowest)
 
     def yield_to_waiting(self, running: Sequence[Request], waiting: Sequence[Request], room: Room) -> StepYield:
+        """Room for the requests that outrank others: ``_make_room`` for waiting ones; then, with a step slack
+        (``SchedulerConfig.priority_step_slack``) and a measured step cost, ``_slack_caps`` on the tokens of every
+        request below the best running priority."""
+        preempt, caps = self._make_room(running, waiting, room)
+        admit_cap = None
+        slack = self.config.priority_step_slack
+        if slack is not None and room.step_cost is not None and running:
+            admit_cap = self._slack_caps([r for r in running if r not in preempt], caps, room.step_cost, slack)
+        if not preempt and not caps and admit_cap is None:
+            return NO_YIELD
+        return StepYield(preempt, caps, admit_cap)
+
+    def _make_room(self, running: Sequence[Request], waiting: Sequence[Request],
+                   room: Room) -> tuple[list[Request], dict[str, int]]:
         """Room for the waiting requests that outrank running ones, in queue order, as far as this step's budget
         reaches: a seat and the blocks of its first chunk each, taken from the lowest-priority running requests
         (newest first) while the free ones do not suffice; and every running prompt below the best waiting
-        priority is held this step, so that its chunk does not spend the budget first. The block counts are
-        estimates (a request's blocks shared with the prefix cache do not come free); the scheduler's allocation
-        is the exact check."""
+        priority is held this step (a cap of 0), so that its chunk does not spend the budget first. The block
+        counts are estimates (a request's blocks shared with the prefix cache do not come free); the scheduler's
+        allocation is the exact check. (The preempted, and the caps.)"""
         if not waiting or not running:
-            return NO_YIELD
+            return [], {}
         best = waiting[0].priority
         if best >= max(r.priority for r in running):
-            return NO_YIELD  # nobody waiting outranks anyone running
+            return [], {}  # nobody waiting outranks anyone running
         victims = sorted(running, key=lambda r: r.priority)  # the pool to preempt from, lowest priority last
         held = {r.request_id for r in running if r.priority > best and r.num_tokens - r.num_computed_tokens > 1}
         seats, blocks, budget = room.free_seats, room.free_blocks, self.step_budget()
@@ -120,7 +136,33 @@ class PriorityOrder:
             if seats < 1 or blocks < need:
                 break
             seats, blocks, budget = seats - 1, blocks - need, budget - chunk
-        return StepYield(preempt, frozenset(held))
+        return preempt, dict.fromkeys(held, 0)
+
+    def _slack_caps(self, running: list[Request], caps: dict[str, int], cost: tuple[float, float, float],
+                    slack: float) -> tuple[int, int] | None:
+        """Cap (in ``caps``) the tokens of the running requests below the best running priority so that they add
+        at most ``slack`` of the step's time without them, by the measured ``cost`` line (fixed + per token +
+        a prompt chunk's own); decodes first, then prompt chunks. Returns what is left for waiting requests of a
+        worse priority, (the best priority, tokens)."""
+        best = min(r.priority for r in running)
+        fixed, per_token, chunk_cost = cost
+        top = [r for r in running if r.priority == best]
+        tokens = sum(min(r.num_tokens - r.num_computed_tokens, self.step_budget()) for r in top)
+        top_chunk = any(r.num_tokens - r.num_computed_tokens > 1 for r in top)
+        spare = slack * (fixed + per_token * tokens + (chunk_cost if top_chunk else 0.0))
+        lower = sorted((r for r in running if r.priority > best and caps.get(r.request_id) != 0),
+                       key=lambda r: (r.priority, r.num_tokens - r.num_computed_tokens > 1))
+        chunk_paid = top_chunk
+        for r in lower:
+            behind = r.num_tokens - r.num_computed_tokens
+            extra = 0.0 if chunk_paid or behind <= 1 else chunk_cost
+            can = int((spare - extra) / per_token) if per_token > 0 else behind
+            caps[r.request_id] = max(0, min(behind, can))
+            if caps[r.request_id]:
+                spare -= extra + per_token * caps[r.request_id]
+                chunk_paid = chunk_paid or behind > 1
+        can = int((spare - (0.0 if chunk_paid else chunk_cost)) / per_token) if per_token > 0 else self.step_budget()
+        return best, max(0, can)
 
 
 class PriorityContinuousPolicy(PriorityOrder, ContinuousPolicy):
