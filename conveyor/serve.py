@@ -83,6 +83,12 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
                    help="the model's reasoning syntax, split off the answer as reasoning_content / thinking "
                    "(default: read from the chat template: <think> or [THINK]; none: never split)")
+
+    from conveyor.structured.checker import CHECK_TIMEOUT_S
+
+    p.add_argument("--grammar-check-timeout", type=float, default=CHECK_TIMEOUT_S,
+                   help="seconds a new constraint (response_format, guided_*, tools) may take to compile and to "
+                   "compute its first masks in the check before it runs (a worker process); slower is 400")
     add_cors_args(p)
     from conveyor.server.admission import add_admission_args
     from conveyor.server.batches.setup import add_batch_args
@@ -225,8 +231,8 @@ def run_serve(ns: argparse.Namespace) -> int:
                     max_request_body_bytes=ns.max_request_body_bytes, max_seqs_per_request=ns.max_seqs_per_request,
                     tool_call_parser=ns.tool_call_parser, reasoning_parser=ns.reasoning_parser,
                     cors=CORSConfig.from_namespace(ns), also_serve=also_serve,
-                    batches=BatchAPIConfig.from_namespace(ns, args),
-                    service_classes=service_classes)
+                    grammar_check_timeout_s=ns.grammar_check_timeout,
+                    batches=BatchAPIConfig.from_namespace(ns, args), service_classes=service_classes)
     server = make_server(app, ns.host, ns.port, ns.uvicorn_log_level, ns.timeout_keep_alive, ns.timeout_headers,
                          loop=ns.uvicorn_loop)
     try:

@@ -190,6 +190,9 @@ class SamplingParams:
         if self.structured_outputs is not None and self.ignore_eos:
             raise bad("ignore_eos", "cannot be combined with structured outputs (the grammar decides where the "
                                     "output ends)")
+        if self.structured_outputs is not None and self.min_tokens:
+            raise bad("min_tokens", "cannot be combined with structured outputs (the grammar decides where the "
+                                    "output ends: one that ends sooner would leave no token to sample)")
 
     def check_vocabulary(self, vocab_size: int) -> None:
         """ValueError naming the field for a token id (``stop_token_ids``, ``allowed_token_ids``, ``logit_bias``'s

@@ -167,6 +167,7 @@ def run_serve_data_parallel(ns: argparse.Namespace, args: EngineArgs) -> int:
                         health_detail=pool.health, max_request_body_bytes=ns.max_request_body_bytes,
                         max_seqs_per_request=ns.max_seqs_per_request, tool_call_parser=ns.tool_call_parser,
                         reasoning_parser=ns.reasoning_parser, cors=CORSConfig.from_namespace(ns),
+                        grammar_check_timeout_s=ns.grammar_check_timeout,
                         batches=BatchAPIConfig.from_namespace(ns, args))
         server = make_server(app, ns.host, ns.port, ns.uvicorn_log_level, ns.timeout_keep_alive, ns.timeout_headers,
                              loop=ns.uvicorn_loop)

@@ -15,6 +15,7 @@ from conveyor.runner.kv_io import gather_kv, scatter_kv
 from conveyor.runner.pooler import Pooler
 from conveyor.runner.sampler import Sampler, prompt_logprobs
 from conveyor.runner.spec_verify import verify_proposals
+from conveyor.structured.grammars import error_text
 
 PROMPT_LOGITS_ROWS = 256  # prompt logprobs in slices: [256, 49152] float32 logits are 50 MB
 
@@ -179,7 +180,8 @@ class ModelRunner:
             if state.error is not None:
                 continue  # failed: the engine retires it after this step
             if state.matcher is not None and not state.matcher.consume_token(token):
-                state.error = f"its grammar refused the sampled token {token}: {state.matcher.get_error()}"
+                why = error_text(state.matcher.get_error())
+                state.error = f"its grammar refused the sampled token {token}: {why}"
                 out.failed[state.req_id] = state.error
                 continue
             state.token_ids.append(token)

@@ -16,7 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from conveyor.engine.async_engine import AsyncEngine
-from conveyor.engine.engine_client import ServedEngine
+from conveyor.engine.engine_client import ServedEngine, picklable
 from conveyor.engine.llm_engine import LLMEngine
 from conveyor.server.anthropic.messages import install_anthropic_routes
 from conveyor.server.admission import ServiceClasses, make_admission
@@ -36,6 +36,7 @@ from conveyor.server.serving_common import ServingContext
 from conveyor.server.serving_pooling import install_pooling_routes
 from conveyor.server.serving_completion import create_completion
 from conveyor.server.tokenizer_routes import install_tokenizer_routes
+from conveyor.structured.checker import CHECK_TIMEOUT_S, GrammarChecker
 
 
 def build_app(engine: ServedEngine | LLMEngine, served_model_name: str | None = None,
@@ -46,13 +47,15 @@ def build_app(engine: ServedEngine | LLMEngine, served_model_name: str | None = 
               max_seqs_per_request: int = DEFAULT_MAX_SEQS_PER_REQUEST, cors: CORSConfig | None = None,
               tool_call_parser: str | None = None, reasoning_parser: str | None = None,
               also_serve: list[tuple[ServedEngine | LLMEngine, str | None]] = (),
-              batches: BatchAPIConfig | None = None, service_classes: ServiceClasses | None = None) -> FastAPI:
+              grammar_check_timeout_s: float = CHECK_TIMEOUT_S, batches: BatchAPIConfig | None = None,
+              service_classes: ServiceClasses | None = None) -> FastAPI:
     """An OpenAI-compatible app serving ``engine``'s model: a ``ServedEngine`` (``EngineCoreClient``, the engine
     in its own process; ``AsyncEngine``; ``distributed.ReplicaPool``), or an ``LLMEngine``, stepped in a thread of
     this process (``AsyncEngine``). The engine runs for the app's lifespan. ``max_n`` bounds ``n`` (and
     ``best_of``) per request: 128, as OpenAI's API does; ``max_seqs_per_request`` bounds prompts x n; a body over
     ``max_request_body_bytes`` is 413 (``body_limit.py``). ``cors``: what browsers on other origins may do
-    (``cors.py``; None: vLLM's defaults, anything without credentials).
+    (``cors.py``; None: vLLM's defaults, anything without credentials). A constraint whose check (compile and first
+    tokens, in a worker process: ``structured.checker``) takes longer than ``grammar_check_timeout_s`` is 400.
 
     ``api_key``: one key or several, any of which a request may present. ``tool_call_parser`` and
     ``reasoning_parser``: the model's tool-call and reasoning syntaxes (None: read from its chat template).
@@ -81,8 +84,12 @@ def build_app(engine: ServedEngine | LLMEngine, served_model_name: str | None = 
         metrics = ServerMetrics(engine, model_name)
         metrics.attach()
     tokenizer = info.tokenizer
+    # The checker's workers get the tokenizer itself when it pickles (one sent with the engine's "ready" does),
+    # else the model to load it from.
+    checker = GrammarChecker(tokenizer if picklable(tokenizer) else info.args.model, info.model_info.vocab_size,
+                             grammar_check_timeout_s)
     ctx = ServingContext(engine, model_name, max_n, max_seqs_per_request, max_token_chars(tokenizer),
-                         tool_call_parser, reasoning_parser)
+                         tool_call_parser, reasoning_parser, grammar_checker=checker)
     if service_classes is not None:
         ctx.admission = make_admission(service_classes, engine, metrics.registry)
     created = int(time.time())
@@ -115,6 +122,7 @@ def build_app(engine: ServedEngine | LLMEngine, served_model_name: str | None = 
                 await batch_runner.stop()
                 batch_runner.store.close()
             await asyncio.gather(*(each.drain(shutdown_timeout_s) for each in engines))
+            checker.close()
             for each in engines:
                 await each.shutdown()
 

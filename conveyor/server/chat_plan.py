@@ -171,8 +171,9 @@ def _template_kwargs(kwargs: dict | None) -> dict:
 def _plan_tools(body: ChatCompletionRequest, ctx: ServingContext, params: SamplingParams):
     """The request's tool plan and its params, constrained when the plan says so (400 when malformed)."""
     try:
-        plan = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls, ctx.tool_call_parser,
-                          ctx.chat_template)
+        choice = body.tool_choice if body.tool_choice is None or isinstance(body.tool_choice, str) else \
+            body.tool_choice.model_dump()
+        plan = plan_tools(body.tools, choice, body.parallel_tool_calls, ctx.tool_call_parser, ctx.chat_template)
     except ValueError as exc:
         raise bad_request(str(exc), "tool_choice" if "tool_choice" in str(exc) else "tools") from exc
     if plan is None or plan.constraint is None:

@@ -10,6 +10,7 @@ exceptions) into that shape, so the official clients raise their typed exception
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import fields
 
 from fastapi import FastAPI, Request
@@ -37,6 +38,8 @@ class APIError(Exception):
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
                  headers: dict[str, str] | None = None) -> None:
+        if status >= 500:  # a server error's text may come from anywhere: never a trace or a path
+            message = client_text(message)
         super().__init__(message)
         self.status = status
         self.message = message
@@ -72,6 +75,21 @@ def ollama_error(error: APIError) -> dict:
 
 
 ERROR_SHAPES = (("/v1/messages", anthropic_error), ("/api/", ollama_error))
+
+
+# What may not reach a client in a server error's text: where a native or Python stack trace starts, and file paths
+# (the build machine's, the server's): the reliability probe of 2026-12-06 found a Rust panic's backtrace, with
+# absolute paths, in a 500's message.
+_TRACE_STARTS = ("Traceback (most recent call last)", "<backtrace>", "stack backtrace:")
+_FILE_PATH = re.compile(r"(?:[A-Za-z]:)?(?:[/\\][^\s/\\:'\"(),<>]+){2,}(?::\d+)*")
+
+
+def client_text(message: str) -> str:
+    """A server error's message as a client may read it: cut where a stack trace starts, file paths replaced by
+    ``<path>``, at most 1,000 characters."""
+    for marker in _TRACE_STARTS:
+        message = message.split(marker, 1)[0]
+    return _FILE_PATH.sub("<path>", message).strip()[:1000] or "internal error"
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:

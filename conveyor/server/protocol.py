@@ -11,7 +11,7 @@ value checks that need no served model live in ``SamplingParams`` (one source of
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
@@ -211,12 +211,48 @@ class CompletionRequest(SamplingFields):
     add_special_tokens: Bool = True
 
 
+class FunctionCall(BaseModel):
+    """The function of an assistant message's tool call: its name, and its arguments as JSON text (OpenAI's
+    form) or an object (what some clients send)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    name: str
+    arguments: str | dict[str, Any] | None = None
+
+
+class ToolCallEntry(BaseModel):
+    """One of an assistant message's ``tool_calls`` (OpenAI's ``{"id", "type": "function", "function"}``)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
+    """A chat message; a malformed tool history (a call without ``function``, a function that is a string or has
+    no ``name``) is a 400 naming the message and the field (``messages.1.tool_calls.0.function``)."""
+
     model_config = ConfigDict(extra="allow")
 
     role: str
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallEntry] | None = None
+    tool_call_id: str | None = None
+
+
+class FunctionName(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    """``tool_choice`` naming a function: ``{"type": "function", "function": {"name": ...}}``."""
+
+    type: Literal["function"]
+    function: FunctionName
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -229,7 +265,7 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: Bool = False
     top_logprobs: LogprobCount | None = None
     tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tool_choice: str | NamedToolChoice | None = None
     parallel_tool_calls: Bool | None = None
     add_generation_prompt: Bool = True
     continue_final_message: Bool = False  # vLLM's: the final message left open, for the model to continue

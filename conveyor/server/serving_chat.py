@@ -9,13 +9,13 @@ from conveyor.core.outputs import TokenLogprobs
 from conveyor.server.chat_plan import ChatRun, ChoiceEvent, check_plan, plan_chat
 from conveyor.server.protocol import ChatCompletionRequest
 from conveyor.server.reply import ReplyResult
-from conveyor.server.serving_common import ServingContext, StreamUsage, sse_events, usage
+from conveyor.server.serving_common import ServingContext, StreamUsage, json_logprob, sse_events, usage
 
 
 def logprobs_content(tokenizer, entries: list[TokenLogprobs]) -> dict:
     def item(token_id: int, logprob: float) -> dict:
         token = tokenizer.decode([token_id], skip_special_tokens=False)
-        return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+        return {"token": token, "logprob": json_logprob(logprob), "bytes": list(token.encode("utf-8"))}
 
     return {"content": [{**item(e.token_id, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]}
                         for e in entries]}

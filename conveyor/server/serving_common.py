@@ -22,14 +22,26 @@ from conveyor.server.errors import APIError, bad_request, from_engine_error, fro
 from conveyor.server.limits import DEFAULT_MAX_SEQS_PER_REQUEST, check_stop
 from conveyor.server.protocol import SamplingFields
 from conveyor.server.reasoning import model_reasoning
+from conveyor.structured.checker import GrammarChecker
 from conveyor.structured.grammars import grammar_text
 
 logger = logging.getLogger("conveyor.server")
 T = TypeVar("T")
 
 
+# vLLM's convention for a logprob JSON cannot hold: a token a grammar masked has logprob -inf (the sampler takes
+# logprobs after the bitmask), which is not JSON; vLLM's OpenAI server answers max(logprob, -9999.0).
+MIN_LOGPROB = -9999.0
+
+
+def json_logprob(value: float) -> float:
+    """``value`` as the answer carries it: -inf (and NaN, which no step should produce) as ``MIN_LOGPROB``."""
+    return value if value >= MIN_LOGPROB else MIN_LOGPROB
+
+
 def sse(payload: dict) -> str:
-    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+    """One server-sent event. Strict JSON: a non-finite number raises instead of going out as ``-Infinity``."""
+    return f"data: {json.dumps(payload, separators=(',', ':'), allow_nan=False)}\n\n"
 
 
 SSE_DONE = "data: [DONE]\n\n"
@@ -86,8 +98,10 @@ class ServingContext:
 
     def __init__(self, engine: ServedEngine, model_name: str, max_n: int = 128,
                  max_seqs_per_request: int = DEFAULT_MAX_SEQS_PER_REQUEST, max_token_chars: int | None = None,
-                 tool_call_parser: str | None = None, reasoning_parser: str | None = None) -> None:
+                 tool_call_parser: str | None = None, reasoning_parser: str | None = None,
+                 grammar_checker: GrammarChecker | None = None) -> None:
         self.engine = engine
+        self.grammar_checker = grammar_checker  # None: constraints are translated and validated, not compiled
         self.tool_call_parser = tool_call_parser  # None: picked from the chat template (server/tools.py)
         self.chat_template = engine.info.tokenizer.chat_template
         # How the model reasons (None: it does not); the parser's None: read from the template (server/reasoning.py)
@@ -166,14 +180,14 @@ class ServingContext:
 
     async def check_constraint(self, params: SamplingParams, field: str | None = None) -> None:
         """400 for a structured-output constraint that cannot be enforced (an unsupported JSON schema keyword, a
-        regex look-ahead, a grammar that does not parse), before the request reaches the engine; ``field``: the
-        request field that asked for it, which the error names. On a thread: a large schema takes milliseconds
-        to translate."""
+        regex look-ahead, a grammar that does not parse, one that matches no text, one past llguidance's limits or
+        the check's time bound: ``structured.checker``), before the request reaches the engine; ``field``: the
+        request field that asked for it, which the error names. On a thread: the check waits for its worker."""
         spec = params.structured_outputs
         if spec is None:
             return
         try:
-            await asyncio.to_thread(grammar_text, spec)
+            await asyncio.to_thread(self.grammar_checker.check if self.grammar_checker else grammar_text, spec)
         except ValueError as exc:
             if field is None:
                 raise from_value_error(exc) from exc

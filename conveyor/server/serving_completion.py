@@ -14,7 +14,7 @@ from conveyor.engine.outputs import CompletionOutput, RequestOutput
 from conveyor.server.errors import bad_request, from_value_error
 from conveyor.server.protocol import CompletionRequest
 from conveyor.server.serving_common import (
-    DeltaTracker, ServingContext, StreamUsage, check_context, merged, new_id, sse_events, usage,
+    DeltaTracker, ServingContext, StreamUsage, check_context, json_logprob, merged, new_id, sse_events, usage,
 )
 
 
@@ -54,9 +54,9 @@ def _logprobs(tokenizer, entries: list[tuple[int, TokenLogprobs | None]], text_s
             token_logprobs.append(None)
             tops.append(None)
             continue
-        token_logprobs.append(e.logprob)
-        top = {tokenizer.decode([t], skip_special_tokens=False): lp for t, lp in e.top}
-        top.setdefault(token, e.logprob)  # vLLM includes the sampled token
+        token_logprobs.append(json_logprob(e.logprob))
+        top = {tokenizer.decode([t], skip_special_tokens=False): json_logprob(lp) for t, lp in e.top}
+        top.setdefault(token, json_logprob(e.logprob))  # vLLM includes the sampled token
         tops.append(top)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
 
@@ -69,9 +69,10 @@ def _prompt_logprobs(tokenizer, out: RequestOutput) -> list[dict | None]:
         if e is None:
             result.append(None)
             continue
-        entry = {str(t): {"logprob": lp, "rank": r + 1, "decoded_token": tokenizer.decode([t], skip_special_tokens=False)}
+        entry = {str(t): {"logprob": json_logprob(lp), "rank": r + 1,
+                          "decoded_token": tokenizer.decode([t], skip_special_tokens=False)}
                  for r, (t, lp) in enumerate(e.top)}
-        entry[str(token_id)] = {"logprob": e.logprob, "rank": e.rank,
+        entry[str(token_id)] = {"logprob": json_logprob(e.logprob), "rank": e.rank,
                                 "decoded_token": tokenizer.decode([token_id], skip_special_tokens=False)}
         result.append(entry)
     return result

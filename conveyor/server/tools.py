@@ -125,11 +125,11 @@ def _generic_system_message(tools: list[dict]) -> str:
 
 def messages_for_tools(messages: list[dict], plan: ToolPlan | None, raw: list) -> list[dict]:
     """The conversation the template renders: assistant ``tool_calls`` and ``tool`` results kept (for templates
-    with tool syntax), written as text the generic format reads when the template has none."""
+    with tool syntax), written as text the generic format reads when the template has none. ``raw``: the request's
+    ``ChatMessage`` models, whose ``tool_calls`` the request model has validated."""
     out = []
     for m, original in zip(messages, raw):
-        extra = original.model_extra or {}
-        calls = extra.get("tool_calls")
+        calls = [c.model_dump(exclude_none=True) for c in original.tool_calls or ()]  # validated: protocol.py
         if plan is not None and plan.parser == "generic" and m["role"] == "assistant" and calls:
             body = {"tool_calls": [{"name": c["function"]["name"],
                                     "arguments": _as_object(c["function"].get("arguments"))} for c in calls]}
@@ -138,8 +138,8 @@ def messages_for_tools(messages: list[dict], plan: ToolPlan | None, raw: list) -
             m = {**m, "tool_calls": [{**c, "function": {**c["function"],
                                                         "arguments": _as_object(c["function"].get("arguments"))}}
                                      for c in calls]}
-        if m["role"] == "tool" and extra.get("tool_call_id"):
-            m = {**m, "tool_call_id": extra["tool_call_id"]}
+        if m["role"] == "tool" and original.tool_call_id:
+            m = {**m, "tool_call_id": original.tool_call_id}
         out.append(m)
     if plan is not None and plan.system_message:
         if out and out[0]["role"] == "system":

@@ -6,6 +6,7 @@ engine compiles the same text. No tokenizer is needed for either.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 from conveyor.core.sampling_params import ReasoningBlock, StructuredOutputsParams
@@ -14,6 +15,35 @@ from conveyor.core.sampling_params import ReasoningBlock, StructuredOutputsParam
 # can spend its whole max_tokens on spaces and newlines inside a valid document.
 JSON_OPTIONS = {"whitespace_flexible": False}
 ANY_JSON_OBJECT = {"type": "object"}
+# llguidance's resource limits, the same wherever a grammar is compiled (the API process's check, the engine): its
+# own defaults (items per Earley row 2,000, items per mask step 50,000, lexer states 250,000, grammar symbols
+# 500,000, lexer fuel 1M to build and 200k per step), which bound the work of one mask to milliseconds; and terse
+# errors: verbose ones quote parser state and grammar text.
+PARSER_LIMITS = {"verbose_errors": False}
+
+
+def parser_limits():
+    """A fresh ``llguidance.LLParserLimits`` with ``PARSER_LIMITS``."""
+    import llguidance
+
+    return llguidance.LLParserLimits(**PARSER_LIMITS)
+
+
+def error_text(message: str) -> str:
+    """What of an llguidance error a client may read: the message without the ``<non-verbose/>`` marker (a regex
+    error keeps its lines: they point at the offending part), at most 1,000 characters; a Rust panic, which comes
+    with a native backtrace and the build machine's file paths, as one plain sentence."""
+    if message.lstrip().startswith("panic") or "<backtrace>" in message or "stack backtrace" in message:
+        return "the grammar compiler failed on this constraint (it is too large or too complex for it)"
+    text = message.replace("<non-verbose/>", "").strip()
+    return text[:1000] or "unknown error"
+
+
+def spec_key(spec: StructuredOutputsParams) -> str:
+    """One text per constraint, whatever the order of a schema's keys."""
+    return json.dumps(dataclasses.asdict(spec), sort_keys=True, separators=(",", ":"))
+
+
 # Keywords whose value is one subschema, a list of them, or a name -> subschema map.
 _ONE_SCHEMA = ("additionalProperties", "items", "not", "if", "then", "else", "contains", "propertyNames",
                "unevaluatedItems", "additionalItems")
@@ -76,12 +106,12 @@ def grammar_text(spec: StructuredOutputsParams) -> str:
         else:  # Lark as it is; GBNF / EBNF converted to Lark
             text = llguidance.grammar_from("grammar", spec.grammar)
     except (ValueError, TypeError, RuntimeError) as exc:
-        raise ValueError(f"structured_outputs.{kind}: {exc}") from None
+        raise ValueError(f"structured_outputs.{kind}: {error_text(str(exc))}") from None
     if spec.reasoning is not None:
         text = after_reasoning(text, spec.reasoning)
-    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(text)
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(text, limits=parser_limits())
     if is_error:
-        raise ValueError(f"structured_outputs.{kind}: {messages[0]}")
+        raise ValueError(f"structured_outputs.{kind}: {error_text(messages[0])}")
     return text
 
 

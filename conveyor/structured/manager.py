@@ -9,8 +9,6 @@ sampling and ``consume`` after.
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import logging
 import threading
 from collections import OrderedDict
@@ -19,16 +17,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from conveyor.core.sampling_params import StructuredOutputsParams
-from conveyor.structured.grammars import grammar_text
+from conveyor.structured.grammars import error_text, grammar_text, parser_limits, spec_key
 
 logger = logging.getLogger("conveyor.structured")
 
 MAX_CACHED_GRAMMARS = 256  # compiled grammars kept (a schema an application sends again compiles once)
-
-
-def spec_key(spec: StructuredOutputsParams) -> str:
-    """One text per constraint, whatever the order of a schema's keys."""
-    return json.dumps(dataclasses.asdict(spec), sort_keys=True, separators=(",", ":"))
 
 
 class StructuredOutputs:
@@ -77,9 +70,10 @@ class StructuredOutputs:
 
         text = grammar_text(spec)
         self._ensure_tokenizer()
-        matcher = llguidance.LLMatcher(self._ll_tokenizer, text, log_level=0)
+        matcher = llguidance.LLMatcher(self._ll_tokenizer, text, log_level=0, limits=parser_limits())
         if matcher.is_error():
-            raise ValueError(f"structured_outputs: {matcher.get_error()}")
+            logger.warning("a grammar did not compile: %s", matcher.get_error().splitlines()[0][:300])
+            raise ValueError(f"structured_outputs: {error_text(matcher.get_error())}")
         return matcher
 
     def matcher(self, spec: StructuredOutputsParams, replay: list[int]):
@@ -89,7 +83,7 @@ class StructuredOutputs:
         matcher = template.deep_copy()
         if replay and not matcher.consume_tokens(replay):
             raise ValueError(f"structured_outputs: the tokens generated so far do not match the grammar: "
-                             f"{matcher.get_error()}")
+                             f"{error_text(matcher.get_error())}")
         return matcher
 
     def fill_bitmask(self, matchers: list) -> torch.Tensor:

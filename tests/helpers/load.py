@@ -100,7 +100,11 @@ class Served:
         return found
 
     def engine_process(self) -> psutil.Process:
-        """The engine core: the child started by multiprocessing's spawn (not its resource tracker)."""
+        """The engine core: the process the server's log names, else the child started by multiprocessing's spawn
+        (not its resource tracker; the grammar-check workers start only with the first constrained request)."""
+        match = re.search(r"engine in process (\d+)", self.log())
+        if match:
+            return psutil.Process(int(match.group(1)))
         for p in self.descendants():
             try:
                 cmdline = " ".join(p.cmdline())
@@ -108,9 +112,6 @@ class Served:
                 continue
             if "multiprocessing.spawn" in cmdline or "multiprocessing-fork" in cmdline:
                 return p
-        match = re.search(r"engine in process (\d+)", self.log())
-        if match:
-            return psutil.Process(int(match.group(1)))
         raise AssertionError("no engine core process among the server's children:\n" + self.log()[-3000:])
 
     def rss_mb(self) -> float:
@@ -118,13 +119,14 @@ class Served:
         return sum(self.rss_by_process().values())
 
     def rss_by_process(self) -> dict[str, float]:
-        """RSS in MB of the server (the API process), of the engine core process (the multiprocessing spawn
-        child; absent with --engine-in-process) and of the other descendants together (the resource tracker)."""
+        """RSS in MB of the server (the API process), of the engine core process (absent with
+        --engine-in-process) and of the other descendants together (the resource tracker, grammar-check workers)."""
         out = {"server": 0.0, "engine": 0.0, "other": 0.0}
+        match = re.search(r"engine in process (\d+)", self.log())
+        engine_pid = int(match.group(1)) if match else None
         for p in [psutil.Process(self.pid), *self.descendants()]:
             try:
-                cmdline = " ".join(p.cmdline())
-                key = "server" if p.pid == self.pid else "engine" if "multiprocessing.spawn" in cmdline else "other"
+                key = "server" if p.pid == self.pid else "engine" if p.pid == engine_pid else "other"
                 out[key] += p.memory_info().rss / 2**20
             except psutil.Error:
                 pass

