@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter
@@ -27,7 +29,8 @@ from conveyor.core.admission import (
 )
 from conveyor.core.config import resolve_scheduling_policy
 from conveyor.core.policies import BATCH_PRIORITY
-from conveyor.engine.engine_client import ServedEngine
+from conveyor.core.sampling_params import SamplingParams
+from conveyor.engine.engine_client import EngineInfo, Prepare, ServedEngine
 from conveyor.engine.outputs import RequestOutput
 from conveyor.engine.step_record import StepRecord
 from conveyor.server.errors import APIError, bad_request
@@ -164,6 +167,20 @@ class AdmissionController:
         self.decisions.labels(service.name, "admitted").inc()
         return Admitted(service, runs_at, prediction)
 
+    async def admit_prompts(self, request_id: str, prompts: list, each: list[SamplingParams], tier: str | None,
+                            tokenizer_call: Callable, max_model_len: int) -> tuple[list[Prepare], list[SamplingParams]]:
+        """``admit`` a request about to be submitted: its prompts made and tokenized first (off the event loop,
+        by ``tokenizer_call``, as its add would), so that the decision knows their lengths and needs no engine
+        round trip; the prompts as made, and the params at the priority it runs at. Raises SLORefusedError."""
+        prepared = await tokenizer_call(lambda info: [_prepared(p, info) for p in prompts])
+        lengths = [len(p["prompt_token_ids"]) for p in prepared]
+        first = each[0]
+        max_tokens = first.max_tokens or max(max_model_len - max(lengths), 1)
+        admitted = self.admit(request_id, lengths, max_tokens, first.priority, tier)
+        if admitted.priority != first.priority:
+            each = [dataclasses.replace(p, priority=admitted.priority) for p in each]
+        return [lambda _, p=p: p for p in prepared], each
+
     def release(self, request_id: str, num_prompts: int) -> None:
         """Forget a request whose submission failed after ``admit``."""
         with self._lock:
@@ -235,6 +252,12 @@ class AdmissionController:
     def prediction_errors(self) -> list[tuple[float, float]]:
         with self._lock:
             return list(self._errors)
+
+
+def _prepared(prompt, info: EngineInfo) -> dict:
+    """A prompt made and tokenized: ``{"prompt": text or None, "prompt_token_ids": [...]}``."""
+    text, ids = info.tokenize_prompt(prompt(info) if callable(prompt) else prompt)
+    return {"prompt": text, "prompt_token_ids": ids}
 
 
 def make_admission(classes: ServiceClasses, engine: ServedEngine, registry: CollectorRegistry) -> AdmissionController:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import json
 import logging
 import time
@@ -204,24 +203,14 @@ class ServingContext:
         ``service_tier``'s class at its priority, or refused (429) before anything is queued."""
         each = params if isinstance(params, list) else [params] * len(prompts)
         if self.admission is not None:
-            prompts, each = await self._admit(request_id, prompts, each, service_tier)
+            prompts, each = await self.admission.admit_prompts(request_id, prompts, each, service_tier,
+                                                               self.tokenizer_call, self.max_model_len)
         try:
             return await self._submit(request_id, prompts, each, raw)
         except BaseException:
             if self.admission is not None:
                 self.admission.release(request_id, len(prompts))
             raise
-
-    async def _admit(self, request_id: str, prompts: list[Prepare], each: list[SamplingParams],
-                     service_tier: str | None) -> tuple[list[dict], list[SamplingParams]]:
-        prepared = await self.tokenizer_call(lambda info: [_prepared(p, info) for p in prompts])
-        lengths = [len(p["prompt_token_ids"]) for p in prepared]
-        first = each[0]
-        max_tokens = first.max_tokens or max(self.max_model_len - max(lengths), 1)
-        admitted = self.admission.admit(request_id, lengths, max_tokens, first.priority, service_tier)
-        if admitted.priority != first.priority:
-            each = [dataclasses.replace(p, priority=admitted.priority) for p in each]
-        return [lambda _, p=p: p for p in prepared], each
 
     async def _submit(self, request_id: str, prompts: list[Prepare], each: list[SamplingParams],
                       raw: Request | None) -> list[RequestStream]:
@@ -327,12 +316,6 @@ async def guarded_stream(frames: AsyncIterator[str], ctx: ServingContext, stream
         ctx.abort(streams)
     if end is not None:
         yield end
-
-
-def _prepared(prompt, info: EngineInfo) -> dict:
-    """A prompt made and tokenized: ``{"prompt": text or None, "prompt_token_ids": [...]}``."""
-    text, ids = info.tokenize_prompt(prompt(info) if callable(prompt) else prompt)
-    return {"prompt": text, "prompt_token_ids": ids}
 
 
 async def _wait_disconnect(raw: Request) -> None:

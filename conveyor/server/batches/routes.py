@@ -90,19 +90,13 @@ def install_batch_routes(app: FastAPI, store: BatchStore, runner: BatchRunner) -
         files = await asyncio.to_thread(store.list_files, key_scope(raw), purpose, after, limit + 1, order)
         return _page(files, limit)
 
-    async def owned_file(raw: Request, file_id: str) -> dict:
-        found = await asyncio.to_thread(store.get_file, key_scope(raw), file_id)
-        if found is None:
-            raise _not_found("file", file_id, "file_id")
-        return found
-
     @app.get("/v1/files/{file_id}")
     async def retrieve_file(file_id: str, raw: Request):
-        return await owned_file(raw, file_id)
+        return await _owned(store.get_file, "file", raw, file_id)
 
     @app.get("/v1/files/{file_id}/content")
     async def file_content(file_id: str, raw: Request):
-        found = await owned_file(raw, file_id)
+        found = await _owned(store.get_file, "file", raw, file_id)
         return FileResponse(store.file_path(file_id), media_type="application/octet-stream",
                             filename=found["filename"])
 
@@ -146,30 +140,32 @@ def install_batch_routes(app: FastAPI, store: BatchStore, runner: BatchRunner) -
         runner.wake()
         return batch
 
-    async def owned_batch(raw: Request, batch_id: str) -> dict:
-        found = await asyncio.to_thread(store.get_batch, key_scope(raw), batch_id)
-        if found is None:
-            raise _not_found("batch", batch_id, "batch_id")
-        return found
-
     @app.get("/v1/batches/{batch_id}")
     async def retrieve_batch(batch_id: str, raw: Request):
-        return await owned_batch(raw, batch_id)
+        return await _owned(store.get_batch, "batch", raw, batch_id)
 
     @app.post("/v1/batches/{batch_id}/cancel")
     async def cancel_batch(batch_id: str, raw: Request):
-        batch = await owned_batch(raw, batch_id)
+        batch = await _owned(store.get_batch, "batch", raw, batch_id)
         if batch["status"] not in ACTIVE or batch["status"] == "cancelling":
             return batch  # OpenAI answers a finished batch's cancel with the batch as it is
         updated = await asyncio.to_thread(store.update_batch, batch_id, ("validating", "in_progress"),
                                           status="cancelling", cancelling_at=int(time.time()))
         runner.cancel(batch_id)
-        return updated or await owned_batch(raw, batch_id)
+        return updated or await _owned(store.get_batch, "batch", raw, batch_id)
 
     @app.get("/v1/batches")
     async def list_batches(raw: Request, after: str | None = None, limit: ListLimit = 20):
         batches = await asyncio.to_thread(store.list_batches, key_scope(raw), after, limit + 1)
         return _page(batches, limit)
+
+
+async def _owned(get, what: str, raw: Request, object_id: str) -> dict:
+    """The file or batch ``object_id`` of the key ``raw`` presents (``get``: the store's lookup); 404 otherwise."""
+    found = await asyncio.to_thread(get, key_scope(raw), object_id)
+    if found is None:
+        raise _not_found(what, object_id, f"{what}_id")
+    return found
 
 
 def _copy(source, path: str) -> int:
