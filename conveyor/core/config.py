@@ -95,6 +95,9 @@ class CacheConfig:
     kv_budget_tokens: int | None = None  # the default per-request budget of kv_eviction
     kv_score_period: int = H2O_SCORE_PERIOD  # h2o: a decode's attention is scored every this many steps
     kv_h2o_rank: str = "mean"  # h2o: rank blocks by mass per query that saw them, or accumulated (sum)
+    # A model whose every layer has a sliding window: give back the blocks outside every window as requests
+    # advance (core.sliding_window). Off: hold each request's whole history, as full attention does.
+    free_outside_window: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size < 1:

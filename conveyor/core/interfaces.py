@@ -33,6 +33,14 @@ class KVManager(Protocol):
     def block_ids(self, request_id: str) -> list[int]:
         """The request's block table, in token order ([] when it holds none)."""
 
+    @property
+    def null_block_id(self) -> int | None:
+        """The block id of table entries given back (outside every sliding window): a block outside the pool that
+        the runner allocates zeroed and never writes. None when nothing is ever given back this way."""
+
+    def num_skipped_blocks(self, request_id: str) -> int:
+        """How many leading entries of the request's table are ``null_block_id`` (the executor is told)."""
+
     def get_computed_blocks(self, request: Request) -> tuple[Sequence[object], int]:
         """The longest cached prefix of a request about to be admitted: (blocks, number of tokens they hold).
 

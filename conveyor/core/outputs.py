@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import msgspec
+
 from conveyor.core.sampling_params import SamplingParams
 
 
@@ -44,6 +46,9 @@ class CachedRequestData:
     # of position p is p - num_evicted_tokens. None / 0: nothing evicted.
     evicted_block_indices: list[int] | None = None
     num_evicted_tokens: int = 0
+    # Sliding windows (core.sliding_window): its table's first num_skipped_blocks entries are the null block now
+    # (their blocks went back to the pool and may hold another request's K/V); cumulative, 0: none.
+    num_skipped_blocks: int = 0
 
 
 @dataclass
@@ -136,21 +141,27 @@ class ModelOutput:
     pooled: dict[str, list[float]] = field(default_factory=dict)
 
 
-@dataclass(slots=True)
-class RequestUpdate:
+class RequestUpdate(msgspec.Struct, array_like=True, gc=False):
     """What one step did to one request: the token it produced and whether that finished it (and why), with the
-    request's counters as of this step (the output side reports them; it never reads the ``Request``)."""
+    request's counters as of this step (the output side reports them; it never reads the ``Request``).
+
+    It is also the wire form of a token between the engine core and the output processor (``engine.ipc``): a
+    ``msgspec`` struct (msgspec imports nothing of torch), so the scheduler's own object crosses the process
+    boundary without a copy into another type."""
 
     request_id: str
     new_token_id: int
     logprobs: TokenLogprobs | None
-    finished: bool
-    finish_reason: str | None = None  # "stop" | "length" when finished
+    finish_reason: str | None = None  # "stop" | "length" when this token finished it
     stop_reason: int | None = None  # the stop token id that finished it, if one did
     num_cached_tokens: int = 0  # prompt tokens the prefix cache served at its first admission
     num_preemptions: int = 0
-    first_scheduled: float | None = None
+    first_scheduled: float | None = None  # when first scheduled (the engine's time.monotonic(), system-wide)
     pooled: list[float] | None = None  # a pooling request's result (new_token_id is then -1)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
 
 
 @dataclass(frozen=True, slots=True)

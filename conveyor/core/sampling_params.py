@@ -6,6 +6,7 @@ Field names follow vLLM's ``SamplingParams`` so users and clients feel at home. 
 
 from __future__ import annotations
 
+import enum
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
@@ -36,6 +37,19 @@ class ReasoningBlock:
     start: str | None = None
     end_token_id: int | None = None
     start_token_id: int | None = None
+
+
+class RequestOutputKind(enum.IntEnum):
+    """What each output of a request holds, as vLLM's ``RequestOutputKind`` (``engine.outputs.RequestOutput``).
+
+    ``CUMULATIVE`` (the default): everything so far, the output processor's own state (valid until its next
+    step: copy what you keep; read it on the thread that steps the engine). ``DELTA`` (what streaming handlers
+    ask): only what is new since the request's previous output, every output a fresh object; while a completion
+    runs its text stops ``max(len(stop)) - 1`` characters short of the end, since a later token may complete a
+    stop string there and cut the text (``engine.detokenizer``)."""
+
+    CUMULATIVE = 0
+    DELTA = 1
 
 
 @dataclass
@@ -109,6 +123,7 @@ class SamplingParams:
     # A prefill-only request (embedding, scoring): its prompt's hidden states pooled, no token generated
     # (core.pooling_params); None: a generation request
     pooling: PoolingParams | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE  # what each of its outputs holds
     # The request's place in the queue under --scheduling-policy priority (vLLM's): lower runs first, ties by
     # arrival; the lowest-priority running request is preempted first. Not a sampling choice, but it travels with
     # the request as these do.

@@ -344,7 +344,8 @@ class Scheduler:
             out.scheduled_cached_reqs.append(CachedRequestData(rid, new_blocks, request.num_computed_tokens,
                                                                self._kept_blocks.pop(rid, None),
                                                                self._evicted.pop(rid, None),
-                                                               request.num_evicted_tokens))
+                                                               request.num_evicted_tokens,
+                                                               self.kv.num_skipped_blocks(rid)))
         else:
             assert request.num_evicted_tokens == 0, "a request is sent whole only with its whole KV"
             self._seen_by_executor.add(rid)
@@ -418,10 +419,11 @@ class Scheduler:
                     else:
                         self.running.remove(request)
                         self._retire(request)
-                updates.append(RequestUpdate(rid, token, model_out.logprobs.get(rid), stop is not None,
-                                             request.finish_reason, stop.stop_reason if stop else None,
-                                             request.num_cached_prompt_tokens, request.num_preemptions,
-                                             request.times.first_scheduled))
+                updates.append(RequestUpdate(rid, token, model_out.logprobs.get(rid),
+                                             request.finish_reason if stop is not None else None,
+                                             stop.stop_reason if stop is not None else None,
+                                             request.num_cached_prompt_tokens,
+                                             request.num_preemptions, request.times.first_scheduled))
                 if stop is not None:
                     break  # tokens accepted past a stop are nobody's
         return updates
@@ -433,7 +435,7 @@ class Scheduler:
         request.mark_finished(RequestStatus.FINISHED_STOPPED, now)
         self.running.remove(request)
         self._retire(request)
-        return RequestUpdate(request.request_id, -1, None, True, request.finish_reason, None,
+        return RequestUpdate(request.request_id, -1, None, request.finish_reason, None,
                              request.num_cached_prompt_tokens, request.num_preemptions, request.times.first_scheduled,
                              pooled)
 

@@ -56,6 +56,11 @@ class SlabKVManager:
         first = slab * self.blocks_per_slab
         return list(range(first, first + self.blocks_per_slab))
 
+    null_block_id = None  # a slab is held whole: nothing outside a sliding window is given back
+
+    def num_skipped_blocks(self, request_id: str) -> int:
+        return 0
+
     def get_computed_blocks(self, request: Request) -> tuple[list, int]:
         """No prefix sharing across slabs: never a hit."""
         return [], 0

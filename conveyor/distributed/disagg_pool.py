@@ -117,7 +117,7 @@ class DisaggPool(ReplicaPool):
     async def _run(self, stream: RequestStream, responses, prompt: dict, params: SamplingParams) -> None:
         """Prefill, hand over, decode: copy both replicas' streams into ``stream``; every path ends it."""
         request_id = stream.request_id
-        state = {"last": None, "responses": responses}
+        state = {"responses": responses}
         try:
             kv_refs = await self._prefill(stream, prompt, params, state)
             if kv_refs is not None:
@@ -126,9 +126,8 @@ class DisaggPool(ReplicaPool):
             stream.put(exc)
         except asyncio.CancelledError:  # aborted: the stream still ends, as the engine's own abort ends it
             state["responses"].cancel()
-            last = state["last"]
-            if last is None or not last.finished:
-                stream.put(aborted_output(request_id, prompt, params, last))
+            if stream.last is None or not stream.last.finished:
+                stream.put(aborted_output(request_id, prompt, params, stream))
         finally:
             self._release(request_id, state)
             self._pumps.pop(request_id, None)
@@ -155,13 +154,12 @@ class DisaggPool(ReplicaPool):
                         _, out, kv_refs, state["holder"] = item
                     else:
                         out = item
-                    state["last"] = out
-                    stream.put(out if out.error is None else RequestFailedError(out.error))
-                if kv_refs is None and not (state["last"] and state["last"].finished):
+                    stream.put(out)
+                if kv_refs is None and not (stream.last and stream.last.finished):
                     raise RequestFailedError(f"the prefill replica's stream of {request_id} ended unfinished")
                 return kv_refs
             except (*REPLICA_LOST, _Stalled) as exc:
-                if state["last"] is None and retries_left > 0:
+                if stream.last is None and retries_left > 0:
                     retries_left -= 1
                     logger.warning("request %s: prefill replica lost before the first token (%r); retrying",
                                    request_id, exc)
@@ -186,12 +184,11 @@ class DisaggPool(ReplicaPool):
                 async for item in _items(state["responses"]):
                     if isinstance(item, tuple):  # ("failed", error)
                         raise RequestFailedError(str(item[1]))
-                    if len(item.outputs[0].token_ids) > 1 and not streamed:
+                    if item.num_generated_tokens > 1 and not streamed:  # past the first token, whatever the kind
                         streamed = True  # no retry from here on: the KV may go
                         self._release(request_id, state)
-                    state["last"] = item
-                    stream.put(item if item.error is None else RequestFailedError(item.error))
-                if not (state["last"] and state["last"].finished):
+                    stream.put(item)
+                if not (stream.last and stream.last.finished):
                     raise RequestFailedError(f"the decode replica's stream of {request_id} ended unfinished")
                 return
             except (*REPLICA_LOST, _Stalled) as exc:

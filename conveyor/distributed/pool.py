@@ -26,7 +26,7 @@ from ray import serve
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
 from conveyor.core.outputs import SchedulerStats
-from conveyor.core.sampling_params import SamplingParams
+from conveyor.core.sampling_params import RequestOutputKind, SamplingParams
 from conveyor.distributed.replica import ReplicaReport
 from conveyor.engine.engine_client import (
     EngineClient, EngineDeadError, EngineInfo, Prepare, RequestFailedError, RequestStream,
@@ -68,15 +68,20 @@ def summed_positions(per_replica: list[tuple[int, ...]]) -> tuple[int, ...]:
     return tuple(sum(p[i] for p in per_replica if i < len(p)) for i in range(width))
 
 
-def aborted_output(request_id: str, prompt: dict, params: SamplingParams,
-                   last: RequestOutput | None) -> RequestOutput:
-    """The final output of a request aborted here (what the engine's own abort reports): whatever it had
-    produced, with finish_reason "abort" on every unfinished completion."""
+def aborted_output(request_id: str, prompt: dict, params: SamplingParams, stream: RequestStream) -> RequestOutput:
+    """The final output of a request aborted here, as the engine's own abort reports it: every unfinished
+    completion with finish_reason "abort", holding what it had produced (cumulative) or nothing more (deltas)."""
+    last, delta = stream.last, params.output_kind is RequestOutputKind.DELTA
+    if last is not None and not delta:
+        return replace(last, outputs=[replace(c, finish_reason=c.finish_reason or "abort") for c in last.outputs],
+                       finished=True)
     if last is None:
-        last = RequestOutput(request_id, prompt.get("prompt"), prompt["prompt_token_ids"],
-                             [CompletionOutput(i) for i in range(params.n)], RequestMetrics(time.monotonic()))
-    outputs = [replace(c, finish_reason=c.finish_reason or "abort") for c in last.outputs]
-    return replace(last, outputs=outputs, finished=True)
+        last = RequestOutput(request_id, prompt.get("prompt"), prompt["prompt_token_ids"], [],
+                             RequestMetrics(time.monotonic()))
+    logprobs = [] if params.logprobs is not None else None
+    ends = [CompletionOutput(i, logprobs=logprobs, finish_reason="abort", token_start=stream.num_tokens.get(i, 0))
+            for i in range(params.n) if i not in stream.ended]
+    return replace(last, outputs=ends, finished=True, delta=delta)
 
 
 class ReplicaPool(EngineClient):
@@ -164,7 +169,6 @@ class ReplicaPool(EngineClient):
     async def _pump(self, stream: RequestStream, responses, prompt: dict, params: SamplingParams) -> None:
         """Copy a replica's stream into ``stream``; retry on a new replica while nothing has been streamed."""
         request_id = stream.request_id
-        last: RequestOutput | None = None
         retries_left = self.retries
         try:
             while True:
@@ -175,14 +179,13 @@ class ReplicaPool(EngineClient):
                             stream.put(item[1])
                             ended = True
                             continue
-                        last = item
-                        stream.put(item if item.error is None else RequestFailedError(item.error))
+                        stream.put(item)
                         ended = item.finished
                     if not ended:
                         stream.put(RequestFailedError(f"the replica's stream of {request_id} ended unfinished"))
                     return
                 except REPLICA_LOST as exc:
-                    if (last is None or last.num_generated_tokens == 0) and retries_left > 0:
+                    if stream.num_generated_tokens == 0 and retries_left > 0:
                         retries_left -= 1
                         logger.warning("request %s: replica lost before its first token (%r); retrying",
                                        request_id, exc)
@@ -196,8 +199,8 @@ class ReplicaPool(EngineClient):
                     return
         except asyncio.CancelledError:  # aborted: the stream still ends, as the engine's own abort ends it
             responses.cancel()
-            if last is None or not last.finished:
-                stream.put(aborted_output(request_id, prompt, params, last))
+            if stream.last is None or not stream.last.finished:
+                stream.put(aborted_output(request_id, prompt, params, stream))
         finally:
             self._pumps.pop(request_id, None)
             self._forget(request_id)

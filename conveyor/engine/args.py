@@ -87,6 +87,9 @@ class EngineArgs:
                                 "steps (1: every step, as the paper; prompt chunks are always scored)")
     kv_h2o_rank: str = _arg(CacheConfig.kv_h2o_rank, "h2o: rank old blocks by their attention mass per query "
                             "that saw them (mean) or by accumulated mass as the paper (sum)", choices=H2O_RANKS)
+    free_outside_window: bool = _arg(CacheConfig.free_outside_window, "on a model whose every layer has a "
+                                     "sliding window, give a request's blocks outside the window back to the pool "
+                                     "as it advances (--no-free-outside-window: hold its whole history)")
     convert: str = _arg("auto", "what the model serves: auto (from its checkpoint: an encoder, an architecture "
                                 "without an LM head or sentence-transformers' files embed, a classifier scores), "
                                 "none (generate), embed, classify (score pairs)", choices=CONVERT_CHOICES)

@@ -9,8 +9,12 @@ an immutable ``SchedulerStats`` the engine thread replaces after every step and 
 (Decoding token ids to text is read-only, so the server formats logprobs with the tokenizer on the loop.)
 
     asyncio thread                     engine thread
-    add_request() --command-->  [drain commands] -> step() -> snapshot outputs
+    add_request() --command-->  [drain commands] -> step() -> outputs
     stream.__anext__() <--call_soon_threadsafe-- ...
+
+A stream read on the event loop while the engine thread goes on should ask for deltas
+(``SamplingParams.output_kind`` DELTA, as the server does): each is a fresh object the engine thread never touches
+again. A cumulative output is the engine's own state, which the next step extends.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from conveyor.engine.engine_client import (  # noqa: F401 - the errors and strea
     EngineClient, EngineDeadError, EngineInfo, EngineShuttingDownError, RequestFailedError, RequestStream,
 )
 from conveyor.engine.llm_engine import LLMEngine
-from conveyor.engine.outputs import RequestOutput, snapshot
+from conveyor.engine.outputs import RequestOutput
 from conveyor.engine.step_loop import STOP, StepLoop
 
 logger = logging.getLogger("conveyor.engine")
@@ -49,6 +53,7 @@ class AsyncEngine(EngineClient):
         self.engine = engine
         self.info: EngineInfo = engine.info
         self.step_listeners = engine.step_listeners
+        self.output_listeners = engine.output_processor.listeners
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         # Guards "is the engine thread still taking commands?" against "put a command": once the thread stops,
         # no command may be queued that nobody would ever answer.
@@ -139,11 +144,7 @@ class AsyncEngine(EngineClient):
                 command[1].set_exception(error)
 
     def _publish(self, outputs: list[RequestOutput]) -> None:
-        for out in outputs:
-            for listener in self.output_listeners:
-                listener(out)
-        batch = [snapshot(out) for out in outputs]
-        self._loop.call_soon_threadsafe(self._deliver, batch)
+        self._loop.call_soon_threadsafe(self._deliver, outputs)
 
     def _fail_all(self, exc: BaseException) -> None:
         error = EngineDeadError(f"the engine stopped: {exc!r}")

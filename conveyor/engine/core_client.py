@@ -4,7 +4,7 @@ It starts the process (spawn: a fresh interpreter, so no torch thread pool is in
 for it to be ready, and then serves the event loop with three threads of its own, so that the loop never touches
 a socket or waits on one:
 
-    event loop:      the loop's requests (add, finish, call, stop) -> encode -> queue
+    event loop:      the loop's requests (add, finish, stop) -> encode -> queue
     sender thread:   queue -> PUSH socket
     receiver task:   PULL socket (zmq.asyncio, on the loop) -> decode -> output processing, one message at a time
     watcher thread:  waits for the engine process to exit -> the loop declares the engine dead
@@ -23,12 +23,12 @@ waits (back-pressure).
 
 Output processing happens here, on the loop, as in vLLM v1's ``AsyncLLM``: the engine core sends each step's
 sampled tokens (``CoreStepOutput``), and this process's ``OutputProcessor`` detokenizes them, checks stop strings
-(a hit sends ``FinishRequests(..., "stop")`` to the core) and delivers every stream's output of the step in one go.
+(a hit sends ``FinishRequests`` to the core) and delivers every stream's output of the step in one go.
 Prompts are prepared (tokenized, chat-rendered, length-checked) here too, off the loop, with a copy of the
 engine's tokenizer that came with its "ready" message (so this process need not import torch to load one).
 
 The engine is dead when its process has exited, and only then (or when it said so in its last message): every
-in-flight stream and pending call gets ``EngineDeadError`` and the ``on_dead`` callbacks run (the server then
+in-flight stream and pending add gets ``EngineDeadError`` and the ``on_dead`` callbacks run (the server then
 exits with status 1, as with a crashed engine thread).
 """
 
@@ -39,25 +39,23 @@ import itertools
 import logging
 import multiprocessing
 import multiprocessing.connection
-import pickle
 import queue
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
 
 import msgspec
 import zmq
 import zmq.asyncio
 
 from conveyor.core.outputs import SchedulerStats
+from conveyor.core.request import RequestStatus
 from conveyor.engine import ipc
 from conveyor.engine.args import EngineArgs
 from conveyor.engine.core_proc import run_engine_core
 from conveyor.engine.core_step import CoreStepOutput, child_requests
 from conveyor.engine.engine_client import EngineClient, EngineDeadError, EngineInfo
 from conveyor.engine.output_processor import OutputProcessor
-from conveyor.engine.outputs import RequestOutput, snapshot
 
 logger = logging.getLogger("conveyor.engine")
 
@@ -76,12 +74,13 @@ class EngineCoreClient(EngineClient):
     """Starts the engine core process for ``args``; ``wait_ready()`` blocks until it has loaded the model (and
     raises if it could not), so the caller can import and build the server meanwhile.
 
-    ``output_listeners`` and ``step_listeners`` are called on the event loop. ``call(fn)`` sends ``fn`` to the
-    process: it must be picklable (a module-level function, a ``functools.partial`` or ``operator`` getter of
-    one). ``info`` waits for the process to be ready (``wait_ready``).
+    ``output_listeners`` and ``step_listeners`` are called on the event loop. ``info`` waits for the process to
+    be ready (``wait_ready``).
     """
 
-    def __init__(self, args: EngineArgs, startup_timeout_s: float = STARTUP_TIMEOUT_S) -> None:
+    def __init__(self, args: EngineArgs, startup_timeout_s: float = STARTUP_TIMEOUT_S,
+                 entry: Callable = run_engine_core) -> None:
+        """``entry``: the engine process's entry point, ``run_engine_core`` or (tests) a picklable wrapper of it."""
         self._endpoints = ipc.Endpoints.fresh()
         self._zmq = zmq.Context()
         # Bound before the process starts, so its connects find them; each then belongs to one thread.
@@ -90,7 +89,7 @@ class EngineCoreClient(EngineClient):
         self._receiver: asyncio.Task | None = None
         context = multiprocessing.get_context("spawn")
         self._conn, child_conn = context.Pipe()
-        self._proc = context.Process(target=run_engine_core, args=(args, child_conn, self._endpoints),
+        self._proc = context.Process(target=entry, args=(args, child_conn, self._endpoints),
                                      name="conveyor-engine-core", daemon=True)
         self._proc.start()
         child_conn.close()
@@ -117,7 +116,8 @@ class EngineCoreClient(EngineClient):
                 self._close_sockets()
                 raise
             self._info = info.loaded()  # a tokenizer that could not travel is loaded here
-            self.output_processor = OutputProcessor(self._info.tokenizer, detokenize=self._args.detokenize)
+            self.output_processor = OutputProcessor(self._info.tokenizer, detokenize=self._args.detokenize,
+                                                    listeners=self.output_listeners)
         return self
 
     @property
@@ -208,7 +208,7 @@ class EngineCoreClient(EngineClient):
         except asyncio.CancelledError:
             raise  # add_request aborts it: it may have been admitted
         except BaseException:
-            processor.abort(request_id, time.monotonic())  # refused: forget its output state
+            processor.forget(request_id)  # refused
             raise
 
     def abort(self, request_id: str) -> None:
@@ -216,19 +216,19 @@ class EngineCoreClient(EngineClient):
         are free before the engine's next step."""
         if request_id not in self._streams or not self.is_running:
             return
-        children = self.output_processor.unfinished_child_ids(request_id)
-        out = self.output_processor.abort(request_id, time.monotonic())
+        processor = self.output_processor
+        children = processor.unfinished_child_ids(request_id)
+        state = processor.abort(request_id, time.monotonic())
         if children:
-            self._send(ipc.FinishRequests(children, "abort"))
-        if out is not None:
-            self._emit([out])
+            self._finish(children, RequestStatus.FINISHED_ABORTED)
+        if state is not None:
+            self._deliver(processor.emit([state]))
 
-    async def call(self, fn: Callable[[Any], Any]) -> Any:
-        """Run ``fn(engine)`` in the engine process between steps and return its result (or raise its error)."""
-        payload = pickle.dumps(fn, protocol=pickle.HIGHEST_PROTOCOL)
-        return await self._request(lambda call_id: ipc.UtilityCall(call_id, payload))
+    def _finish(self, child_ids: list[str], status: RequestStatus) -> None:
+        """End (child) requests in the engine core's scheduler (before its next step)."""
+        self._send(ipc.FinishRequests(child_ids, status))
 
-    async def _request(self, make: Callable[[int], ipc.AddRequest | ipc.UtilityCall]) -> Any:
+    async def _request(self, make: Callable[[int], ipc.AddRequest]) -> None:
         if not self.is_running:
             raise EngineDeadError(f"the engine is not running: {self.dead_error!r}")
         call_id = next(self._call_ids)
@@ -240,7 +240,7 @@ class EngineCoreClient(EngineClient):
         self._calls[call_id] = future
         self._outbox.put(frame)
         try:
-            return ipc.reply_value(await future)
+            ipc.raise_error(await future)
         finally:
             self._calls.pop(call_id, None)
 
@@ -328,26 +328,7 @@ class EngineCoreClient(EngineClient):
     def _process(self, step: CoreStepOutput) -> None:
         """One step's tokens through the output processor; what it decided goes back to the core."""
         processor = self.output_processor
-        processed = processor.process(step)
-        if processed.stopped:
-            self._send(ipc.FinishRequests(processed.stopped, "stop"))
-        outputs = processed.request_outputs
-        if processed.failed:
-            outputs = [o for o in outputs if o.request_id not in processed.failed]
-            for request_id, why in processed.failed.items():
-                logger.error("request %s failed and was aborted: %s", request_id, why)
-                children = processor.unfinished_child_ids(request_id)
-                if children:
-                    self._send(ipc.FinishRequests(children, "abort"))
-                if (out := processor.abort(request_id, step.time, why)) is not None:
-                    outputs.append(out)
-        self._emit(outputs)
-
-    def _emit(self, outputs: list[RequestOutput]) -> None:
-        for out in outputs:
-            for listener in self.output_listeners:
-                listener(out)
-        self._deliver([snapshot(out) for out in outputs])
+        self._deliver(processor.emit(processor.settle(processor.process(step), self._finish, step.time)))
 
     def _died(self, why: str | None) -> None:
         if self.dead_error is not None or self._stopping:
@@ -359,7 +340,7 @@ class EngineCoreClient(EngineClient):
         cause = EngineDeadError(why.splitlines()[0])
         self.dead_error = cause
         error = EngineDeadError(f"the engine stopped: {cause!r}")
-        calls, self._calls = self._calls, {}
+        calls, self._calls = self._calls, {}  # pending adds
         for future in calls.values():
             if not future.done():
                 future.set_exception(error)

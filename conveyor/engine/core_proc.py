@@ -24,7 +24,6 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import pickle
 import queue
 import signal
 import sys
@@ -36,7 +35,6 @@ import msgspec
 import zmq
 
 from conveyor.core.outputs import SchedulerStats
-from conveyor.core.request import RequestStatus
 from conveyor.engine import ipc
 from conveyor.engine.args import EngineArgs
 from conveyor.engine.core_step import CoreStepOutput
@@ -53,7 +51,7 @@ PARENT_POLL_S = 0.5  # how often the parent watcher looks up from its pipe (a th
 
 
 class _Reply:
-    """The future-like end of a call: its result goes into the message being filled when the call runs."""
+    """The future-like end of an add: its verdict goes into the message being filled when the add runs."""
 
     def __init__(self, core: "EngineCore", call_id: int) -> None:
         self.core, self.call_id = core, call_id
@@ -62,7 +60,7 @@ class _Reply:
         return True
 
     def set_result(self, value) -> None:
-        self.core.message.replies.append(ipc.result_reply(self.call_id, value))
+        self.core.message.replies.append(ipc.Reply(self.call_id))
 
     def set_exception(self, exc: BaseException) -> None:
         self.core.message.replies.append(ipc.error_reply(self.call_id, exc))
@@ -70,9 +68,6 @@ class _Reply:
 
 def _add(request: ipc.AddRequest, engine: LLMEngine) -> None:
     engine.add_core_request(request.request_id, request.prompt_token_ids, request.params, request.arrival)
-
-
-_FINISH_STATUS = {"abort": RequestStatus.FINISHED_ABORTED, "stop": RequestStatus.FINISHED_STOPPED}
 
 
 class EngineCore:
@@ -123,11 +118,8 @@ class EngineCore:
             if isinstance(request, ipc.AddRequest):
                 self.commands.put((functools.partial(_add, request), _Reply(self, request.call_id)))
             elif isinstance(request, ipc.FinishRequests):
-                status = _FINISH_STATUS[request.reason]
                 self.commands.put(functools.partial(LLMEngine.finish_requests, child_ids=request.request_ids,
-                                                    status=status))
-            elif isinstance(request, ipc.UtilityCall):
-                self.commands.put((functools.partial(_call, request.fn), _Reply(self, request.call_id)))
+                                                    status=request.status))
             else:
                 self.commands.put(STOP)
 
@@ -174,10 +166,6 @@ class EngineCore:
                 logger.error("the API process takes no messages: dropped one")
                 return
         self._output.send(frame, zmq.NOBLOCK)
-
-
-def _call(fn: bytes, engine: LLMEngine):
-    return pickle.loads(fn)(engine)
 
 
 def _raise(exc: BaseException, engine: LLMEngine | None = None):

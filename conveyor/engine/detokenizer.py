@@ -4,6 +4,10 @@ Decoding token by token breaks multi-byte characters and the leading-space rules
 so each step decodes a short window twice (as Hugging Face TGI does): the text of ``[prefix_offset,
 read_offset)`` and of ``[prefix_offset, end)``; the difference is the new text, held back while it ends in an
 incomplete UTF-8 sequence (U+FFFD).
+
+A stream (``SamplingParams.output_kind`` DELTA) takes the text as it grows (``release``), held back while the
+completion runs by ``stop_buffer_length`` characters: a stop string that a later token completes cuts the text at
+the stop string's start, which may lie that far before the end. So nothing a stream has been given is ever cut.
 """
 
 from __future__ import annotations
@@ -25,6 +29,9 @@ class IncrementalDetokenizer:
         self.skip_special = skip_special_tokens
         self.text = ""
         self._max_stop_len = max((len(s) for s in stop), default=0)
+        # With the stop string kept in the text, the cut falls after text already seen: nothing to hold back.
+        self.stop_buffer_length = 0 if include_stop else max(self._max_stop_len - 1, 0)
+        self._released = 0  # characters of text handed out by release()
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special)
@@ -40,6 +47,13 @@ class IncrementalDetokenizer:
         self.text += full[len(prefix) :]
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         return self._check_stop(old_len)
+
+    def release(self, finished: bool) -> tuple[int, str]:
+        """The text not handed out yet, and where it starts: all of it once the completion has finished, else
+        all but the last ``stop_buffer_length`` characters."""
+        end = len(self.text) if finished else max(self._released, len(self.text) - self.stop_buffer_length)
+        start, self._released = self._released, end
+        return start, self.text[start:end]
 
     def _check_stop(self, old_len: int) -> str | None:
         if not self.stop:

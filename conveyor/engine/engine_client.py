@@ -105,16 +105,47 @@ class RequestFailedError(RuntimeError):
 
 
 class RequestStream:
-    """The outputs of one request, as the engine produces them. Outputs are cumulative (whole text so far), so
-    a slow reader may skip intermediate ones: it always gets the latest, and always the final one."""
+    """The outputs of one request, as the engine produces them: ``async for out in stream``, ending after the
+    output with ``finished`` set, or raising the request's error (``RequestFailedError``, ``EngineDeadError``).
+
+    What an output holds is the request's ``SamplingParams.output_kind``:
+
+    - ``DELTA`` (what a streaming handler asks for): only what is new since the previous output: the completions
+      that changed, each with its new ``text`` (stop-string hold-back applied: nothing given is ever taken back),
+      ``token_ids``, ``logprobs`` and ``token_times``, its ``finish_reason`` / ``stop_reason`` once it has
+      finished, and where it starts (``text_start``, ``token_start``; ``num_tokens``: all its tokens so far). A
+      reader that falls behind gets the deltas waiting for it joined into one: nothing is skipped.
+    - ``CUMULATIVE`` (the default): everything so far; a reader that falls behind gets the newest.
+
+    What the producer side has put here so far, whatever the kind: ``last`` (the newest output), and per
+    completion index its tokens (``num_tokens``) and whether it has finished (``ended``);
+    ``num_generated_tokens`` sums the tokens (a request's usage once its stream has ended).
+    """
 
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
         self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self.finished = False
+        self.last: RequestOutput | None = None
+        self.num_tokens: dict[int, int] = {}
+        self.ended: set[int] = set()
 
     def put(self, item: RequestOutput | BaseException) -> None:
+        """Queue an output, or an error that ends the stream; an output with ``error`` set is that request's
+        ``RequestFailedError``."""
+        if isinstance(item, RequestOutput):
+            self.last = item
+            for c in item.outputs:
+                self.num_tokens[c.index] = c.num_tokens
+                if c.finished:
+                    self.ended.add(c.index)
+            if item.error is not None:
+                item = RequestFailedError(item.error)
         self._queue.put_nowait(item)
+
+    @property
+    def num_generated_tokens(self) -> int:
+        return sum(self.num_tokens.values())
 
     def __aiter__(self) -> AsyncIterator[RequestOutput]:
         return self
@@ -124,7 +155,8 @@ class RequestStream:
             raise StopAsyncIteration
         item = await self._queue.get()
         while not self._queue.empty() and not isinstance(item, BaseException):
-            item = self._queue.get_nowait()  # coalesce: the newest cumulative output subsumes older ones
+            newer = self._queue.get_nowait()  # a reader behind: join what waits (newest cumulative, deltas summed)
+            item = newer if isinstance(newer, BaseException) else item.merged_with(newer)
         if isinstance(item, BaseException):
             self.finished = True
             raise item
@@ -140,7 +172,9 @@ class ServedEngine(Protocol):
     ``add_request`` returns the request's stream; its ``prompt`` may be a ``Prepare``, which the implementation
     runs off the event loop just before the add (tokenizing, chat templates, length checks), with ``info``.
     ``tokenizer_call(fn)`` runs ``fn(info)`` off the event loop (``/tokenize``, ``/detokenize``). Listeners:
-    ``output_listeners`` get every ``RequestOutput``, ``step_listeners`` every ``StepRecord`` (metrics; each
+    ``output_listeners`` get every request's state after each step that changed it (a cumulative
+    ``RequestOutput``, whatever the stream's kind: read it in the call), ``step_listeners`` every ``StepRecord``
+    (metrics; each
     implementation says on which thread, and either may never be called where the numbers come another way, as
     for the replica pool); ``on_dead`` callbacks run on the event loop, once, when the engine has died.
     """
@@ -319,7 +353,7 @@ class EngineClient:
         for out in batch:
             stream = self._streams.get(out.request_id)
             if stream is not None:
-                stream.put(out if out.error is None else RequestFailedError(out.error))
+                stream.put(out)
                 if out.finished:
                     self._forget(out.request_id)
 

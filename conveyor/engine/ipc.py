@@ -3,11 +3,11 @@ and ``EngineCoreProc`` talk.
 
     API process                                                    engine core process
     sender thread    --PUSH  ipc://.../input   PULL-->  input thread -> command queue -> step loop
-    receiver thread  <--PULL ipc://.../output  PUSH--   output thread <- bounded queue <- step loop
+    receiver task    <--PULL ipc://.../output  PUSH--   step loop (sends from its own thread)
 
 A ZeroMQ message arrives whole or not at all, so no read can tear and no write can leave half a frame behind,
-whatever the event loop does with file descriptors. Every socket is used by one thread only, in blocking mode;
-the event loop never touches a socket. The API process binds both sockets (it outlives the engine) and the engine
+whatever the event loop does with file descriptors. Every socket is used by one thread only (the receiver task's
+on the event loop through ``zmq.asyncio``, which watches only ZeroMQ's notification fd). The API process binds both sockets (it outlives the engine) and the engine
 connects. Liveness is never read from the sockets: the API process watches the engine process itself. Every
 queue on the output path is bounded (``OUTPUT_HWM``), so the output path has back-pressure end to end.
 
@@ -17,13 +17,13 @@ What crosses, and nothing else (``EngineRequest`` one way, ``EngineMessage`` the
 from __future__ import annotations
 
 import os
-import pickle
 import tempfile
 
 import msgspec
 import zmq
 
 from conveyor.core.outputs import SchedulerStats
+from conveyor.core.request import RequestStatus
 from conveyor.core.sampling_params import SamplingParams
 from conveyor.engine.core_step import CoreStepOutput
 from conveyor.engine.step_record import StepRecord
@@ -41,35 +41,26 @@ class AddRequest(msgspec.Struct, tag="add", array_like=True):
 
 
 class FinishRequests(msgspec.Struct, tag="finish", array_like=True):
-    """End these (child) requests in the scheduler: ``reason`` "abort" (a client left, a failure) or "stop" (the
-    API process's stop-string check ended them)."""
+    """End these (child) requests in the scheduler: ``status`` FINISHED_ABORTED (a client left, a failure) or
+    FINISHED_STOPPED (the API process's stop-string check ended them)."""
 
     request_ids: list[str]
-    reason: str
-
-
-class UtilityCall(msgspec.Struct, tag="call", array_like=True):
-    """Run a picklable ``fn(engine)`` between steps (tests, benchmarks, tools); answered by a ``Reply``."""
-
-    call_id: int
-    fn: bytes  # pickle of a module-level function, a functools.partial or an operator getter of one
+    status: RequestStatus
 
 
 class Shutdown(msgspec.Struct, tag="stop", array_like=True):
     """Finish the current step, send what it produced, exit 0."""
 
 
-EngineRequest = AddRequest | FinishRequests | UtilityCall | Shutdown
+EngineRequest = AddRequest | FinishRequests | Shutdown
 
 
 # ---- engine core -> API process ---------------------------------------------------------------------------
 class Reply(msgspec.Struct, array_like=True):
-    """The answer to an ``AddRequest`` or ``UtilityCall``: ``error`` is (exception class name, message), or
-    the result as a pickle (None for an add)."""
+    """The answer to an ``AddRequest``: queued (``error`` None), or refused: (exception class name, message)."""
 
     call_id: int
     error: tuple[str, str] | None = None
-    result: bytes | None = None
 
 
 class EngineMessage(msgspec.Struct, array_like=True):
@@ -97,21 +88,11 @@ def error_reply(call_id: int, exc: BaseException) -> Reply:
     return Reply(call_id, (type(exc).__name__, str(exc)[:10_000]))
 
 
-def result_reply(call_id: int, value) -> Reply:
-    if value is None:
-        return Reply(call_id)
-    try:
-        return Reply(call_id, result=pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL))
-    except Exception as exc:  # noqa: BLE001 - a call returned something that cannot travel: say so, to its caller
-        return Reply(call_id, ("RuntimeError", f"the call's result cannot be sent: {exc!r}"[:500]))
-
-
-def reply_value(reply: Reply):
-    """The call's result, or raise its error (as the engine raised it, when its type is a known one)."""
+def raise_error(reply: Reply) -> None:
+    """Raise the reply's error, as the engine raised it when its type is a known one (else a RuntimeError)."""
     if reply.error is not None:
         name, message = reply.error
         raise _error_types().get(name, RuntimeError)(message)
-    return None if reply.result is None else pickle.loads(reply.result)
 
 
 # ---- sockets ----------------------------------------------------------------------------------------------

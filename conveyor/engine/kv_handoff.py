@@ -91,7 +91,8 @@ class HandoffBook:
 # ---- the engine's two halves (``LLMEngine`` calls these; ``engine`` is one) ----------------------------------
 def export_first_tokens(engine, outputs) -> None:
     """Prefill-only requests that sampled their first token this step: export their KV, free their blocks, and
-    turn their output into the last one, carrying the hand-off (``RequestOutput.kv_handoff``)."""
+    turn their output (a state, before ``OutputProcessor.emit``) into the last one, carrying the hand-off
+    (``RequestOutput.kv_handoff``)."""
     now = time.monotonic()
     book, scheduler = engine.handoffs, engine.scheduler
     for out in outputs:
@@ -114,8 +115,7 @@ def export_first_tokens(engine, outputs) -> None:
                      "exported": time.monotonic()})
         book.exporting.discard(rid)
         scheduler.finish_request(rid, RequestStatus.FINISHED_LENGTH, now)  # its blocks are free now
-        engine.output_processor.forget(rid)
-        out.finished = True
+        out.finished = True  # its last output here: the output processor forgets it
 
 
 def check_fits(h: KVHandoff, model_info) -> None:

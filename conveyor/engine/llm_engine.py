@@ -22,8 +22,10 @@ from conveyor.core.kv_manager import KVCacheManager
 from conveyor.core.request import Request, RequestStatus
 from conveyor.core.sampling_params import SamplingParams
 from conveyor.core.scheduler import Scheduler
+from conveyor.core.sliding_window import freeable_window
 from conveyor.engine.args import EngineArgs, parse_cpu_ids
-from conveyor.engine.core_step import CoreOutput, CoreStepOutput, child_requests
+from conveyor.core.outputs import RequestUpdate
+from conveyor.engine.core_step import CoreStepOutput, child_requests
 from conveyor.engine.engine_client import EngineInfo
 from conveyor.engine.kv_handoff import (
     HandoffBook, KVHandoff, check_fits, decode_request, export_first_tokens, write_admitted,
@@ -118,6 +120,7 @@ class LLMEngine:
             self.model, self.model_info, num_blocks=num_blocks, block_size=cache.block_size, device=device,
             attention_backend=args.attention_backend, seed=args.seed,  # --seed seeds sampling too, as in vLLM
             structured=self.structured, pooler=make_pooler(self.model, self.model_info, self.tokenizer),
+            null_block_id=self.kv_manager.null_block_id,
         )
         if self.draft_model is not None and executor is None:
             self.executor.attach_draft(self.draft_model, self.draft_info, args.attention_backend)
@@ -173,7 +176,12 @@ class LLMEngine:
             from conveyor.core.slab_manager import SlabKVManager
 
             return SlabKVManager(num_blocks, cache.block_size, self.max_model_len)
-        return KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching, cache.prefix_cache_eviction)
+        # Blocks outside every window are given back when every layer that reads the tables (the draft's too:
+        # its K/V lives in the same blocks) has a window; an encoder keeps no K/V across steps.
+        models = [info.layer_windows for info in (self.model_info, self.draft_info) if info is not None]
+        window = freeable_window(*models) if cache.free_outside_window and self.model_info.causal else 0
+        return KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching, cache.prefix_cache_eviction,
+                              sliding_window=window)
 
     @functools.cached_property
     def info(self) -> EngineInfo:
@@ -320,9 +328,12 @@ class LLMEngine:
             self.handoffs.drop(child_ids)
 
     def abort_request(self, request_id: str, error: str | None = None) -> RequestOutput | None:
-        """Abort every completion of a request; its blocks are free when this returns."""
-        self.finish_requests(self.output_processor.child_ids(request_id))
-        return self.output_processor.abort(request_id, time.monotonic(), error)
+        """Abort every completion of a request; its blocks are free when this returns. Returns its last output
+        (None when it had finished)."""
+        processor = self.output_processor
+        self.finish_requests(processor.child_ids(request_id))
+        state = processor.abort(request_id, time.monotonic(), error)
+        return next(iter(processor.emit([state])), None) if state is not None else None
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._awaiting_grammar) or self.scheduler.has_unfinished_requests()
@@ -376,9 +387,11 @@ class LLMEngine:
         self.scheduler.add_request(decode_request(h, tuple(self.model_info.eos_token_ids), self.max_model_len, now))
         self.handoffs.importing[rid] = h
         self.output_processor.add(rid, h.prompt, prompt, [(rid, params)], now)
-        # The first token as the prefill side's output processor took it: text, logprobs, stop-string state.
-        self.output_processor.process(CoreStepOutput(now, [CoreOutput(
-            rid, h.first_token_id, h.first_logprobs, None, None, h.num_cached_tokens, 0, None)]))
+        # The first token as the prefill side's output processor took it: text, logprobs, stop-string state (and,
+        # for a stream, as given to the client: the prefill side's last output held it).
+        processor = self.output_processor
+        processor.emit(processor.process(CoreStepOutput(now, [RequestUpdate(
+            rid, h.first_token_id, h.first_logprobs, num_cached_tokens=h.num_cached_tokens)])).request_outputs)
         return rid
 
     # ---- the step ---------------------------------------------------------------------------------------
@@ -401,23 +414,15 @@ class LLMEngine:
         core = self.core_step()
         if core is None:
             return []
-        processed = self.output_processor.process(core)
-        # A stop string ended these: the output layer decides, the core applies.
-        self.finish_requests(processed.stopped, RequestStatus.FINISHED_STOPPED)
-        outputs = processed.request_outputs
-        if processed.failed:
-            outputs = [o for o in outputs if o.request_id not in processed.failed]
-            for request_id, why in processed.failed.items():
-                logger.error("request %s failed and was aborted: %s", request_id, why)
-                if (out := self.abort_request(request_id, why)) is not None:
-                    outputs.append(out)
+        processor = self.output_processor
+        states = processor.settle(processor.process(core), self.finish_requests, core.time)
         if self.handoffs.exporting:
-            export_first_tokens(self, outputs)
-        return outputs
+            export_first_tokens(self, states)
+        return processor.emit(states)
 
     def core_step(self) -> CoreStepOutput | None:
         """The engine core's half of ``step()``: schedule, execute, update; each sampled token as a
-        ``CoreOutput`` (None when nothing was scheduled). What the engine core process runs and sends."""
+        ``RequestUpdate`` (None when nothing was scheduled). What the engine core process runs and sends."""
         start = time.monotonic()
         grammar_failed = self._admit_compiled()
         sched_out = self.scheduler.schedule(start)
@@ -429,9 +434,7 @@ class LLMEngine:
         with self._pinned():
             model_out = self.executor.execute(sched_out)
         now = time.monotonic()
-        outputs = [CoreOutput(u.request_id, u.new_token_id, u.logprobs, u.finish_reason if u.finished else None,
-                              u.stop_reason, u.num_cached_tokens, u.num_preemptions, u.first_scheduled, u.pooled)
-                   for u in self.scheduler.update(sched_out, model_out, now)]
+        outputs = self.scheduler.update(sched_out, model_out, now)
         if self.args.debug_invariants:
             self.scheduler.check_invariants()
         if record is not None:

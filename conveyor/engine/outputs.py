@@ -1,8 +1,13 @@
-"""What the engine returns to users, shaped like vLLM's ``RequestOutput`` / ``CompletionOutput``."""
+"""What the engine returns to users, shaped like vLLM's ``RequestOutput`` / ``CompletionOutput``.
+
+A request's ``SamplingParams.output_kind`` says what each of its outputs holds: everything so far (``CUMULATIVE``,
+the default) or only what is new since its previous output (``DELTA``, what streams ask for; a stream that falls
+behind hands its reader the deltas it holds joined into one, ``RequestOutput.merged_with``).
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from conveyor.core.outputs import TokenLogprobs
@@ -10,21 +15,37 @@ from conveyor.core.outputs import TokenLogprobs
 
 @dataclass
 class CompletionOutput:
-    """One completion of a prompt (there are ``n``). Text and token ids are cumulative."""
+    """One completion of a prompt (there are ``n``): its text and tokens from character ``text_start`` and token
+    ``token_start`` on (both 0 in a cumulative output; in a delta, what earlier outputs held)."""
 
     index: int
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it, if any
-    logprobs: list[TokenLogprobs] | None = None
-    cumulative_logprob: float | None = None
+    logprobs: list[TokenLogprobs] | None = None  # one per token of token_ids
+    cumulative_logprob: float | None = None  # of every token so far, whatever the output's kind
     token_times: list[float] = field(default_factory=list)  # when each token was produced (monotonic s)
     num_preemptions: int = 0
+    text_start: int = 0
+    token_start: int = 0
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens this completion has generated so far, this output's included."""
+        return self.token_start + len(self.token_ids)
+
+    def followed_by(self, newer: CompletionOutput) -> CompletionOutput:
+        """This delta and the next one of the same completion, as one delta (neither is changed)."""
+        logprobs = None if self.logprobs is None else self.logprobs + (newer.logprobs or [])
+        return CompletionOutput(self.index, self.text + newer.text, self.token_ids + newer.token_ids,
+                                newer.finish_reason, newer.stop_reason, logprobs, newer.cumulative_logprob,
+                                self.token_times + newer.token_times, newer.num_preemptions, self.text_start,
+                                self.token_start)
 
 
 @dataclass
@@ -54,7 +75,8 @@ class RequestMetrics:
 
 @dataclass
 class RequestOutput:
-    """The state of one request (all ``n`` completions) after a step."""
+    """The state of one request (all ``n`` completions) after a step; with ``delta``, only what changed since its
+    previous output: the completions that did, each with its new text, tokens, logprobs and times."""
 
     request_id: str
     prompt: str | None
@@ -72,21 +94,24 @@ class RequestOutput:
     kv_handoff: Any = None
     # A pooling request's result (SamplingParams.pooling): its embedding, or [score]; ``outputs`` hold no tokens
     pooled: list[float] | None = None
+    delta: bool = False  # SamplingParams.output_kind DELTA: only what is new since the previous output
 
     @property
     def num_generated_tokens(self) -> int:
-        return sum(len(o.token_ids) for o in self.outputs)
+        """Tokens generated so far by the completions this output holds (a delta may leave some out)."""
+        return sum(c.num_tokens for c in self.outputs)
 
-
-def snapshot(out: RequestOutput) -> RequestOutput:
-    """A copy whose lists the owner may go on appending to while a reader holds it (a stream's consumer reads an
-    output at its own pace, while the output processor goes on)."""
-    outputs = [
-        replace(c, token_ids=list(c.token_ids), token_times=list(c.token_times),
-                logprobs=None if c.logprobs is None else list(c.logprobs))
-        for c in out.outputs
-    ]
-    return replace(out, outputs=outputs, metrics=replace(out.metrics))
+    def merged_with(self, newer: RequestOutput) -> RequestOutput:
+        """This output and the request's next one as one: the newer one, or, for deltas, the two deltas joined
+        completion by completion (neither is changed)."""
+        if not newer.delta:
+            return newer
+        joined = {c.index: c for c in self.outputs}
+        for c in newer.outputs:
+            joined[c.index] = joined[c.index].followed_by(c) if c.index in joined else c
+        return RequestOutput(newer.request_id, newer.prompt, newer.prompt_token_ids,
+                             sorted(joined.values(), key=lambda c: c.index), newer.metrics, newer.finished,
+                             newer.prompt_logprobs, newer.error, newer.kv_handoff, newer.pooled, delta=True)
 
 
 @dataclass
@@ -108,4 +133,3 @@ class PoolingRequestOutput:
     prompt_token_ids: list[int]
     outputs: EmbeddingOutput | ScoringOutput
     finished: bool = True
-

@@ -15,7 +15,7 @@ from fastapi import Request
 from pydantic import ValidationError
 
 from conveyor.core.outputs import TokenLogprobs
-from conveyor.core.sampling_params import SamplingParams
+from conveyor.core.sampling_params import RequestOutputKind, SamplingParams
 from conveyor.engine import chat
 from conveyor.engine.engine_client import EngineInfo, RequestStream
 from conveyor.engine.outputs import RequestOutput
@@ -24,7 +24,7 @@ from conveyor.server.errors import bad_request
 from conveyor.server.protocol import ChatCompletionRequest, ChatMessage
 from conveyor.server.reasoning import ReasoningSplitter, reasoning_block, reply_start
 from conveyor.server.reply import ReplyDelta, ReplyParser, ReplyResult, finish_reason
-from conveyor.server.serving_common import DeltaTracker, ServingContext, check_context, merged, new_id, usage
+from conveyor.server.serving_common import ServingContext, check_context, merged, new_id, token_usage
 from conveyor.server.tools import ToolPlan, messages_for_tools, plan_tools
 
 # Names the template gets from conveyor itself; chat_template_kwargs may not replace them.
@@ -115,6 +115,8 @@ class ChatRequestPlan:
                 params, structured_outputs=dataclasses.replace(params.structured_outputs, reasoning=block))
         if start is not None and ctx.reasoning.decodes_markers:
             params = dataclasses.replace(params, skip_special_tokens=False)  # the markers must reach the text
+        # Every reply is read as deltas (ChatRun.events), streamed or not.
+        params = dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)
         request_id = new_id(prefix)
         streams = await ctx.submit(request_id, [lambda _: {"prompt_token_ids": ids}], params, raw,
                                    self.body.service_tier)
@@ -216,23 +218,21 @@ class ChatRun:
         A choice whose reply is complete early (``ReplyParser.done``) finishes at once, and the request is
         aborted when all its choices have."""
         params = self.plan.params
-        tracker = DeltaTracker(params)
         parsers = [self._parser() for _ in range(params.n)]
         calls = [0] * params.n
         closed: set[int] = set()
-        async for _, out in merged(self.streams):
+        async for _, out in merged(self.streams):  # deltas: each choice's new text, tokens and logprobs
             self.final = out
             for c in out.outputs:
-                if c.index in closed or (delta_text := tracker.delta(c.index, c)) is None:
+                if c.index in closed:
                     continue
-                text, t0, t1, finished = delta_text
+                finished = c.finished
                 parser = parsers[c.index]
-                delta = parser.feed(text)
+                delta = parser.feed(c.text)
                 if finished or parser.done:
                     delta += parser.finish()
                 calls[c.index] += sum(d.id is not None for d in delta.tool_calls)
-                logprobs = c.logprobs[t0:t1] if c.logprobs is not None else None
-                event = ChoiceEvent(c.index, delta, len(c.token_ids), logprobs)
+                event = ChoiceEvent(c.index, delta, c.num_tokens, c.logprobs)
                 if finished or parser.done:
                     closed.add(c.index)
                     event.finish_reason = finish_reason(c.finish_reason, parser, calls[c.index] > 0)
@@ -250,6 +250,8 @@ class ChatRun:
                 result = results[event.index]
                 result.add(event.delta)
                 result.num_tokens = event.num_tokens
+                if event.logprobs is not None:
+                    result.logprobs = (result.logprobs or []) + event.logprobs
                 if event.finish_reason is not None:
                     result.finish_reason, result.stop_reason = event.finish_reason, event.stop_reason
             return results
@@ -257,6 +259,4 @@ class ChatRun:
         return await self.ctx.unless_disconnected(collect(), self.streams, raw)
 
     def usage(self) -> dict:
-        if self.final is None:
-            return {"prompt_tokens": self.prompt_tokens, "completion_tokens": 0, "total_tokens": self.prompt_tokens}
-        return usage([self.final])
+        return token_usage(self.prompt_tokens, sum(s.num_generated_tokens for s in self.streams))

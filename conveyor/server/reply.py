@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from conveyor.core.outputs import TokenLogprobs
 from conveyor.server.reasoning import ReasoningSplitter
 from conveyor.server.tool_parsers import ParsedPiece, ToolCallDelta, ToolParser
 
@@ -89,6 +90,7 @@ class ReplyResult:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_tokens: int = 0
+    logprobs: list[TokenLogprobs] | None = None  # of every token, when logprobs were asked for
 
     def add(self, delta: ReplyDelta) -> None:
         self.reasoning += delta.reasoning

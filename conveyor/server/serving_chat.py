@@ -9,7 +9,7 @@ from conveyor.core.outputs import TokenLogprobs
 from conveyor.server.chat_plan import ChatRun, ChoiceEvent, check_plan, plan_chat
 from conveyor.server.protocol import ChatCompletionRequest
 from conveyor.server.reply import ReplyResult
-from conveyor.server.serving_common import ServingContext, StreamUsage, json_logprob, sse_events, usage
+from conveyor.server.serving_common import ServingContext, StreamUsage, json_logprob, sse_events
 
 
 def logprobs_content(tokenizer, entries: list[TokenLogprobs]) -> dict:
@@ -29,13 +29,12 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: Request, ctx:
         chunks = _stream(head, run, tokenizer, StreamUsage(body))
         return StreamingResponse(sse_events(chunks, ctx, run.streams), media_type="text/event-stream")
     results = await run.results(raw)
-    final = run.final
     choices = []
-    for r, c in zip(results, final.outputs):
+    for r in results:
         choices.append({"index": r.index, "message": _message(r, plan.role, plan.echo, run.reasons),
-                        "logprobs": logprobs_content(tokenizer, c.logprobs) if c.logprobs is not None else None,
+                        "logprobs": logprobs_content(tokenizer, r.logprobs) if r.logprobs is not None else None,
                         "finish_reason": r.finish_reason, "stop_reason": r.stop_reason})
-    return JSONResponse({**head, "object": "chat.completion", "choices": choices, "usage": usage([final])})
+    return JSONResponse({**head, "object": "chat.completion", "choices": choices, "usage": run.usage()})
 
 
 def _message(r: ReplyResult, role: str, echo: str, reasons: bool) -> dict:

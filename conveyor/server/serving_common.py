@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import time
@@ -13,9 +14,9 @@ from typing import TypeVar
 
 from fastapi import Request
 
-from conveyor.core.sampling_params import SamplingParams
+from conveyor.core.sampling_params import RequestOutputKind, SamplingParams
 from conveyor.engine.engine_client import EngineInfo, Prepare, RequestStream, ServedEngine
-from conveyor.engine.outputs import CompletionOutput, RequestOutput
+from conveyor.engine.outputs import RequestOutput
 from conveyor.server.admission import AdmissionController
 from conveyor.server.errors import APIError, bad_request, from_engine_error, from_value_error
 from conveyor.server.limits import DEFAULT_MAX_SEQS_PER_REQUEST, check_stop
@@ -164,7 +165,7 @@ class ServingContext:
 
     def sampling_params(self, body: SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """The checks every generation endpoint makes after its own, and the request's ``SamplingParams``
-        (APIError 400 when bad)."""
+        (APIError 400 when bad): a stream's outputs are deltas (``RequestStream``), any other's cumulative."""
         if body.refused is not None:
             raise bad_request(body.refused.message, body.refused.name)
         if body.stream_options is not None and not body.stream:
@@ -175,6 +176,8 @@ class ServingContext:
             params.check_vocabulary(self.vocab_size)
         except ValueError as exc:
             raise from_value_error(exc) from exc
+        if body.stream:
+            params = dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)
         return params
 
     async def check_constraint(self, params: SamplingParams, field: str | None = None) -> None:
@@ -354,32 +357,3 @@ async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Reque
     finally:
         for t in tasks:
             t.cancel()
-
-
-class DeltaTracker:
-    """What of each completion has already been streamed. While a completion runs, the last
-    ``max_stop_len - 1`` characters are held back: a stop string may be completed by a later token, and the
-    engine then cuts the text at its start."""
-
-    def __init__(self, params: SamplingParams) -> None:
-        self.hold = max((len(s) for s in params.stop), default=1) - 1
-        if params.include_stop_str_in_output:
-            self.hold = 0
-        self.chars: dict[int, int] = {}
-        self.tokens: dict[int, int] = {}
-        self.done: set[int] = set()
-
-    def delta(self, index: int, c: CompletionOutput) -> tuple[str, int, int, bool] | None:
-        """(new text, first new token, end token, finished now), or None when there is nothing to send."""
-        if index in self.done:
-            return None
-        sent_chars, sent_tokens = self.chars.get(index, 0), self.tokens.get(index, 0)
-        end = len(c.text) if c.finished else max(sent_chars, len(c.text) - self.hold)
-        text = c.text[sent_chars:end]
-        n_tokens = len(c.token_ids)
-        if not text and n_tokens == sent_tokens and not c.finished:
-            return None
-        self.chars[index], self.tokens[index] = end, n_tokens
-        if c.finished:
-            self.done.add(index)
-        return text, sent_tokens, n_tokens, c.finished

@@ -14,7 +14,7 @@ from conveyor.engine.outputs import CompletionOutput, RequestOutput
 from conveyor.server.errors import bad_request, from_value_error
 from conveyor.server.protocol import CompletionRequest
 from conveyor.server.serving_common import (
-    DeltaTracker, ServingContext, StreamUsage, check_context, json_logprob, merged, new_id, sse_events, usage,
+    ServingContext, StreamUsage, check_context, json_logprob, merged, new_id, sse_events, token_usage, usage,
 )
 
 
@@ -148,7 +148,7 @@ async def create_completion(body: CompletionRequest, raw: Request, ctx: ServingC
     n = params.n
 
     if body.stream:
-        chunks = _stream(head, streams, tokenizer, params, n, StreamUsage(body), echo)
+        chunks = _stream(head, streams, tokenizer, n, StreamUsage(body), echo)
         return StreamingResponse(sse_events(chunks, ctx, streams), media_type="text/event-stream")
 
     finals = await ctx.wait_final(streams, raw)
@@ -159,24 +159,19 @@ async def create_completion(body: CompletionRequest, raw: Request, ctx: ServingC
     return JSONResponse({**head, "choices": choices, "usage": usage(finals, prompt_only)})
 
 
-async def _stream(head, streams, tokenizer, params, n: int, stream_usage: StreamUsage, echo: _Echo):
-    """The chunks of a streamed completion (``sse_events`` sends them)."""
-    tracker = DeltaTracker(params)
-    last = {}
+async def _stream(head, streams, tokenizer, n: int, stream_usage: StreamUsage, echo: _Echo):
+    """The chunks of a streamed completion (``sse_events`` sends them), one per delta of a choice."""
+    started: set[int] = set()  # choices whose first chunk (the one carrying the echo) has gone
+    prompt_tokens: dict[int, int] = {}
     async for p, out in merged(streams):
-        last[p] = out
+        prompt_tokens[p] = len(out.prompt_token_ids)
         for c in out.outputs:
             index = p * n + c.index
-            first = index not in tracker.chars
-            delta = tracker.delta(index, c)
-            if delta is None:
-                continue
-            text, t0, t1, finished = delta
-            entries = c.logprobs[t0:t1] if c.logprobs is not None else None
-            start = tracker.chars[index] - len(text)
-            chunk = {**head, "choices": [echo.choice(tokenizer, out, index, text, c, entries, first, finished,
-                                                     start)]}
-            generated = 0 if echo.prompt_only else len(c.token_ids)
-            yield {**chunk, **stream_usage.of_chunk(len(out.prompt_token_ids), generated)}
+            first = index not in started
+            started.add(index)
+            choice = echo.choice(tokenizer, out, index, c.text, c, c.logprobs, first, c.finished, c.text_start)
+            generated = 0 if echo.prompt_only else c.num_tokens
+            yield {**head, "choices": [choice], **stream_usage.of_chunk(len(out.prompt_token_ids), generated)}
     if stream_usage.final:
-        yield {**head, "choices": [], "usage": usage(list(last.values()), echo.prompt_only)}
+        generated = 0 if echo.prompt_only else sum(s.num_generated_tokens for s in streams)
+        yield {**head, "choices": [], "usage": token_usage(sum(prompt_tokens.values()), generated)}

@@ -20,7 +20,6 @@ import zmq
 from conveyor import SamplingParams
 from conveyor.engine.args import EngineArgs
 from conveyor.engine.core_client import EngineCoreClient
-from conveyor.core.request import RequestStatus
 from conveyor.engine import ipc
 from conveyor.engine.core_proc import serve_engine
 from conveyor.engine.core_step import CoreStepOutput
@@ -209,9 +208,9 @@ def test_the_core_steps_sent_over_the_pipe_give_what_an_engine_in_this_process_g
         step = core.core_step()
         if step is None:
             continue
-        processed = processor.process(decoder.decode(msgspec.msgpack.encode(step)))
-        core.finish_requests(processed.stopped, RequestStatus.FINISHED_STOPPED)
-        got.update((o.request_id, o) for o in processed.request_outputs if o.finished)
+        states = processor.settle(processor.process(decoder.decode(msgspec.msgpack.encode(step))),
+                                  core.finish_requests, step.time)
+        got.update((o.request_id, o) for o in processor.emit(states) if o.finished)
     assert set(got) == set(expected) == {rid for rid, _, _ in requests}
     for rid in expected:
         a, b = expected[rid], got[rid]

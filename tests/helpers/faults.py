@@ -1,11 +1,19 @@
 """Faults injected into a running server's threads, to check that a dying thread ends the process or is survived,
 never wedges it: an exception raised inside a named thread (``PyThreadState_SetAsyncExc``, what a bug in that
-thread's code would raise), in this process or, through ``EngineCoreClient.call``, in the engine core process."""
+thread's code would raise), in this process or, on a signal, in the engine core process (started with
+``engine_core_with_faults``, its entry point wrapped)."""
 
 from __future__ import annotations
 
 import ctypes
+import os
+import signal
 import threading
+
+from conveyor.engine.core_proc import run_engine_core
+
+# The engine core process's threads a signal faults (engine_core_with_faults).
+ENGINE_THREAD_SIGNALS = {"conveyor-engine-input": signal.SIGUSR1, "conveyor-engine-parent": signal.SIGUSR2}
 
 
 class InjectedFault(Exception):
@@ -13,8 +21,7 @@ class InjectedFault(Exception):
 
 
 def raise_in_thread(name: str) -> str:
-    """Raise ``InjectedFault`` in the live thread called ``name`` (when it next runs Python code); returns the name.
-    Module-level, so that ``functools.partial(raise_in_thread, name)`` pickles for ``EngineCoreClient.call``."""
+    """Raise ``InjectedFault`` in the live thread called ``name`` (when it next runs Python code); returns the name."""
     found = [t for t in threading.enumerate() if t.name == name]
     assert len(found) == 1, f"threads named {name!r}: {[t.name for t in threading.enumerate()]}"
     done = ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(found[0].ident),
@@ -23,6 +30,14 @@ def raise_in_thread(name: str) -> str:
     return name
 
 
-def raise_in_engine_thread(name: str, engine) -> str:
-    """``raise_in_thread`` as an ``EngineCoreClient.call`` function (it gets the engine, and ignores it)."""
-    return raise_in_thread(name)
+def engine_core_with_faults(args, conn, endpoints) -> None:
+    """``run_engine_core`` (an ``EngineCoreClient`` ``entry``) in a process where each signal of
+    ``ENGINE_THREAD_SIGNALS`` raises ``InjectedFault`` in its thread (the handler runs on the main thread)."""
+    for name, signum in ENGINE_THREAD_SIGNALS.items():
+        signal.signal(signum, lambda *_, name=name: raise_in_thread(name))
+    run_engine_core(args, conn, endpoints)
+
+
+def raise_in_engine_thread(pid: int, name: str) -> None:
+    """Fault the thread ``name`` of the engine core process ``pid`` (started with ``engine_core_with_faults``)."""
+    os.kill(pid, ENGINE_THREAD_SIGNALS[name])

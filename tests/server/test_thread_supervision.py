@@ -14,8 +14,6 @@ own process, as ``conveyor serve`` runs it), on uvloop and on asyncio's loop by 
 
 from __future__ import annotations
 
-import asyncio
-import functools
 import json
 import logging
 import socket
@@ -29,7 +27,7 @@ from conveyor.engine.args import EngineArgs
 from conveyor.engine.core_client import EngineCoreClient
 from conveyor.server.app import build_app
 from conveyor.server.launcher import make_server
-from tests.helpers.faults import raise_in_engine_thread, raise_in_thread
+from tests.helpers.faults import engine_core_with_faults, raise_in_engine_thread, raise_in_thread
 from tests.helpers.server import TEST_DTYPE
 
 pytestmark = pytest.mark.slow  # an engine process per case: run by CI, skipped by -m "not slow"
@@ -44,7 +42,7 @@ class Harness:
 
     def __init__(self, model_dir, loop: str) -> None:
         args = EngineArgs(model=str(model_dir), dtype=TEST_DTYPE, num_kv_blocks=256, block_size=16)
-        self.core = EngineCoreClient(args)
+        self.core = EngineCoreClient(args, entry=engine_core_with_faults)
         app = build_app(self.core, "tiny", log_stats_interval_s=0.0, shutdown_timeout_s=2.0)
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
@@ -57,9 +55,6 @@ class Harness:
             assert time.monotonic() < deadline and self.thread.is_alive(), "the server did not start"
             time.sleep(0.02)
         self._sock = sock
-
-    def on_loop(self, coro, timeout: float = 30.0):
-        return asyncio.run_coroutine_threadsafe(coro, self.core._loop).result(timeout)
 
     def close(self) -> None:
         self.server.should_exit = True
@@ -82,13 +77,11 @@ def _kill_receiver(h: Harness) -> None:
 
 
 def _kill_engine_input(h: Harness) -> None:
-    fn = functools.partial(raise_in_engine_thread, "conveyor-engine-input")
-    assert h.on_loop(h.core.call(fn)) == "conveyor-engine-input"
+    raise_in_engine_thread(h.core._proc.pid, "conveyor-engine-input")
 
 
 def _kill_engine_parent_watcher(h: Harness) -> None:
-    fn = functools.partial(raise_in_engine_thread, "conveyor-engine-parent")
-    assert h.on_loop(h.core.call(fn)) == "conveyor-engine-parent"
+    raise_in_engine_thread(h.core._proc.pid, "conveyor-engine-parent")
 
 
 # (name, kill, loop, what the ERROR line says, whether the thread dies only when the next request wakes it: a
