@@ -39,6 +39,10 @@ logger = logging.getLogger("conveyor.server")
 
 RECHECK_EVERY_S = 0.05  # how often waiting requests are judged again (at most; on the engine's steps)
 ERROR_WINDOW = 2000  # the last finished requests the prediction error is reported over
+# The prediction's TTFT is scaled by the median measured / predicted ratio of the last CALIBRATION_WINDOW finished
+# requests (once CALIBRATION_MIN have finished), within CALIBRATION_BOUNDS: what the first-order model leaves out
+# (attention over long contexts, prefix hits, the server's own time) is this deployment's, and mostly a factor.
+CALIBRATION_WINDOW, CALIBRATION_MIN, CALIBRATION_BOUNDS = 200, 20, (0.5, 4.0)
 
 
 class SLORefusedError(APIError):
@@ -106,8 +110,8 @@ class ServiceClasses:
 class _Tracked:
     load: InFlight
     service: ServiceClass
-    predicted_ttft: float | None
     max_tokens: int
+    predicted_ttft: tuple[float, float] | None  # (the model's, calibrated) at admission
 
 
 class AdmissionController:
@@ -120,6 +124,7 @@ class AdmissionController:
         self._lock = threading.Lock()
         self._tracked: dict[str, _Tracked] = {}
         self._errors: deque[tuple[float, float]] = deque(maxlen=ERROR_WINDOW)  # (predicted, measured) TTFT
+        self._raw: deque[tuple[float, float]] = deque(maxlen=CALIBRATION_WINDOW)  # (the model's, measured)
         self._last_recheck = 0.0
         self._engine: ServedEngine | None = None
         self._loop: asyncio.AbstractEventLoop | None = None  # the server's, where a refusal is delivered
@@ -151,7 +156,8 @@ class AdmissionController:
             runs_at = priority or service.priority
             with self._lock:
                 load = [t.load for t in self._tracked.values()]
-            prediction = predict(load, runs_at, now, prompt, max_tokens, self.shape, self.step)
+            raw = predict(load, runs_at, now, prompt, max_tokens, self.shape, self.step)
+            prediction = self._calibrated(raw)
             if prediction is None or not service.has_targets or service.meets(prediction.ttft_s, prediction.tpot_s):
                 break
             lower = self.classes.by_name.get(service.demote_to) if may_demote and service.demote_to else None
@@ -162,8 +168,9 @@ class AdmissionController:
             service = lower
         with self._lock:
             for i, length in enumerate(prompt_lengths):
-                self._tracked[f"{request_id}-{i}"] = _Tracked(InFlight(runs_at, now, length, max_tokens), service,
-                                                              prediction.ttft_s if prediction else None, max_tokens)
+                self._tracked[f"{request_id}-{i}"] = _Tracked(
+                    InFlight(runs_at, now, length, max_tokens), service, max_tokens,
+                    (raw.ttft_s, prediction.ttft_s) if prediction else None)
         self.decisions.labels(service.name, "admitted").inc()
         return Admitted(service, runs_at, prediction)
 
@@ -211,8 +218,10 @@ class AdmissionController:
         if ttft is None or any(c.finish_reason == "abort" for c in out.outputs):
             return
         if tracked.predicted_ttft is not None:
+            raw, calibrated = tracked.predicted_ttft
             with self._lock:
-                self._errors.append((tracked.predicted_ttft, ttft))
+                self._errors.append((calibrated, ttft))
+                self._raw.append((raw, ttft))
         if tracked.service.has_targets:
             times = out.outputs[0].token_times
             tpot = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None
@@ -237,8 +246,9 @@ class AdmissionController:
             if target is None or not t.load.prompt_left:
                 continue
             others = [x for x in load if x is not t.load]
-            prediction = predict(others, t.load.priority, t.load.arrival, t.load.prompt_left, t.load.tokens_left,
-                                 self.shape, self.step, elapsed_s=now - t.load.arrival)
+            waited = now - t.load.arrival
+            prediction = self._calibrated(predict(others, t.load.priority, t.load.arrival, t.load.prompt_left,
+                                                  t.load.tokens_left, self.shape, self.step), waited)
             if prediction is None or prediction.ttft_s <= target:
                 continue
             with self._lock:
@@ -248,6 +258,19 @@ class AdmissionController:
             refused.append((request_id, SLORefusedError(_refusal(t.service, prediction, waited=now - t.load.arrival),
                                                         retry_after_s(prediction, t.service))))
         return refused
+
+    def _calibrated(self, p: Prediction | None, waited: float = 0.0) -> Prediction | None:
+        """``p`` (a TTFT from now) with its TTFT scaled by the measured / predicted ratio this server has seen,
+        plus what the request already ``waited``."""
+        if p is None:
+            return None
+        with self._lock:
+            ratios = sorted(m / q for q, m in self._raw if q > 0)
+        scale = 1.0
+        if len(ratios) >= CALIBRATION_MIN:
+            low, high = CALIBRATION_BOUNDS
+            scale = min(max(ratios[len(ratios) // 2], low), high)
+        return Prediction(waited + p.ttft_s * scale, p.tpot_s)
 
     def prediction_errors(self) -> list[tuple[float, float]]:
         with self._lock:

@@ -87,3 +87,26 @@ def test_a_waiting_request_that_can_no_longer_meet_its_target_is_refused(tiny_ch
     (request_id, error), = controller.overdue(time.monotonic() + 1.0)  # it has waited a second: past 500 ms
     assert request_id == "r-0" and isinstance(error, SLORefusedError) and error.status == 429
     assert "after waiting" in error.message and not controller.overdue(time.monotonic() + 2.0)
+
+
+def test_the_prediction_is_scaled_by_what_this_server_measured():
+    from conveyor.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+
+    step = OnlineStepTime()
+    for tokens in (1, 8, 64):
+        step.observe(tokens, 0.01 + 0.001 * tokens, False)
+    controller = AdmissionController(ServiceClasses([ServiceClass.parse("interactive:ttft=60000")]),
+                                     EngineShape(64, 8), CollectorRegistry(), step)
+
+    async def admit(rid: str):
+        return controller.admit(rid, [20], 2, 0, None)
+
+    first = None
+    for i in range(20):  # every request took three times the model's TTFT
+        predicted = asyncio.run(admit(f"r{i}")).prediction.ttft_s
+        first = first or predicted
+        assert predicted == pytest.approx(first), "until 20 finished, the model's own"
+        metrics = RequestMetrics(arrival_time=0.0, first_token_time=3 * predicted, finished_time=3 * predicted)
+        controller.on_output(RequestOutput(f"r{i}-0", None, [1] * 20, [CompletionOutput(
+            0, "x", [5, 6], "length", token_times=[0.1, 0.2])], metrics, finished=True))
+    assert asyncio.run(admit("later")).prediction.ttft_s == pytest.approx(3 * first, rel=0.01)
