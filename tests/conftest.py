@@ -60,3 +60,18 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if e2e in Path(item.fspath).parents:
             item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _state_in_a_temporary_directory(tmp_path_factory):
+    """Servers the tests start (``conveyor serve`` subprocesses too) keep their state (the Batch API's jobs and
+    files) under a temporary XDG_STATE_HOME, never in the user's."""
+    import os
+
+    previous = os.environ.get("XDG_STATE_HOME")
+    os.environ["XDG_STATE_HOME"] = str(tmp_path_factory.mktemp("state"))
+    yield
+    if previous is None:
+        os.environ.pop("XDG_STATE_HOME", None)
+    else:
+        os.environ["XDG_STATE_HOME"] = previous

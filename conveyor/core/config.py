@@ -14,8 +14,19 @@ KV_LAYOUTS = ("paged", "slab")
 ATTENTION_BACKENDS = ("auto", "cpu", "cpu-native", "cpu-torch", "reference", "cuda")
 # --quantization: what becomes of a GGUF file's blocks or a float checkpoint's weights at load (models.quantize)
 QUANTIZATION_CHOICES = ("auto", "none", "int8")
+# --scheduling-policy: the order requests are served in (core.policies.priority); priority needs a policy that
+# re-decides every step, so the baselines serve first come, first served.
+SCHEDULING_POLICIES = ("fcfs", "priority")
+PRIORITY_POLICIES = ("continuous", "chunked")
 # Policies a request may speculate under: the baselines park finished requests in fixed slots and pad batches.
 SPECULATING_POLICIES = ("continuous", "chunked")
+
+
+def resolve_scheduling_policy(policy: str, scheduling_policy: str | None) -> str:
+    """The scheduling policy a ``SchedulerConfig`` of ``policy`` runs (None: its default)."""
+    if scheduling_policy is None:
+        return "priority" if policy in PRIORITY_POLICIES else "fcfs"
+    return scheduling_policy
 
 
 @dataclass
@@ -34,6 +45,12 @@ class SchedulerConfig:
     speculative_config: SpeculativeConfig | None = None
     # The model attends both ways (an encoder): a prompt cannot be computed in chunks, each runs whole in one step
     whole_prompts: bool = False
+    # "fcfs" or "priority" (each request's ``priority``, lower first); None: priority for continuous and chunked
+    # batching (with every priority equal it serves in arrival order), fcfs for the baselines
+    scheduling_policy: str | None = None
+    # priority: while requests of several priorities run, the tokens of those below the best may add at most this
+    # fraction to the step's time (from the measured step cost); None: they take whatever budget is left
+    priority_step_slack: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens"):
@@ -48,6 +65,16 @@ class SchedulerConfig:
         if self.whole_prompts and self.max_model_len is not None and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must hold a whole prompt of "
                              f"max_model_len ({self.max_model_len}): this model's prompts are not chunked")
+        self.scheduling_policy = resolve_scheduling_policy(self.policy, self.scheduling_policy)
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, got "
+                             f"{self.scheduling_policy!r}")
+        if self.scheduling_policy == "priority" and self.policy not in PRIORITY_POLICIES:
+            raise ValueError(f"scheduling_policy priority runs with the {' or '.join(PRIORITY_POLICIES)} policy, not "
+                             f"{self.policy!r} (a static batch is not re-decided when a request of higher priority "
+                             "arrives)")
+        if self.priority_step_slack is not None and not self.priority_step_slack >= 0:
+            raise ValueError(f"priority_step_slack must be >= 0, got {self.priority_step_slack}")
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if self.speculative_config is not None and self.policy not in SPECULATING_POLICIES:
             raise ValueError(f"speculative decoding runs with the {' or '.join(SPECULATING_POLICIES)} policy, "

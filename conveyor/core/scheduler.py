@@ -8,7 +8,6 @@ the sampled tokens and applies the policy's decision on every request that finis
 
 from __future__ import annotations
 
-from collections import deque
 
 from conveyor.core.budget import TokenBudget
 from conveyor.core.config import SchedulerConfig
@@ -23,7 +22,7 @@ from conveyor.core.outputs import (
     SchedulerStats,
     is_decode,
 )
-from conveyor.core.policies import OnFinish, SchedulingPolicy, make_policy
+from conveyor.core.policies import OnFinish, Room, SchedulingPolicy, WaitingQueue, make_policy
 from conveyor.core.request import Request, RequestStatus
 from conveyor.core.speculative import (
     DRAFT_PLACEHOLDER,
@@ -52,7 +51,7 @@ class Scheduler:
         self.kv = kv_manager
         self.policy: SchedulingPolicy = make_policy(config)
         self.requests: dict[str, Request] = {}
-        self.waiting: deque[Request] = deque()
+        self.waiting: WaitingQueue = self.policy.waiting_queue()
         self.running: list[Request] = []  # admission order: the tail is the newest
         self._finished_ids: set[str] = set()  # to tell the executor at the next schedule()
         self._seen_by_executor: set[str] = set()
@@ -146,30 +145,39 @@ class Scheduler:
         out = SchedulerOutput(finished_req_ids=self._finished_ids)
         self._finished_ids = set()
         budget = TokenBudget(self.policy)
-        preempted_any = self._schedule_running(budget, out)
+        cost = self.spec_cost.fit() if self.config.priority_step_slack is not None else None
+        room = Room(self.config.max_num_seqs - len(self.running), round(self.kv.num_blocks * (1 - self.kv.usage())),
+                    self.kv.block_size, cost)
+        yielded = self.policy.yield_to_waiting(self.running, self.waiting, room)
+        for request in yielded.preempt:  # room for requests that outrank them: those admit this step
+            self._preempt(request, out)
+        preempted_any = self._schedule_running(budget, out, yielded.caps or {})
         if not preempted_any:  # admitting in a step that preempted would only thrash
-            self._admit(budget, now, out)
+            self._admit(budget, now, out, yielded.admit_cap)
         if self.spec is not None:
             self._speculate(budget, out)
-            self._step_start = now
+        self._step_start = now
         out.num_padding_tokens, out.num_idle_slot_tokens = self.policy.end_step(out, self.running)
         self.num_steps += 1
         return out
 
-    def _schedule_running(self, budget: TokenBudget, out: SchedulerOutput) -> bool:
-        """Running requests: decodes first, then unfinished prompt chunks (stall-free chunked prefill).
-        Preempts from the policy's victims when blocks run out; returns whether it did."""
+    def _schedule_running(self, budget: TokenBudget, out: SchedulerOutput, caps: dict[str, int]) -> bool:
+        """Running requests: decodes first, then unfinished prompt chunks (stall-free chunked prefill), in the
+        policy's order, each at most the tokens the policy ``caps`` it to this step. Preempts from the policy's
+        victims when blocks run out; returns whether it did."""
         behind = {r.request_id: r.num_tokens - r.num_computed_tokens for r in self.running}
         decodes = [r for r in self.running if is_decode(behind[r.request_id])]
         prefills = [r for r in self.running if behind[r.request_id] > 1]
         scheduled: set[str] = set()
         preempted_any = False
-        for request in decodes + prefills:
+        for request in self.policy.order_running(decodes + prefills):
             if budget.exhausted:
                 break
-            if not request.status.holds_slot:
-                continue  # preempted (or retired) earlier in this loop
-            num_new = budget.grant(self._capped(request, behind[request.request_id]), self.config.whole_prompts)
+            cap = caps.get(request.request_id, behind[request.request_id])
+            if not request.status.holds_slot or cap == 0:
+                continue  # preempted (or retired) earlier in this loop, or making room for others this step
+            num_new = budget.grant(self._capped(request, min(behind[request.request_id], cap)),
+                                   self.config.whole_prompts)
             if num_new == 0:
                 continue
             if self.evictor is not None:
@@ -187,10 +195,17 @@ class Scheduler:
             budget.spend(num_new)
         return preempted_any
 
-    def _admit(self, budget: TokenBudget, now: float, out: SchedulerOutput) -> None:
+    def _admit(self, budget: TokenBudget, now: float, out: SchedulerOutput,
+               cap: tuple[int, int] | None = None) -> None:
+        """Waiting requests join in queue order while seats, budget and blocks last; those of a priority worse than
+        ``cap``'s take at most its tokens in all."""
+        below = cap[1] if cap is not None else None
         while self.waiting and not budget.exhausted and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             if not self.policy.admits(request):
+                break
+            capped = below is not None and request.priority > cap[0]
+            if capped and below <= 0:
                 break
             # A waiting request normally holds no KV (new, or preempted and reset to 0): it starts from a prefix-
             # cache lookup. One handed over with its KV already computed elsewhere (a disaggregated prefill
@@ -204,8 +219,8 @@ class Scheduler:
                         and len(hit_blocks) > most:  # a hit and the first chunk must fit the budget
                     hit_blocks = hit_blocks[:most]
                     hit_tokens = most * self.kv.block_size
-            num_new = budget.grant(self._capped(request, request.num_tokens - handed_over - hit_tokens),
-                                   self.config.whole_prompts)
+            behind = self._capped(request, request.num_tokens - handed_over - hit_tokens)
+            num_new = budget.grant(min(behind, below) if capped else behind, self.config.whole_prompts)
             if num_new == 0:
                 break
             new_blocks = self.kv.allocate_slots(request, num_new, hit_blocks)
@@ -221,6 +236,8 @@ class Scheduler:
             self.running.append(request)
             self._emit(request, num_new, new_blocks, out)
             budget.spend(num_new)
+            if capped:
+                below -= num_new
 
     def _speculate(self, budget: TokenBudget, out: SchedulerOutput) -> None:
         """Give this step's decodes that may speculate their proposed tokens, as many as the rule in
@@ -361,9 +378,9 @@ class Scheduler:
     def update(self, sched_out: SchedulerOutput, model_out: ModelOutput, now: float) -> list[RequestUpdate]:
         """Advance computed counts, append sampled tokens, apply the policy's decision on finished requests."""
         updates: list[RequestUpdate] = []
-        if self.spec is not None:
-            self.spec_cost.observe(sched_out.total_num_scheduled_tokens, now - self._step_start,
-                                   any(n > 1 for n in sched_out.num_scheduled_tokens.values()))
+        # the step's measured cost: speculation's lengths and priority's step slack are decided from it
+        self.spec_cost.observe(sched_out.total_num_scheduled_tokens, now - self._step_start,
+                               any(n > 1 for n in sched_out.num_scheduled_tokens.values()))
         if self.evictor is not None:
             for rid, scores in model_out.kv_block_scores.items():
                 request = self.requests.get(rid)

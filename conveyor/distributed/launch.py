@@ -129,6 +129,7 @@ def run_serve_data_parallel(ns: argparse.Namespace, args: EngineArgs) -> int:
     """The body of ``conveyor serve`` when ``--data-parallel-size`` > 1 or ``--ray-address`` is given."""
     from conveyor.distributed.metrics import PoolMetrics
     from conveyor.server.app import build_app
+    from conveyor.server.batches.setup import BatchAPIConfig
     from conveyor.server.cors import CORSConfig
     from conveyor.server.launcher import make_server
     from conveyor.server.responses.store import ResponseStore
@@ -168,7 +169,8 @@ def run_serve_data_parallel(ns: argparse.Namespace, args: EngineArgs) -> int:
                         max_seqs_per_request=ns.max_seqs_per_request, tool_call_parser=ns.tool_call_parser,
                         reasoning_parser=ns.reasoning_parser, cors=CORSConfig.from_namespace(ns),
                         responses_store=ResponseStore.from_namespace(ns),
-                        grammar_check_timeout_s=ns.grammar_check_timeout)
+                        grammar_check_timeout_s=ns.grammar_check_timeout,
+                        batches=BatchAPIConfig.from_namespace(ns, args))
         server = make_server(app, ns.host, ns.port, ns.uvicorn_log_level, ns.timeout_keep_alive, ns.timeout_headers,
                              loop=ns.uvicorn_loop)
         server.run()

@@ -212,6 +212,9 @@ class LLMEngine:
         (the OpenAI server is stricter and refuses it, as vLLM's does). ``min_tokens`` is a promise, so it is."""
         if not token_ids:
             raise ValueError("prompt must not be empty")
+        if params.priority != 0 and self.scheduler.config.scheduling_policy != "priority":
+            raise ValueError(f"priority is {params.priority}, but this engine serves requests in arrival order "
+                             f"(--scheduling-policy {self.scheduler.config.scheduling_policy}); send 0 or none")
         check_task(self.model_info, params.pooling)
         if params.pooling is not None:  # prefill-only: the whole context is the prompt's
             check_pooling_input(token_ids, self.max_model_len, self.model_info.vocab_size)

@@ -76,7 +76,7 @@ class ChatRun:
         self._params = params
         ids = self.prompt_ids
         streams = await self.ctx.submit(self.request_id + attempt, [lambda _: {"prompt_token_ids": ids}], params,
-                                        self.raw)
+                                        self.raw, self.plan.body.service_tier)
         self.streams[:] = streams
 
     def _parser(self) -> ReplyParser:
