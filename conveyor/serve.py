@@ -90,6 +90,13 @@ def add_serve_parser(sub) -> None:
                    help="seconds a new constraint (response_format, guided_*, tools) may take to compile and to "
                    "compute its first masks in the check before it runs (a worker process); slower is 400")
     add_cors_args(p)
+    from conveyor.server.admission import add_admission_args
+    from conveyor.server.batches.setup import add_batch_args
+    from conveyor.server.responses.store import add_store_args
+
+    add_store_args(p)
+    add_batch_args(p)
+    add_admission_args(p)
     _add_scale_out_args(p)
     EngineArgs.add_cli_args(p)
     p.set_defaults(func=run_serve)
@@ -160,7 +167,16 @@ def run_serve(ns: argparse.Namespace) -> int:
     if ns.model_tag and not ns.model:
         ns.model = ns.model_tag
     args = EngineArgs.from_cli_args(ns)
+    from conveyor.server.admission import ServiceClasses
+
+    try:
+        service_classes = ServiceClasses.from_namespace(ns)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
     if ns.data_parallel_size > 1 or ns.ray_address or ns.autoscaling_config or ns.disaggregate:
+        if service_classes is not None:
+            raise SystemExit("--service-class needs one engine (SLO-aware admission reads its queue); not with "
+                             "--data-parallel-size, --disaggregate or Ray")
         if args.cpu_ids or ns.frontend_cpus:  # each replica would pin itself to the same CPUs
             raise SystemExit("--cpu-ids and --frontend-cpus place one engine; with --data-parallel-size, Ray places "
                              "the replicas (--cpus-per-replica CPUs each)")
@@ -194,8 +210,10 @@ def run_serve(ns: argparse.Namespace) -> int:
         os.sched_setaffinity(0, frontend_cpus[0])  # after the spawn: the engine process set its own CPUs
         logger.info("API server on CPUs %s, engine on CPUs %s", frontend_cpus[0], frontend_cpus[1])
     from conveyor.server.app import build_app  # ... while this process imports the server
+    from conveyor.server.batches.setup import BatchAPIConfig
     from conveyor.server.cors import CORSConfig
     from conveyor.server.launcher import make_server
+    from conveyor.server.responses.store import ResponseStore
 
     if ns.engine_in_process:
         from conveyor.engine.llm_engine import LLMEngine
@@ -215,8 +233,9 @@ def run_serve(ns: argparse.Namespace) -> int:
                     0.0 if ns.disable_log_stats else ns.log_stats_interval, ns.shutdown_timeout, ns.max_n,
                     max_request_body_bytes=ns.max_request_body_bytes, max_seqs_per_request=ns.max_seqs_per_request,
                     tool_call_parser=ns.tool_call_parser, reasoning_parser=ns.reasoning_parser,
-                    cors=CORSConfig.from_namespace(ns), also_serve=also_serve,
-                    grammar_check_timeout_s=ns.grammar_check_timeout)
+                    cors=CORSConfig.from_namespace(ns), responses_store=ResponseStore.from_namespace(ns),
+                    also_serve=also_serve, grammar_check_timeout_s=ns.grammar_check_timeout,
+                    batches=BatchAPIConfig.from_namespace(ns, args), service_classes=service_classes)
     server = make_server(app, ns.host, ns.port, ns.uvicorn_log_level, ns.timeout_keep_alive, ns.timeout_headers,
                          loop=ns.uvicorn_loop)
     try:

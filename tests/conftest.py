@@ -45,9 +45,33 @@ def smollm2_hf():
     return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
 
 
+def pytest_configure(config):
+    """Servers the tests start keep their state (the Responses store's SQLite file) in a directory of this run,
+    not in the user's: ``conveyor serve`` puts it under $XDG_STATE_HOME, which every subprocess inherits."""
+    import os
+    import tempfile
+
+    os.environ["XDG_STATE_HOME"] = tempfile.mkdtemp(prefix="conveyor-test-state-")
+
+
 def pytest_collection_modifyitems(config, items):
     """Everything under tests/e2e/ runs the real default model: slow by directory, whatever its file says."""
     e2e = Path(__file__).parent / "e2e"
     for item in items:
         if e2e in Path(item.fspath).parents:
             item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _state_in_a_temporary_directory(tmp_path_factory):
+    """Servers the tests start (``conveyor serve`` subprocesses too) keep their state (the Batch API's jobs and
+    files) under a temporary XDG_STATE_HOME, never in the user's."""
+    import os
+
+    previous = os.environ.get("XDG_STATE_HOME")
+    os.environ["XDG_STATE_HOME"] = str(tmp_path_factory.mktemp("state"))
+    yield
+    if previous is None:
+        os.environ.pop("XDG_STATE_HOME", None)
+    else:
+        os.environ["XDG_STATE_HOME"] = previous

@@ -3,7 +3,8 @@
 A protocol that is not kept drifts: a feature adds a member to one implementation, a caller uses it, and the
 protocol no longer says what an implementation must have (the review of issue 56 found the scheduler calling five
 ``KVManager`` members the protocol lacked, the layer stack reading six of a backend's, the engine two of its
-executor's). So, over every module of ``conveyor/``:
+executor's). So, over every module of ``conveyor/`` (the KV manager, the executor, the attention backend, the served
+engine, the batching policy and its waiting queue):
 
 - every attribute read on a value typed with a plug-point protocol must be a member of that protocol. A value's
   type comes from where the code says it: a parameter's annotation, a function's declared return type (a call of
@@ -25,12 +26,14 @@ import pytest
 
 import conveyor
 from conveyor.core.interfaces import EngineExecutor, Executor, KVManager, KVTransfer
+from conveyor.core.policies import SchedulingPolicy, WaitingQueue
 from conveyor.engine.engine_client import ServedEngine
 from conveyor.layers.attention.base import AttentionBackend, AttentionBackendType, LayerStackAttention
 
 PACKAGE_DIR = Path(conveyor.__file__).parent
 PROTOCOLS = {p.__name__: p for p in (KVManager, Executor, KVTransfer, EngineExecutor, AttentionBackend,
-                                     LayerStackAttention, AttentionBackendType, ServedEngine)}
+                                     LayerStackAttention, AttentionBackendType, ServedEngine, SchedulingPolicy,
+                                     WaitingQueue)}
 
 
 def members(protocol: type) -> set[str]:
@@ -219,7 +222,9 @@ def test_the_scan_sees_the_plug_points_it_checks(index):
                         ("models/native_stack.py", "AttentionBackend"), ("layers/attention/__init__.py",
                                                                            "AttentionBackendType"),
                         ("runner/model_runner.py", "AttentionBackendType"), ("server/serving_common.py",
-                                                                              "ServedEngine")]:
+                                                                              "ServedEngine"),
+                        ("core/scheduler.py", "SchedulingPolicy"), ("core/budget.py", "SchedulingPolicy"),
+                        ("core/scheduler.py", "WaitingQueue")]:
         assert (file, proto) in seen, f"{file} is not seen using a {proto}"
 
 
@@ -228,7 +233,9 @@ def _lacks(obj, protocol: type) -> list[str]:
 
 
 def test_the_implementations_provide_every_member():
+    from conveyor.core.config import PRIORITY_POLICIES, SchedulerConfig
     from conveyor.core.kv_manager import KVCacheManager
+    from conveyor.core.policies import POLICIES, make_policy
     from conveyor.core.slab_manager import SlabKVManager
     from conveyor.layers.attention import backend_class
     from conveyor.layers.attention.native_cpu import NativeCpuAttention
@@ -240,6 +247,12 @@ def test_the_implementations_provide_every_member():
     for kv in (paged, SlabKVManager(8, 4, 16), HeldKVManager(paged)):
         assert not _lacks(kv, KVManager), (type(kv).__name__, _lacks(kv, KVManager))
     assert not _lacks(ModelRunner, EngineExecutor)
+    for name in POLICIES:  # every batching policy, and the waiting queue each makes
+        for scheduling_policy in ("fcfs", "priority") if name in PRIORITY_POLICIES else ("fcfs",):
+            policy = make_policy(SchedulerConfig(policy=name, scheduling_policy=scheduling_policy))
+            queue = policy.waiting_queue()
+            assert not _lacks(policy, SchedulingPolicy), (name, _lacks(policy, SchedulingPolicy))
+            assert not _lacks(queue, WaitingQueue), (name, _lacks(queue, WaitingQueue))
     for name in ("reference", "cpu-torch", "cpu-native", "cuda"):
         cls = backend_class(name)
         assert not _lacks(cls, AttentionBackendType), (name, _lacks(cls, AttentionBackendType))

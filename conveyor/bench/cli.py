@@ -27,6 +27,9 @@ def add_bench_parser(sub) -> None:
     from conveyor.bench.kv_eviction import add_kv_eviction_parser
 
     add_kv_eviction_parser(bench_sub)
+    from conveyor.bench.mixed_cli import add_mixed_parser
+
+    add_mixed_parser(bench_sub)
 
 
 def add_sim_parser(sub) -> None:

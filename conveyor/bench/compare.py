@@ -22,6 +22,14 @@ from conveyor.bench.metrics import summarize
 from conveyor.bench.prefix_savings import prefix_savings
 from conveyor.bench.workload import Workload, load_workload, time_scale_for
 
+def parse_bool(text: str) -> bool:
+    """A swept on/off flag's value: true / false (also on / off, yes / no, 1 / 0)."""
+    value = text.strip().lower()
+    if value not in ("true", "false", "on", "off", "yes", "no", "1", "0"):
+        raise ValueError(f"expected true or false, got {text!r}")
+    return value in ("true", "on", "yes", "1")
+
+
 # knob -> (EngineArgs field, parser, label prefix, policies it matters to (None: all))
 SWEEPS = {
     "policies": ("policy", str, "", None),
@@ -32,6 +40,7 @@ SWEEPS = {
     "kv_layout": ("kv_layout", str, "", None),
     "prefix_cache_eviction": ("prefix_cache_eviction", str, "evict=", None),
     "kv_cache_memory": ("kv_cache_memory", float, "kv=", None),
+    "free_outside_window": ("free_outside_window", parse_bool, "free-window=", None),
     "request_rate": ("request_rate", float, "rate=", None),
 }
 # The sweeps that are engine flags of the same name (--policies and --request-rate are flags of their own).

@@ -62,6 +62,7 @@ async def send_one(client, req: WorkloadRequest, model: str, t0: float) -> Reque
             if resp.status_code != 200:
                 body = (await resp.aread()).decode(errors="replace")
                 timing.error = f"HTTP {resp.status_code}: {body[:300]}"
+                timing.finished = time.perf_counter() - t0  # when it was refused
                 return timing
             async for line in resp.aiter_lines():
                 if not line.startswith("data:"):

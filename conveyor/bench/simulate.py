@@ -22,6 +22,7 @@ from conveyor.core.kv_manager import KVCacheManager
 from conveyor.core.request import Request
 from conveyor.core.sampling_params import SamplingParams
 from conveyor.core.scheduler import Scheduler
+from conveyor.core.sliding_window import freeable_window
 from conveyor.core.slab_manager import SlabKVManager
 from conveyor.engine.step_record import StepRecord
 from conveyor.sim import Hardware, ModelSpec, RooflineCostModel, SimExecutor, get_hardware, get_model_spec, simulate
@@ -86,12 +87,15 @@ def num_kv_blocks(args, cost: RooflineCostModel, max_model_len: int) -> int:
     return blocks
 
 
-def build_scheduler(args, blocks: int, max_model_len: int) -> Scheduler:
-    """The real scheduler and KV manager, configured from ``EngineArgs`` as ``LLMEngine`` configures them."""
+def build_scheduler(args, blocks: int, max_model_len: int, layer_windows: tuple[int, ...] = ()) -> Scheduler:
+    """The real scheduler and KV manager, configured from ``EngineArgs`` as ``LLMEngine`` configures them (the
+    model's ``layer_windows``: blocks outside every sliding window are given back, as the engine does)."""
     if args.kv_layout == "slab":
         kv = SlabKVManager(blocks, args.block_size, max_model_len)
     else:
-        kv = KVCacheManager(blocks, args.block_size, args.enable_prefix_caching, args.prefix_cache_eviction)
+        window = freeable_window(layer_windows) if args.free_outside_window else 0
+        kv = KVCacheManager(blocks, args.block_size, args.enable_prefix_caching, args.prefix_cache_eviction,
+                            sliding_window=window)
     return Scheduler(args.scheduler_config(max_model_len), kv)
 
 
@@ -166,7 +170,7 @@ def run_all_simulated(ns, base_args, configs, workload: Workload, progress: bool
         scale = time_scale_for(workload, config.request_rate, ns.time_scale)
         recorder = StepRecorder()
         t0 = time.perf_counter()
-        scheduler = build_scheduler(args, blocks, max_model_len)
+        scheduler = build_scheduler(args, blocks, max_model_len, spec.layer_windows)
         result = simulate(scheduler, SimExecutor(cost), sim_requests(workload, scale, max_model_len), recorder)
         if progress:
             print(f"{config.label}: {len(result.requests)} requests, {result.num_steps} steps, "

@@ -54,7 +54,7 @@ def build_instances(layout: Layout, args, spec: ModelSpec, hw: Hardware, max_mod
         role_args = replace(args, max_num_batched_tokens=prefill_budget) if role == PREFILL and prefill_budget \
             else args
         blocks = instance_kv_blocks(role_args, cost, max_model_len, utilization)
-        scheduler = build_scheduler(role_args, blocks, max_model_len)
+        scheduler = build_scheduler(role_args, blocks, max_model_len, spec.layer_windows)
         if role == PREFILL:
             scheduler.kv = HeldKVManager(scheduler.kv)
         n = counters[role] = counters.get(role, -1) + 1

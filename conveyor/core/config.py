@@ -19,9 +19,20 @@ QUANTIZATION_CHOICES = ("auto", "none", "int8")
 # after this long. One period for every driver (the engine's step loop, the in-process replay, the simulator),
 # so the simulator schedules a trace as the real engine does.
 IDLE_POLL_S = 0.001
+# --scheduling-policy: the order requests are served in (core.policies.priority); priority needs a policy that
+# re-decides every step, so the baselines serve first come, first served.
+SCHEDULING_POLICIES = ("fcfs", "priority")
+PRIORITY_POLICIES = ("continuous", "chunked")
 # Policies a request may speculate or evict KV under: the baselines park finished requests in fixed slots and pad
 # batches.
 SPECULATING_POLICIES = ("continuous", "chunked")
+
+
+def resolve_scheduling_policy(policy: str, scheduling_policy: str | None) -> str:
+    """The scheduling policy a ``SchedulerConfig`` of ``policy`` runs (None: its default)."""
+    if scheduling_policy is None:
+        return "priority" if policy in PRIORITY_POLICIES else "fcfs"
+    return scheduling_policy
 
 
 @dataclass
@@ -43,6 +54,12 @@ class SchedulerConfig:
     eviction: EvictionConfig | None = None  # KV eviction (None, or policy "none": off); CacheConfig's flags make it
     # The model attends both ways (an encoder): a prompt cannot be computed in chunks, each runs whole in one step
     whole_prompts: bool = False
+    # "fcfs" or "priority" (each request's ``priority``, lower first); None: priority for continuous and chunked
+    # batching (with every priority equal it serves in arrival order), fcfs for the baselines
+    scheduling_policy: str | None = None
+    # priority: while requests of several priorities run, the tokens of those below the best may add at most this
+    # fraction to the step's time (from the measured step cost); None: they take whatever budget is left
+    priority_step_slack: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens"):
@@ -57,6 +74,16 @@ class SchedulerConfig:
         if self.whole_prompts and self.max_model_len is not None and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must hold a whole prompt of "
                              f"max_model_len ({self.max_model_len}): this model's prompts are not chunked")
+        self.scheduling_policy = resolve_scheduling_policy(self.policy, self.scheduling_policy)
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, got "
+                             f"{self.scheduling_policy!r}")
+        if self.scheduling_policy == "priority" and self.policy not in PRIORITY_POLICIES:
+            raise ValueError(f"scheduling_policy priority runs with the {' or '.join(PRIORITY_POLICIES)} policy, not "
+                             f"{self.policy!r} (a static batch is not re-decided when a request of higher priority "
+                             "arrives)")
+        if self.priority_step_slack is not None and not self.priority_step_slack >= 0:
+            raise ValueError(f"priority_step_slack must be >= 0, got {self.priority_step_slack}")
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if self.speculative_config is not None and self.policy not in SPECULATING_POLICIES:
             raise ValueError(f"speculative decoding runs with the {' or '.join(SPECULATING_POLICIES)} policy, "
@@ -85,6 +112,9 @@ class CacheConfig:
     kv_budget_tokens: int | None = None  # the default per-request budget of kv_eviction
     kv_score_period: int = H2O_SCORE_PERIOD  # h2o: a decode's attention is scored every this many steps
     kv_h2o_rank: str = "mean"  # h2o: rank blocks by mass per query that saw them, or accumulated (sum)
+    # A model whose every layer has a sliding window: give back the blocks outside every window as requests
+    # advance (core.sliding_window). Off: hold each request's whole history, as full attention does.
+    free_outside_window: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size < 1:

@@ -48,6 +48,14 @@ class KVManager(Protocol):
     def blocks_of(self, request_id: str) -> Sequence[KVBlock]:
         """The request's blocks themselves, in table order (read their ref counts; change nothing)."""
 
+    @property
+    def null_block_id(self) -> int | None:
+        """The block id of table entries given back (outside every sliding window): a block outside the pool that
+        the runner allocates zeroed and never writes. None when nothing is ever given back this way."""
+
+    def num_skipped_blocks(self, request_id: str) -> int:
+        """How many leading entries of the request's table are ``null_block_id`` (the executor is told)."""
+
     def get_computed_blocks(self, request: Request) -> tuple[Sequence[object], int]:
         """The longest cached prefix of a request about to be admitted: (blocks, number of tokens they hold).
 

@@ -9,12 +9,19 @@ Token layout of a request's block table at ``allocate_slots`` (block_size 4, a p
 
 Every block that is full once this step's tokens are computed gets its chained hash, so a later request with
 the same prefix finds it (even in the same step: the runner writes a layer's K/V before any attention reads).
+
+With a ``sliding_window`` (every layer has one: ``core.sliding_window``), the blocks before the window of a
+request's next token go back to the pool as it advances, their entries pointing at the null block::
+
+    tokens:  | c c c c | c c c c | c c c c | c c n n |      window 6: the next token (at 14) sees keys 9 .. 14
+    table:   | null    | null    | b7      | b3      |
 """
 
 from __future__ import annotations
 
 from conveyor.core.block_pool import BlockHash, BlockPool, KVBlock, cdiv, hash_block
 from conveyor.core.request import Request
+from conveyor.core.sliding_window import SlidingWindow
 
 
 class KVCacheManager:
@@ -23,13 +30,19 @@ class KVCacheManager:
     layout = "paged"
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 prefix_cache_eviction: str = "lru") -> None:
+                 prefix_cache_eviction: str = "lru", sliding_window: int = 0) -> None:
+        """``sliding_window``: the window every layer attends within (``sliding_window.freeable_window``); blocks
+        outside it are given back as requests advance. 0: some layer sees every earlier key, nothing is freed."""
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks, prefix_cache_eviction)
         self.req_blocks: dict[str, list[KVBlock]] = {}
+        self.window = SlidingWindow(sliding_window, block_size) if sliding_window else None
+        # The entry of a freed block: outside the pool (id num_blocks), allocated zeroed by the runner, never written
+        self.null_block = KVBlock(num_blocks) if self.window else None
+        self.num_skipped: dict[str, int] = {}  # leading entries of each table that are the null block
         # How many leading blocks of each table were offered to the cache: each step looks only at the blocks that
         # filled since (a decode fills one block in block_size steps), not the whole table again. A block whose
         # hash another block already holds stays unhashed and is not offered again (vLLM does the same).
@@ -51,7 +64,7 @@ class KVCacheManager:
 
     def num_reserved_slots(self) -> int:
         """Token slots held by running requests (for the KV-waste metric)."""
-        return sum(len(b) for b in self.req_blocks.values()) * self.block_size
+        return (sum(len(b) for b in self.req_blocks.values()) - sum(self.num_skipped.values())) * self.block_size
 
     @property
     def num_free_blocks(self) -> int:
@@ -65,7 +78,17 @@ class KVCacheManager:
         return self.req_blocks.get(request_id, [])
 
     def block_ids(self, request_id: str) -> list[int]:
+        """The request's block table; entries outside every window are ``null_block_id``."""
         return [b.block_id for b in self.req_blocks.get(request_id, ())]
+
+    @property
+    def null_block_id(self) -> int | None:
+        """The id freed entries point at (``num_blocks``: the runner allocates it zeroed), None without a window."""
+        return None if self.null_block is None else self.null_block.block_id
+
+    def num_skipped_blocks(self, request_id: str) -> int:
+        """How many leading entries of the request's table are the null block (given back: outside every window)."""
+        return self.num_skipped.get(request_id, 0)
 
     def _update_block_hashes(self, request: Request, num_tokens: int) -> list[BlockHash]:
         """Extend ``request.block_hashes`` to cover every full block among its first ``num_tokens`` tokens."""
@@ -93,12 +116,15 @@ class KVCacheManager:
             return [], 0
         max_hit_tokens = request.num_tokens - 1
         hashes = self._update_block_hashes(request, max_hit_tokens)
-        hits: list[KVBlock] = []
-        for h in hashes:
-            block = self.pool.lookup(h)
-            if block is None:
-                break
-            hits.append(block)
+        if self.window is not None:  # only the blocks its window reaches need to be cached (null before them)
+            hits = self.window.longest_hit(hashes, self.pool.lookup, self.null_block)
+        else:
+            hits = []
+            for h in hashes:
+                block = self.pool.lookup(h)
+                if block is None:
+                    break
+                hits.append(block)
         self.prefix_queries += request.num_tokens
         self.prefix_hits += len(hits) * self.block_size
         return hits, len(hits) * self.block_size
@@ -114,27 +140,53 @@ class KVCacheManager:
         ``num_lookahead_tokens`` more slots are reserved after them for proposed tokens (speculative decoding):
         their tokens are not the request's yet, so no block they fill is offered to the prefix cache, and
         ``trim`` gives back what verification rejects.
+
+        With a sliding window, the held blocks outside the window of the first new token go back first, even when
+        the new ones then do not fit (no later step reads them; the freed room counts).
         """
         computed_blocks = computed_blocks or []
-        held = self.req_blocks.get(request.request_id, [])
+        rid = request.request_id
+        held = self.req_blocks.get(rid, [])
         assert not (held and computed_blocks), "a prefix hit is only taken at admission"
         # KV slots, not positions: blocks evicted from the middle of the table hold none of the request's tokens
         num_computed = request.num_computed_tokens - request.num_evicted_tokens \
             + len(computed_blocks) * self.block_size
         total_tokens = num_computed + num_new_tokens
-        num_needed = cdiv(total_tokens + num_lookahead_tokens, self.block_size) - len(held) - len(computed_blocks)
+        skipped = self.window.num_skipped_blocks(num_computed) if self.window is not None else 0
+        if held and skipped:
+            self._free_skipped(rid, held, skipped)
+        hits = [b for b in computed_blocks if b is not self.null_block]
+        assert len(computed_blocks) - len(hits) == min(skipped, len(computed_blocks)), "a hit holds a skipped block"
+        # A request handed over with its KV computed elsewhere starts with entries it never needs to hold.
+        num_null_new = max(0, skipped - len(held) - len(computed_blocks))
+        num_needed = cdiv(total_tokens + num_lookahead_tokens, self.block_size) - len(held) - len(computed_blocks) \
+            - num_null_new
         # Hit blocks that sit in the free list stop being free when touched: they count against the room.
-        num_hits_free = sum(1 for b in computed_blocks if b.ref_cnt == 0)
+        num_hits_free = sum(1 for b in hits if b.ref_cnt == 0)
         if num_needed + num_hits_free > self.pool.num_free_blocks:
             return None
-        self.pool.touch(computed_blocks)
+        self.pool.touch(hits)
         self.prefix_saved_tokens += len(computed_blocks) * self.block_size
         new_blocks = self.pool.allocate(max(num_needed, 0))
-        blocks = self.req_blocks.setdefault(request.request_id, [])
+        blocks = self.req_blocks.setdefault(rid, [])
         blocks.extend(computed_blocks)
+        blocks.extend([self.null_block] * num_null_new)
         blocks.extend(new_blocks)
+        if skipped and not held:
+            self.num_skipped[rid] = skipped
         self._cache_full_blocks(request, blocks, total_tokens)
         return [b.block_id for b in new_blocks]
+
+    def _free_skipped(self, request_id: str, blocks: list[KVBlock], skipped: int) -> None:
+        """Give back the held blocks among the first ``skipped`` of a table (outside every window), tail first as
+        ``free`` orders them, and point their entries at the null block (those before ``num_skipped`` already are)."""
+        freed = []
+        for i in range(min(skipped, len(blocks)) - 1, self.num_skipped.get(request_id, 0) - 1, -1):
+            freed.append(blocks[i])
+            blocks[i] = self.null_block
+        if freed:
+            self.num_skipped[request_id] = min(skipped, len(blocks))
+            self.pool.free(freed)
 
     def _cache_full_blocks(self, request: Request, blocks: list[KVBlock], num_tokens: int) -> None:
         # request.block_hashes may run ahead (a prefix lookup hashes the whole prompt): only blocks that are
@@ -149,7 +201,7 @@ class KVCacheManager:
             return
         hashes = self._update_block_hashes(request, num_tokens)
         for i in range(start, n_full):
-            if blocks[i].block_hash is None:
+            if blocks[i].block_hash is None and blocks[i] is not self.null_block:
                 self.pool.cache_full_block(blocks[i], hashes[i], hashes[i - 1] if i else None, i)
         self.num_cached_blocks[request.request_id] = n_full
 
@@ -163,7 +215,8 @@ class KVCacheManager:
             return None
         extra = blocks[keep:]
         del blocks[keep:]
-        assert all(b.block_hash is None for b in extra), "a trimmed block was in the prefix cache"
+        assert all(b.block_hash is None and b is not self.null_block for b in extra), \
+            "a trimmed block was in the prefix cache, or outside the window"
         self.pool.free(reversed(extra))
         return keep
 
@@ -174,6 +227,7 @@ class KVCacheManager:
 
         A dropped block that carries a hash stays findable in the free list: its KV was computed exactly (no
         block is hashed after a request's first eviction), so a later prefix hit on it is still right."""
+        assert self.window is None, "KV eviction is refused with a sliding window (slots must stay positions)"
         blocks = self.req_blocks[request.request_id]
         n_full = (request.num_computed_tokens - request.num_evicted_tokens) // self.block_size
         gone = set(indices)
@@ -190,8 +244,9 @@ class KVCacheManager:
         """Release a request's blocks, tail first (see the ordering rule in block_pool)."""
         blocks = self.req_blocks.pop(request.request_id, [])
         self.num_cached_blocks.pop(request.request_id, None)
+        skipped = self.num_skipped.pop(request.request_id, 0)
         request.num_evicted_tokens = 0  # its KV is gone: a recompute starts exact
-        self.pool.free(reversed(blocks))
+        self.pool.free(reversed(blocks[skipped:]))
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached block hash (blocks stay where they are)."""
@@ -200,10 +255,15 @@ class KVCacheManager:
 
     def check_invariants(self) -> None:
         owners: dict[int, int] = {}
-        for blocks in self.req_blocks.values():
+        for rid, table in self.req_blocks.items():
+            skipped = self.num_skipped.get(rid, 0)
+            blocks = table[skipped:]
+            assert all(b is self.null_block for b in table[:skipped]), f"{rid}: a skipped entry is not null"
+            assert self.null_block not in blocks, f"{rid}: a null entry after the held blocks"
             assert len({b.block_id for b in blocks}) == len(blocks), "a block appears twice in one block table"
             for block in blocks:
                 owners[block.block_id] = owners.get(block.block_id, 0) + 1
+        assert set(self.num_skipped) <= set(self.req_blocks), "skipped entries counted for a request holding none"
         for rid, n in self.num_cached_blocks.items():
             blocks = self.req_blocks.get(rid, [])
             assert n <= len(blocks), f"{rid}: {n} blocks counted as cached, {len(blocks)} held"

@@ -50,6 +50,9 @@ class CachedRequestData:
     # of position p is p - num_evicted_tokens. None / 0: nothing evicted.
     evicted_block_indices: list[int] | None = None
     num_evicted_tokens: int = 0
+    # Sliding windows (core.sliding_window): its table's first num_skipped_blocks entries are the null block now
+    # (their blocks went back to the pool and may hold another request's K/V); cumulative, 0: none.
+    num_skipped_blocks: int = 0
 
 
 @dataclass

@@ -132,6 +132,11 @@ class Request:
         return self.sampling_params.pooling is not None
 
     @property
+    def priority(self) -> int:
+        """Lower is served first (``--scheduling-policy priority``); ties by arrival."""
+        return self.sampling_params.priority
+
+    @property
     def is_finished(self) -> bool:
         """Finished for its user (a parked request is, although it still holds its slot)."""
         return self.finish_reason is not None

@@ -17,6 +17,7 @@ from conveyor.core.pooling_params import PoolingParams
 FLOAT32_MAX = 3.4028234663852886e38  # sampling runs in float32: a larger float becomes inf there
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1  # what torch.Generator.manual_seed accepts
 MAX_LOGPROBS = 20  # top logprobs per token (OpenAI's limit)
+PRIORITY_MIN, PRIORITY_MAX = -(1 << 31), (1 << 31) - 1  # a signed 32-bit priority; the maximum is the Batch API's
 # vLLM's floor: dividing logits by a smaller temperature overflows float32 (inf - inf = NaN in the softmax),
 # so a positive temperature below it is raised to it (near-greedy either way).
 MIN_TEMPERATURE = 1e-2
@@ -123,6 +124,10 @@ class SamplingParams:
     # (core.pooling_params); None: a generation request
     pooling: PoolingParams | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE  # what each of its outputs holds
+    # The request's place in the queue under --scheduling-policy priority (vLLM's): lower runs first, ties by
+    # arrival; the lowest-priority running request is preempted first. Not a sampling choice, but it travels with
+    # the request as these do.
+    priority: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -193,6 +198,8 @@ class SamplingParams:
         if self.logit_bias is not None and any(
                 t < 0 or not finite(b) or not -100.0 <= b <= 100.0 for t, b in self.logit_bias.items()):
             raise bad("logit_bias", "must map token ids to biases in [-100, 100]")
+        if not integer(self.priority) or not PRIORITY_MIN <= self.priority <= PRIORITY_MAX:
+            raise bad("priority", f"must be an integer in [{PRIORITY_MIN}, {PRIORITY_MAX}]")
         if self.kv_budget_tokens is not None and (not integer(self.kv_budget_tokens) or self.kv_budget_tokens < 1):
             raise bad("kv_budget_tokens", "must be an integer >= 1")
         if self.structured_outputs is not None and self.ignore_eos:

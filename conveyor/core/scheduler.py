@@ -10,8 +10,6 @@ that finished.
 
 from __future__ import annotations
 
-from collections import deque
-
 from conveyor.core.budget import TokenBudget
 from conveyor.core.config import SchedulerConfig
 from conveyor.core.interfaces import KVManager
@@ -20,9 +18,9 @@ from conveyor.core.kv_eviction import KVEvictor
 from conveyor.core.outputs import (
     CachedRequestData, ModelOutput, NewRequestData, RequestUpdate, SchedulerOutput, SchedulerStats, is_decode,
 )
-from conveyor.core.policies import OnFinish, SchedulingPolicy, make_policy
+from conveyor.core.policies import OnFinish, Room, SchedulingPolicy, WaitingQueue, make_policy
 from conveyor.core.request import Request, RequestStatus, StopDecision
-from conveyor.core.speculative import SpecDecodeCounters
+from conveyor.core.speculative import SpecDecodeCounters, StepCostModel
 from conveyor.core.speculator import Speculator
 
 
@@ -34,7 +32,7 @@ class Scheduler:
         self.kv = kv_manager
         self.policy: SchedulingPolicy = make_policy(config)
         self.requests: dict[str, Request] = {}
-        self.waiting: deque[Request] = deque()
+        self.waiting: WaitingQueue = self.policy.waiting_queue()
         self.running: list[Request] = []  # admission order: the tail is the newest
         self._finished_ids: set[str] = set()  # to tell the executor at the next schedule()
         self._seen_by_executor: set[str] = set()
@@ -45,7 +43,9 @@ class Scheduler:
         spec, eviction = config.speculative_config, config.eviction
         if (spec is not None or eviction is not None) and kv_manager.layout != "paged":
             raise ValueError(f"{'speculative decoding' if spec else 'KV eviction'} needs the paged KV layout")
-        self.speculator = Speculator(spec, config.max_model_len) if spec is not None else None
+        # The step's measured cost (the caller's clock): speculation's lengths and priority's step slack read it
+        self.step_cost = StepCostModel()
+        self.speculator = Speculator(spec, config.max_model_len, self.step_cost) if spec is not None else None
         self._kept_blocks: dict[str, int] = {}  # requests trimmed since their last step: blocks they kept
         self.evictor = KVEvictor(eviction, kv_manager.block_size) if eviction is not None else None
         self._evicted: dict[str, list[int]] = {}  # blocks eviction dropped this step, to tell the executor
@@ -84,22 +84,18 @@ class Scheduler:
     def _retire(self, request: Request) -> None:
         """Forget a request that is finished and out of the queues: free its blocks, tell the executor."""
         request.status = RequestStatus(request.finish_reason)  # FINISHED_*: the values are the finish reasons
-        self.kv.free(request)
-        self._forget_blocks_given_back(request.request_id)
+        if self._release_kv(request):
+            self._finished_ids.add(request.request_id)
         if self.speculator is not None:
             self.speculator.forget(request.request_id)
         del self.requests[request.request_id]
-        if request.request_id in self._seen_by_executor:
-            self._seen_by_executor.discard(request.request_id)
-            self._finished_ids.add(request.request_id)
 
     def make_stats(self) -> SchedulerStats:
         """An immutable snapshot for readers on other threads."""
         kv, spec = self.kv, self.speculator.counters if self.speculator is not None else SpecDecodeCounters()
-        return SchedulerStats(self.num_running, self.num_waiting, kv.usage(), self.num_preemptions,
-                              kv.prefix_queries, kv.prefix_hits, spec.num_drafts, spec.num_draft_tokens,
-                              spec.num_accepted_tokens, tuple(spec.accepted_per_pos or ()),
-                              kv.num_evicted_blocks)
+        return SchedulerStats(self.num_running, self.num_waiting, kv.usage(), self.num_preemptions, kv.prefix_queries,
+                              kv.prefix_hits, spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens,
+                              tuple(spec.accepted_per_pos or ()), kv.num_evicted_blocks)
 
     # ---- one step ---------------------------------------------------------------------------------------
     def schedule(self, now: float) -> SchedulerOutput:
@@ -108,32 +104,40 @@ class Scheduler:
             self._retire(request)
         out = SchedulerOutput(finished_req_ids=self._finished_ids)
         self._finished_ids = set()
-        budget = TokenBudget(self.policy)
+        cost = self.step_cost.fit() if self.config.priority_step_slack is not None else None
+        room = Room(self.config.max_num_seqs - len(self.running), round(self.kv.num_blocks * (1 - self.kv.usage())),
+                    self.kv.block_size, cost)
+        yielded = self.policy.yield_to_waiting(self.running, self.waiting, room)
+        for request in yielded.preempt:  # room for requests that outrank them: those admit this step
+            self._preempt(request, out)
+        budget = TokenBudget(self.policy, self.config.whole_prompts, self.evictor, yielded)
         preempted_any = self._schedule_running(budget, out)
         if not preempted_any:  # admitting in a step that preempted would only thrash
             self._admit(budget, now, out)
         if self.speculator is not None:
-            self._speculate(budget, out, now)
+            self._speculate(budget, out)
+        self.step_cost.step_started(now)
         out.num_padding_tokens, out.num_idle_slot_tokens = self.policy.end_step(out, self.running)
         self.num_steps += 1
         return out
 
     def _schedule_running(self, budget: TokenBudget, out: SchedulerOutput) -> bool:
-        """Running requests: decodes first, then unfinished prompt chunks (stall-free chunked prefill).
+        """Running requests: decodes first, then unfinished prompt chunks (stall-free chunked prefill), in the
+        policy's order, each at most what the budget grants it (a request making room for others: none).
         Preempts from the policy's victims when blocks run out; returns whether it did."""
         behind = {r.request_id: r.num_tokens - r.num_computed_tokens for r in self.running}
         decodes = [r for r in self.running if is_decode(behind[r.request_id])]
         prefills = [r for r in self.running if behind[r.request_id] > 1]
         scheduled: set[str] = set()
         preempted_any = False
-        for request in decodes + prefills:
+        for request in self.policy.order_running(decodes + prefills):
             if budget.exhausted:
                 break
             if not request.status.holds_slot:
                 continue  # preempted (or retired) earlier in this loop
-            num_new = budget.grant(self._capped(request, behind[request.request_id]), self.config.whole_prompts)
+            num_new = budget.grant(request, behind[request.request_id])
             if num_new == 0:
-                continue
+                continue  # no room in the budget, or making room for others this step
             if self.evictor is not None:
                 self._evict(request, num_new)
             while (new_blocks := self.kv.allocate_slots(request, num_new)) is None:
@@ -150,9 +154,10 @@ class Scheduler:
         return preempted_any
 
     def _admit(self, budget: TokenBudget, now: float, out: SchedulerOutput) -> None:
+        """Waiting requests join in queue order while seats, budget and blocks last."""
         while self.waiting and not budget.exhausted and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            if not self.policy.admits(request):
+            if not self.policy.admits(request) or budget.closed_to(request):
                 break
             # A waiting request normally holds no KV (new, or preempted and reset to 0): it starts from a prefix-
             # cache lookup. One handed over with its KV computed elsewhere (disaggregated prefill) keeps that count:
@@ -163,8 +168,7 @@ class Scheduler:
                 hit_blocks, hit_tokens = self.kv.get_computed_blocks(request)
                 if self.evictor is not None:  # a hit and the first chunk must fit the request's KV budget
                     hit_blocks, hit_tokens = self.evictor.fit_hit(request, hit_blocks, hit_tokens)
-            num_new = budget.grant(self._capped(request, request.num_tokens - handed_over - hit_tokens),
-                                   self.config.whole_prompts)
+            num_new = budget.grant(request, request.num_tokens - handed_over - hit_tokens, admitting=True)
             if num_new == 0:
                 break
             new_blocks = self.kv.allocate_slots(request, num_new, hit_blocks)
@@ -179,13 +183,13 @@ class Scheduler:
                 request.times.first_scheduled = now
             self.running.append(request)
             self._emit(request, num_new, new_blocks, out)
-            budget.spend(num_new)
+            budget.spend(num_new, admitted=request)
 
-    def _speculate(self, budget: TokenBudget, out: SchedulerOutput, now: float) -> None:
+    def _speculate(self, budget: TokenBudget, out: SchedulerOutput) -> None:
         """Give this step's decodes the proposed tokens the speculator chooses, from the budget and the free
         blocks that the step left (speculation never preempts or delays anyone's prompt)."""
         cached = {data.request_id: data for data in out.scheduled_cached_reqs}
-        for rid, tokens in self.speculator.propose(out, self.requests, budget.left, now).items():
+        for rid, tokens in self.speculator.propose(out, self.requests, budget.left).items():
             k = min(len(tokens), budget.left)
             if k <= 0:
                 break
@@ -198,12 +202,6 @@ class Scheduler:
             out.total_num_scheduled_tokens += k
             budget.spend(k)
 
-    def _capped(self, request: Request, behind: int) -> int:
-        """``behind``, or less where KV eviction caps a prompt chunk to fit the request's budget."""
-        if self.evictor is None or (cap := self.evictor.chunk_cap(request)) is None:
-            return behind
-        return min(behind, cap)
-
     def _evict(self, request: Request, num_new: int) -> None:
         """Give back the blocks the eviction policy drops before ``num_new`` more tokens are allocated."""
         rid = request.request_id
@@ -214,23 +212,28 @@ class Scheduler:
             self.evictor.on_evicted(rid, indices)
             self._evicted[rid] = indices
 
-    def _forget_blocks_given_back(self, request_id: str) -> None:
-        """Its KV is gone (retired, or preempted: sent whole and recomputed exactly later): nothing it gave back
-        is news to the executor, and eviction's scores of it are void."""
-        self._kept_blocks.pop(request_id, None)
+    def _release_kv(self, request: Request) -> bool:
+        """Free a request's blocks (retired, or preempted: sent whole and recomputed exactly later): nothing it gave
+        back is news to the executor, and eviction's scores of it are void. Whether the executor knew it (it is
+        told to forget it)."""
+        self.kv.free(request)
+        self._kept_blocks.pop(request.request_id, None)
         if self.evictor is not None:
-            self.evictor.forget(request_id)
-            self._evicted.pop(request_id, None)
+            self.evictor.forget(request.request_id)
+            self._evicted.pop(request.request_id, None)
+        if request.request_id not in self._seen_by_executor:
+            return False
+        self._seen_by_executor.discard(request.request_id)
+        return True
 
     def _emit(self, request: Request, num_new: int, new_blocks: list[int], out: SchedulerOutput) -> None:
         rid = request.request_id
         if self.evictor is not None and (rows := self.evictor.score_rows(request, num_new)):
             out.kv_score_rows[rid] = rows
         if rid in self._seen_by_executor:
-            out.scheduled_cached_reqs.append(CachedRequestData(rid, new_blocks, request.num_computed_tokens,
-                                                               self._kept_blocks.pop(rid, None),
-                                                               self._evicted.pop(rid, None),
-                                                               request.num_evicted_tokens))
+            out.scheduled_cached_reqs.append(CachedRequestData(
+                rid, new_blocks, request.num_computed_tokens, self._kept_blocks.pop(rid, None),
+                self._evicted.pop(rid, None), request.num_evicted_tokens, self.kv.num_skipped_blocks(rid)))
         else:
             assert request.num_evicted_tokens == 0, "a request is sent whole only with its whole KV"
             self._seen_by_executor.add(rid)
@@ -248,22 +251,18 @@ class Scheduler:
         if request.is_finished:
             self._retire(request)
             return
-        self.kv.free(request)
-        self._forget_blocks_given_back(request.request_id)
+        if self._release_kv(request):
+            out.preempted_req_ids.add(request.request_id)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
-        if request.request_id in self._seen_by_executor:
-            self._seen_by_executor.discard(request.request_id)
-            out.preempted_req_ids.add(request.request_id)
 
     def update(self, sched_out: SchedulerOutput, model_out: ModelOutput, now: float) -> list[RequestUpdate]:
         """Advance computed counts, append sampled tokens, apply the policy's decision on finished requests."""
         updates: list[RequestUpdate] = []
-        if self.speculator is not None:
-            self.speculator.step_done(sched_out, now)
+        self.step_cost.step_ended(sched_out, now)
         if self.evictor is not None:  # before the advance below: the scores are of the step's KV slots
             self.evictor.add_step_scores(self.requests, sched_out, model_out.kv_block_scores)
         for rid, num_new in sched_out.num_scheduled_tokens.items():

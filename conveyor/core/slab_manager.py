@@ -66,6 +66,12 @@ class SlabKVManager:
         """Slabs hold block ids, not shared block objects: nothing to read."""
         return []
 
+    null_block_id = None  # a slab is held whole: nothing outside a sliding window is given back
+
+    def num_skipped_blocks(self, request_id: str) -> int:
+        """Never any: see ``null_block_id``."""
+        return 0
+
     def get_computed_blocks(self, request: Request) -> tuple[list, int]:
         """No prefix sharing across slabs: never a hit."""
         return [], 0

@@ -2,12 +2,13 @@
 calls it at named points; ``core.speculative`` holds the pieces it is made of and the reasoning).
 
 It owns speculation's state: each request's prompt-lookup index and acceptance rate, the traffic's rate (a new
-request's prior), the fitted step-cost model and the cumulative counters. The scheduler keeps the mechanism:
+request's prior) and the cumulative counters; it reads the scheduler's fit of the measured step cost (which
+priority's step slack reads too). The scheduler keeps the mechanism:
 the KV slots the proposals take (``KVManager.allocate_slots`` with lookahead) and give back after verification
 (``KVManager.trim``), and the step contract (``SchedulerOutput.scheduled_spec_tokens``).
 
-    schedule:  proposals = speculator.propose(out, requests, budget_left, now)   # then the scheduler allocates
-    update:    speculator.step_done(out, now); speculator.verified(rid, proposed, accepted) per verifying request
+    schedule:  proposals = speculator.propose(out, requests, budget_left)   # then the scheduler allocates
+    update:    speculator.verified(rid, proposed, accepted) per verifying request
     retire:    speculator.forget(rid)   (a preempted request keeps its index and rate: its tokens are the same)
 """
 
@@ -33,23 +34,21 @@ from conveyor.core.speculative import (
 class Speculator:
     """Which of a step's decodes verify proposed tokens, and which tokens (see ``core.speculative``)."""
 
-    def __init__(self, config: SpeculativeConfig, max_model_len: int | None) -> None:
+    def __init__(self, config: SpeculativeConfig, max_model_len: int | None, cost: StepCostModel) -> None:
+        """``cost``: the scheduler's fit of its measured steps (it observes every step; this reads it)."""
         self.config = config
         self.max_model_len = max_model_len
-        self.cost = StepCostModel()
+        self.cost = cost
         self.rate = AcceptanceRate()  # over every request: a new request's prior
         self.counters = SpecDecodeCounters()
         self.acceptance: dict[str, AcceptanceRate] = {}
         self.ngrams: dict[str, NgramIndex] = {}
-        self._step_start = 0.0
 
-    def propose(self, out: SchedulerOutput, requests: Mapping[str, Request], budget_left: int,
-                now: float) -> dict[str, list[int]]:
+    def propose(self, out: SchedulerOutput, requests: Mapping[str, Request], budget_left: int) -> dict[str, list[int]]:
         """Proposed tokens for this step's decodes that may speculate (request id -> tokens, best first), as many
         as the rule chooses from what the step already computes and ``budget_left`` tokens of budget; a draft
         model's are ``DRAFT_PLACEHOLDER``s. Speculation never preempts or delays anyone's prompt: the scheduler
         calls this last and allocates what it can."""
-        self._step_start = now
         if budget_left <= 0:
             return {}
         spec, adaptive = self.config, self.config.adaptive
@@ -95,11 +94,6 @@ class Speculator:
         lengths = choose_lengths({rid: 1 if rid in probes else len(d) for rid, d in proposals.items()}, alphas,
                                  step_tokens, useful, cost, budget_left, has_chunk)
         return {rid: proposals[rid][:k] for rid, k in lengths.items()}
-
-    def step_done(self, out: SchedulerOutput, now: float) -> None:
-        """The step ``out`` ended at ``now``: its time feeds the cost model."""
-        self.cost.observe(out.total_num_scheduled_tokens, now - self._step_start,
-                          any(n > 1 for n in out.num_scheduled_tokens.values()))
 
     def verified(self, request_id: str, proposed: int, accepted: int) -> None:
         """A request verified ``proposed`` tokens and the model agreed with the first ``accepted``."""

@@ -129,8 +129,10 @@ def run_serve_data_parallel(ns: argparse.Namespace, args: EngineArgs) -> int:
     """The body of ``conveyor serve`` when ``--data-parallel-size`` > 1 or ``--ray-address`` is given."""
     from conveyor.distributed.metrics import PoolMetrics
     from conveyor.server.app import build_app
+    from conveyor.server.batches.setup import BatchAPIConfig
     from conveyor.server.cors import CORSConfig
     from conveyor.server.launcher import make_server
+    from conveyor.server.responses.store import ResponseStore
 
     autoscaling = json.loads(ns.autoscaling_config) if ns.autoscaling_config else None
     split = parse_disaggregate(ns.disaggregate) if getattr(ns, "disaggregate", None) else None
@@ -166,7 +168,9 @@ def run_serve_data_parallel(ns: argparse.Namespace, args: EngineArgs) -> int:
                         health_detail=pool.health, max_request_body_bytes=ns.max_request_body_bytes,
                         max_seqs_per_request=ns.max_seqs_per_request, tool_call_parser=ns.tool_call_parser,
                         reasoning_parser=ns.reasoning_parser, cors=CORSConfig.from_namespace(ns),
-                        grammar_check_timeout_s=ns.grammar_check_timeout)
+                        responses_store=ResponseStore.from_namespace(ns),
+                        grammar_check_timeout_s=ns.grammar_check_timeout,
+                        batches=BatchAPIConfig.from_namespace(ns, args))
         server = make_server(app, ns.host, ns.port, ns.uvicorn_log_level, ns.timeout_keep_alive, ns.timeout_headers,
                              loop=ns.uvicorn_loop)
         server.run()

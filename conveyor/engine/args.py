@@ -11,7 +11,9 @@ import argparse
 import typing
 from dataclasses import MISSING, dataclass, field, fields
 
-from conveyor.core.config import ATTENTION_BACKENDS, KV_LAYOUTS, QUANTIZATION_CHOICES, CacheConfig, SchedulerConfig
+from conveyor.core.config import (
+    ATTENTION_BACKENDS, KV_LAYOUTS, QUANTIZATION_CHOICES, SCHEDULING_POLICIES, CacheConfig, SchedulerConfig,
+)
 from conveyor.core.kv_eviction import H2O_RANKS, KV_EVICTION_POLICIES
 from conveyor.core.policies import POLICIES
 from conveyor.core.prefix_eviction import PREFIX_EVICTION_POLICIES
@@ -42,6 +44,14 @@ class EngineArgs:
     device: str = _arg("auto", '"auto" (CUDA when available, else CPU), "cpu", "cuda", ...')
     seed: int = _arg(0, "seed of unseeded sampling and of the embedded model's random weights")
     policy: str = _arg(SchedulerConfig.policy, "batching policy", choices=tuple(POLICIES))
+    scheduling_policy: str | None = _arg(SchedulerConfig.scheduling_policy, "the order requests are served in: "
+                                         "priority (each request's priority, lower first, ties by arrival; the "
+                                         "default for continuous and chunked batching) or fcfs (arrival order; "
+                                         "the baselines' only order)", choices=SCHEDULING_POLICIES)
+    priority_step_slack: float | None = _arg(
+        SchedulerConfig.priority_step_slack, "priority scheduling: while requests of several priorities run, the "
+        "tokens of those below the best may add at most this fraction to a step's measured time (e.g. 0.15: a batch "
+        "job slows interactive decodes by at most 15%%); default: they fill the step's token budget")
     max_num_seqs: int = _arg(SchedulerConfig.max_num_seqs, "most requests in the running batch")
     max_num_batched_tokens: int = _arg(SchedulerConfig.max_num_batched_tokens,
                                        "token budget of one step (chunked prefill)")
@@ -77,6 +87,9 @@ class EngineArgs:
                                 "steps (1: every step, as the paper; prompt chunks are always scored)")
     kv_h2o_rank: str = _arg(CacheConfig.kv_h2o_rank, "h2o: rank old blocks by their attention mass per query "
                             "that saw them (mean) or by accumulated mass as the paper (sum)", choices=H2O_RANKS)
+    free_outside_window: bool = _arg(CacheConfig.free_outside_window, "on a model whose every layer has a "
+                                     "sliding window, give a request's blocks outside the window back to the pool "
+                                     "as it advances (--no-free-outside-window: hold its whole history)")
     convert: str = _arg("auto", "what the model serves: auto (from its checkpoint: an encoder, an architecture "
                                 "without an LM head or sentence-transformers' files embed, a classifier scores), "
                                 "none (generate), embed, classify (score pairs)", choices=CONVERT_CHOICES)

@@ -202,6 +202,9 @@ class ServedEngine(Protocol):
 
     def abort(self, request_id: str) -> None: ...
 
+    def fail_request(self, request_id: str, error: BaseException) -> None:
+        """End a request's stream with ``error`` (its reader raises it) and abort the request."""
+
     async def tokenizer_call(self, fn: Callable[[EngineInfo], T]) -> T: ...
 
     def stop_admissions(self) -> None: ...
@@ -260,6 +263,17 @@ class EngineClient:
         """Hand the request to the engine (its stream is registered already); run ``prompt(info)`` first when it
         is a ``Prepare``. Raise what refused it."""
         raise NotImplementedError
+
+    def fail_request(self, request_id: str, error: BaseException) -> None:
+        """End a request's stream with ``error`` (its reader raises it) and abort the request: a server's decision
+        about a request in flight (admission judging it can no longer meet its target). Call on the event loop;
+        a no-op for a finished request."""
+        stream = self._streams.get(request_id)
+        if stream is None:
+            return
+        self.abort(request_id)  # (its abort output, if it comes now, is read before the error)
+        stream.put(error)
+        self._forget(request_id)
 
     def _start_loop_side(self) -> None:
         self._loop = asyncio.get_running_loop()

@@ -17,9 +17,7 @@ import os
 import time
 from collections.abc import Callable
 
-from conveyor.core.config import CacheConfig
-from conveyor.core.interfaces import EngineExecutor, KVManager
-from conveyor.core.kv_manager import KVCacheManager
+from conveyor.core.interfaces import EngineExecutor
 from conveyor.core.outputs import RequestUpdate
 from conveyor.core.request import Request, RequestStatus
 from conveyor.core.sampling_params import SamplingParams
@@ -32,7 +30,7 @@ from conveyor.engine.loaded_model import LoadedModel, load_draft
 from conveyor.engine.output_processor import OutputProcessor
 from conveyor.engine.outputs import RequestOutput
 from conveyor.engine.placement import place, step_pinning
-from conveyor.engine.sizing import context_length, num_kv_blocks
+from conveyor.engine.sizing import context_length, make_kv_manager, num_kv_blocks
 from conveyor.engine.pooling import check_pooling_input, check_task, make_pooler
 from conveyor.engine.prompts import PromptType, encode_text, prompt_tokens, tokenize_bad_words
 from conveyor.engine.step_record import StepRecord
@@ -59,7 +57,7 @@ class LLMEngine:
         draft = load_draft(args, self.device, self.model_info, self.max_model_len)
         cache = args.cache_config()
         self.num_kv_blocks = num_blocks = num_kv_blocks(args, cache, self.model_info, draft, self.max_model_len)
-        self.kv_manager = self._make_kv_manager(cache, num_blocks)
+        self.kv_manager = make_kv_manager(cache, num_blocks, self.max_model_len, self.model_info, draft)
         self.scheduler = Scheduler(args.scheduler_config(self.max_model_len, whole_prompts=not self.model_info.causal),
                                    self.kv_manager)
         # Constrained decoding: grammars compile on a thread of their own; a constrained request waits in the gate,
@@ -74,13 +72,6 @@ class LLMEngine:
         self._ids = itertools.count()
         self.init_time_s = time.perf_counter() - start  # plus the KV cache and runner
 
-    def _make_kv_manager(self, cache: CacheConfig, num_blocks: int) -> KVManager:
-        if cache.kv_layout == "slab":
-            from conveyor.core.slab_manager import SlabKVManager
-
-            return SlabKVManager(num_blocks, cache.block_size, self.max_model_len)
-        return KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching, cache.prefix_cache_eviction)
-
     def _make_runner(self, num_blocks: int, block_size: int, draft) -> EngineExecutor:
         from conveyor.runner.model_runner import ModelRunner
 
@@ -88,7 +79,8 @@ class LLMEngine:
         runner = ModelRunner(
             self.model, self.model_info, num_blocks=num_blocks, block_size=block_size, device=self.device,
             attention_backend=args.attention_backend, seed=args.seed,  # --seed seeds sampling too, as in vLLM
-            structured=self.structured, pooler=make_pooler(self.model, self.model_info, self.tokenizer))
+            structured=self.structured, pooler=make_pooler(self.model, self.model_info, self.tokenizer),
+            null_block_id=self.kv_manager.null_block_id)
         if draft is not None:
             runner.attach_draft(*draft, args.attention_backend)
         return runner
@@ -134,6 +126,9 @@ class LLMEngine:
         (the OpenAI server is stricter and refuses it, as vLLM's does). ``min_tokens`` is a promise, so it is."""
         if not token_ids:
             raise ValueError("prompt must not be empty")
+        if params.priority != 0 and self.scheduler.config.scheduling_policy != "priority":
+            raise ValueError(f"priority is {params.priority}, but this engine serves requests in arrival order "
+                             f"(--scheduling-policy {self.scheduler.config.scheduling_policy}); send 0 or none")
         check_task(self.model_info, params.pooling)
         if params.pooling is not None:  # prefill-only: the whole context is the prompt's
             check_pooling_input(token_ids, self.max_model_len, self.model_info.vocab_size)

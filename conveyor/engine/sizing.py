@@ -1,9 +1,12 @@
 """How big an engine's context and KV cache are, from its ``EngineArgs`` and the loaded model (and what the model
-refuses to run beside)."""
+refuses to run beside), and the KV manager that keeps the cache's books."""
 
 from __future__ import annotations
 
 from conveyor.core.config import CacheConfig
+from conveyor.core.interfaces import KVManager
+from conveyor.core.kv_manager import KVCacheManager
+from conveyor.core.sliding_window import freeable_window
 from conveyor.engine.args import EngineArgs
 
 
@@ -46,3 +49,17 @@ def num_kv_blocks(args: EngineArgs, cache: CacheConfig, model_info, draft, max_m
             f"max_model_len={max_model_len}; raise kv_cache_memory / num_kv_blocks or lower max_model_len"
         )
     return num_blocks
+
+
+def make_kv_manager(cache: CacheConfig, num_blocks: int, max_model_len: int, model_info, draft) -> KVManager:
+    """The KV manager of ``cache.kv_layout``. The paged one gives back blocks outside every window when every layer
+    that reads the tables has one (the ``draft``'s too: its K/V lives in the same blocks); an encoder keeps no K/V
+    across steps."""
+    if cache.kv_layout == "slab":
+        from conveyor.core.slab_manager import SlabKVManager
+
+        return SlabKVManager(num_blocks, cache.block_size, max_model_len)
+    models = [info.layer_windows for info in (model_info, draft[1] if draft else None) if info is not None]
+    window = freeable_window(*models) if cache.free_outside_window and model_info.causal else 0
+    return KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching, cache.prefix_cache_eviction,
+                          sliding_window=window)

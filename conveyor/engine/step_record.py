@@ -87,4 +87,6 @@ class StepRecord:
         kv = scheduler.kv
         self.kv_usage = kv.usage()
         self.kv_reserved_slots = kv.num_reserved_slots()
-        self.kv_stored_tokens = sum(r.num_computed_tokens - r.num_evicted_tokens for r in scheduler.running)
+        # tokens whose KV a request still holds: not those evicted, nor those given back outside every window
+        self.kv_stored_tokens = sum(r.num_computed_tokens - r.num_evicted_tokens
+                                    - kv.num_skipped_blocks(r.request_id) * kv.block_size for r in scheduler.running)

@@ -19,9 +19,10 @@ import torch
 
 from conveyor.kernels.build import BuildError, build_library
 from conveyor.kernels.cpu_features import LEVEL_FLAGS, cpu_features, kernel_level
+from conveyor.kernels.moe_ops import MoeArgs, MoeKernels
 
 SOURCE_DIR = os.path.join(os.path.dirname(__file__), "csrc")
-ABI_VERSION = 10  # csrc/cvk.h's CVK_ABI_VERSION
+ABI_VERSION = 11  # csrc/cvk.h's CVK_ABI_VERSION
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 
 
@@ -51,7 +52,9 @@ class LayerStackArgs(ctypes.Structure):
                 ("quant_scratch", _P), ("key_mass", _P), ("score_rows", _P), ("mass_offset", _P), ("rope_offset", _P),
                 ("T", _I64), ("hidden", _I64), ("inter", _I64), ("bt_stride", _I64), ("mass_stride", _I64), ("dtype", _I32),
                 ("use_amx", _I32), ("L", _I32), ("num_reqs", _I32), ("H", _I32), ("KVH", _I32), ("D", _I32),
-                ("bs", _I32), ("num_threads", _I32), ("scale", _F32), ("eps", _F32), ("quantized", _I32)]
+                ("bs", _I32), ("num_threads", _I32), ("scale", _F32), ("eps", _F32), ("quantized", _I32),
+                ("moe_scratch", _P), ("moe_scratch_bytes", _I64), ("moe_inter", _I64), ("E", _I32), ("top_k", _I32),
+                ("norm_topk_prob", _I32), ("qk_norm_across_heads", _I32)]
 
 
 class QuantWeight(ctypes.Structure):
@@ -68,7 +71,7 @@ class QuantGemmArgs(ctypes.Structure):
                 ("y_stride", _I64), ("scratch_bytes", _I64), ("dtype", _I32), ("num_threads", _I32)]
 
 
-_STRUCTS = {0: AttnArgs, 1: LayerStackArgs, 2: QuantWeight, 3: QuantGemmArgs}  # cvk.h's CVK_STRUCT_* ids
+_STRUCTS = {0: AttnArgs, 1: LayerStackArgs, 2: QuantWeight, 3: QuantGemmArgs, 4: MoeArgs}  # cvk.h's CVK_STRUCT_*
 _ERRORS = {-1: "out of memory", -2: "unsupported by this build (head size, group size or dtype)",
            -3: "bad argument (dtype, shape, or a plan built for other arguments)"}
 
@@ -145,6 +148,7 @@ class CpuKernels:
                                              [ctypes.POINTER(QuantWeight), p, i64, i32, p, i64, i32])
         self._quant_scratch = _c_function(lib, "cvk_quant_scratch_bytes", i64, [i64, i64])
         self.vnni = lib.cvk_quant_vnni() == 1  # the quantized GEMM's dot products on VPDPBUSD
+        self.moe = MoeKernels(lib, self._check)  # a mixture's routed MLP (moe_ops)
         self.vector_width = lib.cvk_vector_width()
         self.max_head_dim = lib.cvk_max_head_dim()
 
@@ -252,14 +256,16 @@ class CpuKernels:
                      query_start: torch.Tensor, seq_lens: torch.Tensor, cos_sin: torch.Tensor, num_heads: int,
                      num_kv_heads: int, head_dim: int, block_size: int, scale: float, eps: float,
                      plan: torch.Tensor | None = None, quant_scratch: torch.Tensor | None = None,
-                     key_mass: KeyMass | None = None, rope_offset: torch.Tensor | None = None) -> None:
+                     key_mass: KeyMass | None = None, rope_offset: torch.Tensor | None = None,
+                     moe: dict | None = None) -> None:
         """A Llama-family decoder-layer stack in one call (cvk_llama_layers: layer_stack.cpp gives the layout of
         ``fields``, the per-layer pointers, and of the ``scratch`` buffers h, qkv, attn, gate_up, act). ``residual``
         holds the embeddings on entry; on return ``x`` holds the last layer's output, ``residual`` the stream.
         ``plan``: the step's ``attention_plan`` (else the call plans once for all its layers). ``quant_scratch``:
         given when the linear fields point at ``QuantWeight`` descriptors (``quant_scratch_bytes`` for x's rows and
         the largest in_features). ``key_mass``, ``rope_offset``: as ``attention`` takes them (the mass then sums
-        every layer's)."""
+        every layer's). ``moe``: a mixture's LayerStackArgs fields (moe_scratch, moe_scratch_bytes, moe_inter, E,
+        top_k, norm_topk_prob; ``models.native_stack``), and qk_norm_across_heads."""
         h, qkv, attn, gu, act = scratch
         s = LayerStackArgs(fields=fields.data_ptr(), x=x.data_ptr(), residual=residual.data_ptr(), h=h.data_ptr(),
                            qkv=qkv.data_ptr(), attn=attn.data_ptr(), gu=gu.data_ptr(), act=act.data_ptr(),
@@ -270,7 +276,7 @@ class CpuKernels:
                            KVH=num_kv_heads, D=head_dim, bs=block_size, num_threads=torch.get_num_threads(),
                            scale=scale, eps=eps, quant_scratch=_ptr(quant_scratch),
                            quantized=int(quant_scratch is not None), rope_offset=_ptr(rope_offset),
-                           **(key_mass.fields() if key_mass else {}))
+                           **(key_mass.fields() if key_mass else {}), **(moe or {}))
         self._check("cvk_llama_layers", self._llama_layers(ctypes.byref(s)))
 
     def quant_scratch_bytes(self, rows: int, padded_in: int) -> int:

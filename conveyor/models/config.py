@@ -3,7 +3,8 @@ metadata by the family's module (``models.registry``), the same fields either wa
 
 Beyond the shape, it names each feature a family's layers may have, so that a layer is built from the config and
 never guesses: per-layer sliding windows, q/k norms, the Gemma "sandwich" norms, partial rotary, the local layers'
-RoPE base, scaled embeddings, the activation, and final logit soft-capping.
+RoPE base, scaled embeddings, the activation, and final logit soft-capping; and, for a mixture of experts, its
+router (``MoEConfig``).
 """
 
 from __future__ import annotations
@@ -13,6 +14,20 @@ from dataclasses import dataclass, field
 from conveyor.sim.model_specs import ModelSpec
 
 ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """A routed MLP on every layer: ``num_experts`` gated MLPs of width ``intermediate_size``; each token's
+    router logits go through a softmax over all experts, the ``top_k`` largest probabilities pick its experts, and
+    (``norm_topk_prob``) are divided by their sum, as transformers' Qwen3-MoE, Mixtral and OLMoE routers compute
+    them (no router jitter: that is training only). The output is the probability-weighted sum of the experts'
+    outputs, added in increasing expert order."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    norm_topk_prob: bool
 
 
 @dataclass
@@ -40,6 +55,8 @@ class ModelConfig:
     o_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False  # RMSNorm over each q and k head before RoPE (Qwen3, Gemma 3)
+    # OLMoE: the q and k norms span all heads (one RMSNorm over the whole q and the whole k projection), not a head
+    qk_norm_across_heads: bool = False
     sandwich_norms: bool = False  # norms after attention and after the MLP too (Gemma 2/3: 4 norms a layer)
     # The checkpoint stores norm weights w of layers that multiply by (norm_offset + w): Gemma's Hugging Face
     # files (1.0); its GGUF files store 1 + w already (0.0). Added once at load.
@@ -49,6 +66,7 @@ class ModelConfig:
     embed_scale: float | None = None  # embeddings times this (Gemma: sqrt(hidden_size))
     attn_scale: float | None = None  # None: head_dim ** -0.5
     final_logit_softcap: float | None = None  # logits = cap * tanh(logits / cap)
+    moe: MoEConfig | None = None  # routed experts in place of the dense MLP on every layer (None: dense)
     # Encoders (models.bert): attention sees every token of the sequence (False), which also means no KV cache
     # and no chunked prompt; token type (segment) embeddings; a classifier's label count (0: no classifier);
     # where learned positions start (RoBERTa: after the padding index)
@@ -73,4 +91,7 @@ class ModelConfig:
         return ModelSpec(name, self.hidden_size, self.num_layers, self.num_heads, self.num_kv_heads, self.head_dim,
                          self.intermediate_size, self.vocab_size, self.max_position_embeddings,
                          self.tie_word_embeddings, layer_windows=tuple(self.layer_windows),
-                         mlp_matrices=3 if self.gated_mlp else 2)
+                         mlp_matrices=3 if self.gated_mlp else 2,
+                         num_experts=self.moe.num_experts if self.moe else 0,
+                         experts_per_token=self.moe.top_k if self.moe else 0,
+                         expert_intermediate_size=self.moe.intermediate_size if self.moe else 0)

@@ -3,8 +3,9 @@ from a ``ModelConfig``'s declared features; a family's module decides which it h
 
 Per layer: fused ``qkv_proj`` (Phi-3 stores it fused; the others' q/k/v fill its rows at load), optional q/k
 RMSNorm per head (Qwen3, Gemma 3), RoPE (partial rotary by a row order of q/k, see ``layers.rotary``), attention
-with the layer's sliding window, ``o_proj``; a gated MLP (``gate_up_proj``, SiLU or tanh-GELU); two RMSNorms, or
-four (Gemma's "sandwich": after attention and after the MLP too). Residual adds are fused into the next norm.
+with the layer's sliding window, ``o_proj``; a gated MLP (``gate_up_proj``, SiLU or tanh-GELU), or a mixture of
+such MLPs behind a router (``models.moe``); two RMSNorms, or four (Gemma's "sandwich": after attention and after the
+MLP too). Residual adds are fused into the next norm.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from conveyor.layers.embedding import Embedding
 from conveyor.layers.norms import RMSNorm
 from conveyor.layers.rotary import RotaryEmbedding, apply_rotary, partial_rotary_order
 from conveyor.models.config import ModelConfig
+from conveyor.models.moe import SparseMoE
 from conveyor.models.weights import WeightTarget
 
 _FUSED_PARTS = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
@@ -31,8 +33,11 @@ class DecoderAttention(nn.Module):
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        # per head (Qwen3, Gemma 3), or across all heads (OLMoE: one norm over the whole q and the whole k)
+        self.qk_norm_across_heads = cfg.qk_norm_across_heads
+        q_norm, k_norm = (self.q_size, self.kv_size) if cfg.qk_norm_across_heads else (cfg.head_dim, cfg.head_dim)
+        self.q_norm = RMSNorm(q_norm, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(k_norm, cfg.norm_eps) if cfg.qk_norm else None
         self.scale = cfg.attn_scale or self.head_dim ** -0.5
         self.window = cfg.window(layer)  # 0: full attention
         self.rope_index = 1 if cfg.local_rope_theta is not None and self.window else 0  # Gemma's local RoPE
@@ -42,7 +47,10 @@ class DecoderAttention(nn.Module):
         qkv = self.qkv_proj(x).view(t, -1, self.head_dim)  # [T, H + 2 * KVH, d]
         rotated = self.num_heads + self.num_kv_heads
         q, k, v = qkv[:, :self.num_heads], qkv[:, self.num_heads:rotated], qkv[:, rotated:]
-        if self.q_norm is not None:  # per head, over rows of head_dim (the native stack does the same rows)
+        if self.q_norm is not None and self.qk_norm_across_heads:  # rows of all heads (the native stack's too)
+            q = self.q_norm(q.reshape(t, -1)).view(t, self.num_heads, self.head_dim)
+            k = self.k_norm(k.reshape(t, -1)).view(t, self.num_kv_heads, self.head_dim)
+        elif self.q_norm is not None:  # per head, over rows of head_dim (the native stack does the same rows)
             q = self.q_norm(q.reshape(-1, self.head_dim)).view(t, self.num_heads, self.head_dim)
             k = self.k_norm(k.reshape(-1, self.head_dim)).view(t, self.num_kv_heads, self.head_dim)
         if attn.fuses_rope:  # the backend rotates q and k in place as it stores k
@@ -58,10 +66,13 @@ class DecoderAttention(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    """gate_up, the activation, down; ``intermediate_size`` (None: the config's) for a mixture's experts."""
+
+    def __init__(self, cfg: ModelConfig, intermediate_size: int | None = None) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        inter = intermediate_size or cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * inter, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(inter, cfg.hidden_size, bias=cfg.mlp_bias)
         self.activation = cfg.activation
         self.kernels = None  # native CPU kernels for the activation (models.cpu_layout.prepare_for_cpu)
 
@@ -81,7 +92,10 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps) if cfg.sandwich_norms else None
         self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps) if cfg.sandwich_norms else None
-        self.mlp = GatedMLP(cfg)
+        if cfg.moe is None:
+            self.mlp = GatedMLP(cfg)
+        else:
+            self.mlp = SparseMoE(cfg, lambda: GatedMLP(cfg, cfg.moe.intermediate_size))
 
     def forward(self, x, residual, ropes, kv_cache, attn):
         """x: the previous layer's output, still to be added to the residual stream (None at layer 0, where x is
@@ -164,6 +178,8 @@ class DecoderForCausalLM(nn.Module):
             return None  # recomputed buffers; tied lm_head copies some checkpoints store anyway
         shift = cfg.norm_offset if name.endswith("norm.weight") else 0.0
         q, kv, inter = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
+        if cfg.moe is not None and ".experts." in name:
+            inter = cfg.moe.intermediate_size
         rows = self.qk_row_order()
         for short, fused, offset, count in (("q_proj", "qkv_proj", 0, q), ("k_proj", "qkv_proj", q, kv),
                                             ("v_proj", "qkv_proj", q + kv, kv), ("gate_proj", "gate_up_proj", 0, inter),
@@ -175,6 +191,9 @@ class DecoderForCausalLM(nn.Module):
         if ".qkv_proj." in name and rows is not None:
             return WeightTarget(name, row_order=rows)
         if (".q_norm." in name or ".k_norm." in name) and rows is not None:
+            if cfg.qk_norm_across_heads:  # the whole q's (k's) rows, as qkv_proj's are ordered
+                part = rows[:q] if ".q_norm." in name else rows[q:q + kv] - q
+                return WeightTarget(name, row_order=part, shift=shift)
             return WeightTarget(name, row_order=rows[:cfg.head_dim], shift=shift)
         return WeightTarget(name, shift=shift)
 

@@ -11,6 +11,7 @@ import torch
 
 from conveyor.models.config import ModelConfig
 from conveyor.models.gguf_config import GGUFMeta
+from conveyor.models.gguf_file import GGUFFile
 from conveyor.models.hf_config import HFConfig
 from conveyor.models.weights import WeightTarget
 
@@ -36,7 +37,9 @@ class CausalLM(Protocol):
 class ModelFamily:
     """One family's declarations (see module doc). ``gguf_tensors``: llama.cpp's per-layer tensor name (after
     ``blk.N.``) -> the Hugging Face name (after ``model.layers.N.``); ``gguf_consumed``: tensors read as metadata
-    (RoPE factors), not weights; ``refused_architectures``: HF architectures of the family it refuses, and why."""
+    (RoPE factors), not weights; ``refused_architectures``: HF architectures of the family it refuses, and why;
+    ``gguf_accepts``: where families share a GGUF architecture (llama.cpp writes Mixtral as "llama" with experts),
+    whether this family reads a given file (None: every file of its architectures)."""
 
     name: str
     hf_architectures: tuple[str, ...]
@@ -48,6 +51,7 @@ class ModelFamily:
     gguf_consumed: tuple[str, ...] = ()
     gguf_permuted_qk: bool = False
     refused_architectures: dict[str, str] = field(default_factory=dict)
+    gguf_accepts: Callable[[GGUFFile], bool] | None = None
     # llama.cpp's names of the tensors outside the layers -> Hugging Face's (None: the decoders' token_embd,
     # output_norm, output), and the Hugging Face prefix of layer N's tensors
     gguf_global_tensors: dict[str, str] | None = None

@@ -6,6 +6,10 @@ metadata through the registry (``registry.config_from_gguf``).
 llama.cpp's converter permutes the rows of ``q_proj`` / ``k_proj`` of a Llama so that its rotary embedding can
 rotate adjacent pairs (GPT-J style) instead of the two halves of each head (NeoX style, what Hugging Face and
 conveyor use); ``unpermute_qk`` undoes that for the families that declare it (``gguf_permuted_qk``).
+
+A mixture's experts come as 3-D tensors (``ffn_gate_exps`` [experts, rows, cols] ...), which a family's table maps
+to a name with ``{expert}`` in it: each slice along the first dimension is one expert's weight (``gguf_parts``),
+read as its own 2-D tensor, in its blocks where it stays quantized (a slice of a quantized tensor is whole blocks).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from conveyor.models.family import ModelFamily
 from conveyor.models.gguf_file import GGUFError, GGUFFile
 
 _GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+EXPERT = "{expert}"  # in a family's table: a 3-D tensor of stacked experts, one name per expert
 
 
 def hf_name(gguf_name: str, family: ModelFamily) -> str | None:
@@ -32,6 +37,19 @@ def hf_name(gguf_name: str, family: ModelFamily) -> str | None:
     if len(parts) == 3 and parts[0] == "blk" and parts[2] in family.gguf_tensors:
         return f"{family.gguf_layer_prefix}.{parts[1]}.{family.gguf_tensors[parts[2]]}.{kind}"
     return None
+
+
+def gguf_parts(gguf_name: str, family: ModelFamily, shape: tuple[int, ...]) -> list[tuple[str, int | None]]:
+    """The Hugging Face names a GGUF tensor fills, each with the index of its slice along the first dimension
+    (None: the whole tensor): one name, or one per expert for a 3-D tensor of stacked experts; [] for none."""
+    name = hf_name(gguf_name, family)
+    if name is None:
+        return []
+    if EXPERT not in name:
+        return [(name, None)]
+    if len(shape) != 3:
+        raise GGUFError(f"tensor {gguf_name!r} holds stacked experts, so it should be 3-D; it is {list(shape)}")
+    return [(name.replace(EXPERT, str(e)), e) for e in range(shape[0])]
 
 
 def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -60,22 +78,29 @@ def _permuted_heads(name: str, cfg: ModelConfig, family: ModelFamily) -> int | N
     return None
 
 
-def gguf_quantized(f: GGUFFile, cfg: ModelConfig, family: ModelFamily, plan: dict[str, list[str]], model):
+def gguf_quantized(f: GGUFFile, cfg: ModelConfig, family: ModelFamily,
+                   plan: dict[str, list[tuple[str, int | None]]], model):
     """{model parameter -> its QuantizedTensor} for the parameters ``plan`` keeps quantized (models.quantize
-    .plan_gguf): each GGUF part read in its blocks, q/k rows unpermuted and put in the order the model computes in
-    (``map_weight``'s ``row_order``), fused parts stacked in row order."""
+    .plan_gguf: the GGUF parts that fill each, as (tensor, expert slice or None)): each part read in its blocks,
+    q/k rows unpermuted and put in the order the model computes in (``map_weight``'s ``row_order``), fused parts
+    stacked in row order."""
     from conveyor.layers.quantized import QuantizedTensor, from_gguf
 
     out = {}
     for param, names in plan.items():
         parts = []
-        for name in names:
+        for name, expert in names:
             info = f.tensors[name]
-            quant = from_gguf(f.raw(name), info.qtype.name, info.shape)
+            raw, shape, hf = f.raw(name), info.shape, hf_name(name, family)
+            if expert is not None:  # one expert's whole blocks out of the stack
+                per_expert = info.nbytes // shape[0]
+                raw, shape = raw[expert * per_expert:(expert + 1) * per_expert], shape[1:]
+                hf = hf.replace(EXPERT, str(expert))
+            quant = from_gguf(raw, info.qtype.name, shape)
             heads = _permuted_heads(name, cfg, family)
             if heads is not None:
                 quant = quant.take_rows(qk_row_order(info.shape[0], heads))
-            target = model.map_weight(hf_name(name, family))
+            target = model.map_weight(hf)
             if target.row_order is not None:
                 quant = quant.take_rows(target.row_order)
             parts.append(quant)
@@ -90,9 +115,9 @@ def gguf_weights(f: GGUFFile, cfg: ModelConfig, family: ModelFamily, dtype: torc
 
     A tensor the family has no place for (another architecture's layout, experts of a mixture) is an error, not
     silently skipped."""
-    for name in f.tensors:
-        target = hf_name(name, family)
-        if target is None:
+    for name, info in f.tensors.items():
+        targets = gguf_parts(name, family, info.shape)
+        if not targets:
             if name in family.gguf_consumed:
                 continue  # read with the metadata (RoPE factors)
             raise GGUFError(f"{f.path}: tensor {name!r} has no place in a {f.get('general.architecture')} model")
@@ -102,4 +127,5 @@ def gguf_weights(f: GGUFFile, cfg: ModelConfig, family: ModelFamily, dtype: torc
         heads = _permuted_heads(name, cfg, family)
         if heads is not None:
             tensor = unpermute_qk(tensor, heads)
-        yield target, tensor.to(dtype)
+        for target, expert in targets:
+            yield target, (tensor if expert is None else tensor[expert]).to(dtype)

@@ -12,7 +12,7 @@ from conveyor.models.build import ModelInfo, build_model, choose_dtype, make_inf
 from conveyor.models.cpu_layout import prepare_for_cpu
 from conveyor.models.embedded import load_embedded
 from conveyor.models.gguf_file import GGUFFile
-from conveyor.models.gguf_model import gguf_quantized, gguf_weights, hf_name
+from conveyor.models.gguf_model import gguf_parts, gguf_quantized, gguf_weights
 from conveyor.models.pooling_config import choose_task, matryoshka_of, pooling_config, sentence_transformers_config
 from conveyor.models.registry import config_from_gguf, config_from_hf
 from conveyor.models.quantize import QUANTIZATION_CHOICES, describe, install, plan_gguf, quantize_linears_int8
@@ -97,10 +97,14 @@ def _load_gguf(path: str, name: str, dtype: str | torch.dtype, device: str | tor
         cfg, family = config_from_gguf(f)
         plan: dict[str, list[str]] = {}
         if kernels is not None:
-            plan = plan_gguf(build_model(cfg, torch.float32, "meta"), f.tensors, lambda n: hf_name(n, family))
+            plan = plan_gguf(build_model(cfg, torch.float32, "meta"), f.tensors,
+                             lambda n: gguf_parts(n, family, f.tensors[n].shape))
         torch_dtype, why = choose_dtype(dtype, device, quantized=bool(plan))
         net = build_model(cfg, torch_dtype, device, on_meta=frozenset(plan))
-        skip = frozenset(n for names in plan.values() for n in names)
+        # the tensors read only in blocks: every part of them (each expert's slice of a stack) kept quantized
+        planned = {part for parts in plan.values() for part in parts}
+        skip = frozenset(n for n, _ in planned
+                         if all((n, e) in planned for _, e in gguf_parts(n, family, f.tensors[n].shape)))
         with torch.no_grad():
             load_into(net, gguf_weights(f, cfg, family, torch_dtype, skip), where=path, exclude=frozenset(plan))
             info = make_info(name, cfg, net, torch_dtype, why)  # before a tied lm_head gets a module of its own

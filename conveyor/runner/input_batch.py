@@ -40,6 +40,7 @@ class RequestState:
     # KV eviction (core.kv_eviction): tokens whose blocks left its table; its KV slot of position p is
     # p - num_evicted_tokens, and attention sees num_computed - num_evicted cached keys
     num_evicted_tokens: int = 0
+    num_skipped_blocks: int = 0  # leading table entries set to the null block (outside every sliding window)
 
     @property
     def num_output_tokens(self) -> int:
@@ -178,8 +179,9 @@ class InputBatch:
     """Holds every live request's state; ``update`` applies a SchedulerOutput, ``prepare`` flattens it."""
 
     def __init__(self, block_size: int, device: torch.device | str = "cpu", max_position: int | None = None,
-                 structured=None, token_types: bool = False) -> None:
+                 structured=None, token_types: bool = False, null_block_id: int | None = None) -> None:
         self.block_size = block_size
+        self.null_block_id = null_block_id  # the zeroed block given-back entries point at (core.sliding_window)
         self.token_types = token_types  # build each step's token type ids (a model with segment embeddings)
         self.structured = structured  # conveyor.structured.StructuredOutputs: matchers for constrained requests
         self.device = torch.device(device)
@@ -244,6 +246,11 @@ class InputBatch:
             if cached.evicted_block_indices:  # blocks from the middle of its table went back to the pool
                 self._drop_blocks(state, cached.evicted_block_indices)
             state.num_evicted_tokens = cached.num_evicted_tokens
+            if cached.num_skipped_blocks > state.num_skipped_blocks:  # outside every window: back in the pool,
+                # maybe another request's K/V now; the null block reads as zeros, which the masks then drop
+                assert self.null_block_id is not None, "blocks given back outside a window without a null block"
+                self.block_table[state.row, state.num_skipped_blocks:cached.num_skipped_blocks] = self.null_block_id
+                state.num_skipped_blocks = cached.num_skipped_blocks
             if cached.new_block_ids:
                 self._set_blocks(state, cached.new_block_ids)
 

@@ -28,9 +28,10 @@ def gather_kv(kv_caches: list[torch.Tensor], block_ids: list[int], num_tokens: i
 
 
 def scatter_kv(kv_caches: list[torch.Tensor], block_ids: list[int], kv: torch.Tensor, block_size: int,
-               layout: KVLayout) -> None:
+               layout: KVLayout, skip_block: int | None = None) -> None:
     """Write wire-form ``kv`` (its tokens 0..T-1) into the slots of ``block_ids``, every layer; converts dtype
-    and device. Raises ValueError when the shapes say another model."""
+    and device. Tokens whose entry is ``skip_block`` (the null block of entries outside every sliding window,
+    which must stay zero) are not written. Raises ValueError when the shapes say another model."""
     cache0 = kv_caches[0]
     heads, dim = layout.heads_and_dim(cache0)
     if kv.dim() != 5 or kv.shape[0] != len(kv_caches) or kv.shape[1] != 2 or tuple(kv.shape[3:]) != (heads, dim):
@@ -41,5 +42,8 @@ def scatter_kv(kv_caches: list[torch.Tensor], block_ids: list[int], kv: torch.Te
         raise ValueError(f"{num_tokens} handed-over tokens do not fit in {len(block_ids)} blocks")
     blocks, offsets = _slots(block_ids, num_tokens, block_size, cache0.device)
     kv = kv.to(device=cache0.device, dtype=cache0.dtype)
+    if skip_block is not None:
+        kept = blocks != skip_block
+        blocks, offsets, kv = blocks[kept], offsets[kept], kv[:, :, kept]
     for cache, layer in zip(kv_caches, kv):
         layout.write_slots(cache, blocks, offsets, layer)

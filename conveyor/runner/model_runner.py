@@ -29,21 +29,23 @@ class ModelRunner:
 
     def __init__(self, model: torch.nn.Module, info: ModelInfo, num_blocks: int, block_size: int,
                  device: str | torch.device = "cpu", attention_backend: str = "auto", seed: int = 0,
-                 structured=None, pooler: Pooler | None = None) -> None:
+                 structured=None, pooler: Pooler | None = None, null_block_id: int | None = None) -> None:
+        """``null_block_id`` (the KV manager's, when it gives back blocks outside a sliding window): one more block
+        is allocated for it, zeroed, and the table entries of given-back blocks point at it."""
         self.model, self.info = model, info
         self.device = torch.device(device)
         self.num_blocks, self.block_size = num_blocks, block_size
+        self.null_block_id = null_block_id
         self.dtype = resolve_dtype(info.dtype)
         # Resolved (and the native kernels built or loaded) here, while the engine starts: not in a request.
         self.backend = resolve_backend(attention_backend, self.device, self.dtype, info.head_dim, block_size)
         # A bidirectional encoder keeps no K/V: each sequence runs whole in one step (the blocks the scheduler
         # gives it are bookkeeping of the tokens in flight)
-        self.kv_caches = allocate_kv_caches(self.backend, info.num_layers, num_blocks, block_size,
-                                            info.num_kv_heads, info.head_dim, self.dtype, self.device) \
-            if info.causal else []
+        self.kv_caches = self._allocate_kv(self.backend, info) if info.causal else []
         self.structured = structured  # conveyor.structured.StructuredOutputs (None: no constrained requests)
         self.batch = InputBatch(block_size, self.device, max_position=info.max_position_embeddings,
-                                structured=structured, token_types=info.type_vocab_size > 0)
+                                structured=structured, token_types=info.type_vocab_size > 0,
+                                null_block_id=null_block_id)
         self.pooler = pooler  # a pooling model's (runner.pooler): embedding and scoring requests' results
         self._pooled: dict[str, list[float]] = {}  # the step's pooled results, from forward to execute
         # The constrained rows' bitmasks are filled on this thread while the forward pass runs.
@@ -59,7 +61,18 @@ class ModelRunner:
         """Propose with ``model`` (speculative decoding's draft model), on this runner's blocks."""
         from conveyor.runner.draft_model import DraftModel
 
-        self.draft = DraftModel(model, info, self.num_blocks, self.block_size, self.device, attention_backend)
+        self.draft = DraftModel(model, info, self.block_size, self.device, attention_backend, self._allocate_kv)
+
+    def _allocate_kv(self, backend: str, info: ModelInfo) -> list[torch.Tensor]:
+        """A model's per-layer caches over this runner's blocks, the null block (zeroed: a masked key's weight
+        times its V must stay 0, which uninitialised memory's NaN would break) included."""
+        num_blocks = self.num_blocks if self.null_block_id is None else max(self.num_blocks, self.null_block_id + 1)
+        caches = allocate_kv_caches(backend, info.num_layers, num_blocks, self.block_size, info.num_kv_heads,
+                                    info.head_dim, resolve_dtype(info.dtype), self.device)
+        if self.null_block_id is not None:
+            for cache in caches:  # [2, num_blocks, ...] in every backend's layout
+                cache[:, self.null_block_id].zero_()
+        return caches
 
     @staticmethod
     def kv_cache_bytes_per_block(info: ModelInfo, block_size: int) -> int:
@@ -89,7 +102,7 @@ class ModelRunner:
                   generator_state: torch.Tensor | None) -> None:
         """Write a handed-over request's K/V into its blocks (call after ``schedule`` admitted it, before the
         ``execute`` that first sees it); its generator takes ``generator_state`` in that ``execute``."""
-        scatter_kv(self.kv_caches, block_ids, kv, self.block_size, self.kv_layout)
+        scatter_kv(self.kv_caches, block_ids, kv, self.block_size, self.kv_layout, skip_block=self.null_block_id)
         if generator_state is not None:
             self._imported_generators[request_id] = generator_state
 

@@ -19,18 +19,25 @@ from conveyor.engine.async_engine import AsyncEngine
 from conveyor.engine.engine_client import ServedEngine, picklable
 from conveyor.engine.llm_engine import LLMEngine
 from conveyor.server.anthropic.messages import install_anthropic_routes
+from conveyor.server.admission import ServiceClasses, make_admission
 from conveyor.server.auth import APIKeyMiddleware
+from conveyor.server.batches.setup import BatchAPIConfig, install_batch_api
 from conveyor.server.body_limit import BodyLimitMiddleware
 from conveyor.server.cors import CORSConfig, install_cors
 from conveyor.server.errors import APIError, install_error_handlers
-from conveyor.server.limits import DEFAULT_MAX_REQUEST_BODY_BYTES, DEFAULT_MAX_SEQS_PER_REQUEST, max_token_chars
+from conveyor.server.limits import (
+    DEFAULT_MAX_REQUEST_BODY_BYTES, DEFAULT_MAX_SEQS_PER_REQUEST, UPLOAD_OVERHEAD_BYTES, max_token_chars,
+)
 from conveyor.server.metrics import ServerMetrics, log_stats_forever
+from conveyor.server.ollama.routes import install_ollama_routes
 from conveyor.server.protocol import ChatCompletionRequest, CompletionRequest
-from conveyor.server.serving_chat import create_chat_completion
+from conveyor.server.responses.serving import install_responses_routes
+from conveyor.server.responses.store import ResponseStore
 from conveyor.server.served_models import ServedModels
+from conveyor.server.serving_chat import create_chat_completion
 from conveyor.server.serving_common import ServingContext
-from conveyor.server.serving_pooling import install_pooling_routes
 from conveyor.server.serving_completion import create_completion
+from conveyor.server.serving_pooling import install_pooling_routes
 from conveyor.server.tokenizer_routes import install_tokenizer_routes
 from conveyor.structured.checker import CHECK_TIMEOUT_S, GrammarChecker
 
@@ -42,8 +49,10 @@ def build_app(engine: ServedEngine | LLMEngine, served_model_name: str | None = 
               max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
               max_seqs_per_request: int = DEFAULT_MAX_SEQS_PER_REQUEST, cors: CORSConfig | None = None,
               tool_call_parser: str | None = None, reasoning_parser: str | None = None,
+              responses_store: ResponseStore | None = None,
               also_serve: list[tuple[ServedEngine | LLMEngine, str | None]] = (),
-              grammar_check_timeout_s: float = CHECK_TIMEOUT_S) -> FastAPI:
+              grammar_check_timeout_s: float = CHECK_TIMEOUT_S, batches: BatchAPIConfig | None = None,
+              service_classes: ServiceClasses | None = None) -> FastAPI:
     """An OpenAI-compatible app serving ``engine``'s model: a ``ServedEngine`` (``EngineCoreClient``, the engine
     in its own process; ``AsyncEngine``; ``distributed.ReplicaPool``), or an ``LLMEngine``, stepped in a thread of
     this process (``AsyncEngine``). The engine runs for the app's lifespan. ``max_n`` bounds ``n`` (and
@@ -54,6 +63,8 @@ def build_app(engine: ServedEngine | LLMEngine, served_model_name: str | None = 
 
     ``api_key``: one key or several, any of which a request may present. ``tool_call_parser`` and
     ``reasoning_parser``: the model's tool-call and reasoning syntaxes (None: read from its chat template).
+    ``responses_store``: where the Responses API keeps past responses (None: in memory, bounded, gone with the
+    process; ``conveyor serve`` passes an SQLite file).
 
     ``metrics`` replaces the app's own ``ServerMetrics`` (scale-out passes one that merges its replicas'), and
     ``health_detail``, when given, is what ``/health`` answers with.
@@ -61,7 +72,13 @@ def build_app(engine: ServedEngine | LLMEngine, served_model_name: str | None = 
     ``also_serve``: more (engine, served name or None) pairs, each model in its own engine behind this one app
     (``conveyor serve --embedding-model``); a request goes to the model its ``model`` field names, else to the
     first that serves its endpoint's task (``served_models.ServedModels``). Metrics and the tokenizer and
-    Anthropic routes are the first engine's."""
+    Anthropic routes are the first engine's.
+
+    ``batches``: serve the Batch API (``/v1/files``, ``/v1/batches``) with this store and runner configuration
+    (None: not served); its lines go through this app's own completion, chat and embedding handlers.
+
+    ``service_classes``: SLO-aware admission for the first engine's requests (``admission.py``; None: every
+    request is admitted)."""
     if max_request_body_bytes < 1 or max_seqs_per_request < 1:
         raise ValueError(f"max_request_body_bytes and max_seqs_per_request must be >= 1, got "
                          f"{max_request_body_bytes} and {max_seqs_per_request}")
@@ -79,6 +96,8 @@ def build_app(engine: ServedEngine | LLMEngine, served_model_name: str | None = 
                              grammar_check_timeout_s)
     ctx = ServingContext(engine, model_name, max_n, max_seqs_per_request, max_token_chars(tokenizer),
                          tool_call_parser, reasoning_parser, grammar_checker=checker)
+    if service_classes is not None:
+        ctx.admission = make_admission(service_classes, engine, metrics.registry)
     created = int(time.time())
     served = ServedModels()
     served.add(ctx)
@@ -89,6 +108,8 @@ def build_app(engine: ServedEngine | LLMEngine, served_model_name: str | None = 
         served.add(ServingContext(other, name or other.info.model_info.name, max_n, max_seqs_per_request,
                                   max_token_chars(other.info.tokenizer), tool_call_parser, reasoning_parser))
 
+    batch_runner = None
+
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         for each in engines:
@@ -96,11 +117,16 @@ def build_app(engine: ServedEngine | LLMEngine, served_model_name: str | None = 
         logger_task = None
         if log_stats_interval_s > 0:
             logger_task = asyncio.create_task(log_stats_forever(metrics, log_stats_interval_s))
+        if batch_runner is not None:
+            batch_runner.start()
         try:
             yield
         finally:
             if logger_task is not None:
                 logger_task.cancel()
+            if batch_runner is not None:  # its lines in flight end without a result: they run at the next start
+                await batch_runner.stop()
+                batch_runner.store.close()
             await asyncio.gather(*(each.drain(shutdown_timeout_s) for each in engines))
             checker.close()
             for each in engines:
@@ -114,7 +140,10 @@ def build_app(engine: ServedEngine | LLMEngine, served_model_name: str | None = 
     api_keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
     if api_keys:
         app.add_middleware(APIKeyMiddleware, api_keys=api_keys)
-    app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_body_bytes)  # before anything reads the body
+    # before anything reads the body; a batch input file may be larger than any request
+    larger = {"/v1/files": (batches.limits.max_file_bytes + UPLOAD_OVERHEAD_BYTES, "--batch-max-file-bytes")} \
+        if batches is not None else {}
+    app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_body_bytes, larger=larger)
     install_cors(app, cors or CORSConfig())  # outermost: its headers go on the answers of the two above too
 
     @app.post("/v1/completions")
@@ -127,7 +156,11 @@ def build_app(engine: ServedEngine | LLMEngine, served_model_name: str | None = 
         chosen = served.for_request(body.model, "generate")
         return await create_chat_completion(body, raw, chosen, chosen.engine.info.tokenizer)
 
-    install_pooling_routes(app, served)
+    internal_routes = {"/v1/completions": (CompletionRequest, completions),
+                       "/v1/chat/completions": (ChatCompletionRequest, chat_completions),
+                       **install_pooling_routes(app, served)}
+    if batches is not None:
+        batch_runner = install_batch_api(app, batches, internal_routes)
 
     def card(each: ServingContext) -> dict:
         each_info = each.engine.info
@@ -165,5 +198,7 @@ def build_app(engine: ServedEngine | LLMEngine, served_model_name: str | None = 
 
     install_tokenizer_routes(app, ctx)
     install_anthropic_routes(app, ctx)
+    install_responses_routes(app, ctx, responses_store or ResponseStore())
+    install_ollama_routes(app, ctx)
     return app
 

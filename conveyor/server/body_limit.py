@@ -27,7 +27,7 @@ def _header_values(headers: list[tuple[bytes, bytes]], name: bytes) -> list[byte
     return [value for key, value in headers if key == name]  # ASGI servers lower-case header names
 
 
-def _refuse_by_headers(headers: list[tuple[bytes, bytes]], max_bytes: int) -> APIError | None:
+def _refuse_by_headers(headers: list[tuple[bytes, bytes]], max_bytes: int, flag: str) -> APIError | None:
     """The answer to a request its headers already disqualify: a compressed body (which would be read as if it
     were plain JSON) or a declared length over the cap."""
     for value in _header_values(headers, b"content-encoding"):
@@ -37,7 +37,7 @@ def _refuse_by_headers(headers: list[tuple[bytes, bytes]], max_bytes: int) -> AP
                             "body uncompressed", code="unsupported_media_type", headers={"Connection": "close"})
     for value in _header_values(headers, b"content-length"):
         if value.strip().isdigit() and int(value) > max_bytes:
-            return too_large(max_bytes, int(value))
+            return too_large(max_bytes, int(value), flag)
     return None
 
 
@@ -69,12 +69,12 @@ async def drain(receive, limit: int = DRAIN_MAX_BYTES) -> bool:
         return False
 
 
-def too_large(max_bytes: int, declared: int | None = None) -> APIError:
+def too_large(max_bytes: int, declared: int | None = None, flag: str = "--max-request-body-bytes") -> APIError:
     """413 (``declared``: the Content-Length); the connection is closed after it (the body may not have been read
     to its end)."""
     size = f" of {declared} bytes (Content-Length)" if declared is not None else ""
     return APIError(413, f"the request body{size} is over this server's limit of {max_bytes} bytes "
-                    "(--max-request-body-bytes)", code="request_too_large", headers={"Connection": "close"})
+                    f"({flag})", code="request_too_large", headers={"Connection": "close"})
 
 
 class BodyLimitMiddleware:
@@ -90,16 +90,18 @@ class BodyLimitMiddleware:
     batch-1 stream (/tmp/s/itl.py, --engine-in-process, alternated).
     """
 
-    def __init__(self, app, max_bytes: int) -> None:
+    def __init__(self, app, max_bytes: int, larger: dict[str, tuple[int, str]] | None = None) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.larger = larger or {}  # path -> its own cap and the flag that sets it (the Batch API's file uploads)
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         headers = scope["headers"]
-        refusal = _refuse_by_headers(headers, self.max_bytes)
+        max_bytes, flag = self.larger.get(scope.get("path", ""), (self.max_bytes, "--max-request-body-bytes"))
+        refusal = _refuse_by_headers(headers, max_bytes, flag)
         if refusal is not None:
             declared = _declared_length(headers)
             if not _expects_continue(headers) and (declared is None or declared <= DRAIN_MAX_BYTES):
@@ -113,10 +115,10 @@ class BodyLimitMiddleware:
             message = await receive()
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
-                if received > self.max_bytes:
+                if received > max_bytes:
                     if message.get("more_body", False):
                         await drain(receive)
-                    error = too_large(self.max_bytes)
+                    error = too_large(max_bytes, flag=flag)
                     raise HTTPException(error.status, error.message, headers=error.headers)
             return message
 

@@ -1,31 +1,28 @@
 """The one internal chat request: every protocol (chat completions, Anthropic Messages, Responses, Ollama) turns its
 body into a ``ChatCompletionRequest``, plans it once here (``plan_chat``: sampling params, tool plan, constraint,
 reasoning, the checks) and submits the plan (``ChatRequestPlan.submit``), then reads one output stream of
-``ChoiceEvent`` (``ChatRun``): reasoning, answer text and tool calls per choice, as ``reply.py`` reads them.
+``ChoiceEvent`` (``chat_run.ChatRun``): reasoning, answer text and tool calls per choice, as ``reply.py`` reads
+them.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import time
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from fastapi import Request
 from pydantic import ValidationError
 
-from conveyor.core.outputs import TokenLogprobs
-from conveyor.core.sampling_params import RequestOutputKind, SamplingParams
+from conveyor.core.sampling_params import SamplingParams
 from conveyor.engine import chat
-from conveyor.engine.engine_client import EngineInfo, RequestStream
-from conveyor.engine.outputs import RequestOutput
+from conveyor.engine.engine_client import EngineInfo
 from conveyor.engine.prompts import encode_text
+from conveyor.server.chat_run import ChatRun
 from conveyor.server.errors import bad_request
 from conveyor.server.protocol import ChatCompletionRequest, ChatMessage
-from conveyor.server.reasoning import ReasoningSplitter, reasoning_block, reply_start
-from conveyor.server.reply import ReplyDelta, ReplyParser, ReplyResult, finish_reason
-from conveyor.server.serving_common import ServingContext, check_context, merged, new_id, token_usage
-from conveyor.server.tools import ToolPlan, messages_for_tools, plan_tools
+from conveyor.server.reasoning import reply_start
+from conveyor.server.serving_common import ServingContext, check_context, new_id
+from conveyor.server.tools import ToolPlan, answered_calls, messages_for_tools, plan_tools
 
 # Names the template gets from conveyor itself; chat_template_kwargs may not replace them.
 RESERVED_TEMPLATE_VARIABLES = {"messages", "tools", "add_generation_prompt", "bos_token", "eos_token",
@@ -62,19 +59,6 @@ def generation_prompt(body) -> bool:
 
 
 @dataclass
-class ChoiceEvent:
-    """What one choice produced since its previous event. ``finish_reason`` is set on its last event;
-    ``logprobs`` covers the tokens of this event (with ``logprobs`` asked for), ``num_tokens`` those so far."""
-
-    index: int
-    delta: ReplyDelta
-    num_tokens: int
-    logprobs: list[TokenLogprobs] | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-
-
-@dataclass
 class ChatRequestPlan:
     """A chat request, checked and planned: what it samples with, its tools, whether replies reason, and the
     conversation the template renders. ``role``: the role of the message the model writes; ``echo``: the text
@@ -89,17 +73,24 @@ class ChatRequestPlan:
     echo: str
     max_tokens: int | None
     template_kwargs: dict
+    raw_prompt: str | None = None  # a prompt that bypasses the template (Ollama's raw generate)
+    prefix_ids: tuple[int, ...] = ()  # token ids before the prompt (Ollama's generate context)
 
     def render(self, info: EngineInfo, ctx: ServingContext,
                check_length: bool = True) -> tuple[list[int], str | None]:
         """(prompt token ids, where a reply starts: ``reasoning.reply_start``, None for a model that does not
         reason). Runs off the event loop; ValueError (400) when the template refuses the messages or (with
         ``check_length``) the prompt does not fit with ``max_tokens``."""
-        text = chat.chat_prompt(info.tokenizer, self.messages, self.add_generation_prompt,
-                                continue_final_message=self.body.continue_final_message,
-                                tools=self.tools.template_tools if self.tools is not None else None,
-                                template_kwargs=self.template_kwargs)
-        ids = encode_text(info.tokenizer, text, self.body.add_special_tokens, field="messages")
+        if self.raw_prompt is not None:
+            text = self.raw_prompt
+            ids = encode_text(info.tokenizer, text, True, field="prompt")
+        else:
+            text = chat.chat_prompt(info.tokenizer, self.messages, self.add_generation_prompt,
+                                    continue_final_message=self.body.continue_final_message,
+                                    tools=self.tools.template_tools if self.tools is not None else None,
+                                    template_kwargs=self.template_kwargs)
+            ids = encode_text(info.tokenizer, text, self.body.add_special_tokens, field="messages")
+        ids = [*self.prefix_ids, *ids]
         if check_length:
             check_context(len(ids), self.max_tokens, info.max_model_len)
         return ids, reply_start(ctx.reasoning.syntax, text) if ctx.reasoning is not None else None
@@ -108,18 +99,9 @@ class ChatRequestPlan:
         """Render the prompt (off the loop) and queue the request (a client that disconnects meanwhile aborts
         it); its output as a ``ChatRun``."""
         ids, start = await ctx.tokenizer_call(lambda info: self.render(info, ctx))
-        params = self.params
-        if start is not None and params.structured_outputs is not None:
-            block = reasoning_block(ctx.reasoning, start)
-            params = dataclasses.replace(
-                params, structured_outputs=dataclasses.replace(params.structured_outputs, reasoning=block))
-        if start is not None and ctx.reasoning.decodes_markers:
-            params = dataclasses.replace(params, skip_special_tokens=False)  # the markers must reach the text
-        # Every reply is read as deltas (ChatRun.events), streamed or not.
-        params = dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)
-        request_id = new_id(prefix)
-        streams = await ctx.submit(request_id, [lambda _: {"prompt_token_ids": ids}], params, raw)
-        return ChatRun(ctx, self, request_id, streams, len(ids), start)
+        run = ChatRun(ctx, self, new_id(prefix), ids, start, raw)
+        await run.submit(self.params)
+        return run
 
 
 def internal_request(fields: dict) -> ChatCompletionRequest:
@@ -142,6 +124,8 @@ def plan_chat(body: ChatCompletionRequest, ctx: ServingContext) -> ChatRequestPl
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     params = ctx.sampling_params(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
     tools, params = _plan_tools(body, ctx, params)
+    if tools is not None:
+        tools = dataclasses.replace(tools, answered=answered_calls(body.messages))
     ctx.check_size(params, 1)
     messages = messages_for_tools(messages_as_dicts(body.messages), tools, body.messages)
     add_generation_prompt = generation_prompt(body)
@@ -186,76 +170,3 @@ def _plan_tools(body: ChatCompletionRequest, ctx: ServingContext, params: Sampli
         return plan, dataclasses.replace(params, structured_outputs=plan.constraint)
     except ValueError as exc:
         raise bad_request(str(exc), "tool_choice") from exc
-
-
-class ChatRun:
-    """A submitted chat request: its streams, read as ``ChoiceEvent`` (``events``) or collected whole
-    (``results``). Both read the text with the same parsers, so a streamed reply and a whole one agree."""
-
-    def __init__(self, ctx: ServingContext, plan: ChatRequestPlan, request_id: str, streams: list[RequestStream],
-                 prompt_tokens: int, start: str | None) -> None:
-        self.ctx, self.plan, self.request_id, self.streams = ctx, plan, request_id, streams
-        self.prompt_tokens = prompt_tokens
-        self.created = int(time.time())
-        self.final: RequestOutput | None = None
-        self._start = start
-
-    def _parser(self) -> ReplyParser:
-        splitter = None
-        if self._start is not None:
-            r = self.ctx.reasoning
-            splitter = ReasoningSplitter(r.syntax, self._start, r.drop)
-        return ReplyParser(splitter, self.plan.tools.reply_parser() if self.plan.tools is not None else None)
-
-    @property
-    def reasons(self) -> bool:
-        """Whether replies may hold reasoning (the model reasons and the prompt left room for it)."""
-        return self._start is not None and self._start != "closed"
-
-    async def events(self) -> AsyncIterator[ChoiceEvent]:
-        """Every choice's events as the engine produces them; each choice's last one carries its finish reason.
-        A choice whose reply is complete early (``ReplyParser.done``) finishes at once, and the request is
-        aborted when all its choices have."""
-        params = self.plan.params
-        parsers = [self._parser() for _ in range(params.n)]
-        calls = [0] * params.n
-        closed: set[int] = set()
-        async for _, out in merged(self.streams):  # deltas: each choice's new text, tokens and logprobs
-            self.final = out
-            for c in out.outputs:
-                if c.index in closed:
-                    continue
-                finished = c.finished
-                parser = parsers[c.index]
-                delta = parser.feed(c.text)
-                if finished or parser.done:
-                    delta += parser.finish()
-                calls[c.index] += sum(d.id is not None for d in delta.tool_calls)
-                event = ChoiceEvent(c.index, delta, c.num_tokens, c.logprobs)
-                if finished or parser.done:
-                    closed.add(c.index)
-                    event.finish_reason = finish_reason(c.finish_reason, parser, calls[c.index] > 0)
-                    event.stop_reason = c.stop_reason if finished and not parser.done else None
-                yield event
-            if len(closed) == params.n and not out.finished:
-                self.ctx.abort(self.streams)  # every reply is complete: the rest of the generation is not wanted
-
-    async def results(self, raw: Request) -> list[ReplyResult]:
-        """Every choice, whole (a client that disconnects first aborts the request)."""
-
-        async def collect() -> list[ReplyResult]:
-            results = [ReplyResult(i) for i in range(self.plan.params.n)]
-            async for event in self.events():
-                result = results[event.index]
-                result.add(event.delta)
-                result.num_tokens = event.num_tokens
-                if event.logprobs is not None:
-                    result.logprobs = (result.logprobs or []) + event.logprobs
-                if event.finish_reason is not None:
-                    result.finish_reason, result.stop_reason = event.finish_reason, event.stop_reason
-            return results
-
-        return await self.ctx.unless_disconnected(collect(), self.streams, raw)
-
-    def usage(self) -> dict:
-        return token_usage(self.prompt_tokens, sum(s.num_generated_tokens for s in self.streams))

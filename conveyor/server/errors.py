@@ -127,6 +127,13 @@ def from_engine_error(exc: BaseException) -> APIError:
     return APIError(500, f"internal error: {exc!r}")
 
 
+def validation_error(exc: RequestValidationError) -> APIError:
+    """A body that failed its request model, as vLLM and OpenAI answer it: 400 (not FastAPI's 422), naming the
+    first field at fault."""
+    message, param = _validation_message(exc)
+    return APIError(400, message, param)
+
+
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     errors = exc.errors()
     if not errors:
@@ -148,8 +155,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
-        message, param = _validation_message(exc)  # vLLM and OpenAI answer 400, not FastAPI's 422
-        return APIError(400, message, param).response(request.url.path)
+        return validation_error(exc).response(request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -26,7 +26,7 @@ from typing import Annotated, Any
 from pydantic import AfterValidator, Field, PlainValidator, StrictBool, WithJsonSchema
 
 from conveyor.core.sampling_params import (  # noqa: F401 - check_token_ids: the vocabulary bound, for endpoints
-    MAX_LOGPROBS, SEED_MAX, SEED_MIN, check_token_ids,
+    MAX_LOGPROBS, PRIORITY_MAX, PRIORITY_MIN, SEED_MAX, SEED_MIN, check_token_ids,
 )
 
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
@@ -48,6 +48,8 @@ Seed = _int(SEED_MIN, SEED_MAX)  # what torch.Generator.manual_seed takes
 TopK = _int(-1, INT64_MAX)  # -1 and 0: off; beyond the vocabulary: the whole vocabulary
 TokenId = _int(0, MAX_TOKEN_ID)
 LogprobCount = _int(0, MAX_LOGPROBS)
+Priority = _int(PRIORITY_MIN, PRIORITY_MAX)  # vLLM's request priority: lower runs first
+ServiceTier = Annotated[str, Field(strict=True, min_length=1, max_length=64)]  # a service class's name
 # A finite float (ints are taken as floats; bools and strings are not). Ranges are SamplingParams' business.
 Float = Annotated[float, Field(strict=True, allow_inf_nan=False)]
 

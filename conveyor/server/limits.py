@@ -18,6 +18,8 @@ logger = logging.getLogger("conveyor.server")
 # long-context prompts: 8K tokens of text are ~40 KB, 128K tokens ~600 KB as text or ~900 KB as token ids
 # ("12345, " per token). 4 MiB holds several of those and stops a body of gigabytes after 4 MiB.
 DEFAULT_MAX_REQUEST_BODY_BYTES = 4 * 1024 * 1024
+# A file upload's multipart framing (boundaries, part headers, the purpose field) beyond the file's own bytes.
+UPLOAD_OVERHEAD_BYTES = 64 * 1024
 # The most sequences (prompts x n) one request may ask for (--max-seqs-per-request): the default running batch
 # (--max-num-seqs 256), so one request can fill a batch but cannot queue thousands of sequences that outlive a
 # client who gives up. n alone stays bounded by --max-n (128, OpenAI's limit).

@@ -7,7 +7,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PlainValidator
 
-from conveyor.server.fields import Bool, Int64, PositiveInt, Prompt
+from conveyor.server.fields import Bool, Int64, PositiveInt, Priority, Prompt
 
 # OpenAI's own bound on inputs per embeddings request (LangChain sends 1000 at a time)
 MAX_EMBEDDING_INPUTS = 2048
@@ -37,6 +37,7 @@ class EmbeddingRequest(BaseModel):
     user: str | None = None
     truncate_prompt_tokens: Int64 | None = None  # -1: the model's limit; None: a longer input is a 400
     normalize: Bool | None = None
+    priority: Priority = 0  # vLLM's (--scheduling-policy priority): lower runs first
 
 
 class RerankRequest(BaseModel):

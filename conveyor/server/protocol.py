@@ -17,7 +17,8 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 from conveyor.core.sampling_params import SamplingParams
 from conveyor.server.fields import (
-    Bool, Float, LogprobCount, NonNegativeInt, PositiveInt, Prompt, Seed, TokenId, TokenIdKey, TopK,
+    Bool, Float, LogprobCount, NonNegativeInt, PositiveInt, Priority, Prompt, Seed, ServiceTier, TokenId, TokenIdKey,
+    TopK,
 )
 from conveyor.server.structured_fields import GUIDED_ALIASES, structured_outputs_of
 
@@ -70,9 +71,9 @@ REFUSED_FIELDS: tuple[Refused, ...] = (
     Refused("spaces_between_special_tokens", (None, True)),
     Refused("audio", endpoint="chat"), Refused("modalities", (None, ["text"]), "chat"),
     Refused("web_search_options", endpoint="chat"),
-    # Scheduling and cache requests: priority scheduling, a salted prefix cache (an isolation promise between
-    # tenants: ignoring it would be a silent security downgrade), KV transfer between engines.
-    Refused("priority", (None, 0)), Refused("cache_salt"), Refused("kv_transfer_params", (None, {})),
+    # Cache requests: a salted prefix cache (an isolation promise between tenants: ignoring it would be a silent
+    # security downgrade), KV transfer between engines. (priority is served: core/policies/priority.py.)
+    Refused("cache_salt"), Refused("kv_transfer_params", (None, {})),
 )
 
 _LAX_BOOLS = {"0": False, "off": False, "f": False, "false": False, "n": False, "no": False,
@@ -141,6 +142,10 @@ class SamplingFields(BaseModel):
     skip_special_tokens: Bool = True
     # conveyor's own: the request's KV budget under --kv-eviction (core.kv_eviction)
     kv_budget_tokens: PositiveInt | None = None
+    # vLLM's: the request's place in the queue under --scheduling-policy priority (lower first, ties by arrival)
+    priority: Priority = 0
+    # OpenAI's: which service class serves it (server/admission.py: auto, default, or a --service-class name)
+    service_tier: ServiceTier | None = None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """The engine's ``SamplingParams``; raises ValueError (message starts with the field name) when bad."""
@@ -160,6 +165,7 @@ class SamplingFields(BaseModel):
             stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens, logprobs=logprobs, kv_budget_tokens=self.kv_budget_tokens,
+            priority=self.priority,
             **{k: v for k, v in given.items() if v is not None},
         )
 

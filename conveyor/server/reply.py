@@ -45,6 +45,12 @@ class ReplyParser:
     def done(self) -> bool:
         return self.tools is not None and self.tools.done
 
+    @property
+    def wants_answer(self) -> bool:
+        """The reply's first call repeats one the conversation already has the result of: it should have been
+        an answer (``tool_parsers``)."""
+        return self.tools is not None and self.tools.wants_answer
+
     def feed(self, text: str) -> ReplyDelta:
         if self.done:
             return ReplyDelta()
@@ -108,4 +114,4 @@ def finish_reason(engine_reason: str | None, parser: ReplyParser, made_calls: bo
     whatever it holds."""
     if made_calls and (engine_reason == "stop" or parser.done):
         return "tool_calls"
-    return engine_reason
+    return "stop" if parser.done else engine_reason

@@ -6,7 +6,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from conveyor.core.outputs import TokenLogprobs
-from conveyor.server.chat_plan import ChatRun, ChoiceEvent, check_plan, plan_chat
+from conveyor.server.chat_plan import check_plan, plan_chat
+from conveyor.server.chat_run import ChatRun, ChoiceEvent
 from conveyor.server.protocol import ChatCompletionRequest
 from conveyor.server.reply import ReplyResult
 from conveyor.server.serving_common import ServingContext, StreamUsage, json_logprob, sse_events

@@ -17,6 +17,7 @@ from fastapi import Request
 from conveyor.core.sampling_params import RequestOutputKind, SamplingParams
 from conveyor.engine.engine_client import EngineInfo, Prepare, RequestStream, ServedEngine
 from conveyor.engine.outputs import RequestOutput
+from conveyor.server.admission import AdmissionController
 from conveyor.server.errors import APIError, bad_request, from_engine_error, from_value_error
 from conveyor.server.limits import DEFAULT_MAX_SEQS_PER_REQUEST, check_stop
 from conveyor.server.protocol import SamplingFields
@@ -113,6 +114,7 @@ class ServingContext:
         self.vocab_size = engine.info.model_info.vocab_size
         self.task = engine.info.model_info.task  # "generate", or a pooling model's "embed" / "score"
         self.max_token_chars = max_token_chars
+        self.admission: AdmissionController | None = None  # SLO-aware admission (--service-class), when on
 
     async def tokenizer_call(self, fn: Callable[[EngineInfo], T]) -> T:
         """``fn(info)`` off the event loop with the server's tokenizer (``ServedEngine.tokenizer_call``); its
@@ -194,15 +196,28 @@ class ServingContext:
             raise bad_request(f"{field}: {str(exc).split(': ', 1)[-1]}", field) from exc
 
     async def submit(self, request_id: str, prompts: list[Prepare], params: SamplingParams | list[SamplingParams],
-                     raw: Request | None = None) -> list[RequestStream]:
+                     raw: Request | None = None, service_tier: str | None = None) -> list[RequestStream]:
         """Queue one engine request per prompt (ids ``{request_id}-{i}``; ``params`` one for all, or one per prompt),
         all at once; all or nothing. Each
         ``Prepare`` has run (off the event loop: a worker thread, or the engine thread in process) when this
         returns. A client that disconnects meanwhile (``raw``) ends it at once: the prompts already queued are
         aborted, the others never are (APIError 499), so an abandoned batch does not go on growing while the rest
-        of it is submitted."""
-        arrival = time.monotonic()
+        of it is submitted. With SLO-aware admission the prompts are prepared first and the request admitted in
+        ``service_tier``'s class at its priority, or refused (429) before anything is queued."""
         each = params if isinstance(params, list) else [params] * len(prompts)
+        if self.admission is not None:
+            prompts, each = await self.admission.admit_prompts(request_id, prompts, each, service_tier,
+                                                               self.tokenizer_call, self.max_model_len)
+        try:
+            return await self._submit(request_id, prompts, each, raw)
+        except BaseException:
+            if self.admission is not None:
+                self.admission.release(request_id, len(prompts))
+            raise
+
+    async def _submit(self, request_id: str, prompts: list[Prepare], each: list[SamplingParams],
+                      raw: Request | None) -> list[RequestStream]:
+        arrival = time.monotonic()
         adds = [asyncio.ensure_future(self.engine.add_request(f"{request_id}-{i}", prepare, p, arrival))
                 for i, (prepare, p) in enumerate(zip(prompts, each))]
         gone = asyncio.ensure_future(_wait_disconnect(raw)) if raw is not None else None

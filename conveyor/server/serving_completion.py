@@ -143,7 +143,7 @@ async def create_completion(body: CompletionRequest, raw: Request, ctx: ServingC
     prompts = [_prepare(p, max_tokens, body.add_special_tokens) for p in given]
     request_id = new_id("cmpl")
     created = int(time.time())
-    streams = await ctx.submit(request_id, prompts, params, raw)
+    streams = await ctx.submit(request_id, prompts, params, raw, body.service_tier)
     head = {"id": request_id, "object": "text_completion", "created": created, "model": ctx.model_name}
     n = params.n
 

@@ -31,7 +31,7 @@ def _inputs(value) -> list[str | list[int]]:
 
 
 async def _run(ctx: ServingContext, raw: Request, prefix: str, token_lists: list[list[int]],
-               pooling: list[PoolingParams], field: str):
+               pooling: list[PoolingParams], field: str, priority: int = 0):
     """Check, queue and wait for pooling requests; (request id, final outputs)."""
     if ctx.admission_cap is not None and len(token_lists) > ctx.admission_cap:
         raise bad_request(f"{field} holds {len(token_lists)} inputs, more than this server can ever admit at once "
@@ -43,7 +43,7 @@ async def _run(ctx: ServingContext, raw: Request, prefix: str, token_lists: list
             raise bad_request(str(exc), field) from exc
     request_id = new_id(prefix)
     streams = await ctx.submit(request_id, [{"prompt_token_ids": ids} for ids in token_lists],
-                               [SamplingParams(max_tokens=1, pooling=p) for p in pooling], raw)
+                               [SamplingParams(max_tokens=1, pooling=p, priority=priority) for p in pooling], raw)
     return request_id, await ctx.wait_final(streams, raw)
 
 
@@ -79,7 +79,8 @@ async def create_embedding(body: EmbeddingRequest, raw: Request, ctx: ServingCon
 
     token_lists = await ctx.tokenizer_call(tokenize)
     params = PoolingParams(task="embed", dimensions=body.dimensions, normalize=body.normalize)
-    request_id, outputs = await _run(ctx, raw, "embd", token_lists, [params] * len(token_lists), "input")
+    request_id, outputs = await _run(ctx, raw, "embd", token_lists, [params] * len(token_lists), "input",
+                                     body.priority)
     data = [{"object": "embedding", "index": i, "embedding": _encode(o.pooled, body.encoding_format)}
             for i, o in enumerate(outputs)]
     return JSONResponse({"id": request_id, "object": "list", "created": int(time.time()), "model": ctx.model_name,
@@ -137,8 +138,9 @@ async def create_score(body: ScoreRequest, raw: Request, ctx: ServingContext) ->
 
 
 
-def install_pooling_routes(app, served: ServedModels) -> None:
-    """The pooling endpoints, each on the served model its body names (or the first of the endpoint's task)."""
+def install_pooling_routes(app, served: ServedModels) -> dict:
+    """The pooling endpoints, each on the served model its body names (or the first of the endpoint's task); returns
+    the embeddings route's (body model, handler) by path, for the Batch API."""
 
     @app.post("/v1/embeddings")
     async def embeddings(body: EmbeddingRequest, raw: Request):
@@ -154,3 +156,4 @@ def install_pooling_routes(app, served: ServedModels) -> None:
         app.post(path)(rerank)
     for path in ("/v1/score", "/score"):
         app.post(path)(score)
+    return {"/v1/embeddings": (EmbeddingRequest, embeddings)}

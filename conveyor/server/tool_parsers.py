@@ -10,6 +10,8 @@ What every parser does:
 - a call that repeats one already made in the same reply (same name, same arguments) ends the reply: ``done``
   turns true and the caller stops the generation (a small model otherwise repeats its call until ``max_tokens``);
 - with ``one_call`` (the client set ``parallel_tool_calls: false``) the first call ends the reply;
+- a call the conversation already holds the result of (``answered``) is not made again: it ends the reply, and
+  when it is the reply's first call ``wants_answer`` turns true (the caller may then ask for an answer instead);
 - answer text streams as it comes, holding back only what may be the start of a call's marker.
 """
 
@@ -55,9 +57,10 @@ class ParsedPiece:
 
 class ToolParser(Protocol):
     """Reads one reply. ``done``: the reply is complete (a repeated call, or the one call allowed); whatever is
-    fed afterwards is ignored."""
+    fed afterwards is ignored. ``wants_answer``: its first call repeats an answered one."""
 
     done: bool
+    wants_answer: bool
 
     def feed(self, text: str) -> ParsedPiece: ...
 
@@ -67,12 +70,29 @@ class ToolParser(Protocol):
         ...
 
 
-class _Calls:
-    """The calls of one reply so far: ids, the repeat check and the one-call rule."""
+def _value(arguments: Any) -> Any:
+    """Arguments given as JSON text, as the value they hold (text that is not JSON stays text)."""
+    if isinstance(arguments, str):
+        try:
+            return json.loads(arguments)
+        except ValueError:
+            pass
+    return arguments
 
-    def __init__(self, one_call: bool) -> None:
+
+def call_key(name: str, arguments: Any) -> tuple[str, str]:
+    """What makes two calls the same: the name and the arguments' value (as canonical JSON)."""
+    return name, json.dumps(_value(arguments), sort_keys=True, ensure_ascii=False)
+
+
+class _Calls:
+    """The calls of one reply so far: ids, the repeat checks and the one-call rule."""
+
+    def __init__(self, one_call: bool, answered: frozenset = frozenset()) -> None:
         self.one_call = one_call
+        self.answered = answered
         self.done = False
+        self.wants_answer = False
         self._seen: list[tuple[str, str]] = []
 
     @property
@@ -84,13 +104,11 @@ class _Calls:
         an earlier call or is not a call)."""
         if self.done or not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
             return []
-        args = obj.get("arguments", obj.get("parameters", {}))
-        if isinstance(args, str):
-            try:
-                args = json.loads(args)
-            except ValueError:
-                pass
-        key = (obj["name"], json.dumps(args, sort_keys=True, ensure_ascii=False))
+        args = _value(obj.get("arguments", obj.get("parameters", {})))
+        key = call_key(obj["name"], args)
+        if key in self.answered:
+            self.done, self.wants_answer = True, not self._seen
+            return []
         if key in self._seen:
             self.done = True
             return []
@@ -165,7 +183,7 @@ class NamedParser:
 
     def __init__(self, name: str) -> None:
         self.name = name
-        self.done = False
+        self.done = self.wants_answer = False  # the client named the call: it is made whatever came before
         self._started = False
 
     def feed(self, text: str) -> ParsedPiece:
@@ -178,7 +196,21 @@ class NamedParser:
         return ParsedPiece() if self._started else self.feed("")
 
 
-class JsonEnvelopeParser:
+class _CallReader:
+    """What the parsers that read calls share: the reply's calls (``_Calls``) and what they tell the caller."""
+
+    _calls: _Calls
+
+    @property
+    def done(self) -> bool:
+        return self._calls.done
+
+    @property
+    def wants_answer(self) -> bool:
+        return self._calls.wants_answer
+
+
+class JsonEnvelopeParser(_CallReader):
     """Replies constrained to JSON: ``tool_choice: "required"`` (an array of ``{"name", "arguments"}``) and the
     generic format of ``"auto"`` (``{"tool_calls": [...]}`` or ``{"response": "..."}``, llama.cpp's)."""
 
@@ -186,16 +218,12 @@ class JsonEnvelopeParser:
                 "response": re.compile(r'\s*\{\s*"response"\s*:\s*"')}
     ARRAY = {"calls": re.compile(r"\s*\[")}
 
-    def __init__(self, envelope: bool, one_call: bool) -> None:
+    def __init__(self, envelope: bool, one_call: bool, answered: frozenset = frozenset()) -> None:
         self._openings = self.OPENINGS if envelope else self.ARRAY
-        self._calls = _Calls(one_call)
+        self._calls = _Calls(one_call, answered)
         self._text = ""
         self._mode: str | None = None
         self._pos = 0
-
-    @property
-    def done(self) -> bool:
-        return self._calls.done
 
     def feed(self, text: str) -> ParsedPiece:
         if self.done or self._mode == "closed":
@@ -221,7 +249,7 @@ class JsonEnvelopeParser:
         return ParsedPiece()  # an envelope cut short: its complete calls were returned, the rest is dropped
 
 
-class MarkedCallsParser:
+class MarkedCallsParser(_CallReader):
     """Model-native syntaxes, unconstrained: answer text, then calls behind a marker.
 
     - ``hermes``: ``<tool_call>{"name", "arguments"}</tool_call>`` (Qwen2.5/3, Hermes and many fine-tunes);
@@ -230,17 +258,13 @@ class MarkedCallsParser:
 
     MARKERS = {"hermes": "<tool_call>", "mistral": "[TOOL_CALLS]", "llama3_json": "<|python_tag|>"}
 
-    def __init__(self, syntax: str, one_call: bool) -> None:
+    def __init__(self, syntax: str, one_call: bool, answered: frozenset = frozenset()) -> None:
         self.syntax = syntax
         self.marker = self.MARKERS[syntax]
-        self._calls = _Calls(one_call)
+        self._calls = _Calls(one_call, answered)
         self._text = ""  # everything fed
         self._pos = 0  # how much of it is settled (sent as content, or read as calls)
         self._in_calls = False
-
-    @property
-    def done(self) -> bool:
-        return self._calls.done
 
     def feed(self, text: str) -> ParsedPiece:
         if self.done:
@@ -328,11 +352,14 @@ def _flatten(values: list[Any]) -> list[Any]:
     return [v for value in values for v in (value if isinstance(value, list) else [value])]
 
 
-def make_parser(syntax: str, one_call: bool, named: str | None = None) -> ToolParser:
+def make_parser(syntax: str, one_call: bool, named: str | None = None,
+                answered: frozenset = frozenset()) -> ToolParser:
     """The parser of one reply in ``syntax`` ("named", "required", "generic", "hermes", "mistral",
-    "llama3_json")."""
+    "llama3_json"); ``answered``: the ``call_key`` of every call the conversation holds the result of."""
     if syntax == "named":
         return NamedParser(named)
-    if syntax in ("required", "generic"):
-        return JsonEnvelopeParser(envelope=syntax == "generic", one_call=one_call)
-    return MarkedCallsParser(syntax, one_call)
+    if syntax == "required":  # the client asked for a call: an answered one may be asked for again
+        return JsonEnvelopeParser(envelope=False, one_call=one_call)
+    if syntax == "generic":
+        return JsonEnvelopeParser(envelope=True, one_call=one_call, answered=answered)
+    return MarkedCallsParser(syntax, one_call, answered)

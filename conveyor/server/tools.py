@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from conveyor.core.sampling_params import StructuredOutputsParams
-from conveyor.server.tool_parsers import ToolParser, make_parser
+from conveyor.server.tool_parsers import ToolParser, call_key, make_parser
 
 PARSERS = ("hermes", "llama3_json", "mistral", "generic")
 
@@ -37,10 +37,12 @@ class ToolPlan:
     system_message: str | None = None
     named: str | None = None
     one_call: bool = False  # parallel_tool_calls: false
+    answered: frozenset = frozenset()  # call_key of the calls whose results the conversation holds
+    answer_constraint: StructuredOutputsParams | None = None  # generic: a reply that is an answer, no call
 
     def reply_parser(self) -> ToolParser:
         """A parser for one reply (one per choice)."""
-        return make_parser(self.parser, self.one_call, self.named)
+        return make_parser(self.parser, self.one_call, self.named, self.answered)
 
 
 def parser_for_template(template: str | None) -> str:
@@ -83,14 +85,16 @@ def plan_tools(tools: list[dict] | None, tool_choice: Any, parallel_tool_calls: 
         raise ValueError(f"tool_call_parser must be one of {', '.join(PARSERS)}, got {parser!r}")
     if parser != "generic":
         return ToolPlan("auto", parser, tools, template_tools=tools, one_call=one_call)
+    answer = {"type": "object", "properties": {"response": {"type": "string"}}, "required": ["response"],
+              "additionalProperties": False}
     schema = {"anyOf": [
         {"type": "object", "properties": {"tool_calls": _calls_schema(by_name, one_call)},
          "required": ["tool_calls"], "additionalProperties": False},
-        {"type": "object", "properties": {"response": {"type": "string"}}, "required": ["response"],
-         "additionalProperties": False},
+        answer,
     ]}
     return ToolPlan("auto", "generic", tools, StructuredOutputsParams(json=schema),
-                    system_message=_generic_system_message(tools), one_call=one_call)
+                    system_message=_generic_system_message(tools), one_call=one_call,
+                    answer_constraint=StructuredOutputsParams(json=answer))
 
 
 def _checked_tools(tools: list[dict] | None) -> list[dict]:
@@ -147,6 +151,19 @@ def messages_for_tools(messages: list[dict], plan: ToolPlan | None, raw: list) -
         else:
             out.insert(0, {"role": "system", "content": plan.system_message})
     return out
+
+
+def answered_calls(messages: list) -> frozenset:
+    """The ``call_key`` of every assistant tool call in ``messages`` (``ChatMessage``s) that a later ``tool``
+    message answers (by ``tool_call_id``)."""
+    made: dict[str, tuple[str, str]] = {}
+    answered = set()
+    for m in messages:
+        for call in m.tool_calls or ():
+            made[call.id] = call_key(call.function.name, call.function.arguments or {})
+        if m.role == "tool" and m.tool_call_id in made:
+            answered.add(made[m.tool_call_id])
+    return frozenset(answered)
 
 
 def _as_object(arguments: Any) -> Any:

@@ -9,7 +9,8 @@ The roofline (``RooflineCostModel``) prices four ops; each takes max(FLOPs / ach
 achieved bandwidth), and the step takes their sum plus overheads::
 
     op          FLOPs                                       bytes read
-    linears     2 x linear params x tokens                  linear weights (once per step)
+    linears     2 x linear params x tokens                  linear weights (once per step; a mixture of
+                (a mixture: the experts a token runs)         experts: the experts its tokens choose, each once)
     attention   4 x q_dim x layers x keys attended          K and V of each request's whole context, per layer
                 (prefill rows and decode rows priced apart)
     lm_head     2 x hidden x vocab x sampled rows           lm_head weights (when any row samples)
@@ -141,7 +142,7 @@ class RooflineCostModel:
         self.kv_bytes_per_token_per_device = 2 * model.num_layers * self.kv_heads_per_device * model.head_dim * b
         self.attn_flops_per_pair = 4.0 * model.num_layers * model.q_dim / tp
         self.linear_flops_per_token = 2.0 * model.per_token_linear_params / tp
-        self.linear_weight_bytes = model.per_token_linear_params * b / tp
+        self.weight_bytes_per_param = b / tp
         self.lm_head_flops_per_row = 2.0 * model.lm_head_params / tp
         self.lm_head_bytes = model.lm_head_params * b / tp
 
@@ -180,7 +181,7 @@ class RooflineCostModel:
         if tokens == 0:
             return ops
         ops.linear_flops = self.linear_flops_per_token * tokens
-        ops.linear_bytes = self.linear_weight_bytes
+        ops.linear_bytes = self.model.step_linear_params(tokens) * self.weight_bytes_per_param
         ops.prefill_attn_flops = self.attn_flops_per_pair * prefill_pairs
         ops.prefill_attn_bytes = self.kv_bytes_per_token_per_device * prefill_ctx
         ops.decode_attn_flops = self.attn_flops_per_pair * decode_ctx

@@ -36,6 +36,7 @@ class HeldKVManager:
     prefix_evictions = property(lambda self: self.inner.prefix_evictions)
     num_evicted_blocks = property(lambda self: self.inner.num_evicted_blocks)
     num_free_blocks = property(lambda self: self.inner.num_free_blocks)
+    null_block_id = property(lambda self: self.inner.null_block_id)
 
     def usage(self) -> float:
         return self.inner.usage()
@@ -48,6 +49,9 @@ class HeldKVManager:
 
     def blocks_of(self, request_id: str) -> Sequence[KVBlock]:
         return self.inner.blocks_of(request_id)
+
+    def num_skipped_blocks(self, request_id: str) -> int:
+        return self.inner.num_skipped_blocks(request_id)
 
     def get_computed_blocks(self, request: Request) -> tuple[Sequence[object], int]:
         return self.inner.get_computed_blocks(request)

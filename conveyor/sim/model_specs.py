@@ -5,8 +5,9 @@ models derives from the properties below, so a unit test can check them by hand 
 model's spec comes from its config (``models.config.ModelConfig.spec``), and ``forward_flops`` here is the one FLOP
 count of a forward pass (``models.flops`` asks it).
 
-A mixture-of-experts family would add its routed MLP's shape here (experts, experts per token, expert width) so
-that ``linear_params_per_layer`` counts the experts a token runs, not all of them.
+A mixture of experts adds its routed MLP's shape (experts, experts per token, expert width): the FLOPs count the
+experts a token runs (``per_token_linear_params``), the memory all of them (``num_params``), and the weight bytes a
+step streams the experts its tokens choose between them (``step_linear_params``).
 """
 
 from __future__ import annotations
@@ -32,6 +33,11 @@ class ModelSpec:
     # key a query could see without windows: an upper bound for windowed layers.
     layer_windows: tuple[int, ...] = field(default=())
     mlp_matrices: int = 3  # gate, up, down (GPT-2's MLP: 2)
+    # A routed MLP in place of the dense one on every layer (0 experts: dense): each token runs experts_per_token
+    # gated experts of expert_intermediate_size, chosen by a router of hidden_size x num_experts
+    num_experts: int = 0
+    experts_per_token: int = 0
+    expert_intermediate_size: int = 0
 
     def __post_init__(self) -> None:  # a profile read back from JSON gives a list
         object.__setattr__(self, "layer_windows", tuple(self.layer_windows))
@@ -45,12 +51,42 @@ class ModelSpec:
         return self.num_kv_heads * self.head_dim
 
     @property
-    def linear_params_per_layer(self) -> int:
-        """Weights every computed token multiplies through in one layer: q/k/v, o, gate/up, down."""
+    def expert_params(self) -> int:
+        """One expert's weights (gate, up, down); 0 for a dense model."""
+        return 3 * self.hidden_size * self.expert_intermediate_size if self.num_experts else 0
+
+    @property
+    def _shared_params_per_layer(self) -> int:
+        """A layer's weights every token of a step reads whatever it routes to: q/k/v, o, and the dense MLP or the
+        router."""
         h = self.hidden_size
         attention = h * (self.q_dim + 2 * self.kv_dim) + self.q_dim * h
-        mlp = self.mlp_matrices * h * self.intermediate_size
-        return attention + mlp
+        if self.num_experts:
+            return attention + h * self.num_experts
+        return attention + self.mlp_matrices * h * self.intermediate_size
+
+    @property
+    def linear_params_per_layer(self) -> int:
+        """Weights every computed token multiplies through in one layer: q/k/v, o, gate/up, down (a mixture: the
+        router and the experts_per_token experts it runs)."""
+        return self._shared_params_per_layer + self.experts_per_token * self.expert_params
+
+    def experts_touched(self, num_tokens: int) -> float:
+        """The expected number of distinct experts a step of ``num_tokens`` tokens runs in one layer, when every
+        token picks ``experts_per_token`` of ``num_experts`` uniformly and independently: E (1 - (1 - k/E)^n).
+        A trained router is skewed, which makes it fewer; docs/moe.md measures it on random weights."""
+        if not self.num_experts or num_tokens <= 0:
+            return 0.0
+        e, k = self.num_experts, self.experts_per_token
+        return e * (1.0 - (1.0 - k / e) ** num_tokens)
+
+    def step_linear_params(self, num_tokens: int) -> float:
+        """Weights a step of ``num_tokens`` tokens streams from memory: every layer's shared weights once, and, in a
+        mixture, each expert its tokens chose once (``experts_touched``), however many of them chose it."""
+        if num_tokens <= 0:
+            return 0.0
+        return self.num_layers * (self._shared_params_per_layer + self.experts_touched(num_tokens) * self.expert_params
+                                  if self.num_experts else self.linear_params_per_layer)
 
     @property
     def per_token_linear_params(self) -> int:
@@ -62,8 +98,9 @@ class ModelSpec:
 
     @property
     def num_params(self) -> int:
-        """All parameters: layers (norms included), embedding, final norm and lm_head (shared when tied)."""
-        per_layer = self.linear_params_per_layer + 2 * self.hidden_size
+        """All parameters: layers (norms included, every expert), embedding, final norm and lm_head (shared when
+        tied)."""
+        per_layer = self._shared_params_per_layer + self.num_experts * self.expert_params + 2 * self.hidden_size
         embeddings = self.lm_head_params * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * per_layer + embeddings + self.hidden_size
 
@@ -86,7 +123,13 @@ _TABLE = {
     "llama-3-70b": (8192, 80, 64, 8, 128, 28672, 128256, 8192, False),  # meta-llama/Meta-Llama-3-70B
     "qwen2.5-7b": (3584, 28, 28, 4, 128, 18944, 152064, 32768, False),  # Qwen/Qwen2.5-7B-Instruct
 }
+# Mixtures of experts: the same fields, then (experts, experts a token, an expert's intermediate size).
+_MOE_TABLE = {
+    "qwen3-30b-a3b": ((2048, 48, 32, 4, 128, 6144, 151936, 40960, False), (128, 8, 768)),  # Qwen/Qwen3-30B-A3B
+}
 MODELS: dict[str, ModelSpec] = {name: ModelSpec(name, *row) for name, row in _TABLE.items()}
+MODELS.update({name: ModelSpec(name, *row, num_experts=moe[0], experts_per_token=moe[1],
+                               expert_intermediate_size=moe[2]) for name, (row, moe) in _MOE_TABLE.items()})
 # The names conveyor's real engine reports for the same shapes, so a profile measured on one finds its spec.
 ALIASES = {"conveyor-embedded-llama-40m-random": "bench-llama-40m", "llama-40m-fp32": "bench-llama-40m",
            "smollm2-135m-fp32": "smollm2-135m", "smollm2-135m-instruct": "smollm2-135m"}

@@ -82,12 +82,14 @@ ops = st.lists(
 
 
 @settings(max_examples=150, deadline=None)
-@given(ops=ops, block_size=st.sampled_from([1, 2, 4]), num_blocks=st.integers(1, 16))
-def test_kv_manager_invariants_hold_under_any_operation_sequence(ops, block_size, num_blocks):
-    kv = KVCacheManager(num_blocks, block_size)
+@given(ops=ops, block_size=st.sampled_from([1, 2, 4]), num_blocks=st.integers(1, 16),
+       window=st.sampled_from([0, 0, 1, 3, 8]))
+def test_kv_manager_invariants_hold_under_any_operation_sequence(ops, block_size, num_blocks, window):
+    kv = KVCacheManager(num_blocks, block_size, sliding_window=window)
     live: dict[str, Request] = {}
     for op, slot, n in ops:
         rid = f"r{slot}"
+        first = None  # the position of the first token an allocation made room for
         if op in ("alloc", "hit") and rid not in live:
             prefix = [7] * (n if op == "hit" else 0)
             r = _req(rid, prefix + [slot * 10 + i for i in range(n)])
@@ -95,13 +97,14 @@ def test_kv_manager_invariants_hold_under_any_operation_sequence(ops, block_size
             assert hit_tokens < r.num_tokens
             if kv.allocate_slots(r, r.num_tokens - hit_tokens, hits) is not None:
                 r.num_computed_tokens = r.num_tokens
-                live[rid] = r
+                live[rid], first = r, hit_tokens
         elif op == "grow" and rid in live:
             r = live[rid]
             before = len(kv.block_ids(rid))
             r.output_token_ids.extend([1] * n)
             new = kv.allocate_slots(r, n)
             if new is not None:
+                first = r.num_computed_tokens
                 r.num_computed_tokens = r.num_tokens
                 assert len(kv.block_ids(rid)) == before + len(new)
             else:
@@ -111,6 +114,8 @@ def test_kv_manager_invariants_hold_under_any_operation_sequence(ops, block_size
         kv.check_invariants()
         for r in live.values():
             assert len(kv.block_ids(r.request_id)) * block_size >= r.num_computed_tokens
+        if first is not None and window:  # exactly the blocks before the first new token's window went back
+            assert kv.num_skipped_blocks(rid) == kv.window.num_skipped_blocks(first)
     for r in list(live.values()):
         kv.free(r)
     kv.check_invariants()

@@ -7,12 +7,12 @@ import random
 
 import pytest
 
-from conveyor.core import ModelOutput, Request, SamplingParams, Scheduler, SchedulerConfig, SchedulerOutput
+from conveyor.core import Request, SamplingParams, Scheduler, SchedulerConfig
 from conveyor.core.config import CacheConfig
 from conveyor.core.kv_eviction import EvictionConfig
 from conveyor.core.kv_manager import KVCacheManager
 from conveyor.core.slab_manager import SlabKVManager
-from tests.helpers.core import FakeExecutor, make_request
+from tests.helpers.core import FakeExecutor, TableMirror, make_request
 
 
 def make_evicting(eviction: str = "sink", budget: int | None = 16, num_blocks: int = 64, block_size: int = 4,
@@ -20,42 +20,6 @@ def make_evicting(eviction: str = "sink", budget: int | None = 16, num_blocks: i
     config = SchedulerConfig(**{"max_model_len": 1024, "max_num_batched_tokens": 64,
                                 "eviction": EvictionConfig(eviction, budget), **overrides})
     return Scheduler(config, KVCacheManager(num_blocks, block_size, enable_prefix_caching))
-
-
-class TableMirror(FakeExecutor):
-    """A fake executor that keeps each request's block table from the scheduler's messages alone, as the runner
-    does, and returns attention scores (a deterministic function of the block and the step) when asked."""
-
-    def __init__(self, rng: random.Random | None = None) -> None:
-        super().__init__(rng)
-        self.tables: dict[str, list[int]] = {}
-        self.evicted: dict[str, int] = {}
-        self.scored_steps = 0
-
-    def execute(self, out: SchedulerOutput) -> ModelOutput:
-        for rid in out.finished_req_ids | out.preempted_req_ids:
-            self.tables.pop(rid, None)
-            self.evicted.pop(rid, None)
-        for new in out.scheduled_new_reqs:
-            self.tables[new.request_id] = list(new.block_ids)
-            self.evicted[new.request_id] = 0
-        for c in out.scheduled_cached_reqs:
-            table = self.tables[c.request_id]
-            if c.num_kept_blocks is not None:
-                del table[c.num_kept_blocks:]
-            if c.evicted_block_indices:
-                gone = set(c.evicted_block_indices)
-                table[:] = [b for i, b in enumerate(table) if i not in gone]
-            table.extend(c.new_block_ids)
-            self.evicted[c.request_id] = c.num_evicted_tokens
-        mo = super().execute(out)
-        for rid, rows in out.kv_score_rows.items():
-            assert 0 < rows <= out.num_scheduled_tokens[rid]
-            self.scored_steps += 1
-            table = self.tables[rid]
-            # a block's "attention" depends on its id: the same block keeps its rank across steps
-            mo.kv_block_scores[rid] = [rows * ((b * 7919) % 13) / 13.0 for b in table]
-        return mo
 
 
 def drive(s: Scheduler, ex: TableMirror, max_steps: int = 10_000, on_step=None) -> None:

@@ -5,7 +5,8 @@ import random
 import pytest
 
 from conveyor.core import RequestStatus, SamplingParams
-from tests.helpers.core import FakeExecutor, make_request, make_requests, make_scheduler, step
+from conveyor.core.sliding_window import SlidingWindow
+from tests.helpers.core import FakeExecutor, TableMirror, make_request, make_requests, make_scheduler, step
 
 
 def test_chunked_prefill_splits_prompt_under_budget():
@@ -148,9 +149,13 @@ def test_stop_on_eos_unless_ignored_and_min_tokens():
 
 @pytest.mark.parametrize("policy", ["continuous", "chunked"])
 @pytest.mark.parametrize("seed", range(6))
-def test_random_drive_to_completion(policy, seed):
+@pytest.mark.parametrize("windowed", [False, True])
+def test_random_drive_to_completion(policy, seed, windowed):
+    """Preemption, prefix caching, aborts; with a sliding window, blocks given back as requests advance (a request
+    the step schedules holds none before its window) and the executor's tables told so."""
     rng = random.Random(seed)
     block_size = rng.choice([1, 2, 4, 16])
+    window = SlidingWindow(random.Random(seed).choice([1, 3, 8, 20]), block_size) if windowed else None
     s = make_scheduler(
         num_blocks=rng.randint(40, 120) // block_size * 4 + 8,
         block_size=block_size,
@@ -159,8 +164,9 @@ def test_random_drive_to_completion(policy, seed):
         max_num_batched_tokens=rng.choice([8, 32, 128]),
         max_model_len=200,
         enable_prefix_caching=rng.random() < 0.5,
+        sliding_window=window.window if window else 0,
     )
-    ex = FakeExecutor(rng)
+    ex = TableMirror(rng, s.kv.null_block_id)
     shared = [rng.randrange(5, 50) for _ in range(24)]
     reqs = []
     for i in range(rng.randint(5, 25)):
@@ -177,13 +183,19 @@ def test_random_drive_to_completion(policy, seed):
             s.add_request(pending.pop(0))
         if rng.random() < 0.02 and s.running:
             s.finish_request(rng.choice(s.running).request_id, RequestStatus.FINISHED_ABORTED, t)
-        step(s, ex, float(t))
+        out = s.schedule(float(t))
+        for rid in out.num_scheduled_tokens if window else ():
+            table, skipped = s.kv.block_ids(rid), window.num_skipped_blocks(s.requests[rid].num_computed_tokens)
+            assert table[:skipped] == [s.kv.null_block_id] * skipped and s.kv.null_block_id not in table[skipped:]
+        s.update(out, ex.execute(out), float(t))
         s.check_invariants()
+        for rid in s.kv.req_blocks:
+            assert ex.tables[rid] == s.kv.block_ids(rid), f"{rid}: the executor's table drifted"
         if not pending and not s.has_unfinished_requests():
             break
     assert not pending and not s.has_unfinished_requests()
     assert all(r.is_finished for r in reqs)
-    assert s.kv.pool.num_free_blocks == s.kv.num_blocks
+    assert s.kv.pool.num_free_blocks == s.kv.num_blocks and not s.kv.num_skipped
     for r in reqs:
         if r.status is RequestStatus.FINISHED_LENGTH:
             assert r.num_output_tokens == r.sampling_params.max_tokens

@@ -18,7 +18,7 @@ from conveyor.core.speculative import (
     StepCostModel,
     choose_lengths,
 )
-from tests.helpers.core import make_request, make_scheduler
+from tests.helpers.core import make_request, make_scheduler, mirror_table
 
 VOCAB = range(5, 50)
 
@@ -33,6 +33,7 @@ class NextTokenModel:
         self.noise_rng, self.noise = rng, noise  # a fraction of contexts where the table is overridden
         self.tokens: dict[str, list[int]] = {}
         self.block_tables: dict[str, list[int]] = {}  # kept as the runner keeps its block table rows
+        self.null_block_id: int | None = None  # the KV manager's, with a sliding window
         self.verified = 0
 
     def next_token(self, tokens: list[int]) -> int:
@@ -55,10 +56,7 @@ class NextTokenModel:
             self.block_tables.pop(rid, None)
         starts = {r.request_id: r.num_computed_tokens for r in out.scheduled_cached_reqs}
         for cached in out.scheduled_cached_reqs:
-            table = self.block_tables[cached.request_id]
-            if cached.num_kept_blocks is not None:
-                del table[cached.num_kept_blocks:]
-            table += cached.new_block_ids
+            mirror_table(self.block_tables[cached.request_id], cached, self.null_block_id)
         for new in out.scheduled_new_reqs:
             assert new.request_id not in self.tokens, "executor told twice about a request"
             self.tokens[new.request_id] = list(new.token_ids)
@@ -177,14 +175,20 @@ def test_a_model_means_the_draft_model_method():
             SpeculativeConfig.parse(bad)
 
 
-def test_preemption_with_speculation_changes_no_token():
+@pytest.mark.parametrize("window", [0, 6])
+def test_preemption_with_speculation_changes_no_token(window):
+    """With a sliding window too: proposals' lookahead blocks and their rollback beside the blocks given back."""
     rng = random.Random(3)
     kw = dict(policy="chunked", max_num_seqs=8, max_num_batched_tokens=32, max_model_len=64)
     spec = {"num_speculative_tokens": 4, "prompt_lookup_min": 1, "adaptive": False}
     results = []
     for cfg in (None, spec):
-        scheduler = make_scheduler(18, 4, True, speculative_config=cfg, **kw)  # 72 slots for 8 requests: tight
-        results.append(run(scheduler, NextTokenModel(3), traffic(random.Random(3), 24, 64), rng))
+        # 72 slots for 8 requests: tight (with the window too: a preemption or two)
+        scheduler = make_scheduler(18 if not window else 10, 4, True, speculative_config=cfg, sliding_window=window,
+                                   **kw)
+        model = NextTokenModel(3)
+        model.null_block_id = scheduler.kv.null_block_id
+        results.append(run(scheduler, model, traffic(random.Random(3), 24, 64), rng))
         assert scheduler.num_preemptions > 0
         assert scheduler.kv.usage() == 0
     assert results[0] == results[1]

@@ -192,3 +192,26 @@ def test_a_batching_policy_that_waits_still_finishes(tiny_llama_dir):
         assert outs[-1].outputs[0].finish_reason == "length"
 
     run(go, engine)
+
+
+def test_fail_request_ends_the_stream_with_the_error_and_frees_the_request(engine):
+    class Refused(Exception):
+        pass
+
+    async def go(ae: AsyncEngine):
+        stream = await ae.add_request("f", PROMPT, LONG)
+        first = await stream.__anext__()
+        assert not first.finished
+        ae.fail_request("f", Refused("no longer meets its target"))
+        with pytest.raises(Refused):
+            async for _ in stream:
+                pass
+        assert ae.num_in_flight == 0
+        ae.fail_request("f", Refused("again"))  # a finished request: nothing happens
+        for _ in range(200):
+            if ae.stats.num_running == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert ae.stats.num_running == 0, "its blocks were freed"
+
+    run(go, engine)

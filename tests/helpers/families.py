@@ -30,6 +30,8 @@ GEMMA_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<start_of_turn>{{ 'mode
 LLAMA3_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
                    "{{ m['content'] }}<|eot_id|>{% endfor %}"
                    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}")
+MISTRAL_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'user' %}[INST] {{ m['content'] }} "
+                    "[/INST]{% else %}{{ m['content'] }}</s>{% endif %}{% endfor %}")
 PHI3_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
                  "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
 
@@ -68,9 +70,7 @@ TINIES = {
                              "<|end_header_id|>"], chat_template=LLAMA3_TEMPLATE),
     "mistral": Tiny("mistral", "MistralForCausalLM", "MistralConfig", _common(sliding_window=8), window=8,
                     gguf_extra={"llama.attention.sliding_window": 8},
-                    specials=["[INST]", "[/INST]"],
-                    chat_template="{% for m in messages %}{% if m['role'] == 'user' %}[INST] {{ m['content'] }} "
-                                  "[/INST]{% else %}{{ m['content'] }}</s>{% endif %}{% endfor %}"),
+                    specials=["[INST]", "[/INST]"], chat_template=MISTRAL_TEMPLATE),
     # Ministral: windows on some layers only (layer_types); llama.cpp's converter has no MinistralForCausalLM
     "ministral": Tiny("ministral", "MinistralForCausalLM", "MinistralConfig",
                       _common(num_hidden_layers=3, sliding_window=8, head_dim=16,
@@ -98,6 +98,19 @@ TINIES = {
                                           "original_max_position_embeddings": 16},
                          original_max_position_embeddings=16, sliding_window=12, pad_token_id=None),
                  specials=["<|user|>", "<|assistant|>", "<|end|>"], chat_template=PHI3_TEMPLATE, window=12),
+    # mixtures of experts: 8 experts, 2 a token, so a step of a few tokens reads some and skips others
+    "qwen3_moe": Tiny("qwen3_moe", "Qwen3MoeForCausalLM", "Qwen3MoeConfig",
+                      _common(head_dim=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=96,
+                              norm_topk_prob=True),
+                      specials=["<|im_start|>", "<|im_end|>"], eos_token="<|im_end|>"),
+    "mixtral": Tiny("mixtral", "MixtralForCausalLM", "MixtralConfig",
+                    _common(num_local_experts=8, num_experts_per_tok=2, intermediate_size=96, rope_theta=10000.0),
+                    specials=["[INST]", "[/INST]"], chat_template=MISTRAL_TEMPLATE),
+    # llama.cpp's olmoe reads q and k norms of the model's width: as many KV heads as heads (OLMoE's own shape)
+    "olmoe": Tiny("olmoe", "OlmoeForCausalLM", "OlmoeConfig",
+                  _common(num_key_value_heads=4, num_experts=8, num_experts_per_tok=2, intermediate_size=96,
+                          pad_token_id=None),
+                  specials=["<|im_start|>", "<|im_end|>"], eos_token="<|im_end|>"),
 }
 
 
@@ -130,14 +143,15 @@ def write_tokenizer(path: Path, tiny: Tiny) -> None:
     (path / "tokenizer_config.json").write_text(json.dumps(config))
 
 
-def save_tiny(path: Path, name: str, seed: int = 0):
-    """The tiny ``name`` checkpoint in directory ``path``; returns the transformers model (float32, eval)."""
+def save_tiny(path: Path, name: str, seed: int = 0, **overrides):
+    """The tiny ``name`` checkpoint in directory ``path`` (its config with ``overrides``); returns the transformers
+    model (float32, eval)."""
     import torch
     import transformers
 
     tiny = TINIES[name]
     torch.manual_seed(seed)
-    config = getattr(transformers, tiny.config_class)(**tiny.config)
+    config = getattr(transformers, tiny.config_class)(**{**tiny.config, **overrides})
     model = getattr(transformers, tiny.model_class)(config).to(torch.float32).eval()
     with torch.no_grad():  # random norm weights and biases, so a wrongly wired one cannot hide
         for pname, p in model.named_parameters():
@@ -158,7 +172,7 @@ def converter_available() -> bool:
     return (CONVERTER_DIR / "convert_hf_to_gguf.py").is_file()
 
 
-def convert_all(jobs: list[tuple[Path, Path, str]]) -> None:
+def convert_all(jobs: list[tuple[Path, Path, str]], timeout_s: float = 600) -> None:
     """``convert_hf_to_gguf.py model_dir --outfile outfile --outtype outtype`` for every job, in one subprocess (it
     imports its own gguf-py, which must not meet the installed gguf package here; one interpreter for all jobs
     pays torch's and transformers' import once)."""
@@ -166,12 +180,18 @@ def convert_all(jobs: list[tuple[Path, Path, str]]) -> None:
         raise FileNotFoundError(f"{CONVERTER_DIR}/convert_hf_to_gguf.py is missing: run scripts/setup.sh")
     script = CONVERTER_DIR / "convert_hf_to_gguf.py"
     runs = [[str(script), str(d), "--outfile", str(o), "--outtype", t] for d, o, t in jobs]
+    # The tiny checkpoints' tokenizer is SentencePiece (tokenizer.model). The converters of Qwen3-MoE and OLMoE read
+    # only a BPE tokenizer.json they recognise by hash (TextModel.set_vocab), so they are pointed at the converter's
+    # own SentencePiece reader, which the Llama, Qwen2 and Gemma converters use for the same files; the families
+    # whose converters choose their reader themselves are not affected.
     driver = ("import runpy, sys\n"
+              "from conversion.base import TextModel\n"
+              "TextModel.set_vocab = TextModel._set_vocab_sentencepiece\n"
               f"for argv in {runs!r}:\n"
               "    sys.argv = argv\n"
               f"    runpy.run_path({str(script)!r}, run_name='__main__')\n")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(CONVERTER_DIR)}
-    proc = subprocess.run([sys.executable, "-c", driver], capture_output=True, text=True, env=env, timeout=600,
+    proc = subprocess.run([sys.executable, "-c", driver], capture_output=True, text=True, env=env, timeout=timeout_s,
                           cwd=str(CONVERTER_DIR))
     if proc.returncode != 0:
         raise RuntimeError(f"convert_hf_to_gguf.py failed:\n{proc.stderr[-4000:]}")
@@ -197,11 +217,25 @@ def add_gguf_metadata(path: Path, values: dict[str, int]) -> None:
     tmp.replace(path)
 
 
-def convert_tinies(root: Path, names: list[str], outtypes: tuple[str, ...] = ("f32", "q8_0")) -> dict:
+# Variants of a tiny for other tests, converted in the same run: label -> (tiny, config overrides, outtypes).
+# "qwen3_moe_wide": a Qwen3-MoE whose widths are whole K-quant super-blocks (256), for tests/models/test_moe.py.
+VARIANTS = {"qwen3_moe_wide": ("qwen3_moe", dict(hidden_size=256, moe_intermediate_size=256, head_dim=64,
+                                                 num_experts=4), ("f32",))}
+
+
+def convert_tinies(root: Path, names: list[str], outtypes: tuple[str, ...] = ("f32", "q8_0"),
+                   variants: tuple[str, ...] = ()) -> dict:
     """Every tiny family member written to ``root / name / "hf"`` and converted to ``root / name / "<type>.gguf"``
     for each of ``outtypes`` in one converter run, plus the metadata each family's test adds
-    (``Tiny.gguf_extra``). Returns {name: (transformers model, hf dir, {outtype: gguf path})}."""
+    (``Tiny.gguf_extra``), and the ``VARIANTS`` named. Returns {name: (transformers model, hf dir, {outtype: gguf
+    path})}."""
     out, jobs = {}, []
+    for label in variants:
+        name, overrides, types = VARIANTS[label]
+        model = save_tiny(root / label / "hf", name, **overrides)
+        ggufs = {t: root / label / f"{t}.gguf" for t in types}
+        jobs += [(root / label / "hf", path, t) for t, path in ggufs.items()]
+        out[label] = (model, root / label / "hf", ggufs)
     for name in names:
         model = save_tiny(root / name / "hf", name)
         ggufs = {t: root / name / f"{t}.gguf" for t in outtypes}
@@ -210,6 +244,47 @@ def convert_tinies(root: Path, names: list[str], outtypes: tuple[str, ...] = ("f
     convert_all(jobs)
     for name, (_, _, ggufs) in out.items():
         for path in ggufs.values():
-            if TINIES[name].gguf_extra:
+            if name in TINIES and TINIES[name].gguf_extra:
                 add_gguf_metadata(path, TINIES[name].gguf_extra)
     return out
+
+
+def requantize_gguf(src: Path, dst: Path, types: dict[str, str]) -> Path:
+    """A copy of the GGUF ``src`` (llama.cpp's converter's F32 output) with the tensors ``types`` names stored in
+    the type given (as llama-quantize would store them): the gguf package's own quantizer for the types it
+    writes (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1), random blocks with sane scales for the K-quants it cannot write (the
+    weights then differ from the source's: the tests compare against the file's own dequantization)."""
+    import gguf
+    import numpy as np
+    from gguf import quants
+
+    reader = gguf.GGUFReader(src, "r")
+    writer = gguf.GGUFWriter(str(dst), arch=reader.get_field(gguf.Keys.General.ARCHITECTURE).contents())
+    for field in reader.fields.values():
+        if field.name == gguf.Keys.General.ARCHITECTURE or field.name.startswith("GGUF."):
+            continue
+        kind = field.types[0]
+        writer.add_key_value(field.name, field.contents(), kind,
+                             sub_type=field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None)
+    rng = np.random.default_rng(0)
+    for tensor in reader.tensors:
+        data = np.array(tensor.data)
+        if tensor.name in types:
+            qtype = gguf.GGMLQuantizationType[types[tensor.name]]
+            shape = data.shape
+            if qtype.name in ("Q4_K", "Q5_K"):
+                block, size = gguf.GGML_QUANT_SIZES[qtype]
+                blocks = rng.integers(0, 256, size=(data.size // block, size), dtype=np.uint8)
+                scales = rng.uniform(0.001, 0.01, (len(blocks), 2)).astype(np.float16)  # d, dmin
+                blocks[:, 0:4] = scales.view(np.uint8).reshape(len(blocks), 4)
+                data = blocks.reshape(*shape[:-1], shape[-1] // block * size)
+            else:
+                data = quants.quantize(data.astype(np.float32), qtype)
+            writer.add_tensor(tensor.name, data, raw_dtype=qtype)
+        else:
+            writer.add_tensor(tensor.name, data, raw_dtype=tensor.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return dst

@@ -9,6 +9,7 @@ import ctypes
 import os
 import signal
 import threading
+import time
 
 from conveyor.engine.core_proc import run_engine_core
 
@@ -30,9 +31,25 @@ def raise_in_thread(name: str) -> str:
     return name
 
 
+# Each engine step of a faulted engine takes at least this long, so that a long stream is still in flight when a
+# fault lands on a fast machine (a tiny model's 400 tokens otherwise end inside a watcher's poll period).
+STEP_FLOOR_S = 0.01
+
+
 def engine_core_with_faults(args, conn, endpoints) -> None:
     """``run_engine_core`` (an ``EngineCoreClient`` ``entry``) in a process where each signal of
-    ``ENGINE_THREAD_SIGNALS`` raises ``InjectedFault`` in its thread (the handler runs on the main thread)."""
+    ``ENGINE_THREAD_SIGNALS`` raises ``InjectedFault`` in its thread (the handler runs on the main thread), and each
+    engine step lasts at least ``STEP_FLOOR_S``."""
+    from conveyor.engine.llm_engine import LLMEngine
+
+    step = LLMEngine.core_step
+
+    def slow_step(self, *a, **kw):
+        out = step(self, *a, **kw)
+        time.sleep(STEP_FLOOR_S)
+        return out
+
+    LLMEngine.core_step = slow_step
     for name, signum in ENGINE_THREAD_SIGNALS.items():
         signal.signal(signum, lambda *_, name=name: raise_in_thread(name))
     run_engine_core(args, conn, endpoints)

@@ -35,6 +35,8 @@ import httpx
 import psutil  # in the test extra
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.helpers.load_protocols import PROTOCOL_PATHS, as_protocol, finishes_of, read_line
+
 RUNNING = "conveyor:num_requests_running"
 WAITING = "conveyor:num_requests_waiting"
 KV_USAGE = "conveyor:kv_cache_usage_perc"
@@ -366,27 +368,25 @@ class SSEStream:
         return self
 
     async def next_event(self) -> bool:
-        """Read up to the next data line; False at the end of the stream."""
+        """Read up to the next event (a data line; an NDJSON line for Ollama's routes); False at the end of the
+        stream. Each protocol's lines are read by ``load_protocols.read_line``; its end (``[DONE]``,
+        ``message_stop``, ``response.completed``, ``"done": true``) sets ``done``."""
         if self.eof:
             return False
         try:
-            async for line in self._lines:
-                if not line.startswith("data: "):
+            async for raw in self._lines:
+                line = read_line(self.path, raw)
+                if line is None:
                     continue
-                data = line[6:]
-                if data == "[DONE]":
-                    self.done = True
-                    continue  # the body must end right after it
-                event = json.loads(data)
-                if "error" in event:
-                    self.errors.append(event["error"])
-                else:
-                    self.events.append(event)
-                    for choice in event.get("choices") or []:
-                        if choice.get("finish_reason") is not None:
-                            self.finishes[choice["index"]] = choice["finish_reason"]
-                    if event.get("usage"):
-                        self.usage = event["usage"]
+                if line.error is not None:
+                    self.errors.append(line.error)
+                self.done = self.done or line.done
+                if line.event is None:
+                    continue  # [DONE]: the body must end right after it
+                self.events.append(line.event)
+                self.finishes.update(line.finishes)
+                if line.completion_tokens is not None:
+                    self.usage = {"completion_tokens": line.completion_tokens}
                 return True
         except (httpx.HTTPError, json.JSONDecodeError) as exc:
             self.exception = repr(exc)
@@ -443,11 +443,14 @@ WORDS = ["w5", "w17", "w42", "w99", "w123", "w200", "w301", "w377", "conveyor", 
 STOPS = ["w7", "w42", "w1 w2", "\n", "e", "the", "."]
 
 
-def mixed_request(rng: random.Random, model: str, stream_fraction: float = 0.7) -> tuple[str, dict, int]:
+def mixed_request(rng: random.Random, model: str, stream_fraction: float = 0.7,
+                  protocol_fraction: float = 0.3) -> tuple[str, dict, int]:
     """(path, body, number of choices) of a random request over what clients send: completions 60% / chat
     40%, streaming (``stream_fraction`` of them, with include_usage half the time) or not, temperature / top_p /
     top_k / min_p / presence / frequency / repetition penalties / seed, n 1-3, logprobs 0-5, stop strings,
-    ignore_eos, min_tokens, max_tokens 1-48."""
+    ignore_eos, min_tokens, max_tokens 1-48. A fraction ``protocol_fraction`` of the chat requests is sent in
+    another protocol's shape instead (Anthropic Messages, Responses, Ollama chat and generate: one choice each,
+    the fields each protocol has; ``load_protocols.as_protocol``)."""
     prompt = " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 40)))
     body: dict = {"model": model, "max_tokens": rng.randint(1, 48), "n": rng.choice([1, 1, 1, 2, 3])}
     if rng.random() < 0.7:
@@ -483,6 +486,9 @@ def mixed_request(rng: random.Random, model: str, stream_fraction: float = 0.7) 
             body["logprobs"] = logprobs
         return "/v1/completions", body, body["n"]
     body["messages"] = [{"role": "user", "content": prompt}]
+    if rng.random() < protocol_fraction:
+        path = rng.choice(PROTOCOL_PATHS)
+        return path, as_protocol(path, body), 1
     if logprobs is not None:
         body["logprobs"], body["top_logprobs"] = True, logprobs
     return "/v1/chat/completions", body, body["n"]
@@ -594,8 +600,9 @@ async def one_request(client: httpx.AsyncClient, path: str, body: dict, n: int, 
             resp = await client.post(path, json=body)
             status = resp.status_code
             if status == 200:
-                data = resp.json()
-                choices, usage = data["choices"], data.get("usage")
+                finishes, tokens = finishes_of(path, resp.json())
+                choices, usage = [{"index": i, "finish_reason": r} for i, r in finishes], {
+                    "completion_tokens": tokens}
     except Exception as exc:  # noqa: BLE001 - every client-side failure is an outcome to count
         status = getattr(exc, "status_code", None)
         if status is None:

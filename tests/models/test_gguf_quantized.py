@@ -166,14 +166,16 @@ def test_native_stack_on_quantized_weights_is_bit_identical(untied, tmp_path, qt
 
 def test_a_layer_without_a_kernel_stays_float(untied, tmp_path):
     """As in llama.cpp's mixed files (Q4_K_M keeps some layers in Q6_K): here one v_proj in F16. Its fused qkv
-    is loaded in float, every other linear stays quantized, and the stack (one way for all) steps aside."""
+    is loaded in float, every other linear stays quantized, and the native stack runs both kinds, bit-identical to
+    the per-layer path."""
     path = write_llama_gguf(tmp_path / "m.gguf", untied, "Q8_0",
                             qtypes={"model.layers.1.self_attn.v_proj.weight": "F16"})
-    llm = LLM(str(path), dtype="float32", num_kv_blocks=128)
+    llm = LLM(str(path), dtype="float32", num_kv_blocks=256, block_size=16, enable_prefix_caching=False)
     model = llm.engine.model
     kinds = quantized_modules(model)
     assert "layers.1.self_attn.qkv_proj" not in kinds and "layers.0.self_attn.qkv_proj" in kinds
-    assert "layers.1.mlp.down_proj" in kinds and model.native_stack is None
+    assert "layers.1.mlp.down_proj" in kinds and model.native_stack is not None
+    assert run(llm, with_stack=True) == run(llm, with_stack=False)
     out = llm.generate({"prompt_token_ids": PROMPTS[3]},
                        SamplingParams(max_tokens=8, temperature=0, logprobs=0, ignore_eos=True), use_tqdm=False)[0]
     got = torch.tensor([lp.logprob for lp in out.outputs[0].logprobs], dtype=torch.float64)

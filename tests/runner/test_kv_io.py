@@ -38,3 +38,14 @@ def test_another_models_kv_is_refused():
         scatter_kv(cache(4, 4, TOKEN_MAJOR), [0, 1], torch.zeros(LAYERS, 2, 5, HEADS + 1, DIM), 4, TOKEN_MAJOR)
     with pytest.raises(ValueError, match="do not fit"):
         scatter_kv(cache(4, 4, HEAD_MAJOR), [0], torch.zeros(LAYERS, 2, 5, HEADS, DIM), 4, HEAD_MAJOR)
+
+
+def test_entries_outside_the_window_are_not_written():
+    """A windowed request's table starts with null entries (block 5 here): its handed-over K/V lands only in its
+    own blocks, and the null block stays zero."""
+    torch.manual_seed(1)
+    kv = torch.randn(LAYERS, 2, 10, HEADS, DIM)
+    dst = cache(6, 4, TOKEN_MAJOR)
+    scatter_kv(dst, [5, 5, 1], kv, 4, TOKEN_MAJOR, skip_block=5)
+    assert all(float(c[:, 5].abs().sum()) == 0.0 for c in dst)
+    assert torch.equal(gather_kv(dst, [5, 5, 1], 10, 4, TOKEN_MAJOR)[:, :, 8:], kv[:, :, 8:])

@@ -435,7 +435,7 @@ REFUSED = [  # (endpoint, fields): each must be answered 400 "<field> is not sup
         ("truncate_prompt_tokens", -5), ("truncate_prompt_tokens", 4), ("logits_processors", ["my.Processor"]),
         ("vllm_xargs", {"x": 1}), ("prompt_embeds", "AAAA"), ("suffix", "end"), ("use_beam_search", True),
         ("return_tokens_as_token_ids", True), ("return_token_ids", True), ("spaces_between_special_tokens", False),
-        ("priority", 1), ("cache_salt", "salt"), ("kv_transfer_params", {"do_remote_decode": True}),
+        ("cache_salt", "salt"), ("kv_transfer_params", {"do_remote_decode": True}),
         ("max_repetition_pattern_size", 4))),
     *((CHAT, {name: value}) for name, value in (
         ("truncate_prompt_tokens", -5), ("logits_processors", ["my.Processor"]), ("prompt_logprobs", 1),

@@ -40,6 +40,7 @@ import pytest
 from tests.helpers.checkpoints import TINY_VOCAB, save_tiny_llama, write_word_tokenizer
 from tests.helpers.load import (RUNNING, Served, SharedServer, assert_serving, async_gauges, client_limits, idle,
                                 open_streams, run_clients, start_serve, tail, wait_gauges)
+from tests.helpers.load_protocols import PROTOCOL_PATHS, as_protocol
 from tests.helpers.server import CHAT_TEMPLATE
 
 pytestmark = pytest.mark.slow  # real servers in subprocesses: run by CI, skipped by -m "not slow"
@@ -184,6 +185,32 @@ def test_simultaneous_disconnects_are_all_aborted(srv):
 
     running_before = asyncio.run(go())
     assert running_before == 10, f"running before the disconnects: {running_before}" + tail(srv)
+    assert_settles(srv)
+    assert_serving(srv)
+
+
+@pytest.mark.parametrize("shared", PROCESS[:1], ids=ids(PROCESS[:1]), indirect=True)
+def test_disconnects_abort_in_every_protocol(srv):
+    """3 long streams in each other protocol (Anthropic Messages, Responses, Ollama chat and generate) past their
+    first chunk, all 12 connections closed at once: the running gauge back to 0 within 5 s, as on the chat path.
+    These protocols have no ignore_eos, so a stream may end at the random model's end of turn before the close:
+    most are still running then (the check), and none may run on after it."""
+    chat = {"model": MODEL, "max_tokens": 4000, "temperature": 1.0}
+
+    async def go():
+        async with httpx.AsyncClient(base_url=srv.url, timeout=120, limits=client_limits(20)) as client:
+            streams = []
+            for path in PROTOCOL_PATHS:
+                bodies = [as_protocol(path, {**chat, "stream": True,
+                                             "messages": [{"role": "user", "content": f"w{10 + i} w{30 + i}"}]})
+                          for i in range(3)]
+                streams += await open_streams(client, path, bodies, first_chunks=2)
+            running = (await async_gauges(client))[RUNNING]
+            await asyncio.gather(*(s.close() for s in streams))
+            return running, [s.describe() for s in streams if s.errors or s.status != 200]
+
+    running_before, failed = asyncio.run(go())
+    assert not failed and running_before >= 6, (running_before, failed) + (tail(srv),)
     assert_settles(srv)
     assert_serving(srv)
 

@@ -1,8 +1,9 @@
 """Reasoning kept apart from the answer through a real server: a scripted model (tests/helpers/scripted.py) whose
-Qwen3-shaped template opens ``<think>`` and which writes ``ok</think>`` then ``Paris``. In every protocol the
-reasoning arrives as that protocol's reasoning (``reasoning_content``), never inside the answer, streamed or
-not; with thinking switched off the template writes an empty block and the answer is all there is; a constraint
-applies to the answer after the reasoning."""
+Qwen3-shaped template opens ``<think>`` and which writes ``ok</think>`` then ``Paris``. Chat completions carry the
+reasoning as ``reasoning_content``, never inside the answer, streamed or not (the other protocols' own forms are
+checked in test_api_anthropic.py, test_api_responses.py and test_api_ollama.py); with thinking switched off the
+template writes an empty block and the answer is all there is; a constraint applies to the answer after the
+reasoning; with reasoning off (``--reasoning-parser none``) the reply is the text as before."""
 
 from __future__ import annotations
 
@@ -10,22 +11,16 @@ import httpx
 import openai
 import pytest
 
-from conveyor.server.app import build_app
-from tests.helpers.scripted import save_scripted_llama
-from tests.helpers.server import make_engine, running_server
+from tests.helpers.scripted import serve_scripted
 
 pytestmark = pytest.mark.slow  # a real server
 
-SCRIPT = ["<think>", "o", "k", "</think>", "\n", "P", "a", "r", "i", "s"]
 MSG = [{"role": "user", "content": "Capital of France?"}]
 
 
 @pytest.fixture(scope="module")
 def url(tmp_path_factory):
-    model = save_scripted_llama(tmp_path_factory.mktemp("scripted"), SCRIPT)
-    app = build_app(make_engine(model, dtype="float32", num_kv_blocks=64), "scripted", log_stats_interval_s=0.0,
-                    shutdown_timeout_s=2.0)
-    with running_server(app) as base:
+    with serve_scripted(tmp_path_factory.mktemp("scripted")) as base:
         yield base
 
 
@@ -75,3 +70,13 @@ def test_tokenizer_info_as_vllm_serves_it(url):
     assert "enable_thinking" in info["chat_template"] and info["model_max_length"] == 1024
     ids = httpx.post(url + "/tokenize", json={"prompt": info["eos_token"], "add_special_tokens": False}).json()
     assert ids["tokens"] == [info["eos_token_id"]]  # what lm-eval's RemoteTokenizer does with it
+
+
+def test_with_reasoning_off_the_reply_is_the_text_as_before(tmp_path):
+    """--reasoning-parser none: nothing is split, the reply is the model's text as it was before reasoning was
+    read at all, and the message has no reasoning_content."""
+    with serve_scripted(tmp_path, reasoning_parser="none") as base:
+        reply = httpx.post(base + "/v1/chat/completions", timeout=60, json={
+            "model": "scripted", "messages": MSG, "max_tokens": 20, "temperature": 0}).json()
+    message = reply["choices"][0]["message"]
+    assert message == {"role": "assistant", "content": "ok</think>\nParis"}

@@ -4,13 +4,15 @@ readings must agree (a streamed reply and a whole one go through the same parser
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import jsonschema
 import pytest
 
+from conveyor.server.protocol import ChatMessage
 from conveyor.server.reply import ReplyParser, ReplyResult, finish_reason
-from conveyor.server.tools import ToolPlan, parser_for_template, plan_tools
+from conveyor.server.tools import ToolPlan, answered_calls, parser_for_template, plan_tools
 
 TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {
     "type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}}},
@@ -87,6 +89,24 @@ def test_a_repeated_call_ends_the_reply_and_one_call_means_one():
     r = both(hermes, '<tool_call>{"name": "g", "arguments": {}}</tool_call><tool_call>{"name": "g", "arguments": {}}'
                      '</tool_call><tool_call>{"name": "g"')
     assert calls(r) == [("g", {})] and r.finish_reason == "tool_calls"
+
+
+def test_a_call_whose_result_the_conversation_holds_is_not_made_again():
+    history = [ChatMessage(role="user", content="weather?"),
+               ChatMessage(role="assistant", content=None, tool_calls=[
+                   {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}},
+                   {"id": "c2", "type": "function", "function": {"name": "f", "arguments": '{"x": 2}'}}]),
+               ChatMessage(role="tool", tool_call_id="c1", content="sunny")]  # c2 has no result yet
+    answered = answered_calls(history)
+    assert answered == {("f", '{"x": 1}')}
+    generic = dataclasses.replace(plan_tools(TOOLS, "auto", None, None, "<|im_start|>"), answered=answered)
+    parser = ReplyParser(None, generic.reply_parser())
+    assert not parser.feed('{"tool_calls":[{"name":"f","arguments":{"x": 1}}').tool_calls
+    assert parser.done and parser.wants_answer  # its first call: an answer is wanted instead
+    assert generic.answer_constraint.json["required"] == ["response"]
+    later = ReplyParser(None, generic.reply_parser())
+    delta = later.feed('{"tool_calls":[{"name":"f","arguments":{"x":2}},{"name":"f","arguments":{"x":1}}]}')
+    assert [c.name for c in delta.tool_calls] == ["f"] and later.done and not later.wants_answer
 
 
 def test_complete_calls_survive_a_cut_and_the_answer_streams_out_of_its_envelope():

@@ -100,13 +100,25 @@ def test_tensor_parallel_needs_a_link():
 
 
 @pytest.mark.parametrize("name, params", [("llama-3-8b", 8_030_261_248), ("llama-3-70b", 70_553_706_496),
-                                          ("qwen2.5-7b", 7_615_616_512), ("smollm2-135m", 134_515_008)])
+                                          ("qwen2.5-7b", 7_615_616_512), ("smollm2-135m", 134_515_008),
+                                          ("qwen3-30b-a3b", 30_532_122_624)])
 def test_model_table_matches_published_parameter_counts(name, params):
     spec = get_model_spec(name)
     extra = 0
     if name == "qwen2.5-7b":  # q/k/v biases, which the linear count (FLOPs per token) leaves out
         extra = spec.num_layers * (spec.q_dim + 2 * spec.kv_dim)
+    if name == "qwen3-30b-a3b":  # q/k norms, which neither counts
+        extra = spec.num_layers * 2 * spec.head_dim
     assert spec.num_params + extra == params
+
+
+def test_a_mixture_counts_the_experts_a_token_runs():
+    """Qwen3-30B-A3B: 3.3B parameters a token (its name's A3B) of 30.5B; a step of 64 decodes reads nearly all
+    128 experts of a layer, one of a token its own 8."""
+    spec = get_model_spec("qwen3-30b-a3b")
+    assert spec.per_token_linear_params + 2 * spec.lm_head_params == pytest.approx(3.35e9, rel=0.01)
+    assert spec.experts_touched(1) == 8 and spec.experts_touched(64) == pytest.approx(125.9, abs=0.1)
+    assert spec.step_linear_params(64) < 64 * spec.step_linear_params(1) / 4
 
 
 def test_bench_model_spec_matches_the_real_model():

@@ -162,3 +162,37 @@ def test_a_traces_per_request_kv_budget_reaches_the_simulated_scheduler():
                               WorkloadRequest(1, 0.0, [5] * 40, None, 8, "", {})])
     budgets = [r.sampling_params.kv_budget_tokens for r in sim_requests(workload, 1.0, MAX_MODEL_LEN)]
     assert budgets == [24, None]
+
+
+def test_sliding_window_freeing_is_reproduced(tmp_path):
+    """A windowed model (tiny Mistral, window 8): the simulated KV manager gives back the blocks outside the
+    window as the real one does (the same schedule, step for step), which runs more requests at once than holding
+    every block would in the same memory."""
+    from conveyor.engine.llm_engine import LLMEngine
+    from tests.helpers.families import VOCAB, save_tiny
+
+    save_tiny(tmp_path, "mistral")
+    rng = random.Random(3)
+    workload = Workload("windowed", [WorkloadRequest(i, 0.0, [rng.randrange(4, VOCAB) for _ in range(rng.randint(30, 90))],
+                                                     None, rng.randint(4, 20), "", {"temperature": 0.0,
+                                                                                    "ignore_eos": True})
+                                     for i in range(10)])
+    args = EngineArgs(model=str(tmp_path), dtype="float32", block_size=4, max_model_len=128, detokenize=False,
+                      policy="chunked", max_num_seqs=8, max_num_batched_tokens=32, num_kv_blocks=40,
+                      debug_invariants=True)
+    engine = LLMEngine(args)
+    result = replay(engine, workload)
+    windows = engine.model_info.spec.layer_windows
+    assert windows == (8, 8)
+    schedules = {}
+    for free in (True, False):
+        recorder = StepRecorder()
+        scheduler = build_scheduler(replace(args, free_outside_window=free), 40, 128, windows)
+        simulate(scheduler, SimExecutor(ConstantCostModel(0.01)), sim_requests(workload, 1.0, 128), recorder)
+        schedules[free] = [dict(s.num_scheduled_tokens) for s in recorder.steps]
+        if free:
+            peak_freed = max(s.num_running for s in recorder.steps)
+        else:
+            peak_held = max(s.num_running for s in recorder.steps)
+    assert schedules[True] == [dict(s.num_scheduled_tokens) for s in result.steps]
+    assert peak_freed > peak_held

@@ -8,7 +8,8 @@ scheduler applies. It may keep state of its own (a static batch's members).
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Iterator, Sequence
 from typing import NamedTuple, Protocol
 
 from conveyor.core.config import SchedulerConfig
@@ -32,6 +33,50 @@ class WastedWork(NamedTuple):
 
 
 NO_WASTE = WastedWork()
+
+
+class Room(NamedTuple):
+    """What a step has free before it schedules anyone: seats in the running batch, KV blocks, and their size; and
+    the step's cost as the scheduler measured it, (fixed seconds, seconds per token, a prompt chunk's seconds)
+    (``speculative.StepCostModel``; None: not asked for, or not known yet)."""
+
+    free_seats: int
+    free_blocks: int
+    block_size: int
+    step_cost: tuple[float, float, float] | None = None
+
+
+class StepYield(NamedTuple):
+    """Running requests that make room for others this step: ``preempt`` lose their blocks and go back to the queue
+    (recompute); ``caps`` (id -> tokens) compute at most that many tokens this step (0: none, their blocks kept);
+    ``admit_cap`` (priority, tokens): waiting requests of a worse priority than that may be admitted with at most
+    that many tokens in all this step."""
+
+    preempt: list[Request]
+    caps: dict[str, int] | None = None
+    admit_cap: tuple[int, int] | None = None
+
+
+NO_YIELD = StepYield([])
+
+
+class WaitingQueue(Protocol):
+    """The waiting requests in the order they are admitted: the deque operations the scheduler uses
+    (``appendleft``: a preempted request going back)."""
+
+    def append(self, request: Request) -> None: ...
+
+    def appendleft(self, request: Request) -> None: ...
+
+    def popleft(self) -> Request: ...
+
+    def remove(self, request: Request) -> None: ...
+
+    def __getitem__(self, index: int) -> Request: ...
+
+    def __len__(self) -> int: ...
+
+    def __iter__(self) -> Iterator[Request]: ...
 
 
 class SchedulingPolicy(Protocol):
@@ -60,10 +105,20 @@ class SchedulingPolicy(Protocol):
     def choose_victim(self, candidates: Sequence[Request]) -> Request:
         """The running request to preempt when blocks run out (``candidates`` in admission order)."""
 
+    def waiting_queue(self) -> WaitingQueue:
+        """A new, empty waiting queue: its order is the order of admission."""
+
+    def order_running(self, requests: list[Request]) -> list[Request]:
+        """The order in which running requests (decodes, then prompt chunks) get their tokens this step: the last
+        are the first victims when blocks run out."""
+
+    def yield_to_waiting(self, running: Sequence[Request], waiting: Sequence[Request], room: Room) -> StepYield:
+        """Called before running requests are scheduled: which of them make room for waiting ones this step."""
+
 
 class BasePolicy:
     """The neutral defaults every policy starts from: each prompt whole in the step it joins, no step hooks, no
-    waste, a finished request retires, FCFS preemption. A policy overrides only the decisions it changes
+    waste, a finished request retires, first come first served (queue order, preemption, nobody yields). A policy overrides only the decisions it changes
     (``ChunkedPolicy`` the budget and the chunking; the baselines their batch life)."""
 
     name = "base"
@@ -93,3 +148,14 @@ class BasePolicy:
     def choose_victim(self, candidates: Sequence[Request]) -> Request:
         """FCFS: the most recently admitted request loses its blocks first."""
         return candidates[-1]
+
+    def waiting_queue(self) -> WaitingQueue:
+        """FCFS: arrival order; a preempted request goes back to the head."""
+        return deque()
+
+    def order_running(self, requests: list[Request]) -> list[Request]:
+        return requests
+
+    def yield_to_waiting(self, running: Sequence[Request], waiting: Sequence[Request], room: Room) -> StepYield:
+        """FCFS: a waiting request waits for room; nobody running gives any up for it."""
+        return NO_YIELD

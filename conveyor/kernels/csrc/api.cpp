@@ -74,7 +74,10 @@ const char* cvk_struct_layout(int which) {
       CVK_FIELD(CvkLayerStackArgs, use_amx), CVK_FIELD(CvkLayerStackArgs, L), CVK_FIELD(CvkLayerStackArgs, num_reqs),
       CVK_FIELD(CvkLayerStackArgs, H), CVK_FIELD(CvkLayerStackArgs, KVH), CVK_FIELD(CvkLayerStackArgs, D),
       CVK_FIELD(CvkLayerStackArgs, bs), CVK_FIELD(CvkLayerStackArgs, num_threads), CVK_FIELD(CvkLayerStackArgs, scale),
-      CVK_FIELD(CvkLayerStackArgs, eps), CVK_FIELD(CvkLayerStackArgs, quantized)});
+      CVK_FIELD(CvkLayerStackArgs, eps), CVK_FIELD(CvkLayerStackArgs, quantized),
+      CVK_FIELD(CvkLayerStackArgs, moe_scratch), CVK_FIELD(CvkLayerStackArgs, moe_scratch_bytes),
+      CVK_FIELD(CvkLayerStackArgs, moe_inter), CVK_FIELD(CvkLayerStackArgs, E), CVK_FIELD(CvkLayerStackArgs, top_k),
+      CVK_FIELD(CvkLayerStackArgs, norm_topk_prob), CVK_FIELD(CvkLayerStackArgs, qk_norm_across_heads)});
   static const std::string qweight = layout<CvkQuantWeight>({
       CVK_FIELD(CvkQuantWeight, qs), CVK_FIELD(CvkQuantWeight, scale), CVK_FIELD(CvkQuantWeight, offset),
       CVK_FIELD(CvkQuantWeight, N), CVK_FIELD(CvkQuantWeight, K), CVK_FIELD(CvkQuantWeight, KP),
@@ -85,10 +88,17 @@ const char* cvk_struct_layout(int which) {
       CVK_FIELD(CvkQuantGemmArgs, x_stride), CVK_FIELD(CvkQuantGemmArgs, y_stride),
       CVK_FIELD(CvkQuantGemmArgs, scratch_bytes), CVK_FIELD(CvkQuantGemmArgs, dtype),
       CVK_FIELD(CvkQuantGemmArgs, num_threads)});
+  static const std::string moe = layout<CvkMoeArgs>({
+      CVK_FIELD(CvkMoeArgs, x), CVK_FIELD(CvkMoeArgs, out), CVK_FIELD(CvkMoeArgs, logits),
+      CVK_FIELD(CvkMoeArgs, experts), CVK_FIELD(CvkMoeArgs, scratch), CVK_FIELD(CvkMoeArgs, T),
+      CVK_FIELD(CvkMoeArgs, x_stride), CVK_FIELD(CvkMoeArgs, hidden), CVK_FIELD(CvkMoeArgs, inter),
+      CVK_FIELD(CvkMoeArgs, scratch_bytes), CVK_FIELD(CvkMoeArgs, dtype), CVK_FIELD(CvkMoeArgs, E),
+      CVK_FIELD(CvkMoeArgs, top_k), CVK_FIELD(CvkMoeArgs, norm_topk_prob), CVK_FIELD(CvkMoeArgs, num_threads)});
   if (which == CVK_STRUCT_ATTN_ARGS) return attn.c_str();
   if (which == CVK_STRUCT_LAYER_STACK_ARGS) return stack.c_str();
   if (which == CVK_STRUCT_QUANT_WEIGHT) return qweight.c_str();
   if (which == CVK_STRUCT_QUANT_GEMM_ARGS) return qgemm.c_str();
+  if (which == CVK_STRUCT_MOE_ARGS) return moe.c_str();
   return nullptr;
 }
 
@@ -218,6 +228,15 @@ int cvk_quant_vnni() {
   return 0;
 #endif
 }
+
+// Scratch bytes cvk_moe needs for a step of T rows (with the AMX-INT8 setting now in force); -3 for a bad dtype.
+int64_t cvk_moe_scratch_bytes(int64_t T, int64_t hidden, int64_t inter, int E, int top_k, int dtype) {
+  if (dtype != CVK_F32 && dtype != CVK_BF16) return CVK_ERR_BADARG;
+  return cvk::moe_scratch_bytes(T, hidden, inter, E, top_k, dtype);
+}
+
+// A mixture's routed MLP for one step (CvkMoeArgs, cvk.h; moe.cpp). Returns a CVK_* code.
+int cvk_moe(const CvkMoeArgs* a) { return cvk::moe(*a); }
 
 // The decoder-layer stack of a Llama-family model for one step (layer_stack.cpp). Returns a CVK_* code.
 int cvk_llama_layers(const CvkLayerStackArgs* s) { return cvk::llama_layers(*s); }

@@ -9,7 +9,7 @@
 
 #include <stdint.h>
 
-#define CVK_ABI_VERSION 10
+#define CVK_ABI_VERSION 11
 
 enum {
   CVK_OK = 0,
@@ -87,13 +87,21 @@ typedef struct CvkLayerStackArgs {
   int64_t T, hidden, inter, bt_stride, mass_stride;
   int32_t dtype, use_amx, L, num_reqs, H, KVH, D, bs, num_threads;
   float scale, eps;
-  int32_t quantized; /* 1: the linear fields point at CvkQuantWeight descriptors, not packed float weights */
+  int32_t quantized; /* 1: some linear fields hold CvkQuantWeight descriptors (a per-layer field says which) */
+  /* A mixture of experts (E > 0; float32 only): per layer its router and experts' table (layer_stack.cpp's
+   * fields), top_k and norm_topk_prob as in CvkMoeArgs, the experts' width moe_inter, and moe_scratch: the router
+   * logits (T * E floats, 64-byte aligned) then cvk_moe_scratch_bytes(T, ...) for cvk_moe, moe_scratch_bytes in
+   * all. qk_norm_across_heads: the q/k norms span all heads (one row of H * D, one of KVH * D per token). */
+  void* moe_scratch;
+  int64_t moe_scratch_bytes, moe_inter;
+  int32_t E, top_k, norm_topk_prob, qk_norm_across_heads;
 } CvkLayerStackArgs;
 
 #ifdef __cplusplus
 static_assert(sizeof(void*) == 8, "the Python mirrors assume 64-bit pointers");
 static_assert(sizeof(CvkAttnArgs) == 15 * 8 + 7 * 8 + 8 * 4, "CvkAttnArgs changed: bump CVK_ABI_VERSION");
-static_assert(sizeof(CvkLayerStackArgs) == 18 * 8 + 5 * 8 + 12 * 4, "CvkLayerStackArgs changed: bump CVK_ABI_VERSION");
+static_assert(sizeof(CvkLayerStackArgs) == 18 * 8 + 5 * 8 + 12 * 4 + 3 * 8 + 4 * 4,
+              "CvkLayerStackArgs changed: bump CVK_ABI_VERSION");
 #endif
 
 /* A linear layer's weight quantized in blocks of 32 values along K (gemm_quant.cpp; conveyor/layers/quantized.py
@@ -130,12 +138,31 @@ typedef struct CvkQuantGemmArgs {
   int32_t dtype, num_threads;
 } CvkQuantGemmArgs;
 
+/* The routed MLP of a mixture of experts for one step (cvk_moe, moe.cpp): per token, softmax over the E router
+ * logits, the top_k largest (divided by their sum when norm_topk_prob), then each chosen expert's gate_up and down
+ * GEMMs once on the rows of the tokens that chose it, out = the weighted sum in increasing expert order.
+ *   x [T, x_stride] (dtype): the normed hidden states; out [T, hidden] (dtype), written; logits [T, E] float32.
+ *   experts: int64 [E][4] = (gate_up weight, its kind, down weight, its kind), kind CVK_MOE_QUANT (a
+ *     CvkQuantWeight*, either dtype) or CVK_MOE_FLOAT (packed for cvk_skinny_gemm, float32 only); no biases.
+ *   scratch: cvk_moe_scratch_bytes(T, hidden, inter, E, top_k, dtype) bytes (with the AMX-INT8 setting in force). */
+enum { CVK_MOE_FLOAT = 0, CVK_MOE_QUANT = 1 };
+typedef struct CvkMoeArgs {
+  const void* x;
+  void* out;
+  const float* logits;
+  const int64_t* experts;
+  void* scratch;
+  int64_t T, x_stride, hidden, inter, scratch_bytes;
+  int32_t dtype, E, top_k, norm_topk_prob, num_threads;
+} CvkMoeArgs;
+
 enum { CVK_STRUCT_ATTN_ARGS = 0, CVK_STRUCT_LAYER_STACK_ARGS = 1, CVK_STRUCT_QUANT_WEIGHT = 2,
-       CVK_STRUCT_QUANT_GEMM_ARGS = 3 }; /* cvk_struct_layout's `which` */
+       CVK_STRUCT_QUANT_GEMM_ARGS = 3, CVK_STRUCT_MOE_ARGS = 4 }; /* cvk_struct_layout's `which` */
 
 #ifdef __cplusplus
 static_assert(sizeof(CvkQuantWeight) == 3 * 8 + 3 * 8 + 2 * 4, "CvkQuantWeight changed: bump CVK_ABI_VERSION");
 static_assert(sizeof(CvkQuantGemmArgs) == 5 * 8 + 4 * 8 + 2 * 4, "CvkQuantGemmArgs changed: bump CVK_ABI_VERSION");
+static_assert(sizeof(CvkMoeArgs) == 5 * 8 + 5 * 8 + 5 * 4 + 4, "CvkMoeArgs changed: bump CVK_ABI_VERSION");
 #endif
 
 #endif /* CVK_H */

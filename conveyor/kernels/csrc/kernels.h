@@ -44,8 +44,30 @@ int64_t quant_scratch_bytes(int64_t M, int64_t KP);  // what cvk_quant_gemm need
 constexpr int64_t AMX_QDOT_MIN_ROWS = 5;     // 4-bit weights (CVK_Q4)
 constexpr int64_t AMX_QDOT_MIN_ROWS_Q8 = 3;  // 8-bit weights (CVK_Q8)
 int quant_gemm(const CvkQuantGemmArgs& a);
+// quant_gemm of M rows of x (K apart) into y (N apart) + bias (or NULL), the activations quantized into scratch
+inline int quant_gemm_rows(const CvkQuantWeight* w, const void* x, int64_t K, int64_t M, const void* bias, void* y,
+                           int64_t N, void* scratch, int64_t scratch_bytes, int dtype, int num_threads) {
+  CvkQuantGemmArgs q{};
+  q.w = w;
+  q.x = x;
+  q.bias = bias;
+  q.y = y;
+  q.scratch = scratch;
+  q.M = M;
+  q.x_stride = K;
+  q.y_stride = N;
+  q.scratch_bytes = scratch_bytes;
+  q.dtype = dtype;
+  q.num_threads = num_threads;
+  return quant_gemm(q);
+}
 int quant_dequantize(const CvkQuantWeight& w, const int64_t* rows, int64_t count, int dtype, void* out,
                      int64_t out_stride, int num_threads);
+// moe.cpp: a mixture's routed MLP for one step (cvk_moe), and its scratch bytes
+int64_t moe_scratch_bytes(int64_t T, int64_t hidden, int64_t inter, int E, int top_k, int dtype);
+int moe(const CvkMoeArgs& a);
+// The router logits' share at the start of the layer stack's moe_scratch: T * E floats, 64-byte aligned.
+inline int64_t moe_logits_bytes(int64_t T, int E) { return (T * E * 4 + 63) / 64 * 64; }
 // layer_stack.cpp: cvk_llama_layers
 int llama_layers(const CvkLayerStackArgs& s);
 }  // namespace cvk

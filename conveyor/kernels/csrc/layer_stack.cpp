@@ -17,19 +17,25 @@ namespace cvk {
 //   h = rmsnorm(residual += x) (layer 0: h = rmsnorm(residual)); qkv = h Wqkv^T (+b); with q/k norms (Qwen3),
 //   rmsnorm of each q and k head in place; rope + KV write + attention(qkv, the layer's window) -> attn;
 //   x = attn Wo^T (+b); h = rmsnorm(residual += x); gu = h Wgu^T (+b); act = silu(gate) * up; x = act Wdown^T (+b)
+// or, for a mixture of experts, logits = h Wrouter^T and x = cvk_moe(h, logits) (moe.cpp),
 // so the results are bit-identical to it. On entry `residual` holds the embeddings; on return `x` holds the last
 // layer's output and `residual` the stream before it (the final norm stays in Python).
 // Arguments: CvkLayerStackArgs (cvk.h). Per-layer pointers come as one int64 array, field-major (fields[f * L + layer]), fields in this order:
 //   0 input-norm weight, 1 qkv packed weight, 2 qkv bias (0: none), 3 o packed, 4 o bias, 5 post-norm weight,
 //   6 gate_up packed, 7 gate_up bias, 8 down packed, 9 down bias, 10 q-norm weight (0: none), 11 k-norm weight,
-//   12 the layer's sliding window (a number, 0: none), 13 k cache, 14 v cache.
+//   12 the layer's sliding window (a number, 0: none), 13 a mixture's router weight packed for the float32 skinny
+//   GEMM (0: a dense MLP), 14 its experts' table (CvkMoeArgs.experts), 15 which linear fields hold CvkQuantWeight
+//   descriptors (bit f for field f; the others hold packed float weights: llama.cpp's Q4_K_M keeps some layers in
+//   Q6_K, which conveyor holds in float), 16 k cache, 17 v cache.
+// With s.qk_norm_across_heads the q and k norms span all heads' rows (OLMoE), one row of H * D and one of KVH * D.
 // Scratch (dense, the step's dtype): h [T, hidden], qkv [T, (H + 2 KVH) D], attn [T, H D], gu [T, 2 inter],
 // act [T, inter]. Weights are packed as cvk_skinny_gemm takes them, and bfloat16 runs its GEMMs on AMX only
-// (use_amx: the caller checked cvk_amx_init); or, when s.quantized, the linear fields point at CvkQuantWeight
-// descriptors and every GEMM is cvk_quant_gemm's (either dtype), its activations quantized into s.quant_scratch. The attention plan is the step's (s.plan), or built here once
+// (use_amx: the caller checked cvk_amx_init); a linear field that points at a CvkQuantWeight descriptor (its bit
+// in field 15) is cvk_quant_gemm's (either dtype), its activations quantized into s.quant_scratch (given when any
+// field is). The attention plan is the step's (s.plan), or built here once
 // for all layers. Returns CVK_OK, or the first failing part's code.
 enum { LW_IN_NORM, LW_QKV, LW_QKV_B, LW_O, LW_O_B, LW_POST_NORM, LW_GU, LW_GU_B, LW_DOWN, LW_DOWN_B, LW_Q_NORM,
-       LW_K_NORM, LW_WINDOW, LW_KC, LW_VC, LW_FIELDS };
+       LW_K_NORM, LW_WINDOW, LW_ROUTER, LW_EXPERTS, LW_QUANT, LW_KC, LW_VC, LW_FIELDS };
 
 int llama_layers(const CvkLayerStackArgs& s) {
   const int dtype = s.dtype, L = s.L, H = s.H, KVH = s.KVH, D = s.D, num_threads = s.num_threads;
@@ -39,30 +45,29 @@ int llama_layers(const CvkLayerStackArgs& s) {
   const float eps = s.eps;
   if (T <= 0) return CVK_OK;
   if (dtype != CVK_F32 && dtype != CVK_BF16) return CVK_ERR_BADARG;
-  const bool quant = s.quantized != 0;
-  if (quant && s.quant_scratch == nullptr) return CVK_ERR_BADARG;
-  if (dtype == CVK_BF16 && !quant && !kAmx) return CVK_ERR_UNSUPPORTED;
-  if (dtype == CVK_BF16 && !quant && (!s.use_amx || hidden % 32 != 0 || inter % 32 != 0 || (int64_t(H) * D) % 32 != 0))
+  auto is_quant = [&](int field, int layer) { return (fields[int64_t(LW_QUANT) * L + layer] >> field) & 1; };
+  bool any_float = false;  // a float linear field: bfloat16 runs those on AMX only
+  for (int l = 0; l < L; l++)
+    for (int f : {LW_QKV, LW_O, LW_GU, LW_DOWN}) any_float |= fields[int64_t(f) * L + l] != 0 && !is_quant(f, l);
+  if (s.quantized != 0 && s.quant_scratch == nullptr) return CVK_ERR_BADARG;
+  if (dtype == CVK_BF16 && any_float && !kAmx) return CVK_ERR_UNSUPPORTED;
+  if (dtype == CVK_BF16 && any_float &&
+      (!s.use_amx || hidden % 32 != 0 || inter % 32 != 0 || (int64_t(H) * D) % 32 != 0))
     return CVK_ERR_BADARG;
   if (!attention_supports(H, KVH, D)) return CVK_ERR_UNSUPPORTED;
+  if (s.E > 0 && (dtype != CVK_F32 || s.moe_scratch == nullptr ||
+                  s.moe_scratch_bytes < moe_logits_bytes(T, s.E) + moe_scratch_bytes(T, hidden, s.moe_inter, s.E,
+                                                                                         s.top_k, dtype)))
+    return CVK_ERR_BADARG;  // a mixture's router runs on the float32 skinny GEMM
   const int64_t es = dtype == 0 ? 4 : 2;
   const int64_t qkv_n = int64_t(H + 2 * KVH) * D, q_n = int64_t(H) * D;
   auto ptr = [&](int field, int layer) { return reinterpret_cast<const void*>(fields[int64_t(field) * L + layer]); };
   auto gemm = [&](const void* in, int64_t K, int layer, int wf, int bf, void* out, int64_t N) {
-    if (quant) {
-      CvkQuantGemmArgs q{};
-      q.w = static_cast<const CvkQuantWeight*>(ptr(wf, layer));
-      q.x = in;
-      q.bias = ptr(bf, layer);
-      q.y = out;
-      q.scratch = s.quant_scratch;
-      q.M = T;
-      q.x_stride = K;
-      q.y_stride = N;
-      q.scratch_bytes = quant_scratch_bytes(T, q.w->KP);  // the caller sized it for the largest K
-      q.dtype = dtype;
-      q.num_threads = num_threads;
-      quant_gemm(q);
+    if (is_quant(wf, layer)) {
+      const CvkQuantWeight* w = static_cast<const CvkQuantWeight*>(ptr(wf, layer));
+      // the caller sized the scratch for the largest K
+      quant_gemm_rows(w, in, K, T, ptr(bf, layer), out, N, s.quant_scratch, quant_scratch_bytes(T, w->KP), dtype,
+                      num_threads);
     } else if (dtype == 0)
       skinny_gemm(0, in, K, T, ptr(wf, layer), ptr(bf, layer), out, N, N, K, num_threads);
     else
@@ -111,7 +116,10 @@ int llama_layers(const CvkLayerStackArgs& s) {
   for (int l = 0; l < L; l++) {
     norm(l == 0 ? residual : x, ptr(LW_IN_NORM, l), l > 0);
     gemm(h, hidden, l, LW_QKV, LW_QKV_B, s.qkv, qkv_n);
-    if (ptr(LW_Q_NORM, l) != nullptr) {  // the per-layer path's rows of head_dim, the same row kernel
+    if (ptr(LW_Q_NORM, l) != nullptr && s.qk_norm_across_heads) {  // one row of all heads each, as per layer
+      rmsnorm_heads(dtype, s.qkv, qkv_n, T, 1, H * D, ptr(LW_Q_NORM, l), eps, num_threads);
+      rmsnorm_heads(dtype, qkv_c + q_n * es, qkv_n, T, 1, KVH * D, ptr(LW_K_NORM, l), eps, num_threads);
+    } else if (ptr(LW_Q_NORM, l) != nullptr) {  // the per-layer path's rows of head_dim, the same row kernel
       rmsnorm_heads(dtype, s.qkv, qkv_n, T, H, D, ptr(LW_Q_NORM, l), eps, num_threads);
       rmsnorm_heads(dtype, qkv_c + q_n * es, qkv_n, T, KVH, D, ptr(LW_K_NORM, l), eps, num_threads);
     }
@@ -131,7 +139,34 @@ int llama_layers(const CvkLayerStackArgs& s) {
     }
     gemm(attn, q_n, l, LW_O, LW_O_B, x, hidden);
     norm(x, ptr(LW_POST_NORM, l), true);
-    if (dtype == 0 || quant) {
+    if (ptr(LW_ROUTER, l) != nullptr) {  // a mixture: the router's logits, then the experts they choose
+      float* logits = static_cast<float*>(s.moe_scratch);
+      skinny_gemm(0, h, hidden, T, ptr(LW_ROUTER, l), nullptr, logits, s.E, s.E, hidden, num_threads);
+      CvkMoeArgs m{};
+      m.x = h;
+      m.out = x;
+      m.logits = logits;
+      m.experts = reinterpret_cast<const int64_t*>(ptr(LW_EXPERTS, l));
+      m.scratch = static_cast<char*>(s.moe_scratch) + moe_logits_bytes(T, s.E);
+      m.scratch_bytes = s.moe_scratch_bytes - moe_logits_bytes(T, s.E);
+      m.T = T;
+      m.x_stride = hidden;
+      m.hidden = hidden;
+      m.inter = s.moe_inter;
+      m.dtype = dtype;
+      m.E = s.E;
+      m.top_k = s.top_k;
+      m.norm_topk_prob = s.norm_topk_prob;
+      m.num_threads = num_threads;
+      const int mrc = moe(m);
+      if (mrc != 0) {
+#pragma omp atomic write
+        rc = mrc;
+        break;
+      }
+      continue;
+    }
+    if (dtype == 0 || is_quant(LW_GU, l)) {
       gemm(h, hidden, l, LW_GU, LW_GU_B, gu, 2 * inter);
       silu_mul(dtype, gu, act, T, inter, num_threads);
     } else {

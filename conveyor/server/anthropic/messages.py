@@ -16,7 +16,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from conveyor.server.anthropic.protocol import CountTokensRequest, MessagesRequest, chat_body
-from conveyor.server.chat_plan import ChatRun, check_plan, internal_request, plan_chat
+from conveyor.server.chat_plan import check_plan, internal_request, plan_chat
+from conveyor.server.chat_run import ChatRun
 from conveyor.server.errors import APIError, anthropic_error
 from conveyor.server.reply import ReplyResult
 from conveyor.server.reply_blocks import Block, BlockEvent, BlockSequencer

@@ -17,7 +17,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from conveyor.server.errors import bad_request
-from conveyor.server.fields import Bool, Float, NonNegativeInt, PositiveInt
+from conveyor.server.fields import Bool, Float, NonNegativeInt, PositiveInt, Priority, ServiceTier
 
 
 class TextBlock(BaseModel):
@@ -84,6 +84,9 @@ class MessagesRequest(BaseModel):
     metadata: dict[str, Any] | None = None
     thinking: Thinking | None = None
     output_config: OutputConfig | None = None
+    priority: Priority = 0  # conveyor's extension (Messages has none): --scheduling-policy priority's order
+    # Anthropic's "auto" (may be served by a lower class) or "standard_only" (the default class only), or a class
+    service_tier: ServiceTier | None = None
 
     @property
     def thinks(self) -> bool:
@@ -182,7 +185,8 @@ def chat_body(body: MessagesRequest) -> dict:
     chat: dict = {"model": body.model, "messages": _conversation(body), "max_tokens": body.max_tokens,
                   "stop": body.stop_sequences, "temperature": body.temperature, "top_p": body.top_p,
                   "top_k": body.top_k, "tools": tools, "tool_choice": tool_choice, "parallel_tool_calls": parallel,
-                  "chat_template_kwargs": {"enable_thinking": body.thinks}}
+                  "chat_template_kwargs": {"enable_thinking": body.thinks}, "priority": body.priority,
+                  "service_tier": {"standard_only": "default"}.get(body.service_tier, body.service_tier)}
     if body.output_config is not None and body.output_config.format is not None:
         chat["response_format"] = {"type": "json_schema", "json_schema": {
             "name": "output", "schema": body.output_config.format.schema_}}
