@@ -4,8 +4,10 @@
 from __future__ import annotations
 
 import hashlib
+import os
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
+from pathlib import Path
 
 from conveyor.server.serving_common import ServingContext
 
@@ -29,6 +31,7 @@ class ModelCard:
     size: int  # bytes of weights in memory (an estimate from the parameter count and dtype)
     thinks: bool
     loaded_at: datetime
+    file_format: str | None = None  # "gguf" or "safetensors" where known from the files (else from quantization)
 
     @classmethod
     def of(cls, ctx: ServingContext) -> ModelCard:
@@ -42,10 +45,20 @@ class ModelCard:
                    int(model.num_params) * DTYPE_BYTES.get(str(model.dtype), 4), ctx.reasoning is not None,
                    datetime.now(timezone.utc))
 
+    @classmethod
+    def on_disk(cls, name: str, path: str | None) -> ModelCard:
+        """A model that is not loaded, as far as its files tell without reading them: its size on disk."""
+        size, modified = 0, datetime.now(timezone.utc)
+        if path and os.path.exists(path):
+            files = [Path(path)] if os.path.isfile(path) else [p for p in Path(path).rglob("*") if p.is_file()]
+            size = sum(p.stat().st_size for p in files)
+            modified = datetime.fromtimestamp(os.path.getmtime(path), timezone.utc)
+        file_format = "gguf" if path and path.endswith(".gguf") else "safetensors"
+        return cls(name, "", 0, "", "", 0, "", size, False, modified, file_format)
+
     def names(self, name: str) -> bool:
         """Whether ``name`` (as an Ollama client sends it: ``model``, ``model:tag``) is the served model."""
-        wanted, served = name.lower(), self.name.lower()
-        return wanted == served or (":" in wanted and wanted.rsplit(":", 1)[0] == served)
+        return names_model(name, self.name)
 
     @property
     def tagged(self) -> str:
@@ -56,8 +69,10 @@ class ModelCard:
         return hashlib.sha256(f"{self.name}/{self.dtype}/{self.num_params}".encode()).hexdigest()
 
     def details(self) -> dict:
-        return {"parent_model": "", "format": "gguf" if self.quantization.startswith("Q") else "safetensors",
-                "family": self.family, "families": [self.family], "parameter_size": _parameter_size(self.num_params),
+        file_format = self.file_format or ("gguf" if self.quantization.startswith("Q") else "safetensors")
+        return {"parent_model": "", "format": file_format,
+                "family": self.family, "families": [self.family] if self.family else [],
+                "parameter_size": _parameter_size(self.num_params) if self.num_params else "",
                 "quantization_level": self.quantization}
 
     def listed(self) -> dict:
@@ -74,8 +89,16 @@ class ModelCard:
                                f"{self.family}.context_length": self.context_length},
                 "capabilities": capabilities}
 
-    def running(self) -> dict:
-        """The model's entry in ``/api/ps``: loaded for as long as the server runs."""
-        expires = datetime.now(timezone.utc) + timedelta(days=3650)
+    def running(self, expires_at: float | None = None) -> dict:
+        """The model's entry in ``/api/ps``: loaded until ``expires_at`` (Unix time; None: as long as the server
+        runs)."""
+        expires = (datetime.now(timezone.utc) + timedelta(days=3650) if expires_at is None
+                   else datetime.fromtimestamp(expires_at, timezone.utc))
         return {**self.listed(), "expires_at": expires.isoformat(), "size_vram": 0,
                 "context_length": self.context_length}
+
+
+def names_model(wanted: str, served: str) -> bool:
+    """Whether ``wanted`` (as an Ollama client sends it: ``model``, ``model:tag``, any case) names ``served``."""
+    wanted, served = wanted.lower(), served.lower()
+    return wanted == served or (":" in wanted and wanted.rsplit(":", 1)[0] == served)
