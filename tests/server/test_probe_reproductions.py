@@ -20,7 +20,7 @@ import time
 import httpx
 import pytest
 
-from tests.helpers.checkpoints import TINY_VOCAB, save_tiny_llama, write_byte_tokenizer
+from tests.helpers.checkpoints import save_tiny_llama, write_byte_tokenizer
 from tests.helpers.load import Served, SharedServer, assert_serving, idle, tail, wait_gauges
 from tests.helpers.server import CHAT_TEMPLATE
 
