@@ -17,6 +17,12 @@ def _parameter_size(n: int) -> str:
     return f"{n / 1e9:.1f}B" if n >= 1e9 else f"{round(n / 1e6)}M"
 
 
+def name_matches(name: str, served: str) -> bool:
+    """Whether ``name``, as an Ollama client sends it (``model`` or ``model:tag``, any case), names ``served``."""
+    wanted, served = name.lower(), served.lower()
+    return wanted == served or (":" in wanted and wanted.rsplit(":", 1)[0] == served)
+
+
 @dataclass(frozen=True)
 class ModelCard:
     name: str  # the served name
@@ -44,8 +50,7 @@ class ModelCard:
 
     def names(self, name: str) -> bool:
         """Whether ``name`` (as an Ollama client sends it: ``model``, ``model:tag``) is the served model."""
-        wanted, served = name.lower(), self.name.lower()
-        return wanted == served or (":" in wanted and wanted.rsplit(":", 1)[0] == served)
+        return name_matches(name, self.name)
 
     @property
     def tagged(self) -> str:

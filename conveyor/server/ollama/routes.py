@@ -3,9 +3,8 @@
 ``{"error": "..."}``.
 
 Model names are resolved as Ollama clients send them: the served name, with or without a ``:tag``
-(``SmolLM2-135M-Instruct:latest``), in any case; another name is Ollama's 404. ``/api/embed`` belongs to the
-embedding requests (``serving_pooling.py``, the pooling request kind): it is not served yet, and will be one more
-route here over that path, with the same name resolution and error shape.
+(``SmolLM2-135M-Instruct:latest``), in any case; another name is Ollama's 404. ``/api/embed`` and
+``/api/embeddings`` are in ``embed.py``, over the embedding path.
 """
 
 from __future__ import annotations
