@@ -29,6 +29,7 @@ from conveyor.server.limits import (
     DEFAULT_MAX_REQUEST_BODY_BYTES, DEFAULT_MAX_SEQS_PER_REQUEST, UPLOAD_OVERHEAD_BYTES, max_token_chars,
 )
 from conveyor.server.metrics import ServerMetrics, log_stats_forever
+from conveyor.server.ollama.embed import install_ollama_embed_routes
 from conveyor.server.ollama.routes import install_ollama_routes
 from conveyor.server.protocol import ChatCompletionRequest, CompletionRequest
 from conveyor.server.responses.serving import install_responses_routes
@@ -222,6 +223,7 @@ def install_routes(app: FastAPI, served: ModelRouter, responses_store: ResponseS
     install_anthropic_routes(app, served)
     install_responses_routes(app, served, responses_store or ResponseStore())
     install_ollama_routes(app, served)
+    install_ollama_embed_routes(app, served)
     return {"/v1/completions": (CompletionRequest, completions),
             "/v1/chat/completions": (ChatCompletionRequest, chat_completions),
             **install_pooling_routes(app, served)}

@@ -109,7 +109,8 @@ class ModelPool:
         self.on_dead: list[Callable[[BaseException], None]] = []  # (never called: one model's death is not fatal)
 
     # ---- ModelRouter ------------------------------------------------------------------------------------
-    async def resolve(self, name: str | None, task: str, keep_alive_s: float | None = None) -> ServingContext:
+    async def resolve(self, name: str | None, task: str | None,
+                      keep_alive_s: float | None = None) -> ServingContext:
         name = self.catalog.names[0] if name is None else name
         if self.catalog.path_of(name) is None:
             raise not_found(name, self.catalog.names)

@@ -33,14 +33,16 @@ class ModelEntry:
 class ModelRouter(Protocol):
     """How routes find the model a request names.
 
-    ``resolve`` returns the context serving ``task`` for ``name`` (None: the server's default for the task),
+    ``resolve`` returns the context serving ``task`` for ``name`` (None: the server's default for the task; a
+    task of None: whatever task the model serves),
     loading the model first where the router loads on demand: 404 (``model_not_found``) for a name it does not
     serve, 400 naming ``model`` for a model of another task, 5xx when the model cannot be loaded. The model stays
     in use until the HTTP response that asked for it has ended. ``keep_alive_s``: how long the model stays
     loaded once idle after this request (None: the server's default; negative: until the server stops; 0: unload
     as soon as it is idle); a router that never unloads ignores it. ``entries`` lists every servable model."""
 
-    async def resolve(self, name: str | None, task: str, keep_alive_s: float | None = None) -> ServingContext: ...
+    async def resolve(self, name: str | None, task: str | None,
+                      keep_alive_s: float | None = None) -> ServingContext: ...
 
     def entries(self) -> list[ModelEntry]: ...
 
@@ -50,8 +52,8 @@ def not_found(name: str, served: list[str]) -> APIError:
                     f"{', '.join(f'`{n}`' for n in served)}.", "model", "model_not_found")
 
 
-def check_task(ctx: ServingContext, task: str) -> ServingContext:
-    if ctx.task != task:
+def check_task(ctx: ServingContext, task: str | None) -> ServingContext:
+    if task is not None and ctx.task != task:
         raise bad_request(f"model: `{ctx.model_name}` is a {TASK_WORDS[ctx.task]} model; it does not serve "
                           f"{TASK_WORDS[task]}", "model")
     return ctx
@@ -69,7 +71,7 @@ class ServedModels:
             raise ValueError(f"two served models are named {ctx.model_name!r}: pass --served-model-name")
         self.contexts[ctx.model_name] = ctx
 
-    def for_request(self, name: str | None, task: str) -> ServingContext:
+    def for_request(self, name: str | None, task: str | None) -> ServingContext:
         """The context that serves ``task`` for a request naming ``name`` (None: the first that serves it). 404
         for an unknown name, 400 naming ``model`` for a model of another task."""
         if name is not None:
@@ -77,10 +79,11 @@ class ServedModels:
             if ctx is None:
                 raise not_found(name, list(self.contexts))
         else:
-            ctx = next((c for c in self.contexts.values() if c.task == task), next(iter(self.contexts.values())))
+            ctx = next((c for c in self.contexts.values() if task in (None, c.task)), next(iter(self.contexts.values())))
         return check_task(ctx, task)
 
-    async def resolve(self, name: str | None, task: str, keep_alive_s: float | None = None) -> ServingContext:
+    async def resolve(self, name: str | None, task: str | None,
+                      keep_alive_s: float | None = None) -> ServingContext:
         return self.for_request(name, task)
 
     def entries(self) -> list[ModelEntry]:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
+from conveyor.server.errors import APIError
 from conveyor.server.serving_common import ServingContext
 
 DTYPE_BYTES = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}
@@ -17,6 +18,20 @@ DTYPE_BYTES = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}
 def _parameter_size(n: int) -> str:
     """Ollama's spelling: 135M, 7.6B."""
     return f"{n / 1e9:.1f}B" if n >= 1e9 else f"{round(n / 1e6)}M"
+
+
+def served_name(served: list[str], name: str | None) -> str:
+    """The served model ``name`` stands for (an exact name first, else Ollama's spelling); else Ollama's 404."""
+    match = [n for n in served if n == name] or [n for n in served if name and name_matches(name, n)]
+    if not match:
+        raise APIError(404, f"model {name!r} not found, try pulling it first", "model", "model_not_found")
+    return match[0]
+
+
+def name_matches(name: str, served: str) -> bool:
+    """Whether ``name``, as an Ollama client sends it (``model`` or ``model:tag``, any case), names ``served``."""
+    wanted, served = name.lower(), served.lower()
+    return wanted == served or (":" in wanted and wanted.rsplit(":", 1)[0] == served)
 
 
 @dataclass(frozen=True)
@@ -58,7 +73,7 @@ class ModelCard:
 
     def names(self, name: str) -> bool:
         """Whether ``name`` (as an Ollama client sends it: ``model``, ``model:tag``) is the served model."""
-        return names_model(name, self.name)
+        return name_matches(name, self.name)
 
     @property
     def tagged(self) -> str:
@@ -97,8 +112,3 @@ class ModelCard:
         return {**self.listed(), "expires_at": expires.isoformat(), "size_vram": 0,
                 "context_length": self.context_length}
 
-
-def names_model(wanted: str, served: str) -> bool:
-    """Whether ``wanted`` (as an Ollama client sends it: ``model``, ``model:tag``, any case) names ``served``."""
-    wanted, served = wanted.lower(), served.lower()
-    return wanted == served or (":" in wanted and wanted.rsplit(":", 1)[0] == served)

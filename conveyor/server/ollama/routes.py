@@ -5,9 +5,8 @@
 Model names are resolved as Ollama clients send them: the served name, with or without a ``:tag``
 (``SmolLM2-135M-Instruct:latest``), in any case; another name is Ollama's 404. ``/api/tags`` lists every model
 the server can serve, ``/api/ps`` the loaded ones; ``keep_alive`` sets how long a model stays loaded once idle
-where the server loads models on demand (``model_pool.py``). ``/api/embed`` belongs to the
-embedding requests (``serving_pooling.py``, the pooling request kind): it is not served yet, and will be one more
-route here over that path, with the same name resolution and error shape.
+where the server loads models on demand (``model_pool.py``). ``/api/embed`` and
+``/api/embeddings`` are in ``embed.py``, over the embedding path.
 """
 
 from __future__ import annotations
@@ -25,7 +24,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from conveyor.server.chat_plan import check_plan, internal_request, plan_chat
 from conveyor.server.chat_run import ChatRun
 from conveyor.server.errors import APIError, ollama_error
-from conveyor.server.ollama.model_card import ModelCard, names_model
+from conveyor.server.ollama.model_card import ModelCard, served_name
 from conveyor.server.ollama.protocol import (
     ChatRequest, GenerateRequest, ShowRequest, chat_body, generate_body, keep_alive_seconds,
 )
@@ -62,17 +61,8 @@ class OllamaService:
             card = self._cards[entry.ctx] = ModelCard.of(entry.ctx)
         return card
 
-    def _served_name(self, name: str | None) -> str:
-        """The served model ``name`` stands for (Ollama's spelling: any case, an optional ``:tag``); else 404."""
-        entries = self.served.entries() if name else []
-        exact = [e.name for e in entries if e.name == name]
-        match = exact or [e.name for e in entries if names_model(name, e.name)]
-        if not match:
-            raise APIError(404, f"model {name!r} not found, try pulling it first", "model", "model_not_found")
-        return match[0]
-
     async def _context(self, name: str | None, keep_alive) -> ServingContext:
-        return await self.served.resolve(self._served_name(name), "generate", keep_alive_seconds(keep_alive))
+        return await self.served.resolve(served_name([e.name for e in self.served.entries()], name), "generate", keep_alive_seconds(keep_alive))
 
     async def chat(self, body: ChatRequest, raw: Request):
         ctx = await self._context(body.model, body.keep_alive)
@@ -116,8 +106,9 @@ class OllamaService:
         return {"models": [self._card(e).listed() for e in self.served.entries()]}
 
     async def show(self, body: ShowRequest) -> dict:
-        name = self._served_name(body.model or body.name)
-        entry = next(e for e in self.served.entries() if e.name == name)
+        entries = self.served.entries()
+        name = served_name([e.name for e in entries], body.model or body.name)
+        entry = next(e for e in entries if e.name == name)
         return self._card(entry).shown()
 
     def ps(self) -> dict:
