@@ -29,6 +29,7 @@ logger = logging.getLogger("conveyor.server")
 
 DEFAULT_KEEP_ALIVE_S = 300.0  # Ollama's five minutes
 REAP_INTERVAL_S = 0.5  # how often idle models are checked against their keep-alive
+SHUTDOWN_LOAD_WAIT_S = 10.0  # at shutdown, how long loads under way may take to end (their engines then stop)
 UNLOAD_DRAIN_S = 5.0  # an idle model has nothing in flight; the bound covers a request that just slipped in
 
 # The leases the current HTTP request holds (set by ModelLeaseMiddleware; None outside a request, e.g. a batch
@@ -106,6 +107,7 @@ class ModelPool:
         self._changed = asyncio.Event()
         self._closing = False
         self._reaper: asyncio.Task | None = None
+        self._tasks: set[asyncio.Task] = set()
         self.on_dead: list[Callable[[BaseException], None]] = []  # (never called: one model's death is not fatal)
 
     # ---- ModelRouter ------------------------------------------------------------------------------------
@@ -255,7 +257,9 @@ class ModelPool:
         """One model's engine died (its requests have their errors): the next request loads it again."""
         if self.loaded.get(entry.name) is entry:
             logger.error("model %s: its engine died (%r); it loads again on its next request", entry.name, exc)
-            asyncio.ensure_future(self._unload(entry, "engine died"))
+            task = asyncio.ensure_future(self._unload(entry, "engine died"))
+            self._tasks.add(task)  # (the loop holds tasks weakly)
+            task.add_done_callback(self._tasks.discard)
 
     async def unload_idle(self) -> None:
         """Unload every model whose keep-alive has run out since its last use (and that nothing uses)."""
@@ -290,7 +294,8 @@ class ModelPool:
         self._closing = True
         if self._reaper is not None:
             self._reaper.cancel()
-        await asyncio.gather(*self.loading.values(), return_exceptions=True)
+        if self.loading:  # a load ends its engine itself once it sees the server closing (a daemon process)
+            await asyncio.wait(list(self.loading.values()), timeout=SHUTDOWN_LOAD_WAIT_S)
         await asyncio.gather(*(e.engine.shutdown() for e in list(self.loaded.values())), return_exceptions=True)
         self.loaded.clear()
 

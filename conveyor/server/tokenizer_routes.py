@@ -29,11 +29,11 @@ def tokenizer_info(info: EngineInfo) -> dict:
 
 def install_tokenizer_routes(app: FastAPI, served: ModelRouter) -> None:
     """``/tokenize``, ``/detokenize`` and ``/tokenizer_info`` with the tokenizer of the model a request names
-    (none: the server's default generation model)."""
+    (none: the server's first model), whatever its task."""
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
-        ctx = await served.resolve(body.model, "generate")
+        ctx = await served.resolve(body.model, None)
         info = ctx.engine.info
         if (body.prompt is None) == (body.messages is None):
             raise bad_request("give exactly one of prompt or messages", "prompt")
@@ -56,7 +56,7 @@ def install_tokenizer_routes(app: FastAPI, served: ModelRouter) -> None:
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):
-        ctx = await served.resolve(body.model, "generate")
+        ctx = await served.resolve(body.model, None)
         vocab = ctx.engine.info.model_info.vocab_size
         if any(not 0 <= t < vocab for t in body.tokens):
             raise bad_request(f"tokens must be integers in [0, {vocab})", "tokens")
@@ -65,4 +65,4 @@ def install_tokenizer_routes(app: FastAPI, served: ModelRouter) -> None:
 
     @app.get("/tokenizer_info")
     async def get_tokenizer_info():
-        return await (await served.resolve(None, "generate")).tokenizer_call(tokenizer_info)
+        return await (await served.resolve(None, None)).tokenizer_call(tokenizer_info)
