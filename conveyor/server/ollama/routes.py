@@ -101,7 +101,7 @@ class OllamaService:
         return JSONResponse(shape.final(ReplyDelta(result.reasoning, result.content), calls, result.finish_reason,
                                         result.num_tokens))
 
-    def tags(self) -> dict:
+    async def tags(self) -> dict:  # async: served on the event loop, as the router's other readers are
         """Every model this server can serve, loaded or not."""
         return {"models": [self._card(e).listed() for e in self.served.entries()]}
 
@@ -111,9 +111,12 @@ class OllamaService:
         entry = next(e for e in entries if e.name == name)
         return self._card(entry).shown()
 
-    def ps(self) -> dict:
+    async def ps(self) -> dict:
         """The models loaded now, each with the time it unloads if it stays idle."""
         return {"models": [self._card(e).running(e.expires_at) for e in self.served.entries() if e.state == "loaded"]}
+
+    async def version(self) -> dict:
+        return {"version": OLLAMA_API_VERSION}
 
 
 def _arguments(text: str):
@@ -181,28 +184,11 @@ async def _lines(shape: _Shape) -> AsyncIterator[str]:
 
 
 def install_ollama_routes(app: FastAPI, served: ModelRouter) -> None:
+    """Each route is an ``OllamaService`` method: FastAPI reads the body and the request from its parameters."""
     service = OllamaService(served)
-
-    @app.post("/api/chat")
-    async def chat(body: ChatRequest, raw: Request):
-        return await service.chat(body, raw)
-
-    @app.post("/api/generate")
-    async def generate(body: GenerateRequest, raw: Request):
-        return await service.generate(body, raw)
-
-    @app.get("/api/tags")
-    async def tags():
-        return service.tags()
-
-    @app.post("/api/show")
-    async def show(body: ShowRequest):
-        return await service.show(body)
-
-    @app.get("/api/ps")
-    async def ps():
-        return service.ps()
-
-    @app.get("/api/version")
-    async def version():
-        return {"version": OLLAMA_API_VERSION}
+    app.add_api_route("/api/chat", service.chat, methods=["POST"])
+    app.add_api_route("/api/generate", service.generate, methods=["POST"])
+    app.add_api_route("/api/tags", service.tags, methods=["GET"])
+    app.add_api_route("/api/show", service.show, methods=["POST"])
+    app.add_api_route("/api/ps", service.ps, methods=["GET"])
+    app.add_api_route("/api/version", service.version, methods=["GET"])

@@ -275,20 +275,10 @@ async def _stream(shape: ResponseShape, run: ChatRun, keep) -> AsyncIterator[str
 
 
 def install_responses_routes(app: FastAPI, served: ModelRouter, store: ResponseStore) -> None:
+    """Each route is a ``ResponsesService`` method: FastAPI reads the body, the path's id and the request from its
+    parameters."""
     service = ResponsesService(served, store)
-
-    @app.post("/v1/responses")
-    async def create_response(body: ResponsesRequest, raw: Request):
-        return await service.create(body, raw)
-
-    @app.get("/v1/responses/{response_id}")
-    async def get_response(response_id: str, raw: Request):
-        return await service.get(response_id, raw)
-
-    @app.get("/v1/responses/{response_id}/input_items")
-    async def get_input_items(response_id: str, raw: Request):
-        return await service.input_items(response_id, raw)
-
-    @app.delete("/v1/responses/{response_id}")
-    async def delete_response(response_id: str, raw: Request):
-        return await service.delete(response_id, raw)
+    app.add_api_route("/v1/responses", service.create, methods=["POST"])
+    app.add_api_route("/v1/responses/{response_id}", service.get, methods=["GET"])
+    app.add_api_route("/v1/responses/{response_id}/input_items", service.input_items, methods=["GET"])
+    app.add_api_route("/v1/responses/{response_id}", service.delete, methods=["DELETE"])
