@@ -51,7 +51,7 @@ def run(engine, prompts: list[list[int]], params: SamplingParams | list[Sampling
 
 def peak_blocks(engine, peak: list[int]) -> None:
     """Track the most KV blocks one request held after any step."""
-    held = max((len(b) for b in engine.kv_manager.req_blocks.values()), default=0)
+    held = max((len(engine.kv_manager.blocks_of(rid)) for rid in engine.scheduler.requests), default=0)
     peak[0] = max(peak[0], held)
 
 

@@ -110,8 +110,9 @@ class EngineArgs:
                                      "use); one torch thread per CPU unless --num-threads says otherwise")
 
     def scheduler_config(self, max_model_len: int, whole_prompts: bool = False) -> SchedulerConfig:
+        """The scheduler's config, its policy objects' included (KV eviction from the cache flags)."""
         return SchedulerConfig(**{**self._values_of(SchedulerConfig), "max_model_len": max_model_len,
-                                  "whole_prompts": whole_prompts})
+                                  "whole_prompts": whole_prompts, "eviction": self.cache_config().eviction_config()})
 
     def pooler_overrides(self) -> dict | None:
         """``pooler_config`` as a dict (it may be given as JSON text or, from Python, a dict)."""

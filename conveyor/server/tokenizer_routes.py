@@ -20,7 +20,7 @@ def tokenizer_info(info: EngineInfo) -> dict:
     tok = info.tokenizer
     specials = [tok.decode([i], skip_special_tokens=False) for i in tok.all_special_ids]
     return {"tokenizer_class": type(tok).__name__, "bos_token": tok.bos_token or None,
-            "eos_token": tok.eos_token or None, "pad_token": getattr(tok, "pad_token", None),
+            "eos_token": tok.eos_token or None, "pad_token": tok.pad_token,
             "bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id,
             "additional_special_tokens": [s for s in specials if s not in (tok.bos_token, tok.eos_token)],
             "vocab_size": tok.vocab_size, "model_max_length": info.max_model_len,

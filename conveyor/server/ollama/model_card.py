@@ -52,7 +52,7 @@ class ModelCard:
     def of(cls, ctx: ServingContext) -> ModelCard:
         info = ctx.engine.info
         model = info.model_info
-        quantization = getattr(info.args, "quantization", "auto")
+        quantization = info.args.quantization
         return cls(ctx.model_name, str(model.architecture).lower().removesuffix("forcausallm") or "llama",
                    int(model.num_params), str(model.dtype),
                    quantization if quantization not in ("auto", "none") else str(model.dtype).upper(),
