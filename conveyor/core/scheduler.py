@@ -105,8 +105,7 @@ class Scheduler:
         out = SchedulerOutput(finished_req_ids=self._finished_ids)
         self._finished_ids = set()
         cost = self.step_cost.fit() if self.config.priority_step_slack is not None else None
-        room = Room(self.config.max_num_seqs - len(self.running), round(self.kv.num_blocks * (1 - self.kv.usage())),
-                    self.kv.block_size, cost)
+        room = Room(self.config.max_num_seqs - len(self.running), self.kv.num_free_blocks, self.kv.block_size, cost)
         yielded = self.policy.yield_to_waiting(self.running, self.waiting, room)
         for request in yielded.preempt:  # room for requests that outrank them: those admit this step
             self._preempt(request, out)

@@ -23,7 +23,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from conveyor.server.chat_plan import check_plan, internal_request, plan_chat
 from conveyor.server.chat_run import ChatRun
-from conveyor.server.errors import APIError, ollama_error
+from conveyor.server.errors import ollama_error
 from conveyor.server.ollama.model_card import ModelCard, served_name
 from conveyor.server.ollama.protocol import (
     ChatRequest, GenerateRequest, ShowRequest, chat_body, generate_body, keep_alive_seconds,
