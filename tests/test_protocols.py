@@ -4,7 +4,7 @@ A protocol that is not kept drifts: a feature adds a member to one implementatio
 protocol no longer says what an implementation must have (the review of issue 56 found the scheduler calling five
 ``KVManager`` members the protocol lacked, the layer stack reading six of a backend's, the engine two of its
 executor's). So, over every module of ``conveyor/`` (the KV manager, the executor, the attention backend, the served
-engine, the batching policy and its waiting queue):
+engine, the batching policy and its waiting queue, the model router):
 
 - every attribute read on a value typed with a plug-point protocol must be a member of that protocol. A value's
   type comes from where the code says it: a parameter's annotation, a function's declared return type (a call of
@@ -29,11 +29,12 @@ from conveyor.core.interfaces import EngineExecutor, Executor, KVManager, KVTran
 from conveyor.core.policies import SchedulingPolicy, WaitingQueue
 from conveyor.engine.engine_client import ServedEngine
 from conveyor.layers.attention.base import AttentionBackend, AttentionBackendType, LayerStackAttention
+from conveyor.server.served_models import ModelRouter
 
 PACKAGE_DIR = Path(conveyor.__file__).parent
 PROTOCOLS = {p.__name__: p for p in (KVManager, Executor, KVTransfer, EngineExecutor, AttentionBackend,
                                      LayerStackAttention, AttentionBackendType, ServedEngine, SchedulingPolicy,
-                                     WaitingQueue)}
+                                     WaitingQueue, ModelRouter)}
 
 
 def members(protocol: type) -> set[str]:
@@ -224,7 +225,8 @@ def test_the_scan_sees_the_plug_points_it_checks(index):
                         ("runner/model_runner.py", "AttentionBackendType"), ("server/serving_common.py",
                                                                               "ServedEngine"),
                         ("core/scheduler.py", "SchedulingPolicy"), ("core/budget.py", "SchedulingPolicy"),
-                        ("core/scheduler.py", "WaitingQueue")]:
+                        ("core/scheduler.py", "WaitingQueue"), ("server/app.py", "ModelRouter"),
+                        ("server/ollama/routes.py", "ModelRouter")]:
         assert (file, proto) in seen, f"{file} is not seen using a {proto}"
 
 
@@ -257,6 +259,11 @@ def test_the_implementations_provide_every_member():
         cls = backend_class(name)
         assert not _lacks(cls, AttentionBackendType), (name, _lacks(cls, AttentionBackendType))
         assert inspect.ismethod(cls.for_step)  # a classmethod: the one constructor
+    from conveyor.server.model_pool import ModelPool
+    from conveyor.server.served_models import ServedModels
+
+    for router in (ServedModels, ModelPool):  # (their members: methods, so the classes tell)
+        assert not _lacks(router, ModelRouter), (router.__name__, _lacks(router, ModelRouter))
     meta = make_step(4, [(3, 1), (0, 5)])[0]
     native = NativeCpuAttention(meta, None)
     assert native.supports_layer_stack and not _lacks(native, LayerStackAttention)

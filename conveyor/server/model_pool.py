@@ -104,6 +104,7 @@ class ModelPool:
         self.failed: dict[str, str] = {}  # name -> why its last load failed
         self.counts = {"loads": {}, "load_failures": {}, "unloads": {}}  # name (, reason) -> count, for /metrics
         self._reserved = 0  # loads that made room and have not finished
+        self._waiting: dict[str, int] = {}  # name -> requests waiting for its load
         self._changed = asyncio.Event()
         self._closing = False
         self._reaper: asyncio.Task | None = None
@@ -129,6 +130,10 @@ class ModelPool:
             load = self.loading.get(name)
             if load is None:
                 load = self.loading[name] = asyncio.ensure_future(self._load(name, deadline))
+            # Counted as the model's users from now on: a model just loaded is not idle before its waiters, who
+            # resume a loop turn or two later, have taken their leases (else a load waiting for room takes it back
+            # at once, and two models thrash under --max-loaded-models 1).
+            self._waiting[name] = self._waiting.get(name, 0) + 1
             try:
                 await asyncio.wait_for(asyncio.shield(load), max(deadline - time.monotonic(), 0.0))
             except asyncio.TimeoutError:
@@ -137,6 +142,10 @@ class ModelPool:
             except ModelLoadError as exc:
                 raise APIError(500, f"model `{name}` could not be loaded: {exc}", "model",
                                "model_load_failed") from None
+            finally:
+                self._waiting[name] -= 1
+                if not self._waiting[name]:
+                    del self._waiting[name]
 
     def entries(self) -> list[ModelEntry]:
         self.catalog.refresh()
@@ -219,7 +228,7 @@ class ModelPool:
         """Wait until one more model fits under ``max_loaded``, unloading idle models, least recently used first;
         reserve its place."""
         while self.max_loaded is not None and len(self.loaded) + self._reserved >= self.max_loaded:
-            idle = [e for e in self.loaded.values() if not e.busy]
+            idle = [e for e in self.loaded.values() if self._idle(e)]
             if idle:
                 victim = min(idle, key=lambda e: e.last_used)
                 self._reserved += 1  # the victim's place is this load's from now on
@@ -253,6 +262,10 @@ class ModelPool:
         finally:
             self._notify()
 
+    def _idle(self, entry: _Loaded) -> bool:
+        """Nothing uses ``entry`` and no request is about to (it may be unloaded)."""
+        return not entry.busy and not self._waiting.get(entry.name)
+
     def _on_engine_dead(self, entry: _Loaded, exc: BaseException) -> None:
         """One model's engine died (its requests have their errors): the next request loads it again."""
         if self.loaded.get(entry.name) is entry:
@@ -266,7 +279,7 @@ class ModelPool:
         now = time.monotonic()
         for entry in list(self.loaded.values()):
             until = entry.idle_until()
-            if until is not None and until <= now and not entry.busy:
+            if until is not None and until <= now and self._idle(entry):
                 await self._unload(entry, "idle")
 
     async def _reap_forever(self) -> None:

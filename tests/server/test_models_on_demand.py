@@ -20,6 +20,7 @@ import ollama
 import openai
 import psutil
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from conveyor.engine.args import EngineArgs
 from conveyor.engine.core_client import EngineCoreClient
@@ -190,11 +191,18 @@ def engine_pids(served) -> set[int]:
             if p.is_running() and p.status() != psutil.STATUS_ZOMBIE and "spawn_main" in " ".join(p.cmdline())}
 
 
+def loads(url: str) -> float:
+    """Model loads so far, every model's (``conveyor:model_loads_total``)."""
+    families = text_string_to_metric_families(httpx.get(url + "/metrics", timeout=10).text)
+    return sum(s.value for f in families if f.name == "conveyor:model_loads" for s in f.samples
+               if s.name.endswith("_total"))
+
+
 def test_idle_model_unloads_and_its_memory_returns(models_dir, tmp_path):
-    """``conveyor serve --model NAME=PATH --keep-alive 2``; Ollama's keep_alive per request."""
+    """``conveyor serve --model NAME=PATH --keep-alive 2 --max-loaded-models 1``; Ollama's keep_alive per request."""
     cmd = [sys.executable, "-m", "conveyor", "serve", "--model", f"alpha={models_dir / 'alpha'}",
-           "--model", f"beta={models_dir / 'beta'}", "--keep-alive", "2", "--dtype", "float32",
-           "--num-kv-blocks", "64"]
+           "--model", f"beta={models_dir / 'beta'}", "--keep-alive", "2", "--max-loaded-models", "1",
+           "--dtype", "float32", "--num-kv-blocks", "64"]
     server = start_command(cmd, tmp_path / "serve.log")
     try:
         assert engine_pids(server) == set()  # nothing loads before a request names it
@@ -218,6 +226,20 @@ def test_idle_model_unloads_and_its_memory_returns(models_dir, tmp_path):
         assert client.generate(model="beta", prompt="", keep_alive=0).done_reason == "unload"
         assert wait_for(lambda: client.ps().models == [], 30)
         assert wait_for(lambda: engine_pids(server) == set(), 30)
+
+        # --max-loaded-models 1: requests for both models at once all complete, each model loaded once for them
+        # (one load more if a request came late), never taken back and forth while its requests wait.
+        before = loads(server.url)
+
+        def completion(name: str) -> httpx.Response:
+            return httpx.post(server.url + "/v1/completions", json={"model": name, "prompt": "w1", "max_tokens": 3},
+                              timeout=LOAD_S)
+
+        with ThreadPoolExecutor(8) as workers:
+            replies = list(workers.map(completion, ["alpha", "beta"] * 4))
+        assert [r.status_code for r in replies] == [200] * 8, [r.text for r in replies]
+        assert len(engine_pids(server)) <= 1
+        assert 2 <= loads(server.url) - before <= 3
     finally:
         _, left = server.stop(timeout_s=30)
     assert not left, f"processes outlived conveyor serve: {left}"
