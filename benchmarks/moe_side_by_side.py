@@ -78,6 +78,23 @@ def machine() -> str:
     return f"{cpu}, {os.cpu_count()} CPUs; load average {load}"
 
 
+def check_shape(config: dict) -> None:
+    """Refuse an existing checkpoint whose config differs from ``SHAPE`` (numbers measured on another shape would
+    be reported as this one's). transformers 5 writes ``num_experts`` as ``num_local_experts`` and
+    ``rope_theta`` inside ``rope_parameters``."""
+    aliases = {"num_experts": ("num_experts", "num_local_experts")}
+    rope = config.get("rope_parameters") or {}
+    wrong = []
+    for key, want in SHAPE.items():
+        names = aliases.get(key, (key,))
+        have = next((config[n] for n in names if n in config), rope.get(key))
+        if have != want:
+            wrong.append(f"{key}={have!r} (want {want!r})")
+    if wrong:
+        raise SystemExit(f"the existing checkpoint is not the benchmark's shape: {', '.join(wrong)}; "
+                         "remove its directory or use another --out")
+
+
 # ---- make ----------------------------------------------------------------------------------------------------
 def make(ns: argparse.Namespace) -> int:
     import torch
@@ -97,6 +114,9 @@ def make(ns: argparse.Namespace) -> int:
         hf_dir.mkdir(parents=True, exist_ok=True)
         model.save_pretrained(hf_dir, safe_serialization=True)
         del model
+    else:  # a checkpoint written before (the weights take minutes): it must have this SHAPE
+        check_shape(json.loads((hf_dir / "config.json").read_text()))
+    if not (hf_dir / "tokenizer.model").exists():  # last, so a run stopped after the weights resumes here
         write_tokenizer(hf_dir, TINIES["qwen3_moe"])
     if not bf16.exists():
         t = time.perf_counter()
