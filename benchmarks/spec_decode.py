@@ -89,7 +89,7 @@ def make_llm(model: str | None, spec: dict | None, quantization: str = "auto", d
 
 
 def counters(llm) -> dict:
-    c = llm.engine.scheduler.spec_counters
+    c = llm.engine.scheduler.speculator.counters
     return dict(drafts=c.num_drafts, draft_tokens=c.num_draft_tokens, accepted=c.num_accepted_tokens)
 
 

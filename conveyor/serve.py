@@ -98,8 +98,45 @@ def add_serve_parser(sub) -> None:
     add_batch_args(p)
     add_admission_args(p)
     _add_scale_out_args(p)
-    EngineArgs.add_cli_args(p)
+    _add_models_args(p)
+    EngineArgs.add_cli_args(p, skip=("model",))
     p.set_defaults(func=run_serve)
+
+
+class _ModelFlag(argparse.Action):
+    """``--model PATH`` (once: the model, as ever) or ``--model NAME=PATH`` (repeatable: one more model served as
+    NAME, loaded on demand)."""
+
+    def __call__(self, parser, ns, value, option_string=None) -> None:
+        from conveyor.server.model_catalog import split_named_model
+
+        named = split_named_model(value)
+        if named is None:
+            ns.model = value
+        else:
+            ns.named_models = [*(ns.named_models or []), named]
+
+
+def _add_models_args(p) -> None:
+    from conveyor.engine.args import EngineArgs
+    from conveyor.server.model_pool import DEFAULT_KEEP_ALIVE_S
+
+    g = p.add_argument_group("many models, loaded on demand (docs/server.md)")
+    g.add_argument("--model", action=_ModelFlag, default=None, dest="model",
+                   help=EngineArgs.__dataclass_fields__["model"].metadata["help"] + "; NAME=PATH (repeatable) "
+                   "serves PATH as NAME among models loaded on demand")
+    p.set_defaults(named_models=None)
+    g.add_argument("--models-dir", default=None, metavar="DIR",
+                   help="serve every model in DIR (each GGUF file or model directory, named by its file / directory "
+                   "name), each loaded in an engine process of its own when a request first names it")
+    g.add_argument("--keep-alive", type=float, default=DEFAULT_KEEP_ALIVE_S, metavar="SECONDS",
+                   help="with models on demand: how long an idle model stays loaded (negative: until the server "
+                   "stops); Ollama's per-request keep_alive overrides it")
+    g.add_argument("--max-loaded-models", type=_positive_int, default=None, metavar="N",
+                   help="with models on demand: the most models loaded at once; loading one more unloads the least "
+                   "recently used idle model (requests wait while every loaded model is in use)")
+    g.add_argument("--model-load-timeout", type=float, default=600.0, metavar="SECONDS",
+                   help="with models on demand: how long a request waits for its model to load (then 503)")
 
 
 # How long torch's OpenMP workers (libgomp) spin at the end of a parallel region before they sleep. A server shares
@@ -167,6 +204,8 @@ def run_serve(ns: argparse.Namespace) -> int:
     if ns.model_tag and not ns.model:
         ns.model = ns.model_tag
     args = EngineArgs.from_cli_args(ns)
+    if ns.models_dir or ns.named_models:
+        return run_serve_models(ns, args)
     from conveyor.server.admission import ServiceClasses
 
     try:
@@ -246,3 +285,57 @@ def run_serve(ns: argparse.Namespace) -> int:
         pass
     return 1 if server.engine_died else 0  # non-zero: a supervisor restarts a server whose engine died
 
+
+
+def run_serve_models(ns: argparse.Namespace, args) -> int:
+    """``--models-dir`` / ``--model NAME=PATH``: one API process, each model loaded on demand in an engine process
+    of its own (``server/model_pool.py``); a plain ``--model`` joins them under its served name."""
+    refused = [flag for flag, on in (("--engine-in-process", ns.engine_in_process),
+                                     ("--embedding-model", ns.embedding_model),
+                                     ("--frontend-cpus", ns.frontend_cpus), ("--cpu-ids", args.cpu_ids),
+                                     ("--service-class", ns.service_class),
+                                     ("--data-parallel-size", ns.data_parallel_size > 1),
+                                     ("--disaggregate", ns.disaggregate)) if on]
+    if refused:
+        raise SystemExit(f"{', '.join(refused)}: not with --models-dir / --model NAME=PATH (each model there is "
+                         "one engine process of its own, loaded on demand)")
+    from conveyor.engine.core_client import EngineCoreClient
+    from conveyor.server.limits import max_token_chars
+    from conveyor.server.serving_common import ServingContext
+    from conveyor.server.cors import CORSConfig
+    from conveyor.server.launcher import make_server
+    from conveyor.server.model_catalog import ModelCatalog
+    from conveyor.server.model_pool import ModelPool
+    from conveyor.server.responses.store import ResponseStore
+    from conveyor.server.router_app import build_router_app
+
+    named = list(ns.named_models or [])
+    if ns.model:  # the one plain --model is served too, first (the default for requests naming no model)
+        named.insert(0, (ns.served_model_name or os.path.basename(ns.model.rstrip("/")).removesuffix(".gguf"),
+                         ns.model))
+    try:
+        catalog = ModelCatalog(named, ns.models_dir)
+    except (OSError, ValueError) as exc:
+        raise SystemExit(str(exc)) from None
+
+    def start_engine(name: str, path: str):
+        engine = EngineCoreClient(dataclasses.replace(args, model=path), startup_timeout_s=ns.model_load_timeout)
+        return engine.wait_ready()
+
+    def make_context(engine, name: str):
+        return ServingContext(engine, name, ns.max_n, ns.max_seqs_per_request, max_token_chars(engine.info.tokenizer),
+                              ns.tool_call_parser, ns.reasoning_parser)
+
+    pool = ModelPool(catalog, start_engine, make_context, ns.keep_alive, ns.max_loaded_models, ns.model_load_timeout)
+    logger.info("serving %d models on demand (%s); idle ones unload after %s s%s", len(catalog.names),
+                ", ".join(catalog.names), ns.keep_alive,
+                f", at most {ns.max_loaded_models} loaded" if ns.max_loaded_models else "")
+    app = build_router_app(pool, ns.api_key, ns.shutdown_timeout, ns.max_request_body_bytes,
+                           CORSConfig.from_namespace(ns), ResponseStore.from_namespace(ns))
+    server = make_server(app, ns.host, ns.port, ns.uvicorn_log_level, ns.timeout_keep_alive, ns.timeout_headers,
+                         exit_on_engine_death=False, loop=ns.uvicorn_loop)
+    try:
+        server.run()
+    except KeyboardInterrupt:
+        pass
+    return 0

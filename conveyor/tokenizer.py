@@ -43,6 +43,7 @@ class Tokenizer:
     chat_template: str | None = None
     bos_token: str = ""
     eos_token: str = ""
+    pad_token: str | None = None  # none of the tokenizers here reads one (/tokenizer_info reports it)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         raise NotImplementedError
@@ -65,9 +66,7 @@ class Tokenizer:
     def tokenizers_json(self) -> str | None:
         """The ``tokenizers`` serialisation (tokenizer.json text) of this vocabulary, for libraries that build
         their own view of it (llguidance); None when the tokenizer is not a ``tokenizers`` one."""
-        rust = getattr(self, "_tok", None)
-        to_str = getattr(rust, "to_str", None)
-        return to_str() if callable(to_str) else None
+        return None
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             chat_template: str | None = None, tools: list[dict] | None = None,
@@ -158,6 +157,9 @@ class HFTokenizer(Tokenizer):
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def tokenizers_json(self) -> str:
+        return self._tok.to_str()
+
     def encode_input(self, text: str, pair: str | None = None,
                      max_tokens: int | None = None) -> tuple[list[int], int | None]:
         return _encode_with_template(self._tok, text, pair, max_tokens)
@@ -231,6 +233,9 @@ class GGUFTokenizer(Tokenizer):
         if add_special_tokens and self.add_bos and self.bos_token_id is not None:
             ids = [self.bos_token_id] + ids
         return ids
+
+    def tokenizers_json(self) -> str:
+        return self._tok.to_str()
 
     def encode_input(self, text: str, pair: str | None = None,
                      max_tokens: int | None = None) -> tuple[list[int], int | None]:

@@ -180,12 +180,6 @@ TABLES: dict[str, Table] = {
         + [Col("wasted tok", "{wasted_tok}"), Col("KV waste", "{kv_waste}"), Col("peak conc", "{peak_conc}"),
            Col("% matmul", "{matmul}")],
         where=of("offline")),
-    # the README's short form of the same rows
-    "policies-offline-short": Table(
-        "policies.csv",
-        [Col("config", "{config}"), Col("wall s", "{wall_s}"), Col("out tok/s", "{out_tok_s}"), LAT[0],
-         Col("wasted tok", "{wasted_tok}")],
-        where=lambda r, rows: r["table"] == "offline" and r["config"].endswith("B=32")),
     "policies-slab": Table(
         "policies.csv",
         [Col("config", "{config}"), Col("wall s", "{wall_s}"), Col("out tok/s", "{out_tok_s}")] + LAT

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
 from tests.helpers.checkpoints import TINY_VOCAB, save_tiny_llama, write_word_tokenizer
 from tests.helpers.server import CHAT_TEMPLATE
+
+# Loopback only: LiteLLM otherwise fetches its model price map from GitHub at import (three tries, ~7 s, then its
+# packaged copy).
+os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 
 
 @pytest.fixture(scope="session")

@@ -51,7 +51,7 @@ def run(engine, prompts: list[list[int]], params: SamplingParams | list[Sampling
 
 def peak_blocks(engine, peak: list[int]) -> None:
     """Track the most KV blocks one request held after any step."""
-    held = max((len(b) for b in engine.kv_manager.req_blocks.values()), default=0)
+    held = max((len(engine.kv_manager.blocks_of(rid)) for rid in engine.scheduler.requests), default=0)
     peak[0] = max(peak[0], held)
 
 
@@ -289,8 +289,8 @@ def _main(ns) -> int:
     bs = ns.block_size
     streaming = dict(max_num_batched_tokens=ns.chunk, max_model_len=base.max_model_len)
     exact, peak, wall = streaming_ppl(_engine(base, ns, **streaming), ids)
-    print(f"| policy | budget | budget tokens | perplexity | vs exact | peak KV tokens | wall s |")
-    print(f"|---|---|---|---|---|---|---|")
+    print("| policy | budget | budget tokens | perplexity | vs exact | peak KV tokens | wall s |")
+    print("|---|---|---|---|---|---|---|")
     print(f"| none (exact) | 100% | {len(ids)} | {exact:.3f} | - | {peak * bs} | {wall:.1f} |")
     ppl_rows, passkey_rows, exact_passkey = [], [], {}
     for policy in [p for p in policies if p != "snapkv"]:

@@ -16,11 +16,12 @@ import random
 import time
 from dataclasses import dataclass
 
+from conveyor.bench.offline import TokenRates
 from conveyor.core.sampling_params import SamplingParams
 
 
 @dataclass
-class TraceResult:
+class TraceResult(TokenRates):
     label: str
     wall_s: float
     output_tokens: int
@@ -33,14 +34,6 @@ class TraceResult:
     itl_p99: float
     preemptions: int
     evicted_blocks: int
-
-    @property
-    def output_tok_s(self) -> float:
-        return self.output_tokens / self.wall_s
-
-    @property
-    def total_tok_s(self) -> float:
-        return (self.output_tokens + self.prompt_tokens) / self.wall_s
 
 
 def rag_cases(text_ids: list[int], num: int, prompt_len: tuple[int, int], output_len: tuple[int, int],

@@ -13,7 +13,7 @@ import time
 from prometheus_client.parser import text_string_to_metric_families
 
 from conveyor.bench.mixed import MixedResult, MixedTraffic, result_of
-from conveyor.bench.serve_client import ServeBenchConfig, first_model, run_bench, send_one
+from conveyor.bench.serve_client import ServeBenchConfig, first_model, run_bench
 from conveyor.bench.workload import Workload, WorkloadRequest
 
 TOKEN_COUNTERS = ("conveyor:generation_tokens_total", "vllm:generation_tokens_total")

@@ -14,14 +14,12 @@ from dataclasses import dataclass
 from conveyor.bench.workload import Workload, load_workload
 
 
-@dataclass
-class OfflineResult:
+class TokenRates:
+    """``output_tok_s`` and ``total_tok_s`` (prompt + output) of a run's result, from its ``wall_s`` and counts."""
+
     wall_s: float
-    num_requests: int
     prompt_tokens: int
     output_tokens: int
-    num_steps: int
-    num_preemptions: int
 
     @property
     def output_tok_s(self) -> float:
@@ -30,6 +28,16 @@ class OfflineResult:
     @property
     def total_tok_s(self) -> float:
         return (self.prompt_tokens + self.output_tokens) / self.wall_s
+
+
+@dataclass
+class OfflineResult(TokenRates):
+    wall_s: float
+    num_requests: int
+    prompt_tokens: int
+    output_tokens: int
+    num_steps: int
+    num_preemptions: int
 
 
 def workload_work(prompt_tokens: int, output_tokens: int, num_requests: int) -> tuple[int, int, float]:

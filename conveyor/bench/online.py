@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from conveyor.bench.metrics import RequestTiming
 from conveyor.bench.workload import Workload
-from conveyor.core.scheduler import IDLE_POLL_S
+from conveyor.core.config import IDLE_POLL_S
 from conveyor.engine.step_record import StepRecord
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from conveyor.core.block_pool import hash_block
+from conveyor.core.interfaces import KVManager
 
 
 @dataclass
@@ -45,8 +46,9 @@ class PrefixSavings:
         return asdict(self)
 
 
-def prefix_savings(steps: list, flops_per_token: float, flops_per_key: float, prompts: dict[str, list[int]]
-                   | None = None, block_size: int = 16, top_n: int = 5, kv=None) -> PrefixSavings:
+def prefix_savings(steps: list, flops_per_token: float, flops_per_key: float,
+                   prompts: dict[str, list[int]] | None = None, block_size: int = 16, top_n: int = 5,
+                   kv: KVManager | None = None) -> PrefixSavings:
     """Aggregate a run's step records. ``prompts`` (request id -> prompt ids) enables the by-prefix table; ``kv``
     (the run's KV manager) adds its lookup counters and eviction count."""
     out = PrefixSavings()
@@ -66,9 +68,7 @@ def prefix_savings(steps: list, flops_per_token: float, flops_per_key: float, pr
     out.hit_rate = out.saved_tokens / out.admitted_tokens if out.admitted_tokens else 0.0
     out.saved_seconds_at_peak = out.saved_tokens / peak if peak else 0.0
     if kv is not None:
-        out.lookup_queries, out.lookup_hits = kv.prefix_queries, kv.prefix_hits
-        pool = getattr(kv, "pool", None)
-        out.evictions = pool.num_evictions if pool is not None else None
+        out.lookup_queries, out.lookup_hits, out.evictions = kv.prefix_queries, kv.prefix_hits, kv.prefix_evictions
     if prompts:
         out.top_prefixes = top_prefixes(first_seen, prompts, block_size, top_n)
     return out

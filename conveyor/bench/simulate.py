@@ -96,7 +96,7 @@ def build_scheduler(args, blocks: int, max_model_len: int, layer_windows: tuple[
         window = freeable_window(layer_windows) if args.free_outside_window else 0
         kv = KVCacheManager(blocks, args.block_size, args.enable_prefix_caching, args.prefix_cache_eviction,
                             sliding_window=window)
-    return Scheduler(args.scheduler_config(max_model_len), kv, args.cache_config().eviction_config())
+    return Scheduler(args.scheduler_config(max_model_len), kv)
 
 
 def sim_requests(workload: Workload, time_scale: float, max_model_len: int) -> list[Request]:

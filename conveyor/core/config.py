@@ -14,11 +14,17 @@ KV_LAYOUTS = ("paged", "slab")
 ATTENTION_BACKENDS = ("auto", "cpu", "cpu-native", "cpu-torch", "reference", "cuda")
 # --quantization: what becomes of a GGUF file's blocks or a float checkpoint's weights at load (models.quantize)
 QUANTIZATION_CHOICES = ("auto", "none", "int8")
+# When a step schedules nothing while requests wait and none runs, only time or a new request can change that
+# (a dynamic batch forming until max_wait_ms; the engine's requests waiting for a grammar): a driver asks again
+# after this long. One period for every driver (the engine's step loop, the in-process replay, the simulator),
+# so the simulator schedules a trace as the real engine does.
+IDLE_POLL_S = 0.001
 # --scheduling-policy: the order requests are served in (core.policies.priority); priority needs a policy that
 # re-decides every step, so the baselines serve first come, first served.
 SCHEDULING_POLICIES = ("fcfs", "priority")
 PRIORITY_POLICIES = ("continuous", "chunked")
-# Policies a request may speculate under: the baselines park finished requests in fixed slots and pad batches.
+# Policies a request may speculate or evict KV under: the baselines park finished requests in fixed slots and pad
+# batches.
 SPECULATING_POLICIES = ("continuous", "chunked")
 
 
@@ -31,9 +37,11 @@ def resolve_scheduling_policy(policy: str, scheduling_policy: str | None) -> str
 
 @dataclass
 class SchedulerConfig:
-    """Knobs of the scheduler. ``max_model_len`` is filled in by the engine from the model when left None.
+    """Knobs of the scheduler and of the policy objects it holds. ``max_model_len`` is filled in by the engine from
+    the model when left None.
 
-    ``policy`` names one of ``policies.POLICIES``; the registry checks the name when it builds the policy."""
+    ``policy`` names one of ``policies.POLICIES``; the registry checks the name when it builds the policy.
+    ``speculative_config`` (the ``Speculator``'s) and ``eviction`` (the ``KVEvictor``'s) turn those on."""
 
     policy: str = "chunked"
     max_num_seqs: int = 256
@@ -43,6 +51,7 @@ class SchedulerConfig:
     max_wait_ms: float = 0.0  # dynamic batching: how long the oldest waiting request may wait for a full batch
     # speculative decoding (None: off); a dict or JSON string is parsed (vLLM's --speculative-config)
     speculative_config: SpeculativeConfig | None = None
+    eviction: EvictionConfig | None = None  # KV eviction (None, or policy "none": off); CacheConfig's flags make it
     # The model attends both ways (an encoder): a prompt cannot be computed in chunks, each runs whole in one step
     whole_prompts: bool = False
     # "fcfs" or "priority" (each request's ``priority``, lower first); None: priority for continuous and chunked
@@ -79,6 +88,14 @@ class SchedulerConfig:
         if self.speculative_config is not None and self.policy not in SPECULATING_POLICIES:
             raise ValueError(f"speculative decoding runs with the {' or '.join(SPECULATING_POLICIES)} policy, "
                              f"not {self.policy!r}")
+        if self.eviction is not None and not self.eviction.enabled:
+            self.eviction = None
+        if self.eviction is not None and self.speculative_config is not None:
+            raise ValueError("KV eviction and speculative decoding do not run together yet (a rejected proposal's "
+                             "slots are given back by position, which eviction shifts)")
+        if self.eviction is not None and self.policy not in SPECULATING_POLICIES:
+            raise ValueError(f"KV eviction runs with the continuous or chunked policy, not {self.policy!r} "
+                             f"(the baselines pad batches and park finished requests in fixed slots)")
 
 
 @dataclass

@@ -39,11 +39,16 @@ This module decides; ``KVCacheManager.evict_blocks`` gives the blocks back and t
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from conveyor.core.block_pool import KVBlock, cdiv
+from conveyor.core.outputs import SchedulerOutput
 from conveyor.core.request import Request
+
+if TYPE_CHECKING:
+    from conveyor.core.interfaces import KVManager
 
 KV_EVICTION_POLICIES = ("none", "sink", "h2o", "snapkv")
 SCORED_POLICIES = ("h2o", "snapkv")  # the runner returns attention mass for these
@@ -141,8 +146,15 @@ class KVEvictor:
             return None
         return budget - self._chunk_blocks(budget)
 
+    def fit_hit(self, request: Request, blocks: Sequence[KVBlock], num_tokens: int) -> tuple[Sequence[KVBlock], int]:
+        """A prefix-cache hit (blocks, tokens) cut to ``max_hit_blocks``."""
+        most = self.max_hit_blocks(request)
+        if most is None or len(blocks) <= most:
+            return blocks, num_tokens
+        return blocks[:most], most * self.block_size
+
     # ---- the decision -------------------------------------------------------------------------------------
-    def choose(self, request: Request, blocks: list[KVBlock], num_new: int) -> list[int]:
+    def choose(self, request: Request, blocks: Sequence[KVBlock], num_new: int) -> list[int]:
         """Block-table indices (ascending) to evict before ``num_new`` more tokens of ``request`` are allocated.
 
         Only full, computed blocks held by this request alone (ref count 1) are candidates; sink blocks never
@@ -211,6 +223,17 @@ class KVEvictor:
         return [m / e if e > 0 else float("inf") for m, e in zip(state.blocks, state.exposure)]
 
     # ---- score buffers ------------------------------------------------------------------------------------
+    def add_step_scores(self, requests: Mapping[str, Request], out: SchedulerOutput,
+                        block_scores: dict[str, list[float]]) -> None:
+        """A step's attention mass per block of the requests it scored (``ModelOutput.kv_block_scores``), before
+        the scheduler advances their computed counts: their scored rows are the step's last ones."""
+        for rid, scores in block_scores.items():
+            request = requests.get(rid)
+            if request is not None and request.status.holds_slot:
+                end = request.num_computed_tokens + out.num_scheduled_tokens.get(rid, 0) - request.num_evicted_tokens
+                rows = out.kv_score_rows.get(rid, 0)
+                self.add_scores(rid, scores, (end - rows, end))
+
     def add_scores(self, request_id: str, block_scores: list[float], scored_slots: tuple[int, int]) -> None:
         """Accumulate one step's attention mass per block (block-table order, as the runner saw the table).
 
@@ -244,7 +267,7 @@ class KVEvictor:
         state = self._state.get(request_id)
         return state.shared if state is not None else 0
 
-    def check_invariants(self, kv, requests: Iterable[Request], running: Iterable[Request]) -> None:
+    def check_invariants(self, kv: KVManager, requests: Iterable[Request], running: Iterable[Request]) -> None:
         """Eviction's own invariants over the scheduler's requests and the paged ``kv`` manager: evicted counts in
         whole blocks and only in running requests; every table holds exactly its present tokens' blocks; sink and
         h2o requests within budget + 1 blocks but for the shared ones they could not evict."""
@@ -256,7 +279,7 @@ class KVEvictor:
                 assert request.num_evicted_tokens == 0, f"{rid} holds no KV but counts evictions"
                 continue
             assert request.num_evicted_tokens % bs == 0, "evicted tokens are whole blocks"
-            blocks = kv.req_blocks.get(rid, [])
+            blocks = kv.blocks_of(rid)
             present = request.num_computed_tokens - request.num_evicted_tokens
             assert len(blocks) == cdiv(present, bs), f"{rid}: {len(blocks)} blocks for {present} tokens"
             budget = self.budget_blocks(request)

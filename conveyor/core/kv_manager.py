@@ -66,6 +66,17 @@ class KVCacheManager:
         """Token slots held by running requests (for the KV-waste metric)."""
         return (sum(len(b) for b in self.req_blocks.values()) - sum(self.num_skipped.values())) * self.block_size
 
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def prefix_evictions(self) -> int:
+        return self.pool.num_evictions
+
+    def blocks_of(self, request_id: str) -> list[KVBlock]:
+        return self.req_blocks.get(request_id, [])
+
     def block_ids(self, request_id: str) -> list[int]:
         """The request's block table; entries outside every window are ``null_block_id``."""
         return [b.block_id for b in self.req_blocks.get(request_id, ())]

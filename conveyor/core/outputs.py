@@ -13,10 +13,14 @@ recompute preemption, then carrying prompt + tokens generated so far) and afterw
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import msgspec
 
 from conveyor.core.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from conveyor.core.request import Request, StopDecision
 
 
 @dataclass(slots=True)
@@ -162,6 +166,15 @@ class RequestUpdate(msgspec.Struct, array_like=True, gc=False):
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @classmethod
+    def of(cls, request: Request, token: int, logprobs: TokenLogprobs | None, stop: StopDecision | None,
+           pooled: list[float] | None = None) -> RequestUpdate:
+        """``request``'s update for ``token`` (just appended; -1 for a pooling request's ``pooled`` result), which
+        ``stop`` (when not None) finished."""
+        return cls(request.request_id, token, logprobs, request.finish_reason if stop is not None else None,
+                   stop.stop_reason if stop is not None else None, request.num_cached_prompt_tokens,
+                   request.num_preemptions, request.times.first_scheduled, pooled)
 
 
 @dataclass(frozen=True, slots=True)

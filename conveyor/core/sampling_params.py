@@ -118,7 +118,7 @@ class SamplingParams:
     bad_words: list[str] = field(default_factory=list)  # never end the output with one of these words
     logit_bias: dict[int, float] | None = None  # added to the logits of these token ids, in [-100, 100]
     # bad_words as token sequences (each word with and without a leading space), filled in by the engine's
-    # tokenizer (``conveyor.engine.logit_edits.tokenize_bad_words``) before the request is queued
+    # tokenizer (``conveyor.engine.prompts.tokenize_bad_words``) before the request is queued
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
     # A prefill-only request (embedding, scoring): its prompt's hidden states pooled, no token generated
     # (core.pooling_params); None: a generation request

@@ -1,52 +1,33 @@
 """The scheduler: re-decides the batch at every step (iteration-level scheduling).
 
-Mechanism lives here (the token budget, the KV manager, preemption, the queues); decisions live in the policy,
-which hands them back as values (``policies.base``). ``schedule(now)`` grants each chosen request
-``num_new_tokens`` so that its ``num_computed_tokens`` catches up with ``num_tokens``; ``update(...)`` appends
-the sampled tokens and applies the policy's decision on every request that finished.
+Mechanism lives here (the token budget, the KV manager, preemption, the queues); decisions live in policy
+objects that hand them back as values: the batching policy (``policies.base``), and, when they are on, KV
+eviction's ``KVEvictor`` (``core.kv_eviction``) and speculative decoding's ``Speculator`` (``core.speculator``).
+``schedule(now)`` grants each chosen request ``num_new_tokens`` so that its ``num_computed_tokens`` catches up
+with ``num_tokens``; ``update(...)`` appends the sampled tokens and applies the policy's decision on every request
+that finished.
 """
 
 from __future__ import annotations
 
-
 from conveyor.core.budget import TokenBudget
 from conveyor.core.config import SchedulerConfig
 from conveyor.core.interfaces import KVManager
-from conveyor.core.kv_eviction import EvictionConfig, KVEvictor
+from conveyor.core.invariants import check_scheduler
+from conveyor.core.kv_eviction import KVEvictor
 from conveyor.core.outputs import (
-    CachedRequestData,
-    ModelOutput,
-    NewRequestData,
-    RequestUpdate,
-    SchedulerOutput,
-    SchedulerStats,
-    is_decode,
+    CachedRequestData, ModelOutput, NewRequestData, RequestUpdate, SchedulerOutput, SchedulerStats, is_decode,
 )
 from conveyor.core.policies import OnFinish, Room, SchedulingPolicy, WaitingQueue, make_policy
-from conveyor.core.request import Request, RequestStatus
-from conveyor.core.speculative import (
-    DRAFT_PLACEHOLDER,
-    AcceptanceRate,
-    NgramIndex,
-    SpecDecodeCounters,
-    StepCostModel,
-    choose_lengths,
-    speculates,
-    worth_proposing,
-)
-
-# When a step schedules nothing while requests wait and none runs, only time or a new request can change that
-# (a dynamic batch forming until max_wait_ms; the engine's requests waiting for a grammar): a driver asks again
-# after this long. One period for every driver (the engine's step loop, the in-process replay, the simulator),
-# so the simulator schedules a trace as the real engine does.
-IDLE_POLL_S = 0.001
+from conveyor.core.request import Request, RequestStatus, StopDecision
+from conveyor.core.speculative import SpecDecodeCounters, StepCostModel
+from conveyor.core.speculator import Speculator
 
 
 class Scheduler:
     """Owns the waiting queue and running batch; talks to a KV manager, never to the model."""
 
-    def __init__(self, config: SchedulerConfig, kv_manager: KVManager,
-                 kv_eviction: EvictionConfig | None = None) -> None:
+    def __init__(self, config: SchedulerConfig, kv_manager: KVManager) -> None:
         self.config = config
         self.kv = kv_manager
         self.policy: SchedulingPolicy = make_policy(config)
@@ -57,33 +38,17 @@ class Scheduler:
         self._seen_by_executor: set[str] = set()
         self.num_preemptions = 0
         self.num_steps = 0
-        self.spec = config.speculative_config  # None: no speculative decoding
-        if self.spec is not None and getattr(kv_manager, "layout", None) != "paged":
-            raise ValueError("speculative decoding needs the paged KV layout (its rejected slots are given back)")
-        self._ngrams: dict[str, NgramIndex] = {}
-        self._acceptance: dict[str, AcceptanceRate] = {}
+        # The policy objects that are on (None: off, and nothing of theirs runs). Both give blocks back to the pool
+        # in the middle of a request's life, which only the paged layout does.
+        spec, eviction = config.speculative_config, config.eviction
+        if (spec is not None or eviction is not None) and kv_manager.layout != "paged":
+            raise ValueError(f"{'speculative decoding' if spec else 'KV eviction'} needs the paged KV layout")
+        # The step's measured cost (the caller's clock): speculation's lengths and priority's step slack read it
+        self.step_cost = StepCostModel()
+        self.speculator = Speculator(spec, config.max_model_len, self.step_cost) if spec is not None else None
         self._kept_blocks: dict[str, int] = {}  # requests trimmed since their last step: blocks they kept
-        self.spec_cost = StepCostModel()
-        self.spec_rate = AcceptanceRate()  # over every request: a new request's prior
-        self.spec_counters = SpecDecodeCounters()
-        self._step_start = 0.0
-        # KV eviction (None: off, and nothing below it runs): blocks dropped this step, to tell the executor
-        self.evictor = self._make_evictor(kv_eviction)
-        self._evicted: dict[str, list[int]] = {}
-
-    def _make_evictor(self, eviction: EvictionConfig | None) -> KVEvictor | None:
-        """The eviction policy's decisions, after refusing what it cannot run beside."""
-        if eviction is None or not eviction.enabled:
-            return None
-        if getattr(self.kv, "layout", None) != "paged":
-            raise ValueError("KV eviction needs the paged KV layout (it gives blocks back to the pool)")
-        if self.spec is not None:
-            raise ValueError("KV eviction and speculative decoding do not run together yet (a rejected proposal's "
-                             "slots are given back by position, which eviction shifts)")
-        if self.config.policy not in ("continuous", "chunked"):
-            raise ValueError(f"KV eviction runs with the continuous or chunked policy, not {self.config.policy!r} "
-                             f"(the baselines pad batches and park finished requests in fixed slots)")
-        return KVEvictor(eviction, self.kv.block_size)
+        self.evictor = KVEvictor(eviction, kv_manager.block_size) if eviction is not None else None
+        self._evicted: dict[str, list[int]] = {}  # blocks eviction dropped this step, to tell the executor
 
     # ---- queue ------------------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -119,23 +84,18 @@ class Scheduler:
     def _retire(self, request: Request) -> None:
         """Forget a request that is finished and out of the queues: free its blocks, tell the executor."""
         request.status = RequestStatus(request.finish_reason)  # FINISHED_*: the values are the finish reasons
-        self.kv.free(request)
-        self._ngrams.pop(request.request_id, None)
-        self._acceptance.pop(request.request_id, None)
-        self._kept_blocks.pop(request.request_id, None)
-        self._forget_eviction(request.request_id)
-        del self.requests[request.request_id]
-        if request.request_id in self._seen_by_executor:
-            self._seen_by_executor.discard(request.request_id)
+        if self._release_kv(request):
             self._finished_ids.add(request.request_id)
+        if self.speculator is not None:
+            self.speculator.forget(request.request_id)
+        del self.requests[request.request_id]
 
     def make_stats(self) -> SchedulerStats:
         """An immutable snapshot for readers on other threads."""
-        kv, spec = self.kv, self.spec_counters
-        return SchedulerStats(self.num_running, self.num_waiting, kv.usage(), self.num_preemptions,
-                              kv.prefix_queries, kv.prefix_hits, spec.num_drafts, spec.num_draft_tokens,
-                              spec.num_accepted_tokens, tuple(spec.accepted_per_pos or ()),
-                              kv.num_evicted_blocks)
+        kv, spec = self.kv, self.speculator.counters if self.speculator is not None else SpecDecodeCounters()
+        return SchedulerStats(self.num_running, self.num_waiting, kv.usage(), self.num_preemptions, kv.prefix_queries,
+                              kv.prefix_hits, spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens,
+                              tuple(spec.accepted_per_pos or ()), kv.num_evicted_blocks)
 
     # ---- one step ---------------------------------------------------------------------------------------
     def schedule(self, now: float) -> SchedulerOutput:
@@ -144,27 +104,26 @@ class Scheduler:
             self._retire(request)
         out = SchedulerOutput(finished_req_ids=self._finished_ids)
         self._finished_ids = set()
-        budget = TokenBudget(self.policy)
-        cost = self.spec_cost.fit() if self.config.priority_step_slack is not None else None
-        room = Room(self.config.max_num_seqs - len(self.running), round(self.kv.num_blocks * (1 - self.kv.usage())),
-                    self.kv.block_size, cost)
+        cost = self.step_cost.fit() if self.config.priority_step_slack is not None else None
+        room = Room(self.config.max_num_seqs - len(self.running), self.kv.num_free_blocks, self.kv.block_size, cost)
         yielded = self.policy.yield_to_waiting(self.running, self.waiting, room)
         for request in yielded.preempt:  # room for requests that outrank them: those admit this step
             self._preempt(request, out)
-        preempted_any = self._schedule_running(budget, out, yielded.caps or {})
+        budget = TokenBudget(self.policy, self.config.whole_prompts, self.evictor, yielded)
+        preempted_any = self._schedule_running(budget, out)
         if not preempted_any:  # admitting in a step that preempted would only thrash
-            self._admit(budget, now, out, yielded.admit_cap)
-        if self.spec is not None:
+            self._admit(budget, now, out)
+        if self.speculator is not None:
             self._speculate(budget, out)
-        self._step_start = now
+        self.step_cost.step_started(now)
         out.num_padding_tokens, out.num_idle_slot_tokens = self.policy.end_step(out, self.running)
         self.num_steps += 1
         return out
 
-    def _schedule_running(self, budget: TokenBudget, out: SchedulerOutput, caps: dict[str, int]) -> bool:
+    def _schedule_running(self, budget: TokenBudget, out: SchedulerOutput) -> bool:
         """Running requests: decodes first, then unfinished prompt chunks (stall-free chunked prefill), in the
-        policy's order, each at most the tokens the policy ``caps`` it to this step. Preempts from the policy's
-        victims when blocks run out; returns whether it did."""
+        policy's order, each at most what the budget grants it (a request making room for others: none).
+        Preempts from the policy's victims when blocks run out; returns whether it did."""
         behind = {r.request_id: r.num_tokens - r.num_computed_tokens for r in self.running}
         decodes = [r for r in self.running if is_decode(behind[r.request_id])]
         prefills = [r for r in self.running if behind[r.request_id] > 1]
@@ -173,13 +132,11 @@ class Scheduler:
         for request in self.policy.order_running(decodes + prefills):
             if budget.exhausted:
                 break
-            cap = caps.get(request.request_id, behind[request.request_id])
-            if not request.status.holds_slot or cap == 0:
-                continue  # preempted (or retired) earlier in this loop, or making room for others this step
-            num_new = budget.grant(self._capped(request, min(behind[request.request_id], cap)),
-                                   self.config.whole_prompts)
+            if not request.status.holds_slot:
+                continue  # preempted (or retired) earlier in this loop
+            num_new = budget.grant(request, behind[request.request_id])
             if num_new == 0:
-                continue
+                continue  # no room in the budget, or making room for others this step
             if self.evictor is not None:
                 self._evict(request, num_new)
             while (new_blocks := self.kv.allocate_slots(request, num_new)) is None:
@@ -195,32 +152,22 @@ class Scheduler:
             budget.spend(num_new)
         return preempted_any
 
-    def _admit(self, budget: TokenBudget, now: float, out: SchedulerOutput,
-               cap: tuple[int, int] | None = None) -> None:
-        """Waiting requests join in queue order while seats, budget and blocks last; those of a priority worse than
-        ``cap``'s take at most its tokens in all."""
-        below = cap[1] if cap is not None else None
+    def _admit(self, budget: TokenBudget, now: float, out: SchedulerOutput) -> None:
+        """Waiting requests join in queue order while seats, budget and blocks last."""
         while self.waiting and not budget.exhausted and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            if not self.policy.admits(request):
-                break
-            capped = below is not None and request.priority > cap[0]
-            if capped and below <= 0:
+            if not self.policy.admits(request) or budget.closed_to(request):
                 break
             # A waiting request normally holds no KV (new, or preempted and reset to 0): it starts from a prefix-
-            # cache lookup. One handed over with its KV already computed elsewhere (a disaggregated prefill
-            # instance's, see sim/cluster.py) keeps that count: blocks are allocated here for all its tokens and only
-            # the rest is scheduled, as vLLM's scheduler counts a KV connector's external tokens.
+            # cache lookup. One handed over with its KV computed elsewhere (disaggregated prefill) keeps that count:
+            # blocks are allocated for all its tokens, only the rest is scheduled (vLLM's external tokens).
             handed_over = request.num_computed_tokens
             hit_blocks, hit_tokens = ([], 0)
             if handed_over == 0:
                 hit_blocks, hit_tokens = self.kv.get_computed_blocks(request)
-                if self.evictor is not None and (most := self.evictor.max_hit_blocks(request)) is not None \
-                        and len(hit_blocks) > most:  # a hit and the first chunk must fit the budget
-                    hit_blocks = hit_blocks[:most]
-                    hit_tokens = most * self.kv.block_size
-            behind = self._capped(request, request.num_tokens - handed_over - hit_tokens)
-            num_new = budget.grant(min(behind, below) if capped else behind, self.config.whole_prompts)
+                if self.evictor is not None:  # a hit and the first chunk must fit the request's KV budget
+                    hit_blocks, hit_tokens = self.evictor.fit_hit(request, hit_blocks, hit_tokens)
+            num_new = budget.grant(request, request.num_tokens - handed_over - hit_tokens, admitting=True)
             if num_new == 0:
                 break
             new_blocks = self.kv.allocate_slots(request, num_new, hit_blocks)
@@ -235,117 +182,57 @@ class Scheduler:
                 request.times.first_scheduled = now
             self.running.append(request)
             self._emit(request, num_new, new_blocks, out)
-            budget.spend(num_new)
-            if capped:
-                below -= num_new
+            budget.spend(num_new, admitted=request)
 
     def _speculate(self, budget: TokenBudget, out: SchedulerOutput) -> None:
-        """Give this step's decodes that may speculate their proposed tokens, as many as the rule in
-        ``core.speculative`` chooses, from the budget and the free blocks that the step left (speculation never
-        preempts or delays anyone's prompt)."""
-        if budget.exhausted:
-            return
-        adaptive = self.spec.adaptive
-        step_tokens = out.total_num_scheduled_tokens
-        useful = sum(1 for rid, n in out.num_scheduled_tokens.items()
-                     if self.requests[rid].num_computed_tokens + n >= self.requests[rid].num_tokens)
-        # the step's cost around the sizes this decision can reach: up to every decode's full proposal, twice
-        reach = 2 * (step_tokens + self.spec.num_speculative_tokens * useful)
-        cost = self.spec_cost.fit(up_to=reach) if adaptive else None
-        proposals: dict[str, list[int]] = {}
-        alphas: dict[str, float] = {}
-        probes: set[str] = set()  # requests whose low rate is tried again with one token
-        for data in out.scheduled_cached_reqs:
-            rid = data.request_id
-            request = self.requests[rid]
-            if out.num_scheduled_tokens[rid] != 1 or request.num_computed_tokens + 1 != request.num_tokens or \
-                    not speculates(request.sampling_params, request.num_output_tokens):
-                continue
-            rate = self._acceptance.get(rid)
-            alpha = alphas[rid] = rate.alpha if rate is not None else self.spec_rate.alpha
-            if adaptive and not worth_proposing(alpha, step_tokens, useful, cost):
-                affordable = worth_proposing(self.spec_rate.alpha, step_tokens, useful, cost)
-                if rate is None or not (rate.due_for_probe() and affordable):
-                    continue  # not even its first token would pay: skip the lookup
-                # tried as a request of the traffic's rate, one token, judged with the rest (so a probe that
-                # would put the multi-token path's cost on a step of decodes waits for a step that has it)
-                probes.add(rid)
-                alphas[rid] = self.spec_rate.alpha
-            # beyond the token it always samples: what max_tokens and the context leave
-            room = request.max_output_tokens() - request.num_output_tokens - 1
-            if self.config.max_model_len is not None:
-                room = min(room, self.config.max_model_len - request.num_tokens - 1)
-            if room <= 0:
-                continue
-            most = min(self.spec.num_speculative_tokens, room)
-            if self.spec.proposes_in_executor:  # the draft model fills them in, in the step
-                proposals[rid] = [DRAFT_PLACEHOLDER] * most
-            elif drafts := self._ngram_index(request).propose(most):
-                proposals[rid] = drafts
-        if not proposals:
-            return
-        if adaptive:
-            has_chunk = any(n > 1 for n in out.num_scheduled_tokens.values())
-            lengths = choose_lengths({rid: 1 if rid in probes else len(d) for rid, d in proposals.items()}, alphas,
-                                     step_tokens, useful, cost, budget.left, has_chunk)
-        else:
-            lengths = {rid: len(d) for rid, d in proposals.items()}
+        """Give this step's decodes the proposed tokens the speculator chooses, from the budget and the free
+        blocks that the step left (speculation never preempts or delays anyone's prompt)."""
         cached = {data.request_id: data for data in out.scheduled_cached_reqs}
-        for rid, k in lengths.items():
-            k = min(k, budget.left)
+        for rid, tokens in self.speculator.propose(out, self.requests, budget.left).items():
+            k = min(len(tokens), budget.left)
             if k <= 0:
                 break
-            request = self.requests[rid]
-            new_blocks = self.kv.allocate_slots(request, 1, num_lookahead_tokens=k)
+            new_blocks = self.kv.allocate_slots(self.requests[rid], 1, num_lookahead_tokens=k)
             if new_blocks is None:
                 continue  # no free block for the proposals: it decodes one token, as without speculation
             cached[rid].new_block_ids.extend(new_blocks)
-            out.scheduled_spec_tokens[rid] = proposals[rid][:k]
+            out.scheduled_spec_tokens[rid] = tokens[:k]
             out.num_scheduled_tokens[rid] += k
             out.total_num_scheduled_tokens += k
             budget.spend(k)
 
-    def _ngram_index(self, request: Request) -> NgramIndex:
-        """The request's prompt-lookup index, brought up to its tokens so far."""
-        index = self._ngrams.get(request.request_id)
-        if index is None:
-            index = self._ngrams[request.request_id] = NgramIndex(self.spec.prompt_lookup_min,
-                                                                 self.spec.prompt_lookup_max)
-            index.extend(request.prompt_token_ids)
-        index.extend(request.output_token_ids[len(index.tokens) - request.num_prompt_tokens:])
-        return index
-
-    def _capped(self, request: Request, behind: int) -> int:
-        """``behind``, or less where KV eviction caps a prompt chunk to fit the request's budget."""
-        if self.evictor is None or (cap := self.evictor.chunk_cap(request)) is None:
-            return behind
-        return min(behind, cap)
-
     def _evict(self, request: Request, num_new: int) -> None:
         """Give back the blocks the eviction policy drops before ``num_new`` more tokens are allocated."""
         rid = request.request_id
-        indices = self.evictor.choose(request, self.kv.req_blocks[rid], num_new)
+        indices = self.evictor.choose(request, self.kv.blocks_of(rid), num_new)
         if indices:
             assert rid not in self._evicted, "evicted twice in one step"
             self.kv.evict_blocks(request, indices)
             self.evictor.on_evicted(rid, indices)
             self._evicted[rid] = indices
 
-    def _forget_eviction(self, request_id: str) -> None:
+    def _release_kv(self, request: Request) -> bool:
+        """Free a request's blocks (retired, or preempted: sent whole and recomputed exactly later): nothing it gave
+        back is news to the executor, and eviction's scores of it are void. Whether the executor knew it (it is
+        told to forget it)."""
+        self.kv.free(request)
+        self._kept_blocks.pop(request.request_id, None)
         if self.evictor is not None:
-            self.evictor.forget(request_id)
-            self._evicted.pop(request_id, None)
+            self.evictor.forget(request.request_id)
+            self._evicted.pop(request.request_id, None)
+        if request.request_id not in self._seen_by_executor:
+            return False
+        self._seen_by_executor.discard(request.request_id)
+        return True
 
     def _emit(self, request: Request, num_new: int, new_blocks: list[int], out: SchedulerOutput) -> None:
         rid = request.request_id
         if self.evictor is not None and (rows := self.evictor.score_rows(request, num_new)):
             out.kv_score_rows[rid] = rows
         if rid in self._seen_by_executor:
-            out.scheduled_cached_reqs.append(CachedRequestData(rid, new_blocks, request.num_computed_tokens,
-                                                               self._kept_blocks.pop(rid, None),
-                                                               self._evicted.pop(rid, None),
-                                                               request.num_evicted_tokens,
-                                                               self.kv.num_skipped_blocks(rid)))
+            out.scheduled_cached_reqs.append(CachedRequestData(
+                rid, new_blocks, request.num_computed_tokens, self._kept_blocks.pop(rid, None),
+                self._evicted.pop(rid, None), request.num_evicted_tokens, self.kv.num_skipped_blocks(rid)))
         else:
             assert request.num_evicted_tokens == 0, "a request is sent whole only with its whole KV"
             self._seen_by_executor.add(rid)
@@ -363,33 +250,20 @@ class Scheduler:
         if request.is_finished:
             self._retire(request)
             return
-        self.kv.free(request)
-        self._kept_blocks.pop(request.request_id, None)  # it is sent whole again
-        self._forget_eviction(request.request_id)  # and recomputed exactly
+        if self._release_kv(request):
+            out.preempted_req_ids.add(request.request_id)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
-        if request.request_id in self._seen_by_executor:
-            self._seen_by_executor.discard(request.request_id)
-            out.preempted_req_ids.add(request.request_id)
 
     def update(self, sched_out: SchedulerOutput, model_out: ModelOutput, now: float) -> list[RequestUpdate]:
         """Advance computed counts, append sampled tokens, apply the policy's decision on finished requests."""
         updates: list[RequestUpdate] = []
-        # the step's measured cost: speculation's lengths and priority's step slack are decided from it
-        self.spec_cost.observe(sched_out.total_num_scheduled_tokens, now - self._step_start,
-                               any(n > 1 for n in sched_out.num_scheduled_tokens.values()))
-        if self.evictor is not None:
-            for rid, scores in model_out.kv_block_scores.items():
-                request = self.requests.get(rid)
-                if request is not None and request.status.holds_slot:
-                    # the step's scored rows are its last ones, at these KV slots (before the advance below)
-                    end = request.num_computed_tokens + sched_out.num_scheduled_tokens.get(rid, 0) \
-                        - request.num_evicted_tokens
-                    rows = sched_out.kv_score_rows.get(rid, 0)
-                    self.evictor.add_scores(rid, scores, (end - rows, end))
+        self.step_cost.step_ended(sched_out, now)
+        if self.evictor is not None:  # before the advance below: the scores are of the step's KV slots
+            self.evictor.add_step_scores(self.requests, sched_out, model_out.kv_block_scores)
         for rid, num_new in sched_out.num_scheduled_tokens.items():
             request = self.requests.get(rid)
             if request is None or not request.status.holds_slot:
@@ -419,11 +293,7 @@ class Scheduler:
                     else:
                         self.running.remove(request)
                         self._retire(request)
-                updates.append(RequestUpdate(rid, token, model_out.logprobs.get(rid),
-                                             request.finish_reason if stop is not None else None,
-                                             stop.stop_reason if stop is not None else None,
-                                             request.num_cached_prompt_tokens,
-                                             request.num_preemptions, request.times.first_scheduled))
+                updates.append(RequestUpdate.of(request, token, model_out.logprobs.get(rid), stop))
                 if stop is not None:
                     break  # tokens accepted past a stop are nobody's
         return updates
@@ -432,12 +302,11 @@ class Scheduler:
         """A prefill-only request's prompt is computed: it finishes now with its pooled result and frees its
         blocks (every policy retires it: a padded baseline's slot has nothing left to decode)."""
         request.times.first_token = request.times.last_token = now
-        request.mark_finished(RequestStatus.FINISHED_STOPPED, now)
+        stop = StopDecision(RequestStatus.FINISHED_STOPPED)
+        request.mark_finished(stop.status, now)
         self.running.remove(request)
         self._retire(request)
-        return RequestUpdate(request.request_id, -1, None, request.finish_reason, None,
-                             request.num_cached_prompt_tokens, request.num_preemptions, request.times.first_scheduled,
-                             pooled)
+        return RequestUpdate.of(request, -1, None, stop, pooled)
 
     def _verified(self, request: Request, proposed: int, accepted: int) -> None:
         """Roll a request back past its rejected proposals: their KV is not its tokens' (the slots after
@@ -446,23 +315,8 @@ class Scheduler:
         kept = self.kv.trim(request, request.num_computed_tokens + 1)
         if kept is not None:
             self._kept_blocks[request.request_id] = kept
-        self._acceptance.setdefault(request.request_id, AcceptanceRate(self.spec_rate.alpha)).observe(proposed,
-                                                                                                   accepted)
-        self.spec_rate.observe(proposed, accepted)
-        self.spec_counters.record(proposed, accepted)
+        self.speculator.verified(request.request_id, proposed, accepted)
 
-    # ---- checks -----------------------------------------------------------------------------------------
     def check_invariants(self) -> None:
-        """The KV manager's invariants plus the scheduler's own bookkeeping."""
-        self.kv.check_invariants()
-        ids = [r.request_id for r in self.running] + [r.request_id for r in self.waiting]
-        assert len(ids) == len(set(ids)), "a request is both running and waiting"
-        assert set(ids) <= set(self.requests), "a queued request is not registered"
-        assert len(self.running) <= self.config.max_num_seqs, "more running requests than max_num_seqs"
-        for request in self.waiting:
-            assert not self.kv.block_ids(request.request_id), f"waiting {request.request_id} holds blocks"
-        for request in self.running:
-            assert request.status.holds_slot, f"running {request.request_id} is {request.status}"
-            assert request.num_computed_tokens <= request.num_tokens
-        if self.evictor is not None:
-            self.evictor.check_invariants(self.kv, self.requests.values(), self.running)
+        """The KV manager's invariants, the policy objects' and the scheduler's own (``core.invariants``)."""
+        check_scheduler(self)

@@ -41,9 +41,15 @@ class SlabKVManager:
         self.prefix_queries = 0  # no prefix caching in this layout: always 0
         self.prefix_hits = 0
         self.prefix_saved_tokens = 0
+        self.prefix_evictions = 0
+        self.num_evicted_blocks = 0  # nor KV eviction: a slab is reserved whole
 
     def usage(self) -> float:
         return len(self.req_slab) * self.blocks_per_slab / self.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_slabs) * self.blocks_per_slab
 
     def num_reserved_slots(self) -> int:
         """Token slots held by running requests: whole slabs, used or not."""
@@ -56,24 +62,29 @@ class SlabKVManager:
         first = slab * self.blocks_per_slab
         return list(range(first, first + self.blocks_per_slab))
 
+    def blocks_of(self, request_id: str) -> list:
+        """Slabs hold block ids, not shared block objects: nothing to read."""
+        return []
+
     null_block_id = None  # a slab is held whole: nothing outside a sliding window is given back
 
     def num_skipped_blocks(self, request_id: str) -> int:
+        """Never any: see ``null_block_id``."""
         return 0
 
     def get_computed_blocks(self, request: Request) -> tuple[list, int]:
         """No prefix sharing across slabs: never a hit."""
         return [], 0
 
-    def allocate_slots(self, request: Request, num_new_tokens: int, computed_blocks: list | None = None
-                       ) -> list[int] | None:
+    def allocate_slots(self, request: Request, num_new_tokens: int, computed_blocks: list | None = None,
+                       num_lookahead_tokens: int = 0) -> list[int] | None:
         """The whole slab's block ids at a request's first allocation, [] afterwards; None if it does not fit.
 
         A request that already holds a slab always fits up to ``max_model_len`` tokens; a new one needs a free
         slab. Checks and commits in one call, like the paged manager.
         """
         assert not computed_blocks, "the slab layout has no prefix hits"
-        if request.num_computed_tokens + num_new_tokens > self.blocks_per_slab * self.block_size:
+        if request.num_computed_tokens + num_new_tokens + num_lookahead_tokens > self.blocks_per_slab * self.block_size:
             return None
         if request.request_id in self.req_slab:
             return []
@@ -81,6 +92,13 @@ class SlabKVManager:
             return None
         self.req_slab[request.request_id] = self.free_slabs.pop()
         return self.block_ids(request.request_id)
+
+    def trim(self, request: Request, num_tokens: int) -> int | None:
+        """A slab is reserved whole for the request's life: nothing goes back before it ends."""
+        return None
+
+    def evict_blocks(self, request: Request, indices: list[int]) -> None:
+        raise ValueError("the slab layout reserves a whole slab per request: it has no blocks to evict")
 
     def free(self, request: Request) -> None:
         slab = self.req_slab.pop(request.request_id, None)

@@ -28,8 +28,12 @@ import heapq
 import json
 from collections import deque
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from conveyor.core.linalg import least_squares
+
+if TYPE_CHECKING:
+    from conveyor.core.outputs import SchedulerOutput
 
 SPEC_METHODS = ("ngram", "draft_model")
 # What the scheduler sends for each proposed token of a draft-model request: the executor runs the draft model
@@ -186,6 +190,16 @@ class StepCostModel:
         self.samples: deque[tuple[int, int, float]] = deque(maxlen=window)
         self._observed = 0
         self._fits: dict[int | None, tuple[int, tuple[float, float, float]]] = {}
+        self._step_start = 0.0
+
+    def step_started(self, now: float) -> None:
+        """A step was scheduled at ``now``."""
+        self._step_start = now
+
+    def step_ended(self, out: SchedulerOutput, now: float) -> None:
+        """The step ``out``, started last, ended at ``now``: its time is a sample."""
+        self.observe(out.total_num_scheduled_tokens, now - self._step_start,
+                     any(n > 1 for n in out.num_scheduled_tokens.values()))
 
     def observe(self, num_tokens: int, seconds: float, has_chunk: bool = False) -> None:
         if num_tokens > 0 and seconds > 0:

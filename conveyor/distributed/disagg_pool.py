@@ -6,7 +6,7 @@
         RequestStream <--cumulative outputs-- ... <--------------------+
 
 The first token reaches the client as soon as the prefill replica sampled it; only a reference to the KV passes
-through this process. Requests that are not handed over (``LLMEngine.can_hand_off``) go whole to a decode
+through this process. Requests that are not handed over (``engine.kv_handoff.can_hand_off``) go whole to a decode
 replica, as ``ReplicaPool`` sends them. Everything else (streams, admission, drain, reports on the board,
 ``/metrics``, ``/health``) is ``ReplicaPool``'s.
 
@@ -31,10 +31,10 @@ from ray import serve
 
 from conveyor.core.sampling_params import SamplingParams
 from conveyor.distributed.pool import (
-    ACCEPT_TIMEOUT_S, REPLICA_LOST, REPORT_STALE_S, ReplicaPool, aborted_output, summed_stats,
+    REPLICA_LOST, REPORT_STALE_S, ReplicaPool, aborted_output, summed_stats,
 )
 from conveyor.engine.engine_client import EngineDeadError, RequestFailedError, RequestStream
-from conveyor.engine.llm_engine import LLMEngine
+from conveyor.engine.kv_handoff import can_hand_off
 
 logger = logging.getLogger("conveyor.distributed")
 
@@ -74,7 +74,7 @@ class DisaggPool(ReplicaPool):
         self.num_kv_lost = 0
 
     async def _add(self, request_id: str, prompt, params: SamplingParams, arrival: float) -> None:
-        if not LLMEngine.can_hand_off(params):
+        if not can_hand_off(params):
             return await super()._add(request_id, prompt, params, arrival)  # whole, on a decode replica
         if not self.reports:
             raise EngineDeadError("no engine replica is running (Ray Serve is starting or replacing them)")
@@ -88,31 +88,13 @@ class DisaggPool(ReplicaPool):
         self._pumps[request_id] = asyncio.ensure_future(self._run(stream, responses, engine_prompt, params))
 
     async def _accepted(self, call, request_id: str, role: str):
-        """Start ``call()`` and wait for its verdict; a replica lost first is retried. Raises the replica's
-        refusal, ``KVLostError``, or ``EngineDeadError`` when no replica took it in ``ACCEPT_TIMEOUT_S``."""
-        for attempt in range(self.retries + 1):
-            responses = call()
-            try:
-                kind, value = await asyncio.wait_for(responses.__anext__(), ACCEPT_TIMEOUT_S)
-            except asyncio.TimeoutError:
-                responses.cancel()
-                raise EngineDeadError(f"no {role} replica took request {request_id} within "
-                                      f"{ACCEPT_TIMEOUT_S:.0f} s") from None
-            except REPLICA_LOST as exc:
-                logger.warning("request %s: %s replica lost before it accepted (%r); attempt %d of %d", request_id,
-                               role, exc, attempt + 1, self.retries + 1)
-                continue
-            except asyncio.CancelledError:
-                responses.cancel()
-                raise
-            if kind == "rejected":
-                raise value
-            if kind == "lost":
-                self.num_kv_lost += 1
-                raise KVLostError(f"the KV of request {request_id} was lost in transfer: {value}")
-            return responses
-        raise EngineDeadError(f"no {role} replica could take request {request_id} after {self.retries + 1} "
-                              "attempts")
+        """``ReplicaPool._verdict`` of ``call()``; a decode replica's "lost" (the KV could not be fetched) raises
+        ``KVLostError``."""
+        kind, value, responses = await self._verdict(call, request_id, role)
+        if kind == "lost":
+            self.num_kv_lost += 1
+            raise KVLostError(f"the KV of request {request_id} was lost in transfer: {value}")
+        return responses
 
     async def _run(self, stream: RequestStream, responses, prompt: dict, params: SamplingParams) -> None:
         """Prefill, hand over, decode: copy both replicas' streams into ``stream``; every path ends it."""

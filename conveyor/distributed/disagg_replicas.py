@@ -14,7 +14,7 @@ own): so the prefill replica keeps each reference in an outbox until the ingress
 and at most ``HOLD_S``.
 
 A decode replica imports the hand-off and streams the rest; it also serves whole the requests that are not
-handed over (``LLMEngine.can_hand_off``: n > 1, structured outputs), through the inherited ``generate``.
+handed over (``engine.kv_handoff.can_hand_off``: n > 1, structured outputs), through the inherited ``generate``.
 
 Faults are bounded: the decode replica waits at most ``FETCH_TIMEOUT_S`` for the KV (the prefill replica that
 owns it may have died: Ray raises at once, ``OwnerDiedError``) and then answers ``("lost", error)``.

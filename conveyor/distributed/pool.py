@@ -147,24 +147,33 @@ class ReplicaPool(EngineClient):
 
     async def _send(self, request_id: str, prompt: dict, params: SamplingParams):
         """Start ``generate`` on a replica and wait for its verdict; a replica lost first is retried."""
+        _, _, responses = await self._verdict(
+            lambda: self.handle.options(stream=True).generate.remote(request_id, prompt, params), request_id)
+        return responses
+
+    async def _verdict(self, call, request_id: str, role: str = "") -> tuple[str, Any, Any]:
+        """Start ``call()`` (a replica's streaming method) and wait for its first item, the replica's verdict; a
+        replica lost first is retried (``retries`` times). Raises the replica's refusal, or ``EngineDeadError``
+        when no replica took the request within ``ACCEPT_TIMEOUT_S``; returns (kind, value, the stream)."""
+        who = f"{role} replica" if role else "replica"
         for attempt in range(self.retries + 1):
-            responses = self.handle.options(stream=True).generate.remote(request_id, prompt, params)
+            responses = call()
             try:
                 kind, value = await asyncio.wait_for(responses.__anext__(), ACCEPT_TIMEOUT_S)
             except asyncio.TimeoutError:
                 responses.cancel()
-                raise EngineDeadError(f"no replica took request {request_id} within {ACCEPT_TIMEOUT_S:.0f} s")
+                raise EngineDeadError(f"no {who} took request {request_id} within {ACCEPT_TIMEOUT_S:.0f} s") from None
             except REPLICA_LOST as exc:
-                logger.warning("request %s: replica lost before it accepted (%r); attempt %d of %d", request_id,
-                               exc, attempt + 1, self.retries + 1)
+                logger.warning("request %s: %s lost before it accepted (%r); attempt %d of %d", request_id, who, exc,
+                               attempt + 1, self.retries + 1)
                 continue
             except asyncio.CancelledError:
                 responses.cancel()
                 raise
             if kind == "rejected":
                 raise value
-            return responses
-        raise EngineDeadError(f"no replica could take request {request_id} after {self.retries + 1} attempts")
+            return kind, value, responses
+        raise EngineDeadError(f"no {who} could take request {request_id} after {self.retries + 1} attempts")
 
     async def _pump(self, stream: RequestStream, responses, prompt: dict, params: SamplingParams) -> None:
         """Copy a replica's stream into ``stream``; retry on a new replica while nothing has been streamed."""

@@ -110,8 +110,9 @@ class EngineArgs:
                                      "use); one torch thread per CPU unless --num-threads says otherwise")
 
     def scheduler_config(self, max_model_len: int, whole_prompts: bool = False) -> SchedulerConfig:
+        """The scheduler's config, its policy objects' included (KV eviction from the cache flags)."""
         return SchedulerConfig(**{**self._values_of(SchedulerConfig), "max_model_len": max_model_len,
-                                  "whole_prompts": whole_prompts})
+                                  "whole_prompts": whole_prompts, "eviction": self.cache_config().eviction_config()})
 
     def pooler_overrides(self) -> dict | None:
         """``pooler_config`` as a dict (it may be given as JSON text or, from Python, a dict)."""
@@ -134,12 +135,13 @@ class EngineArgs:
         return {f.name: getattr(self, f.name) for f in fields(config_class) if hasattr(self, f.name)}
 
     @classmethod
-    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
-        """Add one flag per field (vLLM's names: ``--max-num-seqs``, ``--block-size``, ...) to a parser."""
+    def add_cli_args(cls, parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+        """Add one flag per field (vLLM's names: ``--max-num-seqs``, ``--block-size``, ...) to a parser; the
+        fields in ``skip`` are the caller's to add (``conveyor serve``'s ``--model`` also takes NAME=PATH)."""
         group = parser.add_argument_group("engine")
         hints = typing.get_type_hints(cls)
         for f in fields(cls):
-            if f.metadata.get("cli", True):
+            if f.metadata.get("cli", True) and f.name not in skip:
                 options = {k: v for k, v in f.metadata.items() if k != "cli"}
                 group.add_argument("--" + f.name.replace("_", "-"), default=f.default,
                                    **_argparse_type(hints[f.name], f.default), **options)

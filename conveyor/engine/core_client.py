@@ -87,6 +87,7 @@ class EngineCoreClient(EngineClient):
         self._input = ipc.make_socket(self._zmq, zmq.PUSH, self._endpoints.input, bind=True)
         self._output = ipc.make_socket(self._zmq, zmq.PULL, self._endpoints.output, bind=True, hwm=ipc.OUTPUT_HWM)
         self._receiver: asyncio.Task | None = None
+        self._output_async: zmq.asyncio.Socket | None = None  # the output socket as the receiver task reads it
         context = multiprocessing.get_context("spawn")
         self._conn, child_conn = context.Pipe()
         self._proc = context.Process(target=entry, args=(args, child_conn, self._endpoints),
@@ -113,6 +114,7 @@ class EngineCoreClient(EngineClient):
                 info, self.stats = self._wait_ready(self._startup_timeout_s - (time.monotonic() - self._started))
             except BaseException:
                 self._proc.kill()
+                self._proc.join(STOP_TIMEOUT_S)  # reaped: no zombie in a server that outlives this engine
                 self._close_sockets()
                 raise
             self._info = info.loaded()  # a tokenizer that could not travel is loaded here
@@ -146,7 +148,8 @@ class EngineCoreClient(EngineClient):
         """Start the sender, receiver and watcher threads for the running event loop."""
         self.wait_ready()
         self._start_loop_side()
-        self._receiver = asyncio.ensure_future(self._receive_forever(zmq.asyncio.Socket.from_socket(self._output)))
+        self._output_async = zmq.asyncio.Socket.from_socket(self._output)
+        self._receiver = asyncio.ensure_future(self._receive_forever(self._output_async))
         self._receiver.add_done_callback(self._on_receiver_end)
         for body, name in ((self._send_forever, "sender"), (self._watch_process, "watcher")):
             thread = threading.Thread(target=self._supervised, args=(name, body), name=f"conveyor-client-{name}",
@@ -178,6 +181,10 @@ class EngineCoreClient(EngineClient):
         if self._receiver is not None:
             self._receiver.cancel()
             await asyncio.gather(self._receiver, return_exceptions=True)
+            # Closed through its asyncio side, which takes its fd off the event loop: closed underneath, the fd
+            # stays registered, and the next engine's socket that gets the same fd number is never read (one
+            # API process starting engines one after another: models on demand).
+            self._output_async.close(linger=0)
         await asyncio.to_thread(self._close_sockets)
 
     def _close_sockets(self) -> None:

@@ -9,8 +9,8 @@ first token (EOS, a stop string, ``max_tokens=1``) needs no decode side and ends
 The decode side (``LLMEngine.add_handoff``) queues the request with ``num_computed_tokens`` = prompt length and
 the first token in its output: the scheduler's hand-over path admits it as a one-token decode, allocating blocks
 for every token; between that ``schedule`` and the step's ``execute`` the engine writes the K/V into those blocks
-(``ModelRunner.import_kv``). A request aborted before it is admitted leaves nothing behind; a preempted one
-recomputes its prompt here, as any preempted request does.
+(``KVHandoffs.write_admitted``, through the executor's ``core.interfaces.KVTransfer``). A request aborted before
+it is admitted leaves nothing behind; a preempted one recomputes its prompt here, as any preempted request does.
 
 Nothing here needs Ray: ``KVHandoff`` is plain data (the K/V as a numpy byte array, which Ray's object store
 and pickle carry without copies), and ``distributed.disagg`` moves it between replicas.
@@ -25,9 +25,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from conveyor.core.outputs import TokenLogprobs
+from conveyor.core.interfaces import KVManager, KVTransfer
+from conveyor.core.outputs import SchedulerOutput, TokenLogprobs
 from conveyor.core.request import Request, RequestStatus
 from conveyor.core.sampling_params import SamplingParams
+from conveyor.core.scheduler import Scheduler
+from conveyor.engine.outputs import RequestOutput
 
 
 @dataclass
@@ -70,13 +73,40 @@ class KVHandoff:
         return None if self.generator_state is None else torch.from_numpy(self.generator_state.copy())
 
 
-@dataclass
-class HandoffBook:
-    """An engine's requests in hand-over: prefill-only ones to export at their first token, and handed-over
-    ones whose K/V waits for the step that admits them."""
+def can_hand_off(params: SamplingParams) -> bool:
+    """Whether a request can be split into prefill here and decode elsewhere: not ``n > 1`` (its completions
+    share the prompt's blocks), constrained (its grammar state lives here) or with prompt logprobs (the final
+    output carries them, and only the prefill side has them); serve those whole."""
+    return params.n == 1 and params.structured_outputs is None and params.prompt_logprobs is None
 
-    exporting: set[str] = field(default_factory=set)
-    importing: dict[str, KVHandoff] = field(default_factory=dict)
+
+class KVHandoffs:
+    """An engine's requests in hand-over, and the two points of a step they need: prefill-only ones, exported at
+    their first token (``export_first_tokens``, after output processing), and handed-over ones, whose K/V is
+    written into the blocks the schedule that admits them gave (``write_admitted``, before the executor runs).
+
+    Its dependencies are explicit: the engine's ``scheduler`` (its requests, and finishing an exported one), the
+    executor's ``KVTransfer`` (the copies) and the ``KVManager`` (a request's block table)."""
+
+    def __init__(self, scheduler: Scheduler, transfer: KVTransfer, kv_manager: KVManager) -> None:
+        self.scheduler, self.transfer, self.kv_manager = scheduler, transfer, kv_manager
+        self.exporting: set[str] = set()
+        self.importing: dict[str, KVHandoff] = {}
+
+    def check(self, params: SamplingParams) -> None:
+        """ValueError unless a request with ``params`` can be handed over by this engine: ``can_hand_off``, and an
+        exact cache (a table that KV eviction has cut no longer holds every prompt token, nor at its slot)."""
+        if self.scheduler.evictor is not None:
+            raise ValueError("the KV hand-over needs the exact cache: it does not run with --kv-eviction "
+                             f"{self.scheduler.evictor.config.policy}")
+        if not can_hand_off(params):
+            raise ValueError("n > 1, structured outputs and prompt logprobs are not handed over: serve the request "
+                             "whole")
+
+    def admit(self, handoff: KVHandoff, request: Request) -> None:
+        """Queue the decode side's ``request`` (``decode_request``); its K/V is written when it is admitted."""
+        self.scheduler.add_request(request)
+        self.importing[request.request_id] = handoff
 
     def drop(self, request_ids) -> None:
         """Aborted (or failed): forget them on both counts."""
@@ -87,35 +117,43 @@ class HandoffBook:
     def __len__(self) -> int:
         return len(self.exporting) + len(self.importing)
 
+    def export_first_tokens(self, states: list[RequestOutput]) -> None:
+        """Prefill-only requests that sampled their first token this step: export their KV, free their blocks, and
+        turn their state (before ``OutputProcessor.emit``) into their last output, carrying the hand-off
+        (``RequestOutput.kv_handoff``)."""
+        now = time.monotonic()
+        scheduler = self.scheduler
+        for out in states:
+            rid = out.request_id
+            if rid not in self.exporting:
+                continue
+            request = scheduler.requests.get(rid)
+            if out.finished or request is None:  # ended at its first token (EOS, stop string, max_tokens=1)
+                self.exporting.discard(rid)
+                continue
+            if request.num_output_tokens == 0:
+                continue
+            kv, gen = self.transfer.export_kv(rid, self.kv_manager.block_ids(rid), request.num_prompt_tokens)
+            comp = out.outputs[0]
+            out.kv_handoff = KVHandoff.pack(
+                kv, gen, request_id=rid, prompt=out.prompt, prompt_token_ids=list(request.prompt_token_ids),
+                first_token_id=request.output_token_ids[0],
+                first_logprobs=comp.logprobs[0] if comp.logprobs else None, sampling_params=request.sampling_params,
+                num_cached_tokens=request.num_cached_prompt_tokens,
+                timings={"arrival": request.times.arrival, "first_token": request.times.first_token or now,
+                         "exported": time.monotonic()})
+            self.exporting.discard(rid)
+            scheduler.finish_request(rid, RequestStatus.FINISHED_LENGTH, now)  # its blocks are free now
+            out.finished = True  # its last output here: the output processor forgets it
 
-# ---- the engine's two halves (``LLMEngine`` calls these; ``engine`` is one) ----------------------------------
-def export_first_tokens(engine, outputs) -> None:
-    """Prefill-only requests that sampled their first token this step: export their KV, free their blocks, and
-    turn their output (a state, before ``OutputProcessor.emit``) into the last one, carrying the hand-off
-    (``RequestOutput.kv_handoff``)."""
-    now = time.monotonic()
-    book, scheduler = engine.handoffs, engine.scheduler
-    for out in outputs:
-        rid = out.request_id
-        if rid not in book.exporting:
-            continue
-        request = scheduler.requests.get(rid)
-        if out.finished or request is None:  # ended at its first token (EOS, stop string, max_tokens=1)
-            book.exporting.discard(rid)
-            continue
-        if request.num_output_tokens == 0:
-            continue
-        kv, gen = engine.executor.export_kv(rid, engine.kv_manager.block_ids(rid), request.num_prompt_tokens)
-        comp = out.outputs[0]
-        out.kv_handoff = KVHandoff.pack(
-            kv, gen, request_id=rid, prompt=out.prompt, prompt_token_ids=list(request.prompt_token_ids),
-            first_token_id=request.output_token_ids[0], first_logprobs=comp.logprobs[0] if comp.logprobs else None,
-            sampling_params=request.sampling_params, num_cached_tokens=request.num_cached_prompt_tokens,
-            timings={"arrival": request.times.arrival, "first_token": request.times.first_token or now,
-                     "exported": time.monotonic()})
-        book.exporting.discard(rid)
-        scheduler.finish_request(rid, RequestStatus.FINISHED_LENGTH, now)  # its blocks are free now
-        out.finished = True  # its last output here: the output processor forgets it
+    def write_admitted(self, sched_out: SchedulerOutput) -> None:
+        """Write the K/V of the handed-over requests this schedule admitted into their new blocks, before the step
+        that first reads them."""
+        for new in sched_out.scheduled_new_reqs:
+            h = self.importing.pop(new.request_id, None)
+            if h is not None:
+                assert new.num_computed_tokens == len(h.prompt_token_ids), "a hand-over admitted as a prefill"
+                self.transfer.import_kv(new.request_id, new.block_ids, h.kv(), h.generator())
 
 
 def check_fits(h: KVHandoff, model_info) -> None:
@@ -134,13 +172,3 @@ def decode_request(h: KVHandoff, eos_token_ids: tuple[int, ...], max_model_len: 
     request.output_token_ids.append(h.first_token_id)
     request.num_computed_tokens = len(h.prompt_token_ids)
     return request
-
-
-def write_admitted(engine, sched_out) -> None:
-    """Write the K/V of the handed-over requests this schedule admitted into their new blocks, before the step
-    that first reads them."""
-    for new in sched_out.scheduled_new_reqs:
-        h = engine.handoffs.importing.pop(new.request_id, None)
-        if h is not None:
-            assert new.num_computed_tokens == len(h.prompt_token_ids), "a hand-over admitted as a prefill"
-            engine.executor.import_kv(new.request_id, new.block_ids, h.kv(), h.generator())

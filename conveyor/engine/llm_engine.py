@@ -3,42 +3,39 @@
 ``step()`` is three calls: ``scheduler.schedule(now)``, ``executor.execute(...)``, ``scheduler.update(...)``;
 then the output processor detokenizes and checks stop strings, and the engine finishes in the scheduler what
 a stop string ended. The engine is the layer that reads the clock (``time.monotonic()``) and passes it down.
+
+What it wires and where each piece lives: the device and CPU placement (``engine.placement``), the loaded model
+(``engine.loaded_model``), constrained requests waiting for their grammar (``structured.gate.GrammarGate``) and
+the KV hand-off of disaggregated serving (``engine.kv_handoff.KVHandoffs``).
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import itertools
-import logging
 import os
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
 
-from conveyor.core.config import CacheConfig
-from conveyor.core.interfaces import Executor, KVManager
-from conveyor.core.kv_manager import KVCacheManager
+from conveyor.core.interfaces import EngineExecutor
+from conveyor.core.outputs import RequestUpdate
 from conveyor.core.request import Request, RequestStatus
 from conveyor.core.sampling_params import SamplingParams
 from conveyor.core.scheduler import Scheduler
-from conveyor.core.sliding_window import freeable_window
-from conveyor.engine.args import EngineArgs, parse_cpu_ids
-from conveyor.core.outputs import RequestUpdate
+from conveyor.engine.args import EngineArgs
 from conveyor.engine.core_step import CoreStepOutput, child_requests
 from conveyor.engine.engine_client import EngineInfo
-from conveyor.engine.kv_handoff import (
-    HandoffBook, KVHandoff, check_fits, decode_request, export_first_tokens, write_admitted,
-)
+from conveyor.engine.kv_handoff import KVHandoff, KVHandoffs, check_fits, decode_request
+from conveyor.engine.loaded_model import LoadedModel, load_draft
 from conveyor.engine.output_processor import OutputProcessor
-from conveyor.engine.pooling import check_pooling_input, check_task, make_pooler
 from conveyor.engine.outputs import RequestOutput
-from conveyor.engine.prompts import PromptType, encode_text, prompt_tokens
+from conveyor.engine.placement import place, step_pinning
+from conveyor.engine.sizing import context_length, make_kv_manager, num_kv_blocks
+from conveyor.engine.pooling import check_pooling_input, check_task, make_pooler
+from conveyor.engine.prompts import PromptType, encode_text, prompt_tokens, tokenize_bad_words
 from conveyor.engine.step_record import StepRecord
-from conveyor.runner.logit_edits import tokenize_bad_words
+from conveyor.structured.gate import GrammarGate
 from conveyor.structured.manager import StructuredOutputs
-
-logger = logging.getLogger("conveyor.engine")
 
 
 class QueueFullError(RuntimeError):
@@ -48,115 +45,45 @@ class QueueFullError(RuntimeError):
 class LLMEngine:
     """A synchronous engine. Not thread-safe: ``AsyncEngine`` serialises access to it."""
 
-    def __init__(self, args: EngineArgs | None = None, executor: Executor | None = None, shared_model=None,
-                 **overrides) -> None:
-        import torch
-
-        from conveyor.models.loader import load_model
-        from conveyor.runner.model_runner import ModelRunner
-        from conveyor.tokenizer import load_tokenizer
-
+    def __init__(self, args: EngineArgs | None = None, executor: EngineExecutor | None = None,
+                 shared_model: LoadedModel | None = None, **overrides) -> None:
         start = time.perf_counter()
-        args = args or EngineArgs(**overrides)
-        self.args = args
-        device = args.device
-        if device == "auto":
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        if device == "cpu" and args.cpu_ids:
-            self._run_on_cpus(args)
-        elif device == "cpu" and args.num_threads:
-            torch.set_num_threads(args.num_threads)
-        self.device = device
-        if shared_model is not None:  # (model, model_info, tokenizer) already loaded: see sharing_model()
-            self.model, self.model_info, self.tokenizer = shared_model
-        else:
-            self.tokenizer = load_tokenizer(args.model)
-            self.model, self.model_info = load_model(args.model, dtype=args.dtype, device=device, seed=args.seed,
-                                                         quantization=args.quantization, convert=args.convert,
-                                                         pooler_config=args.pooler_overrides())
-            logger.info("model %s, dtype %s (%s)", self.model_info.name, self.model_info.dtype,
-                        self.model_info.dtype_reason)
+        self.args = args = args or EngineArgs(**overrides)
+        self.device = place(args)
+        loaded = shared_model or LoadedModel.load(args, self.device)  # shared: see sharing_model()
+        self.model, self.model_info, self.tokenizer = loaded
         self.load_time_s = time.perf_counter() - start  # tokenizer + weights (read, dequantized, laid out)
-        limit = self.model_info.max_position_embeddings
-        if args.max_model_len is not None and args.max_model_len > limit:
-            raise ValueError(f"max_model_len ({args.max_model_len}) exceeds the model's context ({limit})")
-        pooling = self.model_info.pooling
-        if args.max_model_len is None and pooling is not None and pooling.max_seq_length:
-            limit = min(limit, pooling.max_seq_length)  # sentence-transformers' input limit, as vLLM takes it
-        self.max_model_len = args.max_model_len or limit
-        causal = self.model_info.causal
-
+        self.max_model_len = context_length(args, self.model_info)
+        draft = load_draft(args, self.device, self.model_info, self.max_model_len)
         cache = args.cache_config()
-        if args.kv_eviction != "none" and any(self.model_info.layer_windows):
-            # eviction drops blocks from the middle of a table, so KV slots stop being positions, and a window is
-            # counted in positions: refused rather than computed over the wrong keys
-            raise ValueError(f"--kv-eviction {args.kv_eviction} does not run with a sliding-window model "
-                             f"({self.model_info.name}: windows {sorted(set(self.model_info.layer_windows) - {0})}); "
-                             "use --kv-eviction none")
-        self.draft_model, self.draft_info = self._load_draft(args, device)
-        num_blocks = cache.num_kv_blocks
-        if not causal:  # an encoder keeps no K/V: its blocks only count one step's tokens (all finish in it)
-            cache.enable_prefix_caching = False
-            budget = max(args.max_num_batched_tokens, self.max_model_len)
-            num_blocks = num_blocks or -(-budget // cache.block_size) + args.max_num_seqs
-        elif num_blocks is None:  # the draft's K/V lives in the same blocks: the budget holds both
-            per_block = sum(ModelRunner.kv_cache_bytes_per_block(info, cache.block_size)
-                            for info in (self.model_info, self.draft_info) if info is not None)
-            num_blocks = int(cache.kv_cache_memory * (1 << 30)) // per_block
-        if num_blocks * cache.block_size < self.max_model_len:
-            raise ValueError(
-                f"KV cache too small: {num_blocks} blocks x {cache.block_size} tokens cannot hold one sequence of "
-                f"max_model_len={self.max_model_len}; raise kv_cache_memory / num_kv_blocks or lower max_model_len"
-            )
-        self.num_kv_blocks = num_blocks
-        self.kv_manager = self._make_kv_manager(cache, num_blocks)
-        self.scheduler = Scheduler(args.scheduler_config(self.max_model_len, whole_prompts=not causal),
-                                   self.kv_manager, cache.eviction_config())
-        # Constrained decoding: grammars compile on a thread of their own; a constrained request waits here,
-        # outside the scheduler, until its grammar is ready (the grammar gate: see _admit_compiled).
+        self.num_kv_blocks = num_blocks = num_kv_blocks(args, cache, self.model_info, draft, self.max_model_len)
+        self.kv_manager = make_kv_manager(cache, num_blocks, self.max_model_len, self.model_info, draft)
+        self.scheduler = Scheduler(args.scheduler_config(self.max_model_len, whole_prompts=not self.model_info.causal),
+                                   self.kv_manager)
+        # Constrained decoding: grammars compile on a thread of their own; a constrained request waits in the gate,
+        # outside the scheduler, until its grammar is ready.
         self.structured = StructuredOutputs(self.tokenizer, self.model_info.vocab_size)
-        self._awaiting_grammar: list[tuple[Future, Request]] = []
-        self.executor = executor or ModelRunner(
-            self.model, self.model_info, num_blocks=num_blocks, block_size=cache.block_size, device=device,
-            attention_backend=args.attention_backend, seed=args.seed,  # --seed seeds sampling too, as in vLLM
-            structured=self.structured, pooler=make_pooler(self.model, self.model_info, self.tokenizer),
-            null_block_id=self.kv_manager.null_block_id,
-        )
-        if self.draft_model is not None and executor is None:
-            self.executor.attach_draft(self.draft_model, self.draft_info, args.attention_backend)
-        self._pinned = contextlib.nullcontext  # a step's thread binding (CPU: see CoreBinding)
-        if device == "cpu" and args.cpu_bind_threads:
-            from conveyor.kernels import load_cpu_kernels
-            from conveyor.kernels.cpu_ops import plan_core_binding
-
-            binding, said = plan_core_binding(load_cpu_kernels())
-            logger.info("CPU: %s", said)
-            if binding is not None:
-                self._pinned = binding.pinned
+        self.grammar_gate = GrammarGate()
+        self.executor = executor or self._make_runner(num_blocks, cache.block_size, draft)
+        self._pinned = step_pinning(self.device, args)  # a step's thread binding (CPU: kernels.binding)
         self.output_processor = OutputProcessor(self.tokenizer, detokenize=args.detokenize)
         self.step_listeners: list[Callable[[StepRecord], None]] = []
-        self.handoffs = HandoffBook()  # disaggregated prefill / decode (engine.kv_handoff)
+        self.handoffs = KVHandoffs(self.scheduler, self.executor, self.kv_manager)  # disaggregated prefill/decode
         self._ids = itertools.count()
         self.init_time_s = time.perf_counter() - start  # plus the KV cache and runner
 
-    def _load_draft(self, args: EngineArgs, device: str):
-        """The draft model of ``--speculative-config``'s method "draft_model" (model, info), else (None, None).
-        Its proposals are target token ids, so both must share the vocabulary, and it must reach the context."""
-        from conveyor.core.speculative import SpeculativeConfig
-        from conveyor.models.loader import load_model
+    def _make_runner(self, num_blocks: int, block_size: int, draft) -> EngineExecutor:
+        from conveyor.runner.model_runner import ModelRunner
 
-        spec = SpeculativeConfig.parse(args.speculative_config)
-        if spec is None or not spec.proposes_in_executor:
-            return None, None
-        model, info = load_model(spec.model, dtype=args.dtype, device=device, seed=args.seed)
-        if info.vocab_size != self.model_info.vocab_size:
-            raise ValueError(f"the draft model's vocabulary ({info.vocab_size} tokens) is not the target's "
-                             f"({self.model_info.vocab_size}): proposals are token ids of one vocabulary")
-        if info.max_position_embeddings < self.max_model_len:
-            raise ValueError(f"the draft model's context ({info.max_position_embeddings}) is shorter than "
-                             f"max_model_len ({self.max_model_len})")
-        logger.info("speculative draft model %s, dtype %s", info.name, info.dtype)
-        return model, info
+        args = self.args
+        runner = ModelRunner(
+            self.model, self.model_info, num_blocks=num_blocks, block_size=block_size, device=self.device,
+            attention_backend=args.attention_backend, seed=args.seed,  # --seed seeds sampling too, as in vLLM
+            structured=self.structured, pooler=make_pooler(self.model, self.model_info, self.tokenizer),
+            null_block_id=self.kv_manager.null_block_id)
+        if draft is not None:
+            runner.attach_draft(*draft, args.attention_backend)
+        return runner
 
     @classmethod
     def sharing_model(cls, other: LLMEngine, args: EngineArgs) -> LLMEngine:
@@ -169,19 +96,7 @@ class LLMEngine:
             if getattr(args, name) != getattr(other.args, name):
                 raise ValueError(f"sharing_model: {name} differs: {getattr(args, name)!r} vs "
                                  f"{getattr(other.args, name)!r}")
-        return cls(args, shared_model=(other.model, other.model_info, other.tokenizer))
-
-    def _make_kv_manager(self, cache: CacheConfig, num_blocks: int) -> KVManager:
-        if cache.kv_layout == "slab":
-            from conveyor.core.slab_manager import SlabKVManager
-
-            return SlabKVManager(num_blocks, cache.block_size, self.max_model_len)
-        # Blocks outside every window are given back when every layer that reads the tables (the draft's too:
-        # its K/V lives in the same blocks) has a window; an encoder keeps no K/V across steps.
-        models = [info.layer_windows for info in (self.model_info, self.draft_info) if info is not None]
-        window = freeable_window(*models) if cache.free_outside_window and self.model_info.causal else 0
-        return KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching, cache.prefix_cache_eviction,
-                              sliding_window=window)
+        return cls(args, shared_model=LoadedModel(other.model, other.model_info, other.tokenizer))
 
     @functools.cached_property
     def info(self) -> EngineInfo:
@@ -189,10 +104,9 @@ class LLMEngine:
         from conveyor.models import EMBEDDED_NAME
         from conveyor.models.flops import prefix_hit_flops
 
-        hit_flops = prefix_hit_flops(self.model_info)
         return EngineInfo(self.args, self.tokenizer, self.model_info, self.max_model_len, self.max_seqs_per_request,
                           self.num_kv_blocks, os.getpid(), self.load_time_s, self.init_time_s,
-                          self.model_info.name == EMBEDDED_NAME, hit_flops)
+                          self.model_info.name == EMBEDDED_NAME, prefix_hit_flops(self.model_info))
 
     # ---- requests ---------------------------------------------------------------------------------------
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
@@ -254,8 +168,7 @@ class LLMEngine:
                 f"max_num_seqs {self.scheduler.config.max_num_seqs} + max_num_queued_reqs {bound})"
             )
         free_seats = max(0, self.scheduler.config.max_num_seqs - self.scheduler.num_running)
-        waiting = self.scheduler.num_waiting + len(self._awaiting_grammar)
-        if waiting + num_seqs - free_seats > bound:
+        if self.scheduler.num_waiting + len(self.grammar_gate) + num_seqs - free_seats > bound:
             raise QueueFullError(f"the waiting queue is full ({bound} requests); retry later")
 
     def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams | None = None,
@@ -280,8 +193,7 @@ class LLMEngine:
         if params.bad_words and not params.bad_words_token_ids:
             params.bad_words_token_ids = tokenize_bad_words(self.tokenizer, params.bad_words)
         children = child_requests(request_id, params)
-        awaiting = {r.request_id for _, r in self._awaiting_grammar}
-        if any(child_id in self.scheduler.requests or child_id in awaiting for child_id, _ in children):
+        if any(child_id in self.scheduler.requests or child_id in self.grammar_gate for child_id, _ in children):
             raise ValueError(f"request id {request_id!r} is already in use")
         grammar = None
         if params.structured_outputs is not None:
@@ -295,33 +207,14 @@ class LLMEngine:
             if grammar is None or grammar.done():
                 self.scheduler.add_request(request)
             else:
-                self._awaiting_grammar.append((grammar, request))
+                self.grammar_gate.hold(grammar, request)
         return children
-
-    def _admit_compiled(self) -> dict[str, str]:
-        """Move the requests whose grammar has compiled into the scheduler; returns those whose grammar failed
-        to compile (child id -> why), which never enter it."""
-        if not self._awaiting_grammar:
-            return {}
-        failed: dict[str, str] = {}
-        still = []
-        for grammar, request in self._awaiting_grammar:
-            if not grammar.done():
-                still.append((grammar, request))
-            elif grammar.exception() is not None:
-                failed[request.request_id] = str(grammar.exception())
-            else:
-                self.scheduler.add_request(request)
-        self._awaiting_grammar = still
-        return failed
 
     def finish_requests(self, child_ids: list[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
         """End these (child) requests in the scheduler (no-op for finished ones); their blocks are free when this
         returns. The output side decided it (a stop string, an abort, a failure) and keeps its own state."""
         now = time.monotonic()
-        if self._awaiting_grammar:
-            ending = set(child_ids)
-            self._awaiting_grammar = [(g, r) for g, r in self._awaiting_grammar if r.request_id not in ending]
+        self.grammar_gate.drop(child_ids)
         for child_id in child_ids:
             self.scheduler.finish_request(child_id, status, now)
         if self.handoffs:
@@ -336,34 +229,17 @@ class LLMEngine:
         return next(iter(processor.emit([state])), None) if state is not None else None
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._awaiting_grammar) or self.scheduler.has_unfinished_requests()
+        return bool(self.grammar_gate) or self.scheduler.has_unfinished_requests()
 
     # ---- disaggregated prefill / decode (engine.kv_handoff) ---------------------------------------------
-    @staticmethod
-    def can_hand_off(params: SamplingParams) -> bool:
-        """Whether a request can be split into prefill here and decode elsewhere: not ``n > 1`` (its completions
-        share the prompt's blocks), constrained (its grammar state lives here) or with prompt logprobs (the final
-        output carries them, and only the prefill side has them); serve those whole."""
-        return params.n == 1 and params.structured_outputs is None and params.prompt_logprobs is None
-
-    def _check_exact_cache(self) -> None:
-        """The hand-over moves a prompt's K/V token by token from its block table: a table that KV eviction has
-        cut (``--kv-eviction``) no longer holds them all, nor at their positions' slots."""
-        if self.scheduler.evictor is not None:
-            raise ValueError("the KV hand-over needs the exact cache: it does not run with --kv-eviction "
-                             f"{self.args.kv_eviction}")
-
     def add_prefill_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams | None = None,
                             arrival_time: float | None = None) -> str:
         """Queue a request to run here only until its first token: then its KV is exported and its blocks freed
         in the same step, and its last output (``finished``, the first token in it) carries ``kv_handoff`` for
         ``add_handoff`` on a decode engine. One that finishes at its first token ends here, without one. Raises
-        ValueError for what ``can_hand_off`` refuses, as ``add_request`` does for bad input."""
+        ValueError for what ``kv_handoff.can_hand_off`` refuses, as ``add_request`` does for bad input."""
         params = params or SamplingParams()
-        self._check_exact_cache()
-        if not self.can_hand_off(params):
-            raise ValueError("n > 1, structured outputs and prompt logprobs are not handed over: serve the request "
-                             "whole")
+        self.handoffs.check(params)
         request_id = self.add_request(request_id, prompt, params, arrival_time)
         self.handoffs.exporting.add(request_id)
         return request_id
@@ -375,39 +251,23 @@ class LLMEngine:
         or QueueFullError."""
         h, params = handoff, handoff.sampling_params
         rid, prompt = h.request_id, list(handoff.prompt_token_ids)
-        self._check_exact_cache()
-        if not self.can_hand_off(params):
-            raise ValueError("n > 1, structured outputs and prompt logprobs are not handed over")
+        self.handoffs.check(params)
         if rid in self.output_processor.parents or rid in self.scheduler.requests:
             raise ValueError(f"request id {rid!r} is already in use")
         check_fits(h, self.model_info)
         self._check_queue_room(1)
         self.validate_prompt(prompt, params)
         now = time.monotonic() if arrival_time is None else arrival_time
-        self.scheduler.add_request(decode_request(h, tuple(self.model_info.eos_token_ids), self.max_model_len, now))
-        self.handoffs.importing[rid] = h
-        self.output_processor.add(rid, h.prompt, prompt, [(rid, params)], now)
+        self.handoffs.admit(h, decode_request(h, tuple(self.model_info.eos_token_ids), self.max_model_len, now))
+        processor = self.output_processor
+        processor.add(rid, h.prompt, prompt, [(rid, params)], now)
         # The first token as the prefill side's output processor took it: text, logprobs, stop-string state (and,
         # for a stream, as given to the client: the prefill side's last output held it).
-        processor = self.output_processor
         processor.emit(processor.process(CoreStepOutput(now, [RequestUpdate(
             rid, h.first_token_id, h.first_logprobs, num_cached_tokens=h.num_cached_tokens)])).request_outputs)
         return rid
 
     # ---- the step ---------------------------------------------------------------------------------------
-    @staticmethod
-    def _run_on_cpus(args: EngineArgs) -> None:
-        """Confine this process to ``args.cpu_ids`` with one torch thread per CPU (pinned later, as always when
-        the threads match the CPUs). The server uses it to keep a CPU for its event loop (``--frontend-cpus``)."""
-        import torch
-
-        cpus = parse_cpu_ids(args.cpu_ids)
-        allowed = os.sched_getaffinity(0)
-        if not set(cpus) <= allowed:
-            raise ValueError(f"cpu_ids {args.cpu_ids!r}: this process may only use CPUs {sorted(allowed)}")
-        os.sched_setaffinity(0, cpus)
-        torch.set_num_threads(args.num_threads or len(cpus))
-
     def step(self) -> list[RequestOutput]:
         """Run one iteration: schedule, execute, update, then output processing. Returns the requests that
         progressed."""
@@ -417,19 +277,19 @@ class LLMEngine:
         processor = self.output_processor
         states = processor.settle(processor.process(core), self.finish_requests, core.time)
         if self.handoffs.exporting:
-            export_first_tokens(self, states)
+            self.handoffs.export_first_tokens(states)
         return processor.emit(states)
 
     def core_step(self) -> CoreStepOutput | None:
         """The engine core's half of ``step()``: schedule, execute, update; each sampled token as a
         ``RequestUpdate`` (None when nothing was scheduled). What the engine core process runs and sends."""
         start = time.monotonic()
-        grammar_failed = self._admit_compiled()
+        grammar_failed = self.grammar_gate.admit_ready(self.scheduler.add_request)
         sched_out = self.scheduler.schedule(start)
         if sched_out.is_empty:
             return CoreStepOutput(start, failed=grammar_failed) if grammar_failed else None
         if self.handoffs.importing:
-            write_admitted(self, sched_out)
+            self.handoffs.write_admitted(sched_out)
         record = StepRecord.before(start, sched_out, self.scheduler) if self.step_listeners else None
         with self._pinned():
             model_out = self.executor.execute(sched_out)

@@ -1,4 +1,5 @@
-"""A prompt as the engine takes it, and its token ids: ``PromptType``, ``encode_text``, ``prompt_tokens``.
+"""A prompt as the engine takes it, and its token ids: ``PromptType``, ``encode_text``, ``prompt_tokens``; and
+the token sequences of a request's ``bad_words`` (``tokenize_bad_words``).
 
 ``LLMEngine``, the facts a server reads of any engine (``engine_client.EngineInfo``) and chat rendering
 (``chat.render_chat``) share these, so text becomes tokens by one rule wherever the engine runs.
@@ -28,3 +29,15 @@ def prompt_tokens(tokenizer, prompt: PromptType) -> tuple[str | None, list[int]]
     if isinstance(prompt, str):
         return prompt, encode_text(tokenizer, prompt)
     return None, list(prompt)
+
+
+def tokenize_bad_words(tokenizer, words: list[str]) -> list[list[int]]:
+    """Each bad word's token sequences, as vLLM forms them: the word as written and with a leading space (the
+    form it takes after another word), each once."""
+    sequences: list[list[int]] = []
+    for word in words:
+        for text in (word, " " + word.lstrip()):
+            ids = tokenizer.encode(text, add_special_tokens=False)
+            if ids and ids not in sequences:
+                sequences.append(ids)
+    return sequences

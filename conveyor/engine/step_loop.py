@@ -16,9 +16,8 @@ from collections.abc import Callable
 from typing import Any
 
 from conveyor.core.outputs import SchedulerStats
-from conveyor.core.scheduler import IDLE_POLL_S
+from conveyor.core.config import IDLE_POLL_S
 from conveyor.engine.llm_engine import LLMEngine
-from conveyor.engine.outputs import RequestOutput
 
 STOP = object()
 

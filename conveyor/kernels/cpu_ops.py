@@ -9,7 +9,6 @@ first request never pays the build.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import os
 import threading
@@ -25,10 +24,6 @@ from conveyor.kernels.moe_ops import MoeArgs, MoeKernels
 SOURCE_DIR = os.path.join(os.path.dirname(__file__), "csrc")
 ABI_VERSION = 11  # csrc/cvk.h's CVK_ABI_VERSION
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
-# The attention kernel's cache layout per layer: [2 (K, V), num_blocks, num_kv_heads, block_size, head_dim]. One
-# head's rows of a block are contiguous, so a request's context streams in order (the torch paths keep
-# [2, num_blocks, block_size, num_kv_heads, head_dim]).
-HEAD_MAJOR_KV = True
 
 
 class KernelError(RuntimeError):
@@ -117,63 +112,41 @@ class KeyMass:
                     mass_offset=self._offsets.data_ptr(), mass_stride=stride)
 
 
+def _c_function(lib: ctypes.CDLL, name: str, restype, argtypes: list):
+    """The library's C function ``name``, typed."""
+    fn = lib[name]
+    fn.restype, fn.argtypes = restype, argtypes
+    return fn
+
+
 class CpuKernels:
     """Loaded kernels of one instruction-set level. Every call checks shapes and dtypes it cannot handle."""
 
     def __init__(self, lib: ctypes.CDLL, level: str, path: str) -> None:
         self.level, self.path = level, path
         p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-        self._attention = lib.cvk_attention
-        self._attention.restype = i32
-        self._attention.argtypes = [ctypes.POINTER(AttnArgs)]
-        self._plan_bytes = lib.cvk_attention_plan_bytes
-        self._plan_bytes.restype = i64
-        self._plan_bytes.argtypes = [ctypes.POINTER(AttnArgs)]
-        self._plan = lib.cvk_attention_plan
-        self._plan.restype = i32
-        self._plan.argtypes = [ctypes.POINTER(AttnArgs), p, i64]
-        self._add_rmsnorm = lib.cvk_add_rmsnorm
-        self._add_rmsnorm.restype = i32
-        self._add_rmsnorm.argtypes = [i32, p, i64, p, p, p, i64, i64, f32, i32, i32]
-        self._skinny = lib.cvk_skinny_gemm
-        self._skinny.restype = i32
-        self._skinny.argtypes = [i32, p, i64, i64, p, p, p, i64, i64, i64, i32]
-        self._amx = lib.cvk_amx_gemm
-        self._amx.restype = i32
-        self._amx.argtypes = [p, i64, i64, p, p, p, i64, i64, i64, i32]
+        self._attention = _c_function(lib, "cvk_attention", i32, [ctypes.POINTER(AttnArgs)])
+        self._plan_bytes = _c_function(lib, "cvk_attention_plan_bytes", i64, [ctypes.POINTER(AttnArgs)])
+        self._plan = _c_function(lib, "cvk_attention_plan", i32, [ctypes.POINTER(AttnArgs), p, i64])
+        self._add_rmsnorm = _c_function(lib, "cvk_add_rmsnorm", i32, [i32, p, i64, p, p, p, i64, i64, f32, i32, i32])
+        self._skinny = _c_function(lib, "cvk_skinny_gemm", i32, [i32, p, i64, i64, p, p, p, i64, i64, i64, i32])
+        self._amx = _c_function(lib, "cvk_amx_gemm", i32, [p, i64, i64, p, p, p, i64, i64, i64, i32])
         # AMX tiles: only where the CPU has them and Linux grants the tile state to this process.
         self.amx = level == "avx512bf16" and cpu_features().has_amx and lib.cvk_amx_init() == 1
-        self._set_amx_attention = lib.cvk_set_amx_attention
-        self._set_amx_attention.restype = i32
-        self._set_amx_attention.argtypes = [i32]
+        self._set_amx_attention = _c_function(lib, "cvk_set_amx_attention", i32, [i32])
         self._set_amx_attention(int(self.amx))  # records what was granted; prefill QK^T on AMX where it was
-        self._set_amx_qdot = lib.cvk_set_amx_qdot
-        self._set_amx_qdot.restype = i32
-        self._set_amx_qdot.argtypes = [i32]
+        self._set_amx_qdot = _c_function(lib, "cvk_set_amx_qdot", i32, [i32])
         # The quantized GEMM's dot products on AMX-INT8 tiles (from csrc/kernels.h's AMX_QDOT_MIN_ROWS / _Q8 rows)
         # where the CPU has them: the same numbers as the VNNI loop, bit for bit, at a fraction of its cost.
         self.amx_int8 = self.amx and cpu_features().has_amx_int8 and self._set_amx_qdot(-1) > 0
-        self._bind = lib.cvk_bind_threads
-        self._bind.restype = i32
-        self._bind.argtypes = [p, i32]
-        self._silu_mul = lib.cvk_silu_mul
-        self._silu_mul.restype = i32
-        self._silu_mul.argtypes = [i32, p, p, i64, i64, i32]
-        self._argmax_rows = lib.cvk_argmax_rows
-        self._argmax_rows.restype = i32
-        self._argmax_rows.argtypes = [i32, p, i64, i64, i64, p, i32]
-        self._llama_layers = lib.cvk_llama_layers
-        self._llama_layers.restype = i32
-        self._llama_layers.argtypes = [ctypes.POINTER(LayerStackArgs)]
-        self._quant_gemm = lib.cvk_quant_gemm
-        self._quant_gemm.restype = i32
-        self._quant_gemm.argtypes = [ctypes.POINTER(QuantGemmArgs)]
-        self._quant_dequantize = lib.cvk_quant_dequantize
-        self._quant_dequantize.restype = i32
-        self._quant_dequantize.argtypes = [ctypes.POINTER(QuantWeight), p, i64, i32, p, i64, i32]
-        self._quant_scratch = lib.cvk_quant_scratch_bytes
-        self._quant_scratch.restype = i64
-        self._quant_scratch.argtypes = [i64, i64]
+        self._bind = _c_function(lib, "cvk_bind_threads", i32, [p, i32])
+        self._silu_mul = _c_function(lib, "cvk_silu_mul", i32, [i32, p, p, i64, i64, i32])
+        self._argmax_rows = _c_function(lib, "cvk_argmax_rows", i32, [i32, p, i64, i64, i64, p, i32])
+        self._llama_layers = _c_function(lib, "cvk_llama_layers", i32, [ctypes.POINTER(LayerStackArgs)])
+        self._quant_gemm = _c_function(lib, "cvk_quant_gemm", i32, [ctypes.POINTER(QuantGemmArgs)])
+        self._quant_dequantize = _c_function(lib, "cvk_quant_dequantize", i32,
+                                             [ctypes.POINTER(QuantWeight), p, i64, i32, p, i64, i32])
+        self._quant_scratch = _c_function(lib, "cvk_quant_scratch_bytes", i64, [i64, i64])
         self.vnni = lib.cvk_quant_vnni() == 1  # the quantized GEMM's dot products on VPDPBUSD
         self.moe = MoeKernels(lib, self._check)  # a mixture's routed MLP (moe_ops)
         self.vector_width = lib.cvk_vector_width()
@@ -209,7 +182,8 @@ class CpuKernels:
 
         q [T, H, D], k and v [T, KVH, D], each with unit strides inside a token's row (views of one fused qkv
         buffer are fine); q and k are rotated in place. k_cache and v_cache [num_blocks, KVH, block_size, D]
-        contiguous (head-major blocks: ``HEAD_MAJOR_KV``); block_table [R, max_blocks] int64 (row-major);
+        contiguous (head-major blocks: one head's rows of a block contiguous, so a request's context streams in
+        order; ``layers.attention.kv_layout.HEAD_MAJOR``); block_table [R, max_blocks] int64 (row-major);
         query_start [R + 1] and seq_lens [R] int64 (request r's tokens sit at positions seq_lens[r] - n_r ...);
         cos_sin [positions, D] float32 (cos halves then sin halves); out [T, H, D], written (unit strides inside a
         row). ``plan``: the step's ``attention_plan`` (else the call plans for itself). ``key_mass``: add the scored
@@ -401,47 +375,3 @@ def build_and_load(level: str) -> CpuKernels | None:
         warnings.warn(f"conveyor: native CPU kernels ({level}) unavailable, using the torch path instead: {e}",
                       RuntimeWarning, stacklevel=3)
         return None
-
-
-class CoreBinding:
-    """One OpenMP thread per allowed CPU for whichever thread runs the engine's steps (the engine owns the
-    machine's cores, as vLLM's CPU backend assumes). A thread's pool is pinned at its first step; the stepping
-    thread itself, thread 0 of its pool, is pinned to the first CPU only while a step runs (``pinned()``), so
-    neither it between steps nor the threads it starts, which inherit its CPU mask, are confined to one CPU.
-    (Pinned for good, it confined them: a thread started after building an LLM ran it 2x slower, its own pool
-    stuck on that CPU.)
-
-    Why pin at all: on a shared machine an unpinned pool lets the scheduler stack both threads on one core while
-    another process runs on the other, and then every parallel region of every layer waits at its barrier
-    (measured here: a 2-thread run 2x slower in wall and CPU time than pinned while other processes competed
-    for the cores)."""
-
-    def __init__(self, kernels: CpuKernels, cpus: list[int]) -> None:
-        self.kernels, self.cpus = kernels, cpus
-        self._thread = threading.local()  # .bound: this thread's pool is pinned
-
-    @contextlib.contextmanager
-    def pinned(self):
-        """Run the body (a step) with this thread's pool pinned one thread per CPU; restore its own mask after."""
-        saved = os.sched_getaffinity(0)
-        if getattr(self._thread, "bound", False):
-            os.sched_setaffinity(0, self.cpus[:1])
-        else:
-            self.kernels.bind_threads(self.cpus)  # pins the pool, this thread (its thread 0) to cpus[0]
-            self._thread.bound = True
-        try:
-            yield
-        finally:
-            os.sched_setaffinity(0, saved)
-
-
-def plan_core_binding(kernels: CpuKernels | None) -> tuple[CoreBinding | None, str]:
-    """A ``CoreBinding`` when torch's threads are as many as the CPUs this process may use (else None: they are
-    left alone), and a line saying which."""
-    if kernels is None or not hasattr(os, "sched_getaffinity"):
-        return None, "threads not pinned (no native kernels)"
-    cpus = sorted(os.sched_getaffinity(0))
-    threads = torch.get_num_threads()
-    if threads < 2 or threads != len(cpus):
-        return None, f"threads not pinned ({threads} threads, {len(cpus)} CPUs allowed)"
-    return CoreBinding(kernels, cpus), f"{threads} threads pinned one per CPU of {cpus} while a step runs"

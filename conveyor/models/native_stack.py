@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from conveyor.layers.attention.base import AttentionBackend
+from conveyor.layers.attention.base import AttentionBackend, LayerStackAttention
 from conveyor.layers.linear import PackedLinear
 from conveyor.layers.quantized import QuantLinear, descriptor_address
 from conveyor.models.config import ModelConfig
@@ -142,12 +142,13 @@ class NativeLayerStack:
             max_rows = rows if max_rows is None else min(max_rows, rows)
         return cls(model, kernels, max_rows, quantized) if max_rows else None
 
-    def accepts(self, num_tokens: int, attn) -> bool:
-        """Whether a step of ``num_tokens`` rows with this attention object runs here."""
+    def accepts(self, num_tokens: int, attn: AttentionBackend) -> bool:
+        """Whether a step of ``num_tokens`` rows with this attention object runs here (an object that
+        ``supports_layer_stack`` is a ``LayerStackAttention``)."""
         return 0 < num_tokens <= self.max_rows and attn.supports_layer_stack
 
     def run(self, embeddings: torch.Tensor, rope_table: torch.Tensor, kv_caches: list[torch.Tensor],
-            attn: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
+            attn: LayerStackAttention) -> tuple[torch.Tensor, torch.Tensor]:
         """Every decoder layer over ``embeddings`` [T, hidden] (consumed: it becomes the residual stream).
         Returns (last layer's output, residual), as the per-layer loop leaves them for the final norm."""
         self._bind_kv(kv_caches)

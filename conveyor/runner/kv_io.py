@@ -2,14 +2,16 @@
 
 The wire form is per token, not per block: ``[num_layers, 2 (K, V), num_tokens, num_kv_heads, head_dim]``,
 contiguous, on the CPU. Per token because the two engines need not agree on the block size or on the attention
-backend's layout (token-major ``[2, blocks, block_size, heads, d]`` for the torch backends, head-major
-``[2, blocks, heads, block_size, d]`` for the native CPU one): each side maps token t to its own slot
-``block_ids[t // block_size] * block_size + t % block_size``.
+backend's layout (its declared ``kv_layout``: token-major for the torch backends, head-major for the native CPU
+one): each side maps token t to its own slot ``block_ids[t // block_size] * block_size + t % block_size`` and
+reads or writes it through its layout.
 """
 
 from __future__ import annotations
 
 import torch
+
+from conveyor.layers.attention import KVLayout
 
 
 def _slots(block_ids: list[int], num_tokens: int, block_size: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -19,25 +21,19 @@ def _slots(block_ids: list[int], num_tokens: int, block_size: int, device) -> tu
 
 
 def gather_kv(kv_caches: list[torch.Tensor], block_ids: list[int], num_tokens: int, block_size: int,
-              head_major: bool) -> torch.Tensor:
+              layout: KVLayout) -> torch.Tensor:
     """The K/V of the first ``num_tokens`` tokens held in ``block_ids``, every layer, in the wire form."""
     blocks, offsets = _slots(block_ids, num_tokens, block_size, kv_caches[0].device)
-    layers = []
-    for cache in kv_caches:
-        if head_major:  # advanced indices around a slice: the indexed dim comes first -> [T, 2, heads, d]
-            layers.append(cache[:, blocks, :, offsets, :].transpose(0, 1))
-        else:
-            layers.append(cache[:, blocks, offsets])
-    return torch.stack(layers).contiguous().cpu()
+    return torch.stack([layout.slots(cache, blocks, offsets) for cache in kv_caches]).contiguous().cpu()
 
 
 def scatter_kv(kv_caches: list[torch.Tensor], block_ids: list[int], kv: torch.Tensor, block_size: int,
-               head_major: bool, skip_block: int | None = None) -> None:
+               layout: KVLayout, skip_block: int | None = None) -> None:
     """Write wire-form ``kv`` (its tokens 0..T-1) into the slots of ``block_ids``, every layer; converts dtype
     and device. Tokens whose entry is ``skip_block`` (the null block of entries outside every sliding window,
     which must stay zero) are not written. Raises ValueError when the shapes say another model."""
     cache0 = kv_caches[0]
-    heads, dim = (cache0.shape[2], cache0.shape[4]) if head_major else (cache0.shape[3], cache0.shape[4])
+    heads, dim = layout.heads_and_dim(cache0)
     if kv.dim() != 5 or kv.shape[0] != len(kv_caches) or kv.shape[1] != 2 or tuple(kv.shape[3:]) != (heads, dim):
         raise ValueError(f"handed-over KV of shape {tuple(kv.shape)} does not fit this model's cache "
                          f"({len(kv_caches)} layers, {heads} KV heads of {dim})")
@@ -50,7 +46,4 @@ def scatter_kv(kv_caches: list[torch.Tensor], block_ids: list[int], kv: torch.Te
         kept = blocks != skip_block
         blocks, offsets, kv = blocks[kept], offsets[kept], kv[:, :, kept]
     for cache, layer in zip(kv_caches, kv):
-        if head_major:
-            cache[:, blocks, :, offsets, :] = layer.transpose(0, 1)
-        else:
-            cache[:, blocks, offsets] = layer
+        layout.write_slots(cache, blocks, offsets, layer)

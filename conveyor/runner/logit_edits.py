@@ -44,15 +44,3 @@ def apply_logit_edits(logits: torch.Tensor, reqs: list[RequestState], rows: list
     if bias_rows:
         index = (torch.tensor(bias_rows, device=device), torch.tensor(bias_cols, device=device))
         logits.index_put_(index, torch.tensor(bias_vals, dtype=logits.dtype, device=device), accumulate=True)
-
-
-def tokenize_bad_words(tokenizer, words: list[str]) -> list[list[int]]:
-    """Each bad word's token sequences, as vLLM forms them: the word as written and with a leading space (the
-    form it takes after another word), each once."""
-    sequences: list[list[int]] = []
-    for word in words:
-        for text in (word, " " + word.lstrip()):
-            ids = tokenizer.encode(text, add_special_tokens=False)
-            if ids and ids not in sequences:
-                sequences.append(ids)
-    return sequences

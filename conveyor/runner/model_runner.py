@@ -8,7 +8,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from conveyor.core.outputs import ModelOutput, PromptLogprobs, SchedulerOutput
 from conveyor.layers.attention import allocate_kv_caches, backend_class, make_attention, resolve_backend
-from conveyor.layers.attention.base import token_major_kv_shape
 from conveyor.models.build import ModelInfo, resolve_dtype
 from conveyor.runner.input_batch import InputBatch, PromptRows, StepInputs
 from conveyor.runner.kv_io import gather_kv, scatter_kv
@@ -23,7 +22,7 @@ PROMPT_LOGITS_ROWS = 256  # prompt logprobs in slices: [256, 49152] float32 logi
 class ModelRunner:
     """Owns the paged KV cache and the per-request state; runs the model and samples (``core.Executor``).
 
-    The KV cache is one tensor per layer in the attention backend's layout (``AttentionBackend.kv_cache_shape``);
+    The KV cache is one tensor per layer in the attention backend's layout (``AttentionBackendType.kv_layout``);
     block b covers cache slots [b * block_size, (b + 1) * block_size). A step is ``forward`` (the logits of the rows that sample, and the
     logprobs of prompt tokens for requests that asked) then ``sample``.
     """
@@ -52,8 +51,7 @@ class ModelRunner:
         # The constrained rows' bitmasks are filled on this thread while the forward pass runs.
         self._mask_filler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="conveyor-bitmask")
         self.sampler = Sampler(info.eos_token_ids, self.device, seed)
-        probe = (1, 2, 3, 4)  # distinct sizes: which axis is the block's slot
-        self._head_major = backend_class(self.backend).kv_cache_shape(*probe) != token_major_kv_shape(*probe)
+        self.kv_layout = backend_class(self.backend).kv_layout  # how the hand-over reads and writes the caches
         # Handed-over requests' sampling generators, set once the batch has built their state (``import_kv``).
         self._imported_generators: dict[str, torch.Tensor] = {}
         self._scored_attention = None  # the step's scoring attention (block_scores) while its scores wait to be returned
@@ -95,7 +93,7 @@ class ModelRunner:
                                                                                            torch.Tensor | None]:
         """The K/V of a request's first ``num_tokens`` tokens (``runner.kv_io``'s wire form, on the CPU) and its
         seeded generator's state (None when unseeded), to continue it on another engine."""
-        kv = gather_kv(self.kv_caches, block_ids, num_tokens, self.block_size, self._head_major)
+        kv = gather_kv(self.kv_caches, block_ids, num_tokens, self.block_size, self.kv_layout)
         state = self.batch.requests.get(request_id)
         gen = state.generator.get_state() if state is not None and state.generator is not None else None
         return kv, gen
@@ -104,7 +102,7 @@ class ModelRunner:
                   generator_state: torch.Tensor | None) -> None:
         """Write a handed-over request's K/V into its blocks (call after ``schedule`` admitted it, before the
         ``execute`` that first sees it); its generator takes ``generator_state`` in that ``execute``."""
-        scatter_kv(self.kv_caches, block_ids, kv, self.block_size, self._head_major, skip_block=self.null_block_id)
+        scatter_kv(self.kv_caches, block_ids, kv, self.block_size, self.kv_layout, skip_block=self.null_block_id)
         if generator_state is not None:
             self._imported_generators[request_id] = generator_state
 

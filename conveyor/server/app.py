@@ -29,11 +29,12 @@ from conveyor.server.limits import (
     DEFAULT_MAX_REQUEST_BODY_BYTES, DEFAULT_MAX_SEQS_PER_REQUEST, UPLOAD_OVERHEAD_BYTES, max_token_chars,
 )
 from conveyor.server.metrics import ServerMetrics, log_stats_forever
+from conveyor.server.ollama.embed import install_ollama_embed_routes
 from conveyor.server.ollama.routes import install_ollama_routes
 from conveyor.server.protocol import ChatCompletionRequest, CompletionRequest
 from conveyor.server.responses.serving import install_responses_routes
 from conveyor.server.responses.store import ResponseStore
-from conveyor.server.served_models import ServedModels
+from conveyor.server.served_models import ModelEntry, ModelRouter, ServedModels, not_found
 from conveyor.server.serving_chat import create_chat_completion
 from conveyor.server.serving_common import ServingContext
 from conveyor.server.serving_completion import create_completion
@@ -136,49 +137,13 @@ def build_app(engine: ServedEngine | LLMEngine, served_model_name: str | None = 
     app.state.async_engine = engine
     app.state.metrics = metrics
     app.state.shutdown_timeout_s = shutdown_timeout_s
-    install_error_handlers(app)
-    api_keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
-    if api_keys:
-        app.add_middleware(APIKeyMiddleware, api_keys=api_keys)
     # before anything reads the body; a batch input file may be larger than any request
     larger = {"/v1/files": (batches.limits.max_file_bytes + UPLOAD_OVERHEAD_BYTES, "--batch-max-file-bytes")} \
         if batches is not None else {}
-    app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_body_bytes, larger=larger)
-    install_cors(app, cors or CORSConfig())  # outermost: its headers go on the answers of the two above too
-
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, raw: Request):
-        chosen = served.for_request(body.model, "generate")
-        return await create_completion(body, raw, chosen, chosen.engine.info.tokenizer)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, raw: Request):
-        chosen = served.for_request(body.model, "generate")
-        return await create_chat_completion(body, raw, chosen, chosen.engine.info.tokenizer)
-
-    internal_routes = {"/v1/completions": (CompletionRequest, completions),
-                       "/v1/chat/completions": (ChatCompletionRequest, chat_completions),
-                       **install_pooling_routes(app, served)}
+    install_middleware(app, api_key, max_request_body_bytes, cors, larger)
+    internal_routes = install_routes(app, served, responses_store, created)
     if batches is not None:
         batch_runner = install_batch_api(app, batches, internal_routes)
-
-    def card(each: ServingContext) -> dict:
-        each_info = each.engine.info
-        return {"id": each.model_name, "object": "model", "created": created, "owned_by": "conveyor",
-                "root": each_info.args.model or each_info.model_info.name, "parent": None,
-                "max_model_len": each_info.max_model_len}
-
-    @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [card(each) for each in served.contexts.values()]}
-
-    # ":path": a served name may hold slashes ("org/model"); the openai client sends them %2F-encoded, and the
-    # server decodes the path before routing.
-    @app.get("/v1/models/{model_id:path}")
-    async def model(model_id: str):
-        if model_id not in served.contexts:
-            ctx.check_model(model_id)  # 404 model_not_found, as for an unknown `model` in a request body
-        return card(served.contexts[model_id])
 
     @app.get("/health")
     async def health():
@@ -186,19 +151,79 @@ def build_app(engine: ServedEngine | LLMEngine, served_model_name: str | None = 
             return JSONResponse(APIError(503, "engine is not running", code="engine_dead").body(), 503)
         return JSONResponse(health_detail()) if health_detail else Response(status_code=200)
 
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(metrics.render(), media_type=PROMETHEUS_TYPE)
+
+    return app
+
+
+PROMETHEUS_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+def install_middleware(app: FastAPI, api_key: str | list[str] | None, max_request_body_bytes: int,
+                       cors: CORSConfig | None, larger: dict | None = None) -> None:
+    """The API-key check, the body limit (``larger``: bigger limits by path) and CORS, in that order inwards."""
+    install_error_handlers(app)
+    api_keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
+    if api_keys:
+        app.add_middleware(APIKeyMiddleware, api_keys=api_keys)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_body_bytes, larger=larger or {})
+    install_cors(app, cors or CORSConfig())  # outermost: its headers go on the answers of the two above too
+
+
+def model_card(entry: ModelEntry, created: int, with_state: bool = False) -> dict:
+    """A model's entry in ``/v1/models``; ``with_state``: its load state too (llama.cpp's router mode), for a
+    server that loads models on demand (an unloaded model's context length is not known yet)."""
+    info = entry.ctx.engine.info if entry.ctx is not None else None
+    card = {"id": entry.name, "object": "model", "created": created, "owned_by": "conveyor",
+            "root": (info.args.model or info.model_info.name) if info is not None else entry.path, "parent": None,
+            "max_model_len": info.max_model_len if info is not None else None}
+    if with_state:
+        card["status"] = {"value": entry.state}
+    return card
+
+
+def install_routes(app: FastAPI, served: ModelRouter, responses_store: ResponseStore | None, created: int,
+                   with_state: bool = False) -> dict:
+    """Every protocol's model routes, each request's model looked up in ``served``; returns the internal routes
+    the Batch API runs its lines through. ``with_state``: model listings show each model's load state."""
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, raw: Request):
+        chosen = await served.resolve(body.model, "generate")
+        return await create_completion(body, raw, chosen, chosen.engine.info.tokenizer)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, raw: Request):
+        chosen = await served.resolve(body.model, "generate")
+        return await create_chat_completion(body, raw, chosen, chosen.engine.info.tokenizer)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [model_card(each, created, with_state) for each in served.entries()]}
+
+    # ":path": a served name may hold slashes ("org/model"); the openai client sends them %2F-encoded, and the
+    # server decodes the path before routing.
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        entries = served.entries()
+        for each in entries:
+            if each.name == model_id:
+                return model_card(each, created, with_state)
+        raise not_found(model_id, [each.name for each in entries])
+
     @app.get("/version")
     async def version():
         from conveyor import __version__
 
         return {"version": __version__}
 
-    @app.get("/metrics")
-    async def prometheus():
-        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
-
-    install_tokenizer_routes(app, ctx)
-    install_anthropic_routes(app, ctx)
-    install_responses_routes(app, ctx, responses_store or ResponseStore())
-    install_ollama_routes(app, ctx)
-    return app
-
+    install_tokenizer_routes(app, served)
+    install_anthropic_routes(app, served)
+    install_responses_routes(app, served, responses_store or ResponseStore())
+    install_ollama_routes(app, served)
+    install_ollama_embed_routes(app, served)
+    return {"/v1/completions": (CompletionRequest, completions),
+            "/v1/chat/completions": (ChatCompletionRequest, chat_completions),
+            **install_pooling_routes(app, served)}

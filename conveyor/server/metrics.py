@@ -121,7 +121,7 @@ class ServerMetrics:
                                    "prefix cache (linear layers + causal attention over the hit).")
         self.saved_seconds = counter("prefix_cache_saved_seconds", "The saved tokens priced at the measured rate "
                                      "(duration / tokens computed) of the step that admitted them.")
-        self._hit_flops = getattr(async_engine.info, "prefix_hit_flops", (0.0, 0.0))
+        self._hit_flops = async_engine.info.prefix_hit_flops
         self._labels = labels
         self._counted: dict[str, int] = {}  # request id -> generated tokens already counted
         self._handed_over: set[str] = set()  # continued here from another engine's prefill (note_handed_over)

@@ -184,12 +184,15 @@ class ServingContext:
         """400 for a structured-output constraint that cannot be enforced (an unsupported JSON schema keyword, a
         regex look-ahead, a grammar that does not parse, one that matches no text, one past llguidance's limits or
         the check's time bound: ``structured.checker``), before the request reaches the engine; ``field``: the
-        request field that asked for it, which the error names. On a thread: the check waits for its worker."""
+        request field that asked for it, which the error names. Off the loop: the check waits for its worker."""
         spec = params.structured_outputs
         if spec is None:
             return
         try:
-            await asyncio.to_thread(self.grammar_checker.check if self.grammar_checker else grammar_text, spec)
+            if self.grammar_checker is not None:
+                await self.grammar_checker.check_async(spec)
+            else:
+                await asyncio.to_thread(grammar_text, spec)
         except ValueError as exc:
             if field is None:
                 raise from_value_error(exc) from exc

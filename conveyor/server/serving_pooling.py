@@ -60,8 +60,12 @@ def _encode(vector: list[float], fmt: str):
     return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode("ascii")
 
 
-async def create_embedding(body: EmbeddingRequest, raw: Request, ctx: ServingContext) -> JSONResponse:
-    inputs = _inputs(body.input)
+async def embed(ctx: ServingContext, raw: Request, inputs: list[str | list[int]], truncate: int | None,
+                dimensions: int | None, normalize: bool | None, priority: int = 0, prefix: str = "embd"):
+    """The one embedding path every protocol's adapter calls: ``inputs`` (texts or token id lists) checked,
+    tokenized in one call off the event loop (cut to ``truncate`` tokens: vLLM's ``truncate_prompt_tokens``, -1
+    the model's limit, None none: a longer input is a 400), queued together and awaited; (request id, outputs in
+    input order)."""
     if len(inputs) > MAX_EMBEDDING_INPUTS:
         raise bad_request(f"input holds {len(inputs)} items, more than the {MAX_EMBEDDING_INPUTS} one request may "
                           "hold", "input")
@@ -72,15 +76,19 @@ async def create_embedding(body: EmbeddingRequest, raw: Request, ctx: ServingCon
             ctx.check_prompt_chars(len(text), "input", f"input {i}")
 
     def tokenize(info):  # off the event loop: the whole batch in one go
-        if body.dimensions is not None:
-            check_dimensions(info.model_info, body.dimensions)
-        keep = truncation(body.truncate_prompt_tokens, info.max_model_len)
+        if dimensions is not None:
+            check_dimensions(info.model_info, dimensions)
+        keep = truncation(truncate, info.max_model_len)
         return [embed_prompt(info.tokenizer, text, keep) for text in inputs]
 
     token_lists = await ctx.tokenizer_call(tokenize)
-    params = PoolingParams(task="embed", dimensions=body.dimensions, normalize=body.normalize)
-    request_id, outputs = await _run(ctx, raw, "embd", token_lists, [params] * len(token_lists), "input",
-                                     body.priority)
+    params = PoolingParams(task="embed", dimensions=dimensions, normalize=normalize)
+    return await _run(ctx, raw, prefix, token_lists, [params] * len(token_lists), "input", priority)
+
+
+async def create_embedding(body: EmbeddingRequest, raw: Request, ctx: ServingContext) -> JSONResponse:
+    request_id, outputs = await embed(ctx, raw, _inputs(body.input), body.truncate_prompt_tokens, body.dimensions,
+                                      body.normalize, body.priority)
     data = [{"object": "embedding", "index": i, "embedding": _encode(o.pooled, body.encoding_format)}
             for i, o in enumerate(outputs)]
     return JSONResponse({"id": request_id, "object": "list", "created": int(time.time()), "model": ctx.model_name,
@@ -135,8 +143,6 @@ async def create_score(body: ScoreRequest, raw: Request, ctx: ServingContext) ->
     data = [{"index": i, "object": "score", "score": o.pooled[0]} for i, o in enumerate(outputs)]
     return JSONResponse({"id": request_id, "object": "list", "created": int(time.time()), "model": ctx.model_name,
                          "data": data, "usage": _usage(outputs)})
-
-
 
 def install_pooling_routes(app, served: ServedModels) -> dict:
     """The pooling endpoints, each on the served model its body names (or the first of the endpoint's task); returns

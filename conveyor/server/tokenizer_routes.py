@@ -11,7 +11,7 @@ from conveyor.engine.engine_client import EngineInfo
 from conveyor.server.chat_plan import generation_prompt, messages_as_dicts
 from conveyor.server.errors import bad_request
 from conveyor.server.protocol import DetokenizeRequest, TokenizeRequest
-from conveyor.server.serving_common import ServingContext
+from conveyor.server.served_models import ModelRouter
 
 
 def tokenizer_info(info: EngineInfo) -> dict:
@@ -20,19 +20,21 @@ def tokenizer_info(info: EngineInfo) -> dict:
     tok = info.tokenizer
     specials = [tok.decode([i], skip_special_tokens=False) for i in tok.all_special_ids]
     return {"tokenizer_class": type(tok).__name__, "bos_token": tok.bos_token or None,
-            "eos_token": tok.eos_token or None, "pad_token": getattr(tok, "pad_token", None),
+            "eos_token": tok.eos_token or None, "pad_token": tok.pad_token,
             "bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id,
             "additional_special_tokens": [s for s in specials if s not in (tok.bos_token, tok.eos_token)],
             "vocab_size": tok.vocab_size, "model_max_length": info.max_model_len,
             "chat_template": tok.chat_template}
 
 
-def install_tokenizer_routes(app: FastAPI, ctx: ServingContext) -> None:
-    info = ctx.engine.info
+def install_tokenizer_routes(app: FastAPI, served: ModelRouter) -> None:
+    """``/tokenize``, ``/detokenize`` and ``/tokenizer_info`` with the tokenizer of the model a request names
+    (none: the server's first model), whatever its task."""
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
-        ctx.check_model(body.model)
+        ctx = await served.resolve(body.model, None)
+        info = ctx.engine.info
         if (body.prompt is None) == (body.messages is None):
             raise bad_request("give exactly one of prompt or messages", "prompt")
         messages = messages_as_dicts(body.messages) if body.messages is not None else None
@@ -54,8 +56,8 @@ def install_tokenizer_routes(app: FastAPI, ctx: ServingContext) -> None:
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):
-        ctx.check_model(body.model)
-        vocab = info.model_info.vocab_size
+        ctx = await served.resolve(body.model, None)
+        vocab = ctx.engine.info.model_info.vocab_size
         if any(not 0 <= t < vocab for t in body.tokens):
             raise bad_request(f"tokens must be integers in [0, {vocab})", "tokens")
         text = await ctx.tokenizer_call(lambda e: e.tokenizer.decode(body.tokens))
@@ -63,4 +65,4 @@ def install_tokenizer_routes(app: FastAPI, ctx: ServingContext) -> None:
 
     @app.get("/tokenizer_info")
     async def get_tokenizer_info():
-        return await ctx.tokenizer_call(tokenizer_info)
+        return await (await served.resolve(None, None)).tokenizer_call(tokenizer_info)

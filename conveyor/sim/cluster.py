@@ -28,9 +28,9 @@ import heapq
 import itertools
 from dataclasses import dataclass, field
 
+from conveyor.core.config import IDLE_POLL_S
 from conveyor.core.request import Request
 from conveyor.core.sampling_params import SamplingParams
-from conveyor.core.scheduler import IDLE_POLL_S
 from conveyor.sim.instance import COLOCATED, DECODE, PREFILL, Instance
 from conveyor.sim.kv_transfer import KVLink, LinkSpec
 from conveyor.sim.loop import MAX_IDLE_POLLS
@@ -152,7 +152,7 @@ class Cluster:
         d = rec.decode
         d.num_inbound -= 1
         d.inbound_blocks -= need
-        rec.prefill.scheduler.kv.release(rec.request.request_id)
+        rec.prefill.held.release(rec.request.request_id)
         src = rec.prefill_request
         # The decode side's request: the prompt's KV is in its cache once admitted (num_computed_tokens preset, the
         # scheduler's hand-over path), the first token is already output; it generates the rest.
@@ -196,7 +196,7 @@ class Cluster:
             # Every request that samples here finishes (max_tokens=1): keep the blocks its KV is sent from.
             for rid in model_out.sampled_token_ids:
                 if self.records[rid].request.sampling_params.max_tokens != 1:
-                    s.kv.hold(rid)
+                    inst.held.hold(rid)
         for update in s.update(so, model_out, now):
             rec = self.records[update.request_id]
             rec.token_times.append(now)

@@ -11,21 +11,65 @@ a slow link or a full decode side pushes back on prefill, as it would on a real 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+from conveyor.core.block_pool import KVBlock
 from conveyor.core.interfaces import KVManager
 from conveyor.core.request import Request
 
 
 class HeldKVManager:
-    """Delegates everything to ``inner`` except ``free`` of a held request, which waits for ``release``."""
+    """A ``KVManager``: ``inner``'s answers, except that ``free`` of a held request waits for ``release``."""
 
     def __init__(self, inner: KVManager) -> None:
         self.inner = inner
         self._held: set[str] = set()
         self._freed: dict[str, Request] = {}  # held requests the scheduler has already freed: released later
 
-    def __getattr__(self, name: str):
-        # layout, block_size, num_blocks, prefix counters, usage(), allocate_slots(), ...: the real manager's.
-        return getattr(self.inner, name)
+    # ---- KVManager, the inner manager's -------------------------------------------------------------------
+    layout = property(lambda self: self.inner.layout)
+    block_size = property(lambda self: self.inner.block_size)
+    num_blocks = property(lambda self: self.inner.num_blocks)
+    prefix_queries = property(lambda self: self.inner.prefix_queries)
+    prefix_hits = property(lambda self: self.inner.prefix_hits)
+    prefix_saved_tokens = property(lambda self: self.inner.prefix_saved_tokens)
+    prefix_evictions = property(lambda self: self.inner.prefix_evictions)
+    num_evicted_blocks = property(lambda self: self.inner.num_evicted_blocks)
+    num_free_blocks = property(lambda self: self.inner.num_free_blocks)
+    null_block_id = property(lambda self: self.inner.null_block_id)
+
+    def usage(self) -> float:
+        return self.inner.usage()
+
+    def num_reserved_slots(self) -> int:
+        return self.inner.num_reserved_slots()
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return self.inner.block_ids(request_id)
+
+    def blocks_of(self, request_id: str) -> Sequence[KVBlock]:
+        return self.inner.blocks_of(request_id)
+
+    def num_skipped_blocks(self, request_id: str) -> int:
+        return self.inner.num_skipped_blocks(request_id)
+
+    def get_computed_blocks(self, request: Request) -> tuple[Sequence[object], int]:
+        return self.inner.get_computed_blocks(request)
+
+    def allocate_slots(self, request: Request, num_new_tokens: int, computed_blocks: Sequence[object] | None = None,
+                       num_lookahead_tokens: int = 0) -> list[int] | None:
+        return self.inner.allocate_slots(request, num_new_tokens, computed_blocks, num_lookahead_tokens)
+
+    def trim(self, request: Request, num_tokens: int) -> int | None:
+        return self.inner.trim(request, num_tokens)
+
+    def evict_blocks(self, request: Request, indices: list[int]) -> None:
+        self.inner.evict_blocks(request, indices)
+
+    def reset_prefix_cache(self) -> None:
+        self.inner.reset_prefix_cache()
+
+    # ---- holding ------------------------------------------------------------------------------------------
 
     def hold(self, request_id: str) -> None:
         """The next ``free`` of this request keeps its blocks until ``release``."""

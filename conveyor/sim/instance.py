@@ -42,7 +42,9 @@ class Instance:
             raise ValueError(f"unknown instance role {role!r}")
         if role == PREFILL and not isinstance(scheduler.kv, HeldKVManager):
             raise ValueError("a prefill instance's KV manager must be a HeldKVManager (its blocks outlive the request)")
-        if role != COLOCATED and not hasattr(scheduler.kv, "pool"):
+        # A prefill instance's KV manager, which holds a finished request's blocks until its KV has left
+        self.held: HeldKVManager | None = scheduler.kv if role == PREFILL else None
+        if role != COLOCATED and scheduler.kv.layout != "paged":
             raise ValueError("disaggregated instances need the paged KV layout (block counts for hand-offs)")
         self.name, self.role, self.scheduler, self.executor, self.tp, self.observer = (
             name, role, scheduler, executor, tp, observer)
@@ -79,4 +81,4 @@ class Instance:
         s = self.scheduler
         promised = self.inbound_blocks + sum(self.blocks_for(r.num_tokens + 1)
                                              for r in itertools.chain(s.waiting, self.inbox))
-        return s.kv.pool.num_free_blocks - promised
+        return s.kv.num_free_blocks - promised

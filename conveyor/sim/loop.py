@@ -14,9 +14,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from conveyor.core.config import IDLE_POLL_S
 from conveyor.core.outputs import SchedulerOutput
 from conveyor.core.request import Request
-from conveyor.core.scheduler import IDLE_POLL_S, Scheduler
+from conveyor.core.scheduler import Scheduler
 from conveyor.sim.cost_model import StepCost
 from conveyor.sim.executor import SimExecutor
 

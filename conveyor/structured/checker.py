@@ -19,12 +19,13 @@ application's schema is checked once.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import multiprocessing
 import queue
 import threading
-import time
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from conveyor.core.sampling_params import StructuredOutputsParams
@@ -55,6 +56,7 @@ class GrammarChecker:
         self._closed = False
         self._lock = threading.Lock()
         self._passed: OrderedDict[str, None] = OrderedDict()
+        self._threads = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="conveyor-grammar-check")
 
     def start(self) -> None:
         """Start the workers, in the background (a second or two each; the first ``check`` does, so that a server
@@ -66,12 +68,22 @@ class GrammarChecker:
         for _ in range(self._num_workers):
             self._replace()
 
-    def check(self, spec: StructuredOutputsParams) -> None:
-        key = spec_key(spec)
+    async def check_async(self, spec: StructuredOutputsParams) -> None:
+        """``check`` for the event loop: on the checker's own threads, one per worker, so that checks waiting for a
+        worker never hold the loop's default executor (where prompts are tokenized)."""
+        await asyncio.get_running_loop().run_in_executor(self._threads, self.check, spec)
+
+    def _remembered(self, key: str) -> bool:
         with self._lock:
             if key in self._passed:
                 self._passed.move_to_end(key)
-                return
+                return True
+        return False
+
+    def check(self, spec: StructuredOutputsParams) -> None:
+        key = spec_key(spec)
+        if self._remembered(key):
+            return
         self.start()
         worker = self._idle.get()
         if worker is None:
@@ -106,6 +118,7 @@ class GrammarChecker:
     def close(self) -> None:
         """Stop the workers (those busy are killed when their check ends)."""
         self._closed = True
+        self._threads.shutdown(wait=False, cancel_futures=True)
         while True:
             try:
                 worker = self._idle.get_nowait()

@@ -17,9 +17,9 @@ from tests.helpers.core import FakeExecutor, TableMirror, make_request
 
 def make_evicting(eviction: str = "sink", budget: int | None = 16, num_blocks: int = 64, block_size: int = 4,
                   enable_prefix_caching: bool = True, **overrides) -> Scheduler:
-    config = SchedulerConfig(**{"max_model_len": 1024, "max_num_batched_tokens": 64, **overrides})
-    kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching)
-    return Scheduler(config, kv, EvictionConfig(eviction, budget))
+    config = SchedulerConfig(**{"max_model_len": 1024, "max_num_batched_tokens": 64,
+                                "eviction": EvictionConfig(eviction, budget), **overrides})
+    return Scheduler(config, KVCacheManager(num_blocks, block_size, enable_prefix_caching))
 
 
 def drive(s: Scheduler, ex: TableMirror, max_steps: int = 10_000, on_step=None) -> None:
@@ -162,8 +162,9 @@ def test_h2o_ranks_by_mass_per_query_that_saw_the_block_or_by_accumulated_mass(r
     # Each scored row gives block i a mass of rate[i]: block 1 is the lightest per row, but older than block 3,
     # so more rows saw it (28 against 20) and its accumulated mass is the larger (28 against 24).
     rate = {1: 1.0, 2: 3.0, 3: 1.2, 4: 3.0, 5: 3.0}
-    config = SchedulerConfig(max_model_len=1024, max_num_batched_tokens=8)
-    s = Scheduler(config, KVCacheManager(64, 4, True), EvictionConfig("h2o", 32, h2o_rank=rank))
+    config = SchedulerConfig(max_model_len=1024, max_num_batched_tokens=8, eviction=EvictionConfig("h2o", 32,
+                                                                                                   h2o_rank=rank))
+    s = Scheduler(config, KVCacheManager(64, 4, True))
     s.add_request(make_request("a", prompt_len=40, max_tokens=3))
     ex = FakeExecutor()
     for t in range(4):  # the prompt in chunks of 8 tokens (B // 4 = 2 blocks): 32 of 40 after 4 steps
@@ -209,13 +210,11 @@ def test_snapkv_compresses_once_after_the_prompt_then_generates_exactly():
 
 def test_refusals():
     with pytest.raises(ValueError, match="paged"):
-        Scheduler(SchedulerConfig(max_model_len=64), SlabKVManager(64, 4, 64), EvictionConfig("sink", 16))
+        Scheduler(SchedulerConfig(max_model_len=64, eviction=EvictionConfig("sink", 16)), SlabKVManager(64, 4, 64))
     with pytest.raises(ValueError, match="continuous or chunked"):
-        Scheduler(SchedulerConfig(policy="static", max_model_len=64), KVCacheManager(64, 4),
-                  EvictionConfig("sink", 16))
+        SchedulerConfig(policy="static", max_model_len=64, eviction=EvictionConfig("sink", 16))
     with pytest.raises(ValueError, match="speculative"):
-        Scheduler(SchedulerConfig(max_model_len=64, speculative_config={"method": "ngram"}), KVCacheManager(64, 4),
-                  EvictionConfig("h2o", 16))
+        SchedulerConfig(max_model_len=64, speculative_config={"method": "ngram"}, eviction=EvictionConfig("h2o", 16))
     with pytest.raises(ValueError, match="needs an eviction policy"):
         EvictionConfig("none", 16)
     with pytest.raises(ValueError, match="kv_eviction must be one of"):

@@ -142,7 +142,7 @@ def test_speculation_changes_no_token_and_keeps_the_invariants(seed, adaptive):
     reference, _, _ = outputs(None)
     got, scheduler, model = outputs(spec)
     assert got == reference
-    counters = scheduler.spec_counters
+    counters = scheduler.speculator.counters
     assert model.verified == counters.num_drafts > 0
     assert 0 < counters.num_accepted_tokens <= counters.num_draft_tokens
     assert sum(counters.accepted_per_pos) == counters.num_accepted_tokens
@@ -162,9 +162,9 @@ def test_draft_model_placeholders_change_no_token_and_keep_the_invariants(seed):
         results.append(run(scheduler, model, traffic(random.Random(seed), 20, 64), random.Random(seed + 1)))
         assert scheduler.kv.usage() == 0
     assert results[0] == results[1]
-    counters = scheduler.spec_counters
+    counters = scheduler.speculator.counters
     assert model.verified == counters.num_drafts > 0 and 0 < counters.num_accepted_tokens < counters.num_draft_tokens
-    assert not scheduler._ngrams  # no prompt lookup ran
+    assert not scheduler.speculator.ngrams  # no prompt lookup ran
 
 
 def test_a_model_means_the_draft_model_method():
@@ -200,7 +200,8 @@ def test_a_thousand_requests_leak_no_block_and_no_index():
     rng = random.Random(0)
     run(scheduler, NextTokenModel(0, noise=0.3), traffic(rng, 1000, 64), rng, max_steps=200000)
     assert scheduler.kv.usage() == 0 and not scheduler.kv.req_blocks
-    assert not scheduler._ngrams and not scheduler._acceptance and scheduler.spec_counters.num_drafts > 0
+    assert not scheduler.speculator.ngrams and not scheduler.speculator.acceptance
+    assert scheduler.speculator.counters.num_drafts > 0
 
 
 def test_only_requests_drawn_from_the_logits_alone_speculate():
@@ -361,11 +362,11 @@ def test_a_probe_waits_for_a_step_that_already_pays_the_multi_token_path():
         out = scheduler.schedule(0.0)
         scheduler.update(out, model.execute(out), 0.0)
     for n in (1, 2, 3, 4, 5, 6, 8):  # decode steps: 10 ms and 0.1 ms a token; a multi-token row adds 10 ms
-        scheduler.spec_cost.observe(n, 0.010 + 0.0001 * n, has_chunk=False)
-        scheduler.spec_cost.observe(n + 4, 0.020 + 0.0001 * (n + 4), has_chunk=True)
-    scheduler.spec_rate = AcceptanceRate(prior_alpha=0.3, prior_weight=1000.0)  # a traffic of poor proposals
+        scheduler.speculator.cost.observe(n, 0.010 + 0.0001 * n, has_chunk=False)
+        scheduler.speculator.cost.observe(n + 4, 0.020 + 0.0001 * (n + 4), has_chunk=True)
+    scheduler.speculator.rate = AcceptanceRate(prior_alpha=0.3, prior_weight=1000.0)  # a traffic of poor proposals
     for rid in decoders:
-        rate = scheduler._acceptance[rid] = AcceptanceRate(0.3)
+        rate = scheduler.speculator.acceptance[rid] = AcceptanceRate(0.3)
         for _ in range(30):
             rate.observe(4, 0)
         rate.steps_without = AcceptanceRate.PROBE_AFTER_STEPS  # due

@@ -8,7 +8,7 @@ import math
 import pytest
 
 from conveyor import LLM, SamplingParams
-from conveyor.engine.llm_engine import LLMEngine, QueueFullError
+from conveyor.engine.llm_engine import QueueFullError
 from tests.helpers.server import make_engine, run_to_completion
 
 SLOW = pytest.mark.slow  # a real (tiny) model and engine: run by CI, skipped by -m "not slow"

@@ -64,7 +64,7 @@ def test_freeing_outside_the_window_changes_no_token_or_logprob(mistral):
                                                               "prompt_lookup_min": 1, "adaptive": False}, **TIGHT)
     tokens, _ = run(spec, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))  # (logprobs: no proposals)
     assert [t for t, _ in tokens] == [t for t, _ in freed]
-    assert spec.engine.scheduler.spec_counters.num_drafts > 0
+    assert spec.engine.scheduler.speculator.counters.num_drafts > 0
 
 
 # (backend, policy): static pads its batches (PaddedAttention around the backend)

@@ -49,7 +49,7 @@ def test_step_records_count_the_verified_proposals(tiny_llama_dir, prompts):
     steps = []
     llm.engine.step_listeners.append(steps.append)
     llm.generate(prompts, GREEDY, use_tqdm=False)
-    counters = llm.engine.scheduler.spec_counters
+    counters = llm.engine.scheduler.speculator.counters
     assert sum(s.num_spec_tokens for s in steps) == counters.num_draft_tokens > 0
     assert sum(s.num_verifying_reqs for s in steps) == counters.num_drafts
     # a verifying request is a multi-token row: its last token and its proposals count with the prompt work
@@ -67,7 +67,7 @@ def test_greedy_output_is_identical_with_speculation(tiny_llama_dir, prompts, re
     spec = {**NGRAM, "adaptive": knobs.get("adaptive", False)}
     llm = make_llm(tiny_llama_dir, speculative_config=spec, **{k: v for k, v in knobs.items() if k != "adaptive"})
     assert token_ids(llm.generate(prompts, GREEDY, use_tqdm=False)) == reference
-    counters = llm.engine.scheduler.spec_counters
+    counters = llm.engine.scheduler.speculator.counters
     if not spec["adaptive"]:
         assert counters.num_drafts > 0 and counters.num_accepted_tokens > 0  # it did speculate, and some paid
     assert llm.engine.kv_manager.usage() == 0
@@ -92,7 +92,7 @@ def test_sampled_requests_beside_speculating_ones_are_unchanged(tiny_llama_dir, 
     plain = token_ids(make_llm(tiny_llama_dir).generate(prompts, params, use_tqdm=False))
     llm = make_llm(tiny_llama_dir, speculative_config=NGRAM)
     assert token_ids(llm.generate(prompts, params, use_tqdm=False)) == plain
-    assert llm.engine.scheduler.spec_counters.num_drafts > 0
+    assert llm.engine.scheduler.speculator.counters.num_drafts > 0
 
 
 def test_bad_speculative_config_is_a_clear_error(tiny_llama_dir, tmp_path):
@@ -117,7 +117,7 @@ def test_greedy_output_is_identical_with_a_draft_model(tiny_llama_dir, draft_dir
     for draft, accepted in ((draft_dir, None), (tiny_llama_dir, 0.9)):
         llm = make_llm(tiny_llama_dir, speculative_config=draft_config(draft, adaptive=adaptive), **knobs)
         assert token_ids(llm.generate(prompts, GREEDY, use_tqdm=False)) == reference
-        counters = llm.engine.scheduler.spec_counters
+        counters = llm.engine.scheduler.speculator.counters
         if not adaptive:
             assert counters.num_drafts > 0
             if accepted is not None:
@@ -136,10 +136,10 @@ def test_a_draft_model_under_preemption_and_prefix_caching_changes_no_output(tin
     assert llm.engine.scheduler.num_preemptions > 0
     cached = make_llm(tiny_llama_dir, speculative_config=spec)
     cached.generate(prompts, GREEDY, use_tqdm=False)
-    before = cached.engine.scheduler.spec_counters.num_draft_tokens
+    before = cached.engine.scheduler.speculator.counters.num_draft_tokens
     again = cached.generate(prompts, GREEDY, use_tqdm=False)
     assert token_ids(again) == reference and sum(o.metrics.num_cached_tokens for o in again) > 0
-    counters = cached.engine.scheduler.spec_counters
+    counters = cached.engine.scheduler.speculator.counters
     assert counters.num_draft_tokens > before and counters.num_accepted_tokens >= 0.9 * counters.num_draft_tokens
     assert cached.engine.kv_manager.usage() == 0
 
@@ -177,10 +177,11 @@ def test_sampled_requests_keep_their_distribution_under_speculation(tiny_llama_d
         llm = make_llm(tiny_llama_dir, speculative_config=spec, enable_prefix_caching=False, max_num_seqs=128,
                        max_num_batched_tokens=8192)  # room for proposals beside the prompts
         outs = token_ids(llm.generate([prompt] * n, params, use_tqdm=False))
-        return outs, llm.engine.scheduler.spec_counters
+        return outs, llm.engine.scheduler.speculator
 
     plain, _ = draws(None)
-    spec, counters = draws(proposer)
+    spec, speculator = draws(proposer)
+    counters = speculator.counters
     assert counters.num_drafts > n // 4  # many verified proposals...
     assert 0 < counters.num_accepted_tokens < counters.num_draft_tokens  # ...some kept, some rejected
     samples = [([o[i] for o in plain], [o[i] for o in spec]) for i in range(8)]

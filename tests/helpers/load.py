@@ -183,9 +183,15 @@ def start_serve(model: str, log_path: Path, *, in_process: bool = False, loop: s
                 env: dict | None = None) -> Served:
     """Start ``conveyor serve`` on a free loopback port and wait for /health 200. The startup bound is a bound,
     not a speed: under a load average of 25 a start has taken over 90 s."""
+    return start_command(serve_command(model, in_process=in_process, loop=loop, extra=extra,
+                                       served_model_name=served_model_name), log_path, startup_timeout_s, env)
+
+
+def start_command(cmd: list[str], log_path: Path, startup_timeout_s: float = 300.0, env: dict | None = None) -> Served:
+    """Start a ``conveyor serve`` command line (``cmd``, without host and port) on a free loopback port and wait for
+    /health 200."""
     port = free_port()
-    cmd = [*serve_command(model, in_process=in_process, loop=loop, extra=extra,
-                          served_model_name=served_model_name), "--host", "127.0.0.1", "--port", str(port)]
+    cmd = [*cmd, "--host", "127.0.0.1", "--port", str(port)]
     log = open(log_path, "w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                             env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})

@@ -176,7 +176,8 @@ def test_packed_linear_torch_fallback_is_the_same_layer():
 _PIN_SCRIPT = """
 import json, os, sys, threading
 import torch
-from conveyor.kernels.cpu_ops import load_cpu_kernels, plan_core_binding
+from conveyor.kernels.binding import plan_core_binding
+from conveyor.kernels.cpu_ops import load_cpu_kernels
 cpus = sorted(os.sched_getaffinity(0))
 torch.set_num_threads(int(sys.argv[1]))
 binding, said = plan_core_binding(load_cpu_kernels())

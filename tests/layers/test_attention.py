@@ -162,10 +162,10 @@ def test_backends_own_their_layout_and_names_are_unique():
         cls = backend_class(name)
         assert cls.name == name
         caches = allocate_kv_caches(name, 2, 3, 4, KV_HEADS, HEAD_DIM, torch.float32, torch.device("cpu"))
-        assert len(caches) == 2 and all(c.shape == cls.kv_cache_shape(3, 4, KV_HEADS, HEAD_DIM) for c in caches)
+        assert len(caches) == 2 and all(c.shape == cls.kv_layout.shape(3, 4, KV_HEADS, HEAD_DIM) for c in caches)
         if cls.cache_needs_zeroing:
             assert all(not c.any() for c in caches)
-    assert backend_class("cpu-native").kv_cache_shape(3, 4, 2, 8) == (2, 3, 2, 4, 8)  # head-major blocks
+    assert backend_class("cpu-native").kv_layout.shape(3, 4, 2, 8) == (2, 3, 2, 4, 8)  # head-major blocks
     with pytest.raises(ValueError, match="unknown attention backend"):
         backend_class("cpu")  # a choice, not a backend
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conveyor.layers.attention import KeyMassAttention, kv_is_head_major, make_attention
+from conveyor.layers.attention import KeyMassAttention, backend_class, make_attention
+from conveyor.layers.attention.kv_layout import HEAD_MAJOR
 from conveyor.layers.attention.common import gather_context
 from conveyor.layers.attention.native_cpu import NativeCpuAttention
 from tests.layers.test_attention import HEAD_DIM, HEADS, KV_HEADS, make_step
@@ -47,7 +48,8 @@ def test_mass_matches_plain_softmax_and_output_is_unchanged(backend, block_size)
     scale = 0.25
     # the sorted order of make_step: decodes first (by context), then the chunks
     scored = {0: 1, 2: 1, 3: 20, 5: 7}
-    layout = to_head_major if kv_is_head_major(backend) else (lambda c: c)
+    head_major = backend_class(backend).kv_layout is HEAD_MAJOR
+    layout = to_head_major if head_major else (lambda c: c)
     plain_out = make_attention(backend, meta, torch.float32).forward(q.clone(), k, v, layout(cache.clone()), scale)
     wrapped = make_attention(backend, meta, torch.float32, scored=scored)
     if backend == "cpu-native":  # scored in its own kernels: the layer stack still runs the step
@@ -60,7 +62,7 @@ def test_mass_matches_plain_softmax_and_output_is_unchanged(backend, block_size)
     torch.testing.assert_close(out, plain_out, rtol=0, atol=0)
     masses = wrapped.block_scores()
     assert set(masses) == set(scored)
-    token_major = written.permute(0, 1, 3, 2, 4) if kv_is_head_major(backend) else written
+    token_major = written.permute(0, 1, 3, 2, 4) if head_major else written
     for i, rows in scored.items():
         want = 2 * expected_mass(meta, q, token_major, i, rows, scale)
         torch.testing.assert_close(torch.tensor(masses[i]), want, rtol=1e-4, atol=1e-4)

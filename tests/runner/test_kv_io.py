@@ -4,17 +4,20 @@ layouts (token-major for the torch backends, head-major for the native CPU one).
 import pytest
 import torch
 
+from conveyor.layers.attention.kv_layout import HEAD_MAJOR, TOKEN_MAJOR
 from conveyor.runner.kv_io import gather_kv, scatter_kv
 
 LAYERS, HEADS, DIM = 3, 2, 4
 
 
-def cache(num_blocks: int, block_size: int, head_major: bool) -> list[torch.Tensor]:
-    shape = (2, num_blocks, HEADS, block_size, DIM) if head_major else (2, num_blocks, block_size, HEADS, DIM)
+def cache(num_blocks: int, block_size: int, layout) -> list[torch.Tensor]:
+    shape = (2, num_blocks, HEADS, block_size, DIM) if layout is HEAD_MAJOR else (2, num_blocks, block_size, HEADS, DIM)
+    assert layout.shape(num_blocks, block_size, HEADS, DIM) == shape  # the layout says what it is
     return [torch.zeros(shape) for _ in range(LAYERS)]
 
 
-@pytest.mark.parametrize("src_major,dst_major", [(False, False), (False, True), (True, False), (True, True)])
+@pytest.mark.parametrize("src_major", [TOKEN_MAJOR, HEAD_MAJOR], ids=lambda layout: layout.name)
+@pytest.mark.parametrize("dst_major", [TOKEN_MAJOR, HEAD_MAJOR], ids=lambda layout: layout.name)
 def test_round_trip_across_block_sizes_and_layouts(src_major, dst_major):
     torch.manual_seed(0)
     kv = torch.randn(LAYERS, 2, 21, HEADS, DIM)  # 21 tokens: a partial last block either way
@@ -32,9 +35,9 @@ def test_round_trip_across_block_sizes_and_layouts(src_major, dst_major):
 
 def test_another_models_kv_is_refused():
     with pytest.raises(ValueError, match="does not fit"):
-        scatter_kv(cache(4, 4, False), [0, 1], torch.zeros(LAYERS, 2, 5, HEADS + 1, DIM), 4, False)
+        scatter_kv(cache(4, 4, TOKEN_MAJOR), [0, 1], torch.zeros(LAYERS, 2, 5, HEADS + 1, DIM), 4, TOKEN_MAJOR)
     with pytest.raises(ValueError, match="do not fit"):
-        scatter_kv(cache(4, 4, False), [0], torch.zeros(LAYERS, 2, 5, HEADS, DIM), 4, False)
+        scatter_kv(cache(4, 4, HEAD_MAJOR), [0], torch.zeros(LAYERS, 2, 5, HEADS, DIM), 4, HEAD_MAJOR)
 
 
 def test_entries_outside_the_window_are_not_written():
@@ -42,7 +45,7 @@ def test_entries_outside_the_window_are_not_written():
     own blocks, and the null block stays zero."""
     torch.manual_seed(1)
     kv = torch.randn(LAYERS, 2, 10, HEADS, DIM)
-    dst = cache(6, 4, False)
-    scatter_kv(dst, [5, 5, 1], kv, 4, False, skip_block=5)
+    dst = cache(6, 4, TOKEN_MAJOR)
+    scatter_kv(dst, [5, 5, 1], kv, 4, TOKEN_MAJOR, skip_block=5)
     assert all(float(c[:, 5].abs().sum()) == 0.0 for c in dst)
-    assert torch.equal(gather_kv(dst, [5, 5, 1], 10, 4, False)[:, :, 8:], kv[:, :, 8:])
+    assert torch.equal(gather_kv(dst, [5, 5, 1], 10, 4, TOKEN_MAJOR)[:, :, 8:], kv[:, :, 8:])

@@ -20,7 +20,7 @@ import time
 import httpx
 import pytest
 
-from tests.helpers.checkpoints import TINY_VOCAB, save_tiny_llama, write_byte_tokenizer
+from tests.helpers.checkpoints import save_tiny_llama, write_byte_tokenizer
 from tests.helpers.load import Served, SharedServer, assert_serving, idle, tail, wait_gauges
 from tests.helpers.server import CHAT_TEMPLATE
 
@@ -308,6 +308,7 @@ def test_sigterm_ends_the_server_within_the_drain_bound_even_with_a_frozen_engin
             served.proc.send_signal(signal.SIGTERM)
             rest = [line for line in lines if line.startswith("data: ")]
         exit_s = served.wait_exit(signalled, EXIT_BOUND_S + 30)  # waits past the bound, to tell late from never
+        print(f"SIGTERM with a frozen engine ({shared.loop}): exit {exit_s} s after the signal")
         assert rest and rest[-1] == "data: [DONE]", rest[-3:]
         assert exit_s is not None and exit_s <= EXIT_BOUND_S, f"exit {exit_s} s after SIGTERM" + tail(served)
     finally:

@@ -134,6 +134,11 @@ CASES = [
     ("chat top_logprobs -1", "POST", CHAT, chat(logprobs=True, top_logprobs=-1), 400, "top_logprobs"),
     ("chat top_logprobs without logprobs", "POST", CHAT, chat(top_logprobs=2), 400, "top_logprobs"),
     ("chat top_logprobs 20", "POST", CHAT, chat(logprobs=True, top_logprobs=20), 200, None),
+    # -- priority (a signed 32-bit number, as vLLM's)
+    ("priority 1.5", "POST", C, c(priority=1.5), 400, "priority"),
+    ("priority 2**31", "POST", C, c(priority=2**31), 400, "priority"),
+    ("priority 10**30", "POST", C, c(priority=10**30), 400, "priority"),
+    ("priority true (a bool is not a number)", "POST", C, c(priority=True), 400, "priority"),
     # -- kv_budget_tokens (this server runs --kv-eviction none: even a good budget cannot apply)
     ("kv_budget_tokens 0", "POST", C, c(kv_budget_tokens=0), 400, "kv_budget_tokens"),
     ("kv_budget_tokens 1.5", "POST", C, c(kv_budget_tokens=1.5), 400, "kv_budget_tokens"),

@@ -95,6 +95,38 @@ def test_bad_input_names_the_field(served, body, param):
     assert_serving(served)
 
 
+def test_ollama_client_embed_and_embeddings(served):
+    """Ollama's /api/embed and /api/embeddings through the ``ollama`` client: the same vectors as
+    sentence-transformers (unit length from /api/embed; /api/embeddings as the model pools, not normalised), the
+    model named with its tag, and Ollama's errors, the server serving after each."""
+    ollama = pytest.importorskip("ollama")
+    client = ollama.Client(host=served.url)
+    ref = reference(DOCS)
+    got = client.embed(model=f"{EMB}:latest", input=DOCS)
+    vectors = np.array(got.embeddings)
+    assert vectors.shape == (len(DOCS), 384) and np.abs(np.linalg.norm(vectors, axis=1) - 1).max() < 1e-5
+    assert ((vectors * ref).sum(1) / np.linalg.norm(ref, axis=1)).min() >= 0.99999
+    assert got.prompt_eval_count > len(DOCS)
+    one = np.array(client.embed(model=EMB, input=DOCS[0]).embeddings)
+    assert one.shape == (1, 384) and np.allclose(one[0], vectors[0], atol=1e-6)
+    legacy = np.array(client.embeddings(model=EMB, prompt=DOCS[0]).embedding)
+    assert abs(np.linalg.norm(legacy) - 1) > 1e-3  # pooled, not normalised
+    assert np.allclose(legacy / np.linalg.norm(legacy), vectors[0], atol=1e-5)
+    assert client.embed(model=EMB, input=[]).embeddings == []
+    long = "word " * 400  # past MiniLM's 256 positions: cut by default, a 400 with truncate false
+    assert len(client.embed(model=EMB, input=long).embeddings[0]) == 384
+    for kwargs, status in [({"model": "nope", "input": "x"}, 404), ({"model": "tiny", "input": "x"}, 400),
+                           ({"model": EMB, "input": long, "truncate": False}, 400),
+                           ({"model": EMB, "input": ["ok", ""]}, 400),
+                           ({"model": EMB, "input": ["x"] * 100_000}, 400)]:
+        with pytest.raises(ollama.ResponseError) as err:
+            client.embed(**kwargs)
+        assert err.value.status_code == status and err.value.error, kwargs
+        assert_serving(served)
+    r = httpx.post(served.url + "/api/embed", json={"model": EMB, "input": [1, 2]}, timeout=30)
+    assert r.status_code == 400 and set(r.json()) == {"error"}, r.text
+
+
 def test_rerank_and_score_cross_encoder(tmp_path):
     import cohere
     import torch

@@ -1,10 +1,11 @@
 """Attention backends behind one interface (``base.AttentionBackend``).
 
-A backend class owns its KV cache layout (``kv_cache_shape``, ``cache_needs_zeroing``: ``allocate_kv_caches``)
-and declares what it fuses (``fuses_rope``, ``supports_layer_stack``). ``make_attention(backend, meta, dtype,
+A backend class (``base.AttentionBackendType``) owns its KV cache layout (``kv_layout``, ``cache_needs_zeroing``:
+``allocate_kv_caches``) and declares what it fuses (``fuses_rope``, ``supports_layer_stack``) and whether its
+kernels take KV eviction's steps themselves (``evicts_in_kernel``). ``make_attention(backend, meta, dtype,
 padding)`` turns the step's ``AttentionMetadata`` into an object with ``forward(q, k, v, kv_cache, scale)`` that
-every layer calls; all per-step preparation happens once, in its constructor. ``forward`` first writes the K/V
-of ALL new tokens into the paged cache, then reads.
+every layer calls, through the class's one constructor ``for_step``; all per-step preparation happens once, there.
+``forward`` first writes the K/V of ALL new tokens into the paged cache, then reads.
 
 Backends: "reference" (the oracle), "cpu-native" (one native kernel call per layer for the whole step, RoPE
 fused; where conveyor/kernels built for this CPU and serve the dtype and head size), "cpu-torch" (batched torch
@@ -19,17 +20,18 @@ from __future__ import annotations
 import torch
 
 from conveyor.core.config import ATTENTION_BACKENDS
-from conveyor.layers.attention.base import AttentionBackend
+from conveyor.layers.attention.base import AttentionBackend, AttentionBackendType, LayerStackAttention
 from conveyor.layers.attention.cpu import CpuAttention
 from conveyor.layers.attention.cuda import FlashAttention, flash_attention_serves
 from conveyor.layers.attention.key_mass import KeyMassAttention
+from conveyor.layers.attention.kv_layout import KVLayout
 from conveyor.layers.attention.metadata import AttentionMetadata
 from conveyor.layers.attention.native_cpu import NativeCpuAttention
 from conveyor.layers.attention.padded import PaddedAttention, Padding
 from conveyor.layers.attention.reference import ReferenceAttention
 
-_CLASSES: dict[str, type] = {cls.name: cls for cls in (ReferenceAttention, NativeCpuAttention, CpuAttention,
-                                                        FlashAttention)}
+_CLASSES: dict[str, AttentionBackendType] = {cls.name: cls for cls in (ReferenceAttention, NativeCpuAttention,
+                                                                      CpuAttention, FlashAttention)}
 
 
 def resolve_backend(name: str, device: torch.device | str, dtype: torch.dtype, head_dim: int,
@@ -59,7 +61,7 @@ def _native_serves(dtype: torch.dtype, head_dim: int) -> bool:
     return kernels is not None and kernels.supports(dtype, head_dim)
 
 
-def backend_class(backend: str) -> type:
+def backend_class(backend: str) -> AttentionBackendType:
     """The class of a resolved backend name, for its declarations (KV layout, fusion flags)."""
     if backend not in _CLASSES:
         raise ValueError(f"unknown attention backend {backend!r}; resolve {ATTENTION_BACKENDS} with resolve_backend")
@@ -70,7 +72,7 @@ def allocate_kv_caches(backend: str, num_layers: int, num_blocks: int, block_siz
                        head_dim: int, dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
     """One cache tensor per layer in the resolved backend's layout, zeroed only where the backend needs it."""
     cls = backend_class(backend)
-    shape = cls.kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim)
+    shape = cls.kv_layout.shape(num_blocks, block_size, num_kv_heads, head_dim)
     alloc = torch.zeros if cls.cache_needs_zeroing else torch.empty
     return [alloc(*shape, dtype=dtype, device=device) for _ in range(num_layers)]
 
@@ -83,30 +85,15 @@ def make_attention(backend: str, meta: AttentionMetadata, dtype: torch.dtype,
     assert padding is None or not scored, "KV eviction does not run beside the padded baselines"
     # A backend whose kernels score keys and rotate shifted slots by their request's offset (native_cpu, the one
     # that fuses RoPE) takes eviction's steps itself; the others rotate in the model and get the torch side pass.
-    in_kernel = getattr(backend_class(backend), "evicts_in_kernel", False)
-    attention = _make_backend(backend, meta, dtype, scored if in_kernel else None)
-    assert in_kernel or not attention.fuses_rope, "a RoPE-fusing backend must rotate by positions under eviction"
-    if scored and not in_kernel:
-        return KeyMassAttention(attention, meta, scored, kv_is_head_major(backend))
+    cls = backend_class(backend)
+    attention = cls.for_step(meta, dtype, scored if cls.evicts_in_kernel else None)
+    assert cls.evicts_in_kernel or not attention.fuses_rope, \
+        "a RoPE-fusing backend must rotate by positions under eviction"
+    if scored and not cls.evicts_in_kernel:
+        return KeyMassAttention(attention, meta, scored, cls.kv_layout)
     return attention if padding is None else PaddedAttention(attention, meta.num_tokens, padding)
 
 
-def kv_is_head_major(backend: str) -> bool:
-    """Whether the backend's cache blocks are [KVH, block_size, d] (else [block_size, KVH, d])."""
-    return backend_class(backend).kv_cache_shape(1, 2, 3, 4) == (2, 1, 3, 2, 4)
-
-
-def _make_backend(backend: str, meta: AttentionMetadata, dtype: torch.dtype,
-                  scored: dict[int, int] | None = None) -> AttentionBackend:
-    cls = backend_class(backend)
-    if cls is NativeCpuAttention:
-        from conveyor.kernels import load_cpu_kernels
-
-        return NativeCpuAttention(meta, load_cpu_kernels(), scored)
-    if cls is CpuAttention:
-        return CpuAttention(meta, dtype)
-    return cls(meta)
-
-
-__all__ = ["AttentionBackend", "AttentionMetadata", "KeyMassAttention", "Padding", "allocate_kv_caches",
-           "backend_class", "kv_is_head_major", "make_attention", "resolve_backend"]
+__all__ = ["AttentionBackend", "AttentionBackendType", "AttentionMetadata", "KVLayout", "KeyMassAttention",
+           "LayerStackAttention", "Padding", "allocate_kv_caches", "backend_class", "make_attention",
+           "resolve_backend"]

@@ -1,4 +1,5 @@
-"""Helpers the attention backends share: cache writes, context gathers, plain causal attention."""
+"""What the attention backends share: the torch backends' base class, cache writes, context gathers, plain causal
+attention."""
 
 from __future__ import annotations
 
@@ -6,7 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from conveyor.layers.attention.base import window_allows
+from conveyor.layers.attention.base import AttentionBackend, reject_rope, window_allows
+from conveyor.layers.attention.kv_layout import TOKEN_MAJOR
 from conveyor.layers.attention.metadata import AttentionMetadata
 
 # SDPA's kernels on a GPU, cuDNN's left out: it builds an execution graph per input shape, and the shapes of a
@@ -59,3 +61,35 @@ def attend_with_context(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, compu
         q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
         scale=scale, enable_gqa=q.shape[1] != k.shape[1], **mask)
     return out.squeeze(0).transpose(0, 1)
+
+
+class TorchAttention:
+    """The torch backends' declarations and their ``forward``: refuse the RoPE table, write the new K/V, then
+    ``attend`` (the subclass's). Token-major caches; no fusion, no layer stack, no in-kernel eviction."""
+
+    name: str
+    kv_layout = TOKEN_MAJOR
+    cache_needs_zeroing = False  # reads only the slots of each request's context (a subclass may say otherwise)
+    fuses_rope = False
+    supports_layer_stack = False
+    evicts_in_kernel = False
+
+    def __init__(self, meta: AttentionMetadata, dtype: torch.dtype = torch.float32) -> None:
+        self.meta = meta
+
+    @classmethod
+    def for_step(cls, meta: AttentionMetadata, dtype: torch.dtype,
+                 scored: dict[int, int] | None = None) -> AttentionBackend:
+        return cls(meta, dtype)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                scale: float, rope: torch.Tensor | None = None, window: int = 0) -> torch.Tensor:
+        """q [T, H, d], k/v [T, KVH, d] for the new tokens; returns [T, H, d] (``window``: base.AttentionBackend)."""
+        reject_rope(self.name, rope)
+        write_kv(kv_cache, k, v, self.meta)
+        return self.attend(q, k, v, kv_cache, scale, window)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, scale: float,
+               window: int) -> torch.Tensor:
+        """The step's attention (a layer with sliding ``window``, 0: none), the new K/V already in ``kv_cache``."""
+        raise NotImplementedError

@@ -14,8 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from conveyor.layers.attention.base import reject_rope, token_major_kv_shape
-from conveyor.layers.attention.common import attend_with_context, gather_context, sdpa, write_kv
+from conveyor.layers.attention.common import TorchAttention, attend_with_context, gather_context, sdpa
 from conveyor.layers.attention.metadata import AttentionMetadata
 
 # A bucket keeps taking shorter requests while the padding it adds stays under this fraction of its length.
@@ -60,19 +59,16 @@ def plan_decode_buckets(seq_lens: list[int], num_decodes: int) -> list[tuple[int
     return buckets[::-1]
 
 
-class CpuAttention:
+class CpuAttention(TorchAttention):
     """All decodes in a few torch length buckets, then prefill chunks one by one."""
 
     name = "cpu-torch"
-    fuses_rope = False
     # The padded decode gathers read whole blocks, unwritten slots included (masked, but 0 * NaN garbage would
     # still poison the output): the cache starts zeroed.
     cache_needs_zeroing = True
-    supports_layer_stack = False
-    kv_cache_shape = staticmethod(token_major_kv_shape)
 
     def __init__(self, meta: AttentionMetadata, dtype: torch.dtype = torch.float32) -> None:
-        self.meta = meta
+        super().__init__(meta, dtype)
         # Prefill requests without prior context attend to their fresh K/V; the rest gather their context.
         self.prefill_ids = range(meta.num_decodes, meta.num_reqs)
         self.buckets: list[DecodeBucket] = []
@@ -85,12 +81,9 @@ class CpuAttention:
             mask = torch.zeros(outside.shape, dtype=dtype, device=device).masked_fill_(outside, float("-inf"))
             self.buckets.append(DecodeBucket(start, end, ids, nblk, mask[:, None, None, :], lens.unsqueeze(1)))
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                scale: float, rope: torch.Tensor | None = None, window: int = 0) -> torch.Tensor:
-        """q [T, H, d], k/v [T, KVH, d] for the new tokens; returns [T, H, d] (``window``: base.AttentionBackend)."""
-        reject_rope(self.name, rope)
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, scale: float,
+               window: int) -> torch.Tensor:
         meta = self.meta
-        write_kv(kv_cache, k, v, meta)
         out = torch.empty_like(q)
         num_heads, kv_heads, head_dim = q.shape[1], k.shape[1], q.shape[2]
         group = num_heads // kv_heads

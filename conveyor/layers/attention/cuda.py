@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from conveyor.layers.attention.base import reject_rope, token_major_kv_shape
-from conveyor.layers.attention.common import write_kv
+from conveyor.layers.attention.common import TorchAttention
 from conveyor.layers.attention.metadata import AttentionMetadata
 
 try:  # optional dependency
@@ -23,17 +22,13 @@ def flash_attn_available() -> bool:
     return flash_attn_varlen_func is not None
 
 
-class FlashAttention:
+class FlashAttention(TorchAttention):
     """One varlen call per layer over all real requests; requires flash-attn and block_size % 256 == 0."""
 
     name = "cuda"
-    fuses_rope = False
-    cache_needs_zeroing = False  # reads only the slots of each request's context
-    supports_layer_stack = False
-    kv_cache_shape = staticmethod(token_major_kv_shape)
 
-    def __init__(self, meta: AttentionMetadata) -> None:
-        self.meta = meta
+    def __init__(self, meta: AttentionMetadata, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__(meta, dtype)
         n = meta.num_reqs
         device = meta.slot_mapping.device
         self.cu_q = torch.tensor(meta.query_start_loc, dtype=torch.int32, device=device)
@@ -43,12 +38,9 @@ class FlashAttention:
         self.max_k = max(meta.seq_lens, default=0)
         self.block_table = meta.block_table.to(torch.int32)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                scale: float, rope: torch.Tensor | None = None, window: int = 0) -> torch.Tensor:
-        reject_rope(self.name, rope)
-        meta = self.meta
-        write_kv(kv_cache, k, v, meta)
-        if not meta.num_reqs:
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, scale: float,
+               window: int) -> torch.Tensor:
+        if not self.meta.num_reqs:
             return torch.empty_like(q)
         return flash_attn_varlen_func(
             q, kv_cache[0], kv_cache[1], cu_seqlens_q=self.cu_q, cu_seqlens_k=self.cu_k,

@@ -16,30 +16,21 @@ from __future__ import annotations
 import torch
 
 from conveyor.layers.attention.base import AttentionBackend
+from conveyor.layers.attention.kv_layout import KVLayout
 from conveyor.layers.attention.metadata import AttentionMetadata
-
-
-def keys_of(kv_cache: torch.Tensor, block_ids: torch.Tensor, head_major: bool) -> torch.Tensor:
-    """K of whole blocks, [..., KVH, num_blocks * block_size, d], for ``block_ids`` of shape [..., num_blocks]."""
-    k = kv_cache[0][block_ids]  # token-major [..., nb, bs, KVH, d]; head-major [..., nb, KVH, bs, d]
-    if head_major:
-        k = k.transpose(-3, -4)  # [..., KVH, nb, bs, d]
-    else:
-        k = k.movedim(-2, -4)  # [..., KVH, nb, bs, d]
-    return k.flatten(-3, -2)
 
 
 class KeyMassAttention:
     """``inner`` for the step, plus the attention mass per block of the requests in ``scored``.
 
     ``scored`` maps a request's index in the step (its ``AttentionMetadata`` row) to how many of its last query
-    rows count. ``head_major``: the cache layout is [2, blocks, KVH, block_size, d] (else token-major)."""
+    rows count. ``layout``: the backend's cache layout, through which the keys are read."""
 
     supports_layer_stack = False  # one native call for every layer leaves no place to read q between them
 
     def __init__(self, inner: AttentionBackend, meta: AttentionMetadata, scored: dict[int, int],
-                 head_major: bool) -> None:
-        self.inner, self.meta, self.head_major = inner, meta, head_major
+                 layout: KVLayout) -> None:
+        self.inner, self.meta, self.layout = inner, meta, layout
         self.name = inner.name
         self.fuses_rope = inner.fuses_rope
         self.scored = scored
@@ -84,9 +75,8 @@ class KeyMassAttention:
         if self._kbuf is None:
             self._kbuf = kv_cache.new_empty(ids.numel(), *kv_cache.shape[2:])
         torch.index_select(kv_cache[0], 0, ids.flatten(), out=self._kbuf)
-        keys = self._kbuf.view(n, nb, *kv_cache.shape[2:])
-        if not self.head_major:
-            keys = keys.transpose(2, 3)  # [n, nb, KVH, bs, d] (a strided view: matmul copies it)
+        # [n, nb, KVH, bs, d] (token-major: a strided view, which matmul copies)
+        keys = self.layout.heads_first(self._kbuf.view(n, nb, *kv_cache.shape[2:]))
         qd = q[rows].view(n, 1, kv_heads, -1, d).to(keys.dtype)  # [n, 1, KVH, G, d]
         s = torch.matmul(qd, keys.transpose(-1, -2)).float() * scale  # [n, nb, KVH, G, bs]
         s.masked_fill_(~self._dec_valid.view(n, nb, 1, 1, bs), float("-inf"))  # also hides unwritten slots
@@ -105,7 +95,7 @@ class KeyMassAttention:
         # one batched GEMM per KV head over the rows x group, the scale folded into the (few) query rows
         qc = (q[end - rows:end].float() * scale).view(rows, kv_heads, -1, d).transpose(0, 1)  # [KVH, r, G, d]
         g = qc.shape[2]
-        keys = keys_of(kv_cache, meta.block_table[i, :nb], self.head_major).float()  # [KVH, L, d]
+        keys = self.layout.keys(kv_cache, meta.block_table[i, :nb]).float()  # [KVH, L, d]
         s = torch.bmm(qc.reshape(kv_heads, rows * g, d), keys.transpose(1, 2)).view(kv_heads, rows, g, nb * bs)
         # row j of the r sits at slot seq_len - rows + j and sees keys 0 .. that slot: every key before the rows
         # is seen by all of them, so only the columns from the first row's slot on need the causal mask

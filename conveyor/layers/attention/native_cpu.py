@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from conveyor.kernels.cpu_ops import KeyMass
+from conveyor.layers.attention.kv_layout import HEAD_MAJOR
 from conveyor.layers.attention.metadata import AttentionMetadata
 
 
@@ -31,12 +32,16 @@ class NativeCpuAttention:
     cache_needs_zeroing = False
     supports_layer_stack = True
     evicts_in_kernel = True  # scores keys and rotates shifted slots itself (module doc)
+    # Head-major blocks, [2, num_blocks, num_kv_heads, block_size, head_dim]: one head's keys of a block are
+    # contiguous, the rows the kernel's dot products stream.
+    kv_layout = HEAD_MAJOR
 
-    @staticmethod
-    def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
-        """Head-major blocks, [2, num_blocks, num_kv_heads, block_size, head_dim]: one head's keys of a block are
-        contiguous, the rows the kernel's dot products stream (see kernels.cpu_ops)."""
-        return (2, num_blocks, num_kv_heads, block_size, head_dim)
+    @classmethod
+    def for_step(cls, meta: AttentionMetadata, dtype: torch.dtype,
+                 scored: dict[int, int] | None = None) -> NativeCpuAttention:
+        from conveyor.kernels import load_cpu_kernels  # built or loaded at engine start (resolve_backend)
+
+        return cls(meta, load_cpu_kernels(), scored)
 
     def __init__(self, meta: AttentionMetadata, kernels, scored: dict[int, int] | None = None) -> None:
         """``scored``: request index -> how many of its last query rows put their attention mass into

@@ -5,29 +5,18 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from conveyor.layers.attention.base import reject_rope, token_major_kv_shape, window_allows
-from conveyor.layers.attention.common import gather_context, write_kv
-from conveyor.layers.attention.metadata import AttentionMetadata
+from conveyor.layers.attention.base import window_allows
+from conveyor.layers.attention.common import TorchAttention, gather_context
 
 
-class ReferenceAttention:
+class ReferenceAttention(TorchAttention):
     """Gathers every request's whole context by block table and runs SDPA with a hand-built mask."""
 
     name = "reference"
-    fuses_rope = False
-    cache_needs_zeroing = False  # reads only the slots of each request's context
-    supports_layer_stack = False
-    kv_cache_shape = staticmethod(token_major_kv_shape)
 
-    def __init__(self, meta: AttentionMetadata) -> None:
-        self.meta = meta
-
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                scale: float, rope: torch.Tensor | None = None, window: int = 0) -> torch.Tensor:
-        """q [T, H, d], k/v [T, KVH, d] for the new tokens; returns [T, H, d] (``window``: see base)."""
-        reject_rope(self.name, rope)
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, scale: float,
+               window: int) -> torch.Tensor:
         meta = self.meta
-        write_kv(kv_cache, k, v, meta)
         out = torch.empty_like(q)
         group = q.shape[1] // k.shape[1]
         for i, seq_len in enumerate(meta.seq_lens):

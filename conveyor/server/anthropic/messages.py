@@ -21,6 +21,7 @@ from conveyor.server.chat_run import ChatRun
 from conveyor.server.errors import APIError, anthropic_error
 from conveyor.server.reply import ReplyResult
 from conveyor.server.reply_blocks import Block, BlockEvent, BlockSequencer
+from conveyor.server.served_models import ModelRouter
 from conveyor.server.serving_common import ServingContext, guarded_stream
 
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use", "abort": "end_turn"}
@@ -133,11 +134,11 @@ async def count_tokens(body: CountTokensRequest, ctx: ServingContext) -> dict:
     return {"input_tokens": len(ids)}
 
 
-def install_anthropic_routes(app: FastAPI, ctx: ServingContext) -> None:
+def install_anthropic_routes(app: FastAPI, served: ModelRouter) -> None:
     @app.post("/v1/messages")
     async def messages(body: MessagesRequest, raw: Request):
-        return await create_message(body, raw, ctx)
+        return await create_message(body, raw, await served.resolve(body.model, "generate"))
 
     @app.post("/v1/messages/count_tokens")
     async def messages_count_tokens(body: CountTokensRequest):
-        return await count_tokens(body, ctx)
+        return await count_tokens(body, await served.resolve(body.model, "generate"))

@@ -6,12 +6,14 @@
 (``num_gpu``, ``num_thread``, ``num_batch``, ``use_mmap``, ``repeat_last_n``, ...) are accepted; the samplers
 conveyor does not have (``mirostat``, ``typical_p``, ``tfs_z`` other than their neutral values) are a 400, as is
 an option Ollama does not know. ``format`` is ``"json"`` or a JSON schema (structured outputs); ``think`` turns the
-chat template's thinking on or off; ``keep_alive`` is accepted (the model is always loaded).
+chat template's thinking on or off; ``keep_alive`` (seconds, or a duration such as ``5m``) is how long the model
+stays loaded once idle (``keep_alive_seconds``).
 """
 
 from __future__ import annotations
 
 import json
+import re
 from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -196,3 +198,25 @@ def generate_body(body: GenerateRequest, model: str, max_model_len: int) -> dict
         {"role": "user", "content": body.prompt}]
     fields = {"model": model, "messages": messages, **_sampling(body, max_model_len)}
     return {k: v for k, v in fields.items() if v is not None}
+
+
+_DURATION_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|ms|s|m|h)")
+_UNIT_S = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def keep_alive_seconds(value: str | float | None) -> float | None:
+    """Ollama's ``keep_alive`` in seconds: a number of seconds, or a Go duration (``"5m"``, ``"1h30m"``,
+    ``"-1"``); negative: stay loaded; None: the server's default. 400 naming ``keep_alive`` for anything else."""
+    if value is None or isinstance(value, (int, float)):
+        return value
+    text = value.strip()
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    sign, body = (-1.0, text[1:]) if text.startswith("-") else (1.0, text.lstrip("+"))
+    parts = _DURATION_PART.findall(body)
+    if not body or "".join(n + u for n, u in parts) != body:
+        raise bad_request(f"keep_alive: {value!r} is not a duration (seconds, or e.g. \"5m\", \"1h30m\")",
+                          "keep_alive")
+    return sign * sum(float(n) * _UNIT_S[u] for n, u in parts)

@@ -3,9 +3,10 @@
 ``{"error": "..."}``.
 
 Model names are resolved as Ollama clients send them: the served name, with or without a ``:tag``
-(``SmolLM2-135M-Instruct:latest``), in any case; another name is Ollama's 404. ``/api/embed`` belongs to the
-embedding requests (``serving_pooling.py``, the pooling request kind): it is not served yet, and will be one more
-route here over that path, with the same name resolution and error shape.
+(``SmolLM2-135M-Instruct:latest``), in any case; another name is Ollama's 404. ``/api/tags`` lists every model
+the server can serve, ``/api/ps`` the loaded ones; ``keep_alive`` sets how long a model stays loaded once idle
+where the server loads models on demand (``model_pool.py``). ``/api/embed`` and
+``/api/embeddings`` are in ``embed.py``, over the embedding path.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
+import weakref
 from collections.abc import AsyncIterator
 from datetime import datetime, timezone
 
@@ -21,10 +23,13 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from conveyor.server.chat_plan import check_plan, internal_request, plan_chat
 from conveyor.server.chat_run import ChatRun
-from conveyor.server.errors import APIError, ollama_error
-from conveyor.server.ollama.model_card import ModelCard
-from conveyor.server.ollama.protocol import ChatRequest, GenerateRequest, ShowRequest, chat_body, generate_body
+from conveyor.server.errors import ollama_error
+from conveyor.server.ollama.model_card import ModelCard, served_name
+from conveyor.server.ollama.protocol import (
+    ChatRequest, GenerateRequest, ShowRequest, chat_body, generate_body, keep_alive_seconds,
+)
 from conveyor.server.reply import ReplyDelta
+from conveyor.server.served_models import ModelEntry, ModelRouter
 from conveyor.server.serving_common import ServingContext, guarded_stream
 
 OLLAMA_API_VERSION = "0.12.0"  # the version of Ollama's API these routes speak (clients gate features on it)
@@ -41,61 +46,77 @@ def _line(data: dict) -> str:
 
 
 class OllamaService:
-    """The routes' work: names resolved, requests planned, replies written as Ollama's objects."""
+    """The routes' work: names resolved (loading the model where the server loads on demand), requests planned,
+    replies written as Ollama's objects."""
 
-    def __init__(self, ctx: ServingContext, card: ModelCard) -> None:
-        self.ctx, self.card = ctx, card
+    def __init__(self, served: ModelRouter) -> None:
+        self.served = served
+        self._cards: weakref.WeakKeyDictionary[ServingContext, ModelCard] = weakref.WeakKeyDictionary()
 
-    def resolve(self, name: str | None) -> str:
-        if name is None or not self.card.names(name):
-            raise APIError(404, f"model {name!r} not found, try pulling it first", "model", "model_not_found")
-        return name
+    def _card(self, entry: ModelEntry) -> ModelCard:
+        if entry.ctx is None:
+            return ModelCard.on_disk(entry.name, entry.path)
+        card = self._cards.get(entry.ctx)
+        if card is None:
+            card = self._cards[entry.ctx] = ModelCard.of(entry.ctx)
+        return card
+
+    async def _context(self, name: str | None, keep_alive) -> ServingContext:
+        return await self.served.resolve(served_name([e.name for e in self.served.entries()], name), "generate", keep_alive_seconds(keep_alive))
 
     async def chat(self, body: ChatRequest, raw: Request):
-        name = self.resolve(body.model)
-        if not body.messages:  # Ollama loads (or, keep_alive 0, unloads) the model: it is always loaded here
-            return self._loaded(name, {"message": {"role": "assistant", "content": ""}}, body.keep_alive)
-        fields = chat_body(body, self.ctx.model_name, self.ctx.max_model_len)
-        plan = await check_plan(plan_chat(internal_request(fields), self.ctx), self.ctx)
-        return await self._answer(plan, raw, name, body.stream, body.thinks, chat=True)
+        ctx = await self._context(body.model, body.keep_alive)
+        if not body.messages:  # Ollama's way to load a model (or, keep_alive 0, to unload it once idle)
+            return self._loaded(body.model, {"message": {"role": "assistant", "content": ""}}, body.keep_alive)
+        fields = chat_body(body, ctx.model_name, ctx.max_model_len)
+        plan = await check_plan(plan_chat(internal_request(fields), ctx), ctx)
+        return await self._answer(plan, ctx, raw, body.model, body.stream, body.thinks, chat=True)
 
     async def generate(self, body: GenerateRequest, raw: Request):
-        name = self.resolve(body.model)
+        ctx = await self._context(body.model, body.keep_alive)
         if not body.prompt and not body.context:
-            return self._loaded(name, {"response": ""}, body.keep_alive)
-        fields = generate_body(body, self.ctx.model_name, self.ctx.max_model_len)
-        plan = plan_chat(internal_request(fields), self.ctx)
+            return self._loaded(body.model, {"response": ""}, body.keep_alive)
+        fields = generate_body(body, ctx.model_name, ctx.max_model_len)
+        plan = plan_chat(internal_request(fields), ctx)
         plan = dataclasses.replace(plan, raw_prompt=body.prompt if body.raw else None,
                                    prefix_ids=tuple(body.context or ()))
-        plan = await check_plan(plan, self.ctx)
-        return await self._answer(plan, raw, name, body.stream, body.thinks, chat=False)
+        plan = await check_plan(plan, ctx)
+        return await self._answer(plan, ctx, raw, body.model, body.stream, body.thinks, chat=False)
 
     def _loaded(self, name: str, empty: dict, keep_alive) -> JSONResponse:
-        reason = "unload" if keep_alive in (0, "0", "0s") else "load"
+        reason = "unload" if keep_alive_seconds(keep_alive) == 0 else "load"
         return JSONResponse({"model": name, "created_at": now(), **empty, "done": True, "done_reason": reason})
 
-    async def _answer(self, plan, raw: Request, name: str, stream: bool, thinks: bool | None, chat: bool):
+    async def _answer(self, plan, ctx: ServingContext, raw: Request, name: str, stream: bool, thinks: bool | None,
+                      chat: bool):
         started = time.monotonic_ns()
-        run = await plan.submit(self.ctx, raw, prefix="ollama")
+        run = await plan.submit(ctx, raw, prefix="ollama")
         shape = _Shape(run, name, chat, keep_thinking=thinks is not False, started=started)
         if stream:
             lines = _lines(shape)
-            return StreamingResponse(guarded_stream(lines, self.ctx, run.streams, lambda e: _line(ollama_error(e))),
+            return StreamingResponse(guarded_stream(lines, ctx, run.streams, lambda e: _line(ollama_error(e))),
                                      media_type="application/x-ndjson")
         (result,) = await run.results(raw)
         calls = [(c.name, c.arguments) for c in result.tool_calls]
         return JSONResponse(shape.final(ReplyDelta(result.reasoning, result.content), calls, result.finish_reason,
                                         result.num_tokens))
 
-    def tags(self) -> dict:
-        return {"models": [self.card.listed()]}
+    async def tags(self) -> dict:  # async: served on the event loop, as the router's other readers are
+        """Every model this server can serve, loaded or not."""
+        return {"models": [self._card(e).listed() for e in self.served.entries()]}
 
-    def show(self, body: ShowRequest) -> dict:
-        self.resolve(body.model or body.name)
-        return self.card.shown()
+    async def show(self, body: ShowRequest) -> dict:
+        entries = self.served.entries()
+        name = served_name([e.name for e in entries], body.model or body.name)
+        entry = next(e for e in entries if e.name == name)
+        return self._card(entry).shown()
 
-    def ps(self) -> dict:
-        return {"models": [self.card.running()]}
+    async def ps(self) -> dict:
+        """The models loaded now, each with the time it unloads if it stays idle."""
+        return {"models": [self._card(e).running(e.expires_at) for e in self.served.entries() if e.state == "loaded"]}
+
+    async def version(self) -> dict:
+        return {"version": OLLAMA_API_VERSION}
 
 
 def _arguments(text: str):
@@ -162,29 +183,12 @@ async def _lines(shape: _Shape) -> AsyncIterator[str]:
     yield _line(shape.final(ReplyDelta(), [], finish, tokens))
 
 
-def install_ollama_routes(app: FastAPI, ctx: ServingContext) -> None:
-    service = OllamaService(ctx, ModelCard.of(ctx))
-
-    @app.post("/api/chat")
-    async def chat(body: ChatRequest, raw: Request):
-        return await service.chat(body, raw)
-
-    @app.post("/api/generate")
-    async def generate(body: GenerateRequest, raw: Request):
-        return await service.generate(body, raw)
-
-    @app.get("/api/tags")
-    async def tags():
-        return service.tags()
-
-    @app.post("/api/show")
-    async def show(body: ShowRequest):
-        return service.show(body)
-
-    @app.get("/api/ps")
-    async def ps():
-        return service.ps()
-
-    @app.get("/api/version")
-    async def version():
-        return {"version": OLLAMA_API_VERSION}
+def install_ollama_routes(app: FastAPI, served: ModelRouter) -> None:
+    """Each route is an ``OllamaService`` method: FastAPI reads the body and the request from its parameters."""
+    service = OllamaService(served)
+    app.add_api_route("/api/chat", service.chat, methods=["POST"])
+    app.add_api_route("/api/generate", service.generate, methods=["POST"])
+    app.add_api_route("/api/tags", service.tags, methods=["GET"])
+    app.add_api_route("/api/show", service.show, methods=["POST"])
+    app.add_api_route("/api/ps", service.ps, methods=["GET"])
+    app.add_api_route("/api/version", service.version, methods=["GET"])

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 import uuid
 from collections.abc import AsyncIterator
 
@@ -32,7 +31,8 @@ from conveyor.server.responses.protocol import (
     ResponsesRequest, chat_body, conversation, input_items, namespaces, output_conversation, split_name,
 )
 from conveyor.server.responses.store import ResponseStore
-from conveyor.server.serving_common import ServingContext, guarded_stream
+from conveyor.server.served_models import ModelRouter
+from conveyor.server.serving_common import guarded_stream
 
 
 def _id(prefix: str) -> str:
@@ -122,8 +122,8 @@ def output_items(r: ReplyResult, keep_reasoning: bool = True, spaces: set[str] =
 class ResponsesService:
     """The routes' work: requests planned from their body and the store, replies shaped, responses stored."""
 
-    def __init__(self, ctx: ServingContext, store: ResponseStore) -> None:
-        self.ctx, self.store = ctx, store
+    def __init__(self, served: ModelRouter, store: ResponseStore) -> None:
+        self.served, self.store = served, store
 
     async def create(self, body: ResponsesRequest, raw: Request):
         scope = key_scope(raw)
@@ -135,9 +135,10 @@ class ResponsesService:
             earlier = stored.conversation
         items = input_items(body)
         messages = conversation(items, earlier)
-        plan = await check_plan(plan_chat(internal_request(chat_body(body, messages)), self.ctx), self.ctx)
-        run = await plan.submit(self.ctx, raw, prefix="resp")
-        shape = ResponseShape(body, run, body.model or self.ctx.model_name)
+        ctx = await self.served.resolve(body.model, "generate")
+        plan = await check_plan(plan_chat(internal_request(chat_body(body, messages)), ctx), ctx)
+        run = await plan.submit(ctx, raw, prefix="resp")
+        shape = ResponseShape(body, run, body.model or ctx.model_name)
 
         async def keep(response: dict, reply: dict) -> None:
             """Store a finished response (``store: true``), with the conversation a follow-up continues."""
@@ -146,7 +147,7 @@ class ResponsesService:
 
         if body.stream:
             frames = _stream(shape, run, keep)
-            return StreamingResponse(guarded_stream(frames, self.ctx, run.streams, _error_frame),
+            return StreamingResponse(guarded_stream(frames, ctx, run.streams, _error_frame),
                                      media_type="text/event-stream")
         (result,) = await run.results(raw)
         output = output_items(result, shape.keeps_reasoning, namespaces(body))
@@ -273,21 +274,11 @@ async def _stream(shape: ResponseShape, run: ChatRun, keep) -> AsyncIterator[str
     yield write(done, response=response)
 
 
-def install_responses_routes(app: FastAPI, ctx: ServingContext, store: ResponseStore) -> None:
-    service = ResponsesService(ctx, store)
-
-    @app.post("/v1/responses")
-    async def create_response(body: ResponsesRequest, raw: Request):
-        return await service.create(body, raw)
-
-    @app.get("/v1/responses/{response_id}")
-    async def get_response(response_id: str, raw: Request):
-        return await service.get(response_id, raw)
-
-    @app.get("/v1/responses/{response_id}/input_items")
-    async def get_input_items(response_id: str, raw: Request):
-        return await service.input_items(response_id, raw)
-
-    @app.delete("/v1/responses/{response_id}")
-    async def delete_response(response_id: str, raw: Request):
-        return await service.delete(response_id, raw)
+def install_responses_routes(app: FastAPI, served: ModelRouter, store: ResponseStore) -> None:
+    """Each route is a ``ResponsesService`` method: FastAPI reads the body, the path's id and the request from its
+    parameters."""
+    service = ResponsesService(served, store)
+    app.add_api_route("/v1/responses", service.create, methods=["POST"])
+    app.add_api_route("/v1/responses/{response_id}", service.get, methods=["GET"])
+    app.add_api_route("/v1/responses/{response_id}/input_items", service.input_items, methods=["GET"])
+    app.add_api_route("/v1/responses/{response_id}", service.delete, methods=["DELETE"])
