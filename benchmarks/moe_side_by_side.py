@@ -78,6 +78,23 @@ def machine() -> str:
     return f"{cpu}, {os.cpu_count()} CPUs; load average {load}"
 
 
+def check_shape(config: dict) -> None:
+    """Refuse an existing checkpoint whose config differs from ``SHAPE`` (numbers measured on another shape would
+    be reported as this one's). transformers 5 writes ``num_experts`` as ``num_local_experts`` and
+    ``rope_theta`` inside ``rope_parameters``."""
+    aliases = {"num_experts": ("num_experts", "num_local_experts")}
+    rope = config.get("rope_parameters") or {}
+    wrong = []
+    for key, want in SHAPE.items():
+        names = aliases.get(key, (key,))
+        have = next((config[n] for n in names if n in config), rope.get(key))
+        if have != want:
+            wrong.append(f"{key}={have!r} (want {want!r})")
+    if wrong:
+        raise SystemExit(f"the existing checkpoint is not the benchmark's shape: {', '.join(wrong)}; "
+                         "remove its directory or use another --out")
+
+
 # ---- make ----------------------------------------------------------------------------------------------------
 def make(ns: argparse.Namespace) -> int:
     import torch
@@ -97,6 +114,9 @@ def make(ns: argparse.Namespace) -> int:
         hf_dir.mkdir(parents=True, exist_ok=True)
         model.save_pretrained(hf_dir, safe_serialization=True)
         del model
+    else:  # a checkpoint written before (the weights take minutes): it must have this SHAPE
+        check_shape(json.loads((hf_dir / "config.json").read_text()))
+    if not (hf_dir / "tokenizer.model").exists():  # last, so a run stopped after the weights resumes here
         write_tokenizer(hf_dir, TINIES["qwen3_moe"])
     if not bf16.exists():
         t = time.perf_counter()
@@ -115,8 +135,8 @@ def make(ns: argparse.Namespace) -> int:
 
 # ---- experts -------------------------------------------------------------------------------------------------
 def expert_bytes(net) -> tuple[int, int]:
-    """(bytes one expert streams when it runs: its gate_up and down as held, the bytes of the other linears a
-    step reads once: attention, routers, lm_head)."""
+    """(bytes one expert streams when it runs, its gate_up and down as held, averaged over the layers; the bytes
+    of the other linears a step reads once: attention, routers, lm_head)."""
     from conveyor.layers.linear import PackedLinear
     from conveyor.layers.quantized import QuantLinear
 
@@ -125,8 +145,9 @@ def expert_bytes(net) -> tuple[int, int]:
             return linear.quant.nbytes
         return (linear.skinny if linear.skinny is not None else linear.weight).numel() * linear.weight.element_size()
 
-    expert = net.layers[0].mlp.experts[0]
-    per_expert = held(expert.gate_up_proj) + held(expert.down_proj)
+    # the mean over layers: llama.cpp's Q4_K_M holds half the layers' down projections in Q6_K (held in float32)
+    per_expert = statistics.mean(held(layer.mlp.experts[0].gate_up_proj) + held(layer.mlp.experts[0].down_proj)
+                                 for layer in net.layers)
     shared = sum(held(m) for name, m in net.named_modules()
                  if ".experts." not in name and isinstance(m, (QuantLinear, PackedLinear)))
     return per_expert, shared
@@ -198,6 +219,78 @@ def experts(ns: argparse.Namespace) -> int:
         print(f"| {batch} | {mean:.1f} ({min(decode_counts)}-{max(decode_counts)}) | "
               f"{spec.experts_touched(batch):.1f} | {mean * per_expert * net.config.num_layers / 2**20:.0f} | "
               f"{step_bytes / batch / 2**20:.1f} | {ms:.1f} | {batch / ms * 1e3:.1f} |", flush=True)
+    print(f"(after: {machine()})")
+    return 0
+
+
+# ---- profile -------------------------------------------------------------------------------------------------
+def streamed_bytes(net, gguf: str) -> dict[str, tuple[dict[str, float], dict[str, float]]]:
+    """What one batch-1 decode token streams, per part (attention with the routers, experts, lm_head): (conveyor's
+    MiB by held form, the file's MiB by GGUF type). The file's bytes are what llama.cpp streams (it computes on
+    the file's blocks); experts count top_k / E of each stack (every expert of a layer is held alike)."""
+    from conveyor.layers.linear import PackedLinear
+    from conveyor.layers.quantized import QuantLinear
+    from conveyor.models.gguf_file import GGUFFile
+
+    moe = net.config.moe
+    share = moe.top_k / moe.num_experts
+    parts: dict[str, tuple[dict[str, float], dict[str, float]]] = {}
+
+    def add(name: str, side: int, form: str, nbytes: int) -> None:
+        if "_exps" in name or ".experts." in name:
+            key, nbytes = "experts", nbytes * share
+        else:
+            key = "lm_head" if name.split(".")[0] in ("lm_head", "output") else "attention+router"
+        forms = parts.setdefault(key, ({}, {}))[side]
+        forms[form] = forms.get(form, 0.0) + nbytes / 2**20
+
+    for name, m in net.named_modules():
+        if isinstance(m, QuantLinear):
+            add(name, 0, m.quant.source, m.quant.nbytes)
+        elif isinstance(m, PackedLinear):  # decode steps stream the skinny copy where there is one
+            w = m.skinny if m.skinny is not None else m.weight
+            add(name, 0, str(m.weight.dtype).replace("torch.", ""), w.numel() * m.weight.element_size())
+    with GGUFFile(gguf) as f:
+        for info in f.tensors.values():
+            if not info.name.startswith("token_embd") and len(info.shape) >= 2:  # not the lookup, nor the norms
+                add(info.name, 1, info.qtype.name, info.nbytes)
+    return parts
+
+
+def profile(ns: argparse.Namespace) -> int:
+    import torch
+    from step_profile import StepProfile
+
+    from conveyor.core.sampling_params import SamplingParams
+    from conveyor.engine.llm import LLM
+
+    llm = LLM(ns.gguf, max_num_seqs=1, max_model_len=1024, enable_prefix_caching=False, detokenize=False, seed=0)
+    eng = llm.engine
+    print(f"{machine()}\n{os.path.basename(ns.gguf)}: batch-1 decode, {ns.steps} steps, native stack "
+          f"{'on' if eng.model.native_stack else 'off'}", flush=True)
+    prompt = torch.randint(100, eng.model_info.vocab_size, (64,), generator=torch.Generator().manual_seed(0)).tolist()
+    eng.add_request("p", {"prompt_token_ids": prompt}, SamplingParams(max_tokens=ns.steps + 8, ignore_eos=True))
+    for _ in range(3):  # the prompt, then two decode steps
+        eng.step()
+    with StepProfile(eng) as prof:
+        for _ in range(ns.steps):
+            eng.step()
+    while eng.has_unfinished_requests():
+        eng.step()
+    print("| part of the step | ms / step |\n|---|---|")
+    for key, seconds in prof.summary().items():
+        if seconds > 0:
+            print(f"| {key} | {seconds / ns.steps * 1e3:.2f} |")
+    print("\n| weights a batch-1 token streams | conveyor holds (MiB) | the file, as llama.cpp reads it (MiB) |"
+          "\n|---|---|---|")
+    total = [0.0, 0.0]
+    for name, sides in streamed_bytes(eng.model, ns.gguf).items():
+        cells = []
+        for side, forms in enumerate(sides):
+            total[side] += sum(forms.values())
+            cells.append(" + ".join(f"{form} {mib:.1f}" for form, mib in sorted(forms.items())))
+        print(f"| {name} | {cells[0]} | {cells[1]} |")
+    print(f"| all | {total[0]:.1f} | {total[1]:.1f} |")
     print(f"(after: {machine()})")
     return 0
 
@@ -284,6 +377,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--max-model-len", type=int, default=1024)
     p.set_defaults(func=experts)
+    p = sub.add_parser("profile", help="where a batch-1 decode step's time goes, and the bytes a token streams")
+    p.add_argument("--gguf", required=True)
+    p.add_argument("--steps", type=int, default=32)
+    p.set_defaults(func=profile)
     p = sub.add_parser("compare", help="paired rounds against llama-bench and llama-server")
     p.add_argument("--gguf", action="append", required=True)
     p.add_argument("--llama-bench", required=True)

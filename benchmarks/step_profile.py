@@ -45,7 +45,7 @@ class StepProfile:
         from conveyor.layers.attention import cpu, native_cpu
         from conveyor.layers.linear import PackedLinear
         from conveyor.layers.quantized import QuantLinear
-        from conveyor.models import llama
+        from conveyor.models import decoder
         from conveyor.models.native_stack import NativeLayerStack
 
         eng = self.engine
@@ -57,7 +57,7 @@ class StepProfile:
                    lambda a: "attention" if a[0].meta.num_decodes == a[0].meta.num_reqs else "attention (prefill steps)")
         self._wrap(cpu.CpuAttention, "forward", "attention")
         self._wrap(norms.RMSNorm, "forward", "norm+act")
-        self._wrap(llama, "silu_and_mul", "norm+act")  # the name the model module calls
+        self._wrap(decoder, "silu_and_mul", "norm+act")  # the name the decoder module calls
         self._wrap(NativeLayerStack, "run", "layer stack")
         self._wrap(eng.executor.sampler, "sample", "sampling", per_instance=True)
         self._wrap(eng.executor, "execute", "runner", per_instance=True)

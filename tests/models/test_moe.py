@@ -282,3 +282,39 @@ def test_native_routed_mlp_matches_the_torch_loop_and_the_stack_is_bit_identical
             ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].float(), dim=-1)
         ref = ref[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
         torch.testing.assert_close(torch.tensor(fused[-1][2]), ref, atol=2e-3, rtol=0)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(KERNELS is None, reason="the integer kernels need the native CPU kernels")
+def test_the_moe_benchmark_counts_the_bytes_a_token_streams(wide):
+    """benchmarks/moe_side_by_side.py profile: per part, conveyor's held bytes beside the file's. Q8_0 is held as
+    stored (its bytes equal the file's), Q4_K with a float32 scale and offset per 32 values (0.75 bytes a value
+    against the file's 0.5625), a float32 tensor as it is; experts count top_k / E of each stack."""
+    import importlib.util
+    from pathlib import Path
+
+    from conveyor.engine.llm import LLM
+
+    script = Path(__file__).parents[2] / "benchmarks" / "moe_side_by_side.py"
+    spec = importlib.util.spec_from_file_location("moe_side_by_side", script)
+    msb = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(msb)
+    _, hf_dir, f32 = wide
+    with GGUFFile(str(f32)) as f:
+        names = [n for n in f.tensors if n.startswith("blk.") and "norm" not in n and "gate_inp" not in n]
+    types = {n: "Q4_K" if "gate_exps" in n or "up_exps" in n else "Q8_0" for n in names}
+    path = requantize_gguf(f32, hf_dir.parent / "bytes.gguf", types)
+    model = LLM(str(path), dtype="float32", num_kv_blocks=64).engine.model
+    parts = msb.streamed_bytes(model, str(path))
+    assert set(parts) == {"attention+router", "experts", "lm_head"}
+    held, stored = parts["experts"]
+    assert held == pytest.approx({"Q4_K": stored["Q4_K"] * 0.75 / 0.5625, "Q8_0": stored["Q8_0"]})
+    cfg = model.config
+    expert_values = 3 * cfg.hidden_size * cfg.moe.intermediate_size * cfg.num_layers * cfg.moe.top_k
+    assert stored["Q4_K"] + stored["Q8_0"] == pytest.approx(expert_values * (2 * 0.5625 + 1.0625) / 3 / 2**20)
+    held, stored = parts["attention+router"]
+    assert set(held) == {"Q8_0", "float32"} and held["Q8_0"] == pytest.approx(stored["Q8_0"])
+    # the routers in float32, as streamed: the skinny copy pads their 4 columns (experts) to a group of 16
+    assert held["float32"] == pytest.approx(stored["F32"] * 16 / cfg.moe.num_experts)
+    held, stored = parts["lm_head"]
+    assert held == pytest.approx({"float32": stored["F32"]})

@@ -119,12 +119,14 @@ def test_a_dead_serving_thread_ends_the_server_and_tells_every_request(tiny_chat
             try:
                 trigger = httpx.post(h.url + "/v1/completions", json=ORDINARY, timeout=ENDS_WITHIN_S)
                 trigger_said = (trigger.status_code, trigger.json()["error"]["code"])
-            except httpx.TransportError as exc:  # the server closed the listener after the death: refused
-                trigger_said = (None, type(exc).__name__)
+            except httpx.TimeoutException:
+                raise  # a hang: the failure this test exists for
+            except httpx.TransportError:  # the server is closing after the death: refused, or closed unanswered
+                trigger_said = (None, "closed")
             for line in events:
                 if line.startswith("data: "):
                     lines.append(line[6:])
-        assert trigger_said in {(503, "engine_dead"), (None, "ConnectError")}, trigger_said
+        assert trigger_said in {(503, "engine_dead"), (None, "closed")}, trigger_said
         assert lines[-1] == "[DONE]" and json.loads(lines[-2])["error"]["code"] == "engine_dead", lines[-3:]
         try:  # the truth, as long as it still answers
             assert httpx.get(h.url + "/health", timeout=5).status_code == 503
