@@ -35,13 +35,13 @@ class LLM:
         loras = [lora_request] * len(params) if isinstance(lora_request, LoRARequest) else list(lora_request)
         if len(loras) != len(params):
             raise ValueError(f"got {len(loras)} lora_requests for {len(params)} prompts")
-        from conveyor.models.lora_format import read_adapter
+        from conveyor.models.lora_format import check_adapter
 
         for lora in loras:
             if lora is not None and lora not in self._checked_loras:
                 if not self.engine.args.enable_lora:
                     raise ValueError("lora_request: this LLM serves no LoRA adapter (pass enable_lora=True)")
-                read_adapter(lora.lora_path, self.engine.model_info.lora_base, self.engine.args.max_lora_rank)
+                check_adapter(lora.lora_path, self.engine.model_info.lora_base, self.engine.args.max_lora_rank)
                 self._checked_loras.add(lora)
         return [p if lora is None else replace(p, lora=lora) for p, lora in zip(params, loras)]
 

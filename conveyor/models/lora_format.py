@@ -18,8 +18,6 @@ import os
 import re
 from dataclasses import dataclass, field
 
-import torch
-
 CONFIG_FILE = "adapter_config.json"
 WEIGHT_FILES = ("adapter_model.safetensors",)
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -63,11 +61,11 @@ def lora_base_of(cfg) -> LoRABase:
 @dataclass
 class LoRAAdapter:
     """An adapter's weights, ready to install: ``weights[(layer, module)] = (A [in, r], B [r, out] x scaling)``,
-    float32; ``rank`` the largest r."""
+    float32 torch tensors; ``rank`` the largest r."""
 
     path: str
     rank: int
-    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+    weights: dict
 
     @property
     def num_bytes(self) -> int:
@@ -115,8 +113,10 @@ def read_config(path: str) -> dict:
     return cfg
 
 
-def read_adapter(path: str, base: LoRABase, max_rank: int) -> LoRAAdapter:
-    """Read and check a PEFT LoRA adapter directory against ``base`` (``AdapterError`` with the reason)."""
+def check_adapter(path: str, base: LoRABase, max_rank: int) -> tuple[dict, str, dict]:
+    """Check a PEFT LoRA adapter directory against ``base`` without reading its weights (no torch: the API process
+    checks adapters this way). Returns (config, weights file, {(layer, module): {"A": key, "B": key}}) of the
+    weights to install; ``AdapterError`` with the reason."""
     from safetensors import safe_open
 
     if base.unsupported:
@@ -125,14 +125,15 @@ def read_adapter(path: str, base: LoRABase, max_rank: int) -> LoRAAdapter:
     r = cfg["r"]
     if r > max_rank:
         raise AdapterError(f"LoRA adapter {path!r}: rank {r} is above --max-lora-rank {max_rank}")
-    scaling = cfg.get("lora_alpha", r) / (math.sqrt(r) if cfg.get("use_rslora") else r)
     layers = cfg.get("layers_to_transform")
+    layers = None if layers is None else set(layers if isinstance(layers, list) else [layers])
     weights_path = next((os.path.join(path, f) for f in WEIGHT_FILES if os.path.isfile(os.path.join(path, f))), None)
     if weights_path is None:
         raise AdapterError(f"LoRA adapter {path!r}: missing adapter_model.safetensors (.bin adapters are not read)")
-    halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    keys: dict[tuple[int, str], dict[str, str]] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
     try:
-        with safe_open(weights_path, "pt") as f:
+        with safe_open(weights_path, "numpy") as f:
             for key in f.keys():
                 m = _KEY.match(key)
                 if m is None:
@@ -141,26 +142,44 @@ def read_adapter(path: str, base: LoRABase, max_rank: int) -> LoRAAdapter:
                 layer, module, half = int(m.group(1)), m.group(2), m.group(3)
                 if module not in base.shapes:
                     raise AdapterError(f"LoRA adapter {path!r}: unsupported target module {module!r}")
-                halves.setdefault((layer, module), {})[half] = f.get_tensor(key)
+                keys.setdefault((layer, module), {})[half] = key
+                shapes[key] = tuple(f.get_slice(key).get_shape())
     except AdapterError:
         raise
     except Exception as exc:  # a truncated or corrupt safetensors file
         raise AdapterError(f"LoRA adapter {path!r}: {os.path.basename(weights_path)} does not read: {exc}") from None
-    if not halves:
+    if not keys:
         raise AdapterError(f"LoRA adapter {path!r}: no LoRA weights in {os.path.basename(weights_path)}")
-    weights = {}
-    for (layer, module), pair in sorted(halves.items()):
+    wanted = {}
+    for (layer, module), pair in sorted(keys.items()):
         where = f"LoRA adapter {path!r}: layer {layer} {module}"
         if layer >= base.num_layers:
             raise AdapterError(f"{where}: the base model has {base.num_layers} layers (an adapter for another base)")
-        if layers is not None and layer not in (layers if isinstance(layers, list) else [layers]):
-            continue
         if set(pair) != {"A", "B"}:
             raise AdapterError(f"{where}: lora_A or lora_B is missing")
-        a, b = pair["A"], pair["B"]
+        a, b = shapes[pair["A"]], shapes[pair["B"]]
         fan_in, fan_out = base.shapes[module]
-        if a.dim() != 2 or b.dim() != 2 or a.shape != (r, fan_in) or b.shape != (fan_out, r):
-            raise AdapterError(f"{where}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} do not fit the base "
-                               f"model's ({fan_out} x {fan_in}) weight at rank {r} (an adapter for another base shape)")
-        weights[(layer, module)] = (a.float().t().contiguous(), (b.float() * scaling).t().contiguous())
+        if a != (r, fan_in) or b != (fan_out, r):
+            raise AdapterError(f"{where}: lora_A {a} / lora_B {b} do not fit the base model's ({fan_out} x "
+                               f"{fan_in}) weight at rank {r} (an adapter for another base shape)")
+        if layers is None or layer in layers:
+            wanted[(layer, module)] = pair
+    return cfg, weights_path, wanted
+
+
+def read_adapter(path: str, base: LoRABase, max_rank: int) -> LoRAAdapter:
+    """Read a PEFT LoRA adapter directory checked by ``check_adapter`` (``AdapterError`` with the reason)."""
+    from safetensors import safe_open
+
+    cfg, weights_path, wanted = check_adapter(path, base, max_rank)
+    r = cfg["r"]
+    scaling = cfg.get("lora_alpha", r) / (math.sqrt(r) if cfg.get("use_rslora") else r)
+    weights = {}
+    try:
+        with safe_open(weights_path, "pt") as f:
+            for where, pair in wanted.items():
+                a, b = f.get_tensor(pair["A"]).float(), f.get_tensor(pair["B"]).float()
+                weights[where] = (a.t().contiguous(), (b * scaling).t().contiguous())
+    except Exception as exc:  # changed under us since the check
+        raise AdapterError(f"LoRA adapter {path!r}: {os.path.basename(weights_path)} does not read: {exc}") from None
     return LoRAAdapter(path, r, weights)

@@ -21,13 +21,13 @@ FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",), "gat
 class LoRAModel:
     """A decoder model's adapter slots (module doc)."""
 
-    def __init__(self, model: torch.nn.Module, num_slots: int, max_rank: int, kernels=None,
+    def __init__(self, model: torch.nn.Module, num_slots: int, max_rank: int, device: torch.device, kernels=None,
                  segmented: bool = True) -> None:
         self.base: LoRABase = lora_base_of(model.config)
         if self.base.unsupported:
             raise ValueError(f"--enable-lora: this model carries no LoRA adapter: {self.base.unsupported}")
         self.num_slots, self.max_rank = num_slots, max_rank
-        self.device = device = model.embed_tokens.weight.device
+        self.device = device  # (not a weight's: a GGUF model's may sit on the meta device, their data elsewhere)
         self.step = LoRAStep(kernels, segmented)
         self.linears: list[dict[str, LoRALinear]] = []
         shapes = self.base.shapes

@@ -75,7 +75,7 @@ class ModelRunner:
             from conveyor.kernels import load_cpu_kernels
 
             kernels = load_cpu_kernels()
-        self.lora = LoRASlots(LoRAModel(self.model, max_loras, max_rank, kernels, segmented))
+        self.lora = LoRASlots(LoRAModel(self.model, max_loras, max_rank, self.device, kernels, segmented))
 
     def _allocate_kv(self, backend: str, info: ModelInfo) -> list[torch.Tensor]:
         """A model's per-layer caches over this runner's blocks, the null block (zeroed: a masked key's weight
