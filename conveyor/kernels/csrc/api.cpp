@@ -58,7 +58,7 @@ const char* cvk_struct_layout(int which) {
       CVK_FIELD(CvkAttnArgs, window),
       CVK_FIELD(CvkAttnArgs, dtype), CVK_FIELD(CvkAttnArgs, num_reqs),
       CVK_FIELD(CvkAttnArgs, H), CVK_FIELD(CvkAttnArgs, KVH), CVK_FIELD(CvkAttnArgs, D), CVK_FIELD(CvkAttnArgs, bs),
-      CVK_FIELD(CvkAttnArgs, num_threads), CVK_FIELD(CvkAttnArgs, scale)});
+      CVK_FIELD(CvkAttnArgs, num_threads), CVK_FIELD(CvkAttnArgs, scale), CVK_FIELD(CvkAttnArgs, kv_dtype)});
   static const std::string stack = layout<CvkLayerStackArgs>({
       CVK_FIELD(CvkLayerStackArgs, fields), CVK_FIELD(CvkLayerStackArgs, x), CVK_FIELD(CvkLayerStackArgs, residual),
       CVK_FIELD(CvkLayerStackArgs, h), CVK_FIELD(CvkLayerStackArgs, qkv), CVK_FIELD(CvkLayerStackArgs, attn),
@@ -77,7 +77,8 @@ const char* cvk_struct_layout(int which) {
       CVK_FIELD(CvkLayerStackArgs, eps), CVK_FIELD(CvkLayerStackArgs, quantized),
       CVK_FIELD(CvkLayerStackArgs, moe_scratch), CVK_FIELD(CvkLayerStackArgs, moe_scratch_bytes),
       CVK_FIELD(CvkLayerStackArgs, moe_inter), CVK_FIELD(CvkLayerStackArgs, E), CVK_FIELD(CvkLayerStackArgs, top_k),
-      CVK_FIELD(CvkLayerStackArgs, norm_topk_prob), CVK_FIELD(CvkLayerStackArgs, qk_norm_across_heads)});
+      CVK_FIELD(CvkLayerStackArgs, norm_topk_prob), CVK_FIELD(CvkLayerStackArgs, qk_norm_across_heads),
+      CVK_FIELD(CvkLayerStackArgs, kv_dtype)});
   static const std::string qweight = layout<CvkQuantWeight>({
       CVK_FIELD(CvkQuantWeight, qs), CVK_FIELD(CvkQuantWeight, scale), CVK_FIELD(CvkQuantWeight, offset),
       CVK_FIELD(CvkQuantWeight, N), CVK_FIELD(CvkQuantWeight, K), CVK_FIELD(CvkQuantWeight, KP),

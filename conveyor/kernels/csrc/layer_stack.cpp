@@ -101,6 +101,7 @@ int llama_layers(const CvkLayerStackArgs& s) {
   base.bs = s.bs;
   base.num_threads = num_threads;
   base.scale = s.scale;
+  base.kv_dtype = s.kv_dtype;
   void* own_plan = nullptr;
   if (base.plan == nullptr && s.num_reqs > 0) {
     const int64_t bytes = attention_plan_bytes(base);
