@@ -84,6 +84,17 @@ inline void load_kv_row(const C* src, int dv, float* dst) {
   }
 }
 
+// An int8 row's values as float32, unscaled, and its scale: the decode loop multiplies the scale into each key's
+// score and each value's probability instead of into every element.
+inline void load_kv_values(const int8_t* src, int dv, float* dst) {
+  for (int d = 0; d < dv; d++) V::load(src + d * W).store(dst + d * W);
+}
+inline float kv_row_scale(const int8_t* src, int dv) {
+  float scale;
+  memcpy(&scale, src + dv * W, sizeof(float));
+  return scale;
+}
+
 // One head's row x of D = dv * W values (the step's dtype T) into a cache row of type C: copied, or quantized to
 // int8 with its scale (cvk.h's CVK_KV_INT8: scale = max |x| / 127, q = round-half-even(x / scale), a division so
 // that a torch reference computes the same integers).

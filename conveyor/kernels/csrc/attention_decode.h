@@ -34,6 +34,11 @@ void attend_one_query(const AttnArgs& a, const Item& it) {
   alignas(64) float S[MAX_QROWS * KP];
   alignas(64) uint16_t Pb[kDpbf16 ? MAX_QROWS * KP : 1];
   alignas(64) float kbuf[kConvert ? KC * DM : 1];
+  // int8 rows: the chunk's key and value scales (0 past the chunk's keys), folded into the scores and the
+  // probabilities (q.k * ks_j, p_j * vs_j) rather than into every element
+  constexpr bool kInt8 = sizeof(C) == 1;
+  alignas(64) float ks[kInt8 ? KP : 1];
+  alignas(64) float vs[kInt8 ? KP : 1];
   alignas(64) float vbuf[kConvert ? KC * DM : 1];
   float m[MAX_QROWS], l[MAX_QROWS];
   const C* kbase[KP];
@@ -92,9 +97,16 @@ void attend_one_query(const AttnArgs& a, const Item& it) {
         scores_bf16<DV>(reinterpret_cast<const uint16_t*>(qrow) + r0 * D, D, G, kh, KP, a.scale, s0, KP, pfc);
       } else {
         for (int j = 0; j < KP; j++) {
-          if (j >= nk) krow[j] = kZeros;
-          else if constexpr (sizeof(C) == 4) krow[j] = reinterpret_cast<const float*>(kbase[j] + h * hstride);
-          else {
+          if (j >= nk) {
+            krow[j] = kZeros;
+            if constexpr (kInt8) ks[j] = 0.f;
+          } else if constexpr (sizeof(C) == 4) {
+            krow[j] = reinterpret_cast<const float*>(kbase[j] + h * hstride);
+          } else if constexpr (kInt8) {
+            load_kv_values(kbase[j] + h * hstride, dv, kbuf + j * D);
+            ks[j] = kv_row_scale(kbase[j] + h * hstride, dv);
+            krow[j] = kbuf + j * D;
+          } else {
             load_kv_row(kbase[j] + h * hstride, dv, kbuf + j * D);
             krow[j] = kbuf + j * D;
           }
@@ -109,7 +121,8 @@ void attend_one_query(const AttnArgs& a, const Item& it) {
               for (int d = 0; d < dv; d++) acc[u] = V::fma(qr[d], V::load(krow[jg + u] + d * W), acc[u]);
               pfc.step();
             }
-            V::hsum_lanes(acc).store(S + r * KP + jg);
+            if constexpr (kInt8) (V::hsum_lanes(acc) * V::load(ks + jg)).store(S + r * KP + jg);
+            else V::hsum_lanes(acc).store(S + r * KP + jg);
           }
         }
       }
@@ -144,11 +157,21 @@ void attend_one_query(const AttnArgs& a, const Item& it) {
         pfc.flush();
       } else {
         for (int j = 0; j < nk; j++) {
-          if constexpr (sizeof(C) == 4) vrow[j] = reinterpret_cast<const float*>(vbase[j] + h * hstride);
-          else {
+          if constexpr (sizeof(C) == 4) {
+            vrow[j] = reinterpret_cast<const float*>(vbase[j] + h * hstride);
+          } else if constexpr (kInt8) {
+            load_kv_values(vbase[j] + h * hstride, dv, vbuf + j * D);
+            vs[j] = kv_row_scale(vbase[j] + h * hstride, dv);
+            vrow[j] = vbuf + j * D;
+          } else {
             load_kv_row(vbase[j] + h * hstride, dv, vbuf + j * D);
             vrow[j] = vbuf + j * D;
           }
+        }
+        if constexpr (kInt8) {  // p_j * vs_j: the probabilities were kept (mass) and summed (l) above
+          for (int j = nk; j < KP; j++) vs[j] = 0.f;
+          for (int r = r0; r < r0 + G; r++)
+            for (int j = 0; j < KP; j += W) (V::load(S + r * KP + j) * V::load(vs + j)).store(S + r * KP + j);
         }
         pv_all<DV>(s0, 1, KP, G, vrow, nk, O + r0 * D, dv, &pfc);
         pfc.flush();
