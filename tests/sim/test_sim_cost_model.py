@@ -64,7 +64,7 @@ def test_an_int8_kv_cache_is_a_byte_a_value_plus_a_scale_per_row():
     shape = StepShape(rows=[(1, 5)], num_sampled=1)
     int8 = RooflineCostModel(TOY, UNIT, kv_cache_dtype="int8")
     assert int8.kv_bytes_per_token() == 2 * 2 * 1 * (4 + 4)  # K and V, 2 layers, 1 KV head: 4 values + scale
-    assert int8.op_counts(shape).decode_attn_bytes == 6 * int8.kv_bytes_per_token()
+    assert int8.op_counts(shape).decode_attn.bytes == 6 * int8.kv_bytes_per_token()
     llama = get_model_spec("llama-3-8b")  # head_dim 128: 132 bytes a row against bfloat16's 256
     ratio = RooflineCostModel(llama, UNIT).kv_bytes_per_token() / \
         RooflineCostModel(llama, UNIT, kv_cache_dtype="int8").kv_bytes_per_token()
