@@ -17,6 +17,7 @@ from conveyor.bench.serve_client import ServeBenchConfig, first_model, run_bench
 from conveyor.bench.workload import Workload, WorkloadRequest
 
 TOKEN_COUNTERS = ("conveyor:generation_tokens_total", "vllm:generation_tokens_total")
+SLO_REFUSED = "slo_unattainable"  # the error code of SLO-aware admission's refusals
 BATCH_START_S = 2.0  # how long the batch runs alone before the interactive stream starts (its slots fill)
 
 
@@ -65,7 +66,10 @@ async def run_http(ns: argparse.Namespace, traffic: MixedTraffic, mode: str) -> 
         done = batch.done
     refusals = [t.finished - t.arrival for t in timings if t.error and t.error.startswith("HTTP 429")
                 and t.finished is not None]
-    return result_of(mode, timings, window, int(tokens), traffic.slo_ms, refusals, done, prediction_error(samples))
+    # judged again while waiting and refused: its stream had started, so the refusal came in it
+    refused_waiting = sum(1 for t in timings if t.error and t.error.startswith(f"stream error ({SLO_REFUSED})"))
+    return result_of(mode, timings, window, int(tokens), traffic.slo_ms, refusals, done, prediction_error(samples),
+                     refused_waiting)
 
 
 def _with_params(workload: Workload, service_tier: str | None) -> Workload:
@@ -77,13 +81,15 @@ def _with_params(workload: Workload, service_tier: str | None) -> Workload:
 
 
 def prediction_error(samples: dict[str, float]) -> dict:
-    """The server's TTFT prediction error quantiles (SLO-aware admission), when it reports them."""
+    """The server's TTFT and TPOT prediction error quantiles (SLO-aware admission), when it reports them:
+    ``ttft_abs_error_s_p50``, ``ttft_measured_over_predicted_p90``, ``tpot_...``."""
     out = {}
-    for name, key in (("conveyor:slo_ttft_prediction_abs_error_seconds", "abs_error_s"),
-                      ("conveyor:slo_ttft_prediction_ratio", "measured_over_predicted")):
-        for q in ("0.5", "0.9"):
-            if (value := samples.get(f"{name}|quantile={q}")) is not None:
-                out[f"{key}_p{int(float(q) * 100)}"] = value
+    for what in ("ttft", "tpot"):
+        for name, key in ((f"conveyor:slo_{what}_prediction_abs_error_seconds", "abs_error_s"),
+                          (f"conveyor:slo_{what}_prediction_ratio", "measured_over_predicted")):
+            for q in ("0.5", "0.9"):
+                if (value := samples.get(f"{name}|quantile={q}")) is not None:
+                    out[f"{what}_{key}_p{int(float(q) * 100)}"] = value
     return out
 
 

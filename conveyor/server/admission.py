@@ -38,7 +38,7 @@ from conveyor.server.errors import APIError, bad_request
 logger = logging.getLogger("conveyor.server")
 
 RECHECK_EVERY_S = 0.05  # how often waiting requests are judged again (at most; on the engine's steps)
-ERROR_WINDOW = 2000  # the last finished requests the prediction error is reported over
+ERROR_WINDOW = 2000  # the last finished requests the prediction errors are reported over
 # The prediction's TTFT is scaled by the median measured / predicted ratio of the last CALIBRATION_WINDOW finished
 # requests (once CALIBRATION_MIN have finished), within CALIBRATION_BOUNDS: what the first-order model leaves out
 # (attention over long contexts, prefix hits, the server's own time) is this deployment's, and mostly a factor.
@@ -112,6 +112,7 @@ class _Tracked:
     service: ServiceClass
     max_tokens: int
     predicted_ttft: tuple[float, float] | None  # (the model's, calibrated) at admission
+    predicted_tpot: float | None = None
 
 
 class AdmissionController:
@@ -124,6 +125,7 @@ class AdmissionController:
         self._lock = threading.Lock()
         self._tracked: dict[str, _Tracked] = {}
         self._errors: deque[tuple[float, float]] = deque(maxlen=ERROR_WINDOW)  # (predicted, measured) TTFT
+        self._tpot_errors: deque[tuple[float, float]] = deque(maxlen=ERROR_WINDOW)  # (predicted, measured) TPOT
         self._raw: deque[tuple[float, float]] = deque(maxlen=CALIBRATION_WINDOW)  # (the model's, measured)
         self._last_recheck = 0.0
         self._engine: ServedEngine | None = None
@@ -170,7 +172,8 @@ class AdmissionController:
             for i, length in enumerate(prompt_lengths):
                 self._tracked[f"{request_id}-{i}"] = _Tracked(
                     InFlight(runs_at, now, length, max_tokens), service, max_tokens,
-                    (raw.ttft_s, prediction.ttft_s) if prediction else None)
+                    (raw.ttft_s, prediction.ttft_s) if prediction else None,
+                    prediction.tpot_s if prediction else None)
         self.decisions.labels(service.name, "admitted").inc()
         return Admitted(service, runs_at, prediction)
 
@@ -217,14 +220,16 @@ class AdmissionController:
         ttft = out.metrics.ttft
         if ttft is None or any(c.finish_reason == "abort" for c in out.outputs):
             return
+        times = out.outputs[0].token_times
+        tpot = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None
         if tracked.predicted_ttft is not None:
             raw, calibrated = tracked.predicted_ttft
             with self._lock:
                 self._errors.append((calibrated, ttft))
                 self._raw.append((raw, ttft))
+                if tracked.predicted_tpot is not None and tpot is not None:
+                    self._tpot_errors.append((tracked.predicted_tpot, tpot))
         if tracked.service.has_targets:
-            times = out.outputs[0].token_times
-            tpot = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None
             self.outcomes.labels(tracked.service.name, "met" if tracked.service.meets(ttft, tpot) else "missed").inc()
 
     def _recheck_waiting(self, now: float) -> None:
@@ -273,8 +278,14 @@ class AdmissionController:
         return Prediction(waited + p.ttft_s * scale, p.tpot_s)
 
     def prediction_errors(self) -> list[tuple[float, float]]:
+        """(predicted, measured) TTFT of the last finished requests that were predicted."""
         with self._lock:
             return list(self._errors)
+
+    def tpot_prediction_errors(self) -> list[tuple[float, float]]:
+        """(predicted, measured) TPOT of the last finished requests that were predicted and wrote two tokens."""
+        with self._lock:
+            return list(self._tpot_errors)
 
 
 def _prepared(prompt, info: EngineInfo) -> dict:
@@ -305,28 +316,30 @@ def _refusal(service: ServiceClass, p: Prediction, waited: float | None = None) 
 
 
 class _PredictionError:
-    """Quantiles of the TTFT prediction's error over the last finished requests: the absolute error in seconds and
-    the measured / predicted ratio."""
+    """Quantiles of the TTFT and TPOT predictions' errors over the last finished requests: the absolute error in
+    seconds and the measured / predicted ratio."""
 
     def __init__(self, controller: AdmissionController) -> None:
         self.controller = controller
 
     def collect(self):
-        pairs = self.controller.prediction_errors()
-        absolute = GaugeMetricFamily("conveyor:slo_ttft_prediction_abs_error_seconds",
-                                     "|measured - predicted| TTFT over the last finished requests, by quantile.",
-                                     labels=["quantile"])
-        ratio = GaugeMetricFamily("conveyor:slo_ttft_prediction_ratio", "measured / predicted TTFT over the last "
-                                  "finished requests, by quantile.", labels=["quantile"])
-        if pairs:
-            errors = sorted(abs(m - p) for p, m in pairs)
-            ratios = sorted(m / p for p, m in pairs if p > 0)
-            for q in (0.5, 0.9):
-                absolute.add_metric([str(q)], _quantile(errors, q))
-                if ratios:
-                    ratio.add_metric([str(q)], _quantile(ratios, q))
-        yield absolute
-        yield ratio
+        for what, pairs in (("ttft", self.controller.prediction_errors()),
+                            ("tpot", self.controller.tpot_prediction_errors())):
+            absolute = GaugeMetricFamily(f"conveyor:slo_{what}_prediction_abs_error_seconds",
+                                         f"|measured - predicted| {what.upper()} over the last finished requests, "
+                                         "by quantile.", labels=["quantile"])
+            ratio = GaugeMetricFamily(f"conveyor:slo_{what}_prediction_ratio", f"measured / predicted "
+                                      f"{what.upper()} over the last finished requests, by quantile.",
+                                      labels=["quantile"])
+            if pairs:
+                errors = sorted(abs(m - p) for p, m in pairs)
+                ratios = sorted(m / p for p, m in pairs if p > 0)
+                for q in (0.5, 0.9):
+                    absolute.add_metric([str(q)], _quantile(errors, q))
+                    if ratios:
+                        ratio.add_metric([str(q)], _quantile(ratios, q))
+            yield absolute
+            yield ratio
 
 
 def _quantile(ordered: list[float], q: float) -> float:
