@@ -54,6 +54,7 @@ class MixedResult:
     batch_done: int = 0  # batch requests finished in the window (offline: in all)
     prediction: dict = field(default_factory=dict)  # TTFT / TPOT prediction error (SLO-aware admission), when known
     refused_waiting: int = 0  # refused after admission, while waiting (an in-stream error: its stream had started)
+    server_refusal: dict = field(default_factory=dict)  # the server's own time to refuse, when it reports it
 
     @property
     def output_throughput(self) -> float:
@@ -76,12 +77,12 @@ def _range(text: str) -> tuple[int, int]:
 
 def result_of(mode: str, timings: list[RequestTiming], window_s: float, output_tokens: int, slo_ms: dict,
               refusal_s: list[float], batch_done: int, prediction: dict | None = None,
-              refused_waiting: int = 0) -> MixedResult:
+              refused_waiting: int = 0, server_refusal: dict | None = None) -> MixedResult:
     summary = summarize(timings, window_s, slo_ms or None).to_dict()
     if slo_ms:  # goodput counts every interactive request that was sent: a refused one did not meet it
         summary["goodput"] = summary["goodput"] or 0.0
     return MixedResult(mode, window_s, summary, output_tokens, len(refusal_s), asdict(LatencyStats.of(refusal_s)),
-                       batch_done, prediction or {}, refused_waiting)
+                       batch_done, prediction or {}, refused_waiting, server_refusal or {})
 
 
 def format_rows(results: list[MixedResult]) -> str:

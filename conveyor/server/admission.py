@@ -21,7 +21,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
 from conveyor.core.admission import (
@@ -135,6 +135,10 @@ class AdmissionController:
                                  ["service_class", "decision"], registry=registry)
         self.outcomes = Counter("conveyor:slo_finished_requests", "Finished requests of classes with targets, by "
                                 "whether they met them.", ["service_class", "slo"], registry=registry)
+        self.decision_time = Histogram("conveyor:slo_admission_decision_seconds", "Time from a request's admission "
+                                       "check starting (before its prompt is tokenized) to its decision, by decision "
+                                       "(admitted, refused).", ["decision"], registry=registry,
+                                       buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0))
         registry.register(_PredictionError(self))
 
     def attach(self, engine: ServedEngine) -> None:
@@ -182,11 +186,17 @@ class AdmissionController:
         """``admit`` a request about to be submitted: its prompts made and tokenized first (off the event loop,
         by ``tokenizer_call``, as its add would), so that the decision knows their lengths and needs no engine
         round trip; the prompts as made, and the params at the priority it runs at. Raises SLORefusedError."""
+        start = time.monotonic()
         prepared = await tokenizer_call(lambda info: [_prepared(p, info) for p in prompts])
         lengths = [len(p["prompt_token_ids"]) for p in prepared]
         first = each[0]
         max_tokens = first.max_tokens or max(max_model_len - max(lengths), 1)
-        admitted = self.admit(request_id, lengths, max_tokens, first.priority, tier)
+        try:
+            admitted = self.admit(request_id, lengths, max_tokens, first.priority, tier)
+        except SLORefusedError:
+            self.decision_time.labels("refused").observe(time.monotonic() - start)
+            raise
+        self.decision_time.labels("admitted").observe(time.monotonic() - start)
         if admitted.priority != first.priority:
             each = [dataclasses.replace(p, priority=admitted.priority) for p in each]
         return [lambda _, p=p: p for p in prepared], each

@@ -14,6 +14,7 @@ import pytest
 
 from prometheus_client import CollectorRegistry
 
+from conveyor.bench.mixed_http import scrape, server_refusal_time
 from conveyor.core.admission import EngineShape, OnlineStepTime, ServiceClass
 from conveyor.server.admission import AdmissionController, ServiceClasses, SLORefusedError
 from conveyor.server.app import build_app
@@ -70,6 +71,17 @@ def test_refused_at_once_demoted_when_allowed_and_counted_per_class(server):
     assert counter(server, "conveyor:slo_finished_requests_total", service_class="loose", slo="met") == 2
     text = httpx.get(server + "/metrics").text
     assert 'conveyor:slo_ttft_prediction_abs_error_seconds{quantile="0.9"}' in text
+    # the server's own time to each decision, as `bench mixed` reads it
+    assert counter(server, "conveyor:slo_admission_decision_seconds_count", decision="admitted") == 3
+    samples = asyncio.run(_scrape(server))
+    refusals = server_refusal_time({}, samples)
+    assert refusals["server_refused"] == 4 and 0 <= refusals["server_refused_within_50ms"] <= 4
+    assert 0 < refusals["server_refusal_s_p50_at_most"] <= refusals["server_refusal_s_p99_at_most"]
+
+
+async def _scrape(url: str) -> dict[str, float]:
+    async with httpx.AsyncClient(base_url=url) as client:
+        return await scrape(client)
 
 
 def test_a_waiting_request_that_can_no_longer_meet_its_target_is_refused(tiny_chat_dir):
