@@ -39,9 +39,11 @@ logger = logging.getLogger("conveyor.server")
 
 RECHECK_EVERY_S = 0.05  # how often waiting requests are judged again (at most; on the engine's steps)
 ERROR_WINDOW = 2000  # the last finished requests the prediction errors are reported over
-# The prediction's TTFT is scaled by the median measured / predicted ratio of the last CALIBRATION_WINDOW finished
-# requests (once CALIBRATION_MIN have finished), within CALIBRATION_BOUNDS: what the first-order model leaves out
-# (attention over long contexts, prefix hits, the server's own time) is this deployment's, and mostly a factor.
+# The prediction's TTFT and TPOT are each scaled by the median measured / predicted ratio of the last
+# CALIBRATION_WINDOW finished requests (once CALIBRATION_MIN have finished), within CALIBRATION_BOUNDS: what the
+# first-order model leaves out (attention over long contexts, prefix hits, the server's own time, the time between
+# steps, the prompts that arrive after a request and share its decode steps) is this deployment's, and mostly a
+# factor.
 CALIBRATION_WINDOW, CALIBRATION_MIN, CALIBRATION_BOUNDS = 200, 20, (0.5, 4.0)
 
 
@@ -112,7 +114,7 @@ class _Tracked:
     service: ServiceClass
     max_tokens: int
     predicted_ttft: tuple[float, float] | None  # (the model's, calibrated) at admission
-    predicted_tpot: float | None = None
+    predicted_tpot: tuple[float, float] | None = None  # (the model's, calibrated); None: one token, no TPOT
 
 
 class AdmissionController:
@@ -126,7 +128,8 @@ class AdmissionController:
         self._tracked: dict[str, _Tracked] = {}
         self._errors: deque[tuple[float, float]] = deque(maxlen=ERROR_WINDOW)  # (predicted, measured) TTFT
         self._tpot_errors: deque[tuple[float, float]] = deque(maxlen=ERROR_WINDOW)  # (predicted, measured) TPOT
-        self._raw: deque[tuple[float, float]] = deque(maxlen=CALIBRATION_WINDOW)  # (the model's, measured)
+        self._raw: deque[tuple[float, float]] = deque(maxlen=CALIBRATION_WINDOW)  # (the model's, measured) TTFT
+        self._raw_tpot: deque[tuple[float, float]] = deque(maxlen=CALIBRATION_WINDOW)  # (the model's, measured)
         self._last_recheck = 0.0
         self._engine: ServedEngine | None = None
         self._loop: asyncio.AbstractEventLoop | None = None  # the server's, where a refusal is delivered
@@ -177,7 +180,7 @@ class AdmissionController:
                 self._tracked[f"{request_id}-{i}"] = _Tracked(
                     InFlight(runs_at, now, length, max_tokens), service, max_tokens,
                     (raw.ttft_s, prediction.ttft_s) if prediction else None,
-                    prediction.tpot_s if prediction else None)
+                    (raw.tpot_s, prediction.tpot_s) if prediction and prediction.tpot_s is not None else None)
         self.decisions.labels(service.name, "admitted").inc()
         return Admitted(service, runs_at, prediction)
 
@@ -238,7 +241,9 @@ class AdmissionController:
                 self._errors.append((calibrated, ttft))
                 self._raw.append((raw, ttft))
                 if tracked.predicted_tpot is not None and tpot is not None:
-                    self._tpot_errors.append((tracked.predicted_tpot, tpot))
+                    raw_tpot, calibrated_tpot = tracked.predicted_tpot
+                    self._tpot_errors.append((calibrated_tpot, tpot))
+                    self._raw_tpot.append((raw_tpot, tpot))
         if tracked.service.has_targets:
             self.outcomes.labels(tracked.service.name, "met" if tracked.service.meets(ttft, tpot) else "missed").inc()
 
@@ -275,17 +280,13 @@ class AdmissionController:
         return refused
 
     def _calibrated(self, p: Prediction | None, waited: float = 0.0) -> Prediction | None:
-        """``p`` (a TTFT from now) with its TTFT scaled by the measured / predicted ratio this server has seen,
-        plus what the request already ``waited``."""
+        """``p`` (a TTFT from now) with its TTFT and TPOT each scaled by the measured / predicted ratio this
+        server has seen, plus what the request already ``waited``."""
         if p is None:
             return None
         with self._lock:
-            ratios = sorted(m / q for q, m in self._raw if q > 0)
-        scale = 1.0
-        if len(ratios) >= CALIBRATION_MIN:
-            low, high = CALIBRATION_BOUNDS
-            scale = min(max(ratios[len(ratios) // 2], low), high)
-        return Prediction(waited + p.ttft_s * scale, p.tpot_s)
+            ttft_scale, tpot_scale = _scale(self._raw), _scale(self._raw_tpot)
+        return Prediction(waited + p.ttft_s * ttft_scale, None if p.tpot_s is None else p.tpot_s * tpot_scale)
 
     def prediction_errors(self) -> list[tuple[float, float]]:
         """(predicted, measured) TTFT of the last finished requests that were predicted."""
@@ -296,6 +297,15 @@ class AdmissionController:
         """(predicted, measured) TPOT of the last finished requests that were predicted and wrote two tokens."""
         with self._lock:
             return list(self._tpot_errors)
+
+
+def _scale(pairs: deque[tuple[float, float]]) -> float:
+    """The median measured / predicted ratio of ``pairs`` within CALIBRATION_BOUNDS; 1 until CALIBRATION_MIN."""
+    ratios = sorted(m / q for q, m in pairs if q > 0)
+    if len(ratios) < CALIBRATION_MIN:
+        return 1.0
+    low, high = CALIBRATION_BOUNDS
+    return min(max(ratios[len(ratios) // 2], low), high)
 
 
 def _prepared(prompt, info: EngineInfo) -> dict:

@@ -115,18 +115,17 @@ def test_the_prediction_is_scaled_by_what_this_server_measured():
         return controller.admit(rid, [20], 2, 0, None)
 
     first = None
-    predicted_tpots = []
-    for i in range(20):  # every request took three times the model's TTFT
+    for i in range(20):  # every request took three times the model's TTFT, and twice its TPOT
         prediction = asyncio.run(admit(f"r{i}")).prediction
-        predicted, first = prediction.ttft_s, first or prediction.ttft_s
-        predicted_tpots.append(prediction.tpot_s)
-        assert predicted == pytest.approx(first), "until 20 finished, the model's own"
-        metrics = RequestMetrics(arrival_time=0.0, first_token_time=3 * predicted, finished_time=3 * predicted)
+        first = first or prediction
+        assert prediction == first, "until 20 finished, the model's own"
+        metrics = RequestMetrics(arrival_time=0.0, first_token_time=3 * first.ttft_s, finished_time=3 * first.ttft_s)
         controller.on_output(RequestOutput(f"r{i}-0", None, [1] * 20, [CompletionOutput(
-            0, "x", [5, 6], "length", token_times=[0.1, 0.2])], metrics, finished=True))
-    assert asyncio.run(admit("later")).prediction.ttft_s == pytest.approx(3 * first, rel=0.01)
-    # TPOT's error too: each wrote two tokens 0.1 s apart, against the TPOT predicted at its admission
-    assert controller.tpot_prediction_errors() == [(p, pytest.approx(0.1)) for p in predicted_tpots]
-    measured_over_predicted = sorted(0.1 / p for p in predicted_tpots)
-    assert registry.get_sample_value("conveyor:slo_tpot_prediction_ratio", {"quantile": "0.5"}) == pytest.approx(
-        measured_over_predicted[10])
+            0, "x", [5, 6], "length", token_times=[0.1, 0.1 + 2 * first.tpot_s])], metrics, finished=True))
+    later = asyncio.run(admit("later")).prediction
+    assert later.ttft_s == pytest.approx(3 * first.ttft_s, rel=0.01)
+    assert later.tpot_s == pytest.approx(2 * first.tpot_s, rel=0.01)
+    # the errors, predicted (as admission used it) against measured
+    assert controller.tpot_prediction_errors() == [(first.tpot_s, pytest.approx(2 * first.tpot_s))] * 20
+    assert registry.get_sample_value("conveyor:slo_tpot_prediction_ratio", {"quantile": "0.5"}) == pytest.approx(2)
+    assert registry.get_sample_value("conveyor:slo_ttft_prediction_ratio", {"quantile": "0.9"}) == pytest.approx(3)
