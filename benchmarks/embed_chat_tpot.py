@@ -9,7 +9,7 @@ in alternating rounds alone and beside closed-loop embedding clients.
 The chat requests are the first ``--num-requests`` of ``longtail_v1`` (``conveyor bench serve``'s client and
 metrics: TPOT as vLLM defines it), sent at ``--request-rate`` req/s (Poisson, the same seed every round). In the
 "with embeddings" rounds, ``--embed-clients`` clients post ``/v1/embeddings`` requests of ``--embed-batch`` passages
-of 20-400 tokens (``benchmarks/embed_throughput.py``'s) back to back for as long as the chat trace runs; their
+of 20-256 tokens (``benchmarks/embed_throughput.py``'s, up to the served limit) back to back for as long as the chat trace runs; their
 passages/s is printed. Prints TPOT p50 / p99 per round and the medians; report ``uptime`` beside them.
 """
 
@@ -29,6 +29,11 @@ from benchmarks.embed_throughput import make_passages, minilm_dir
 
 
 def start_server(chat_model: str, threads: int, port: int) -> subprocess.Popen:
+    try:
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)
+        raise SystemExit(f"something already serves port {port}: pass another --port")
+    except OSError:
+        pass  # free, as it should be
     cmd = [sys.executable, "-m", "conveyor", "serve", "--model", chat_model, "--embedding-model", minilm_dir(),
            "--embedding-served-model-name", "minilm", "--num-threads", str(threads), "--host", "127.0.0.1",
            "--port", str(port)]
@@ -55,7 +60,8 @@ async def embed_loop(base_url: str, passages: list[str], batch: int, stop: async
             chunk = [passages[(i + j) % len(passages)] for j in range(batch)]
             i += batch
             resp = await client.post("/v1/embeddings", json={"model": "minilm", "input": chunk})
-            resp.raise_for_status()
+            if resp.status_code != 200:
+                raise SystemExit(f"/v1/embeddings answered {resp.status_code}: {resp.text[:300]}")
             if not stop.is_set():  # a request that ends after the chat trace is not counted
                 done[0] += len(resp.json()["data"])
 
@@ -78,7 +84,7 @@ async def one_round(base_url: str, chat_model: str, workload, rate: float, embed
     s = summarize(timings, duration)
     if s.num_failed:
         raise SystemExit(f"{s.num_failed} chat request(s) failed: {next(t.error for t in timings if t.error)}")
-    return {"tpot_p50_ms": s.tpot.p50, "tpot_p99_ms": s.tpot.p99, "ttft_p50_ms": s.ttft.p50,
+    return {"tpot_p50_ms": s.tpot.p50 * 1000, "tpot_p99_ms": s.tpot.p99 * 1000, "ttft_p50_ms": s.ttft.p50 * 1000,
             "embed_passages_s": done[0] / elapsed}
 
 
@@ -99,7 +105,7 @@ def main() -> int:
 
     trace = load_workload("longtail_v1")
     workload = Workload(trace.name, trace.requests[:ns.num_requests], trace.seed)
-    passages = make_passages(load_tokenizer(minilm_dir()), 512, 20, 400)
+    passages = make_passages(load_tokenizer(minilm_dir()), 512, 20, 256)  # the server's limit: MiniLM's 256
     server = start_server(ns.chat_model, ns.threads, ns.port)
     base_url = f"http://127.0.0.1:{ns.port}"
     print(f"chat: {ns.chat_model}, {len(workload.requests)} requests of longtail_v1 at {ns.request_rate:g} req/s; "
