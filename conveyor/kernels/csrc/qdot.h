@@ -8,6 +8,7 @@
 #include <string.h>
 
 #include "cvk.h"
+#include "level.h"
 
 namespace cvk {
 
@@ -60,10 +61,8 @@ inline void prefetch_block(const uint8_t* qs, const S* scale, const S* offset, i
 
 }  // namespace cvk
 
-#if defined(CVK_AVX512) || defined(CVK_AVX512BF16)
+#if CVK_AVX512_LANES
 #include "qdot_avx512.h"
-#elif defined(CVK_AVX2)
-#include "qdot_avx2.h"
 #else
-#error "compile with one of CVK_AVX512BF16, CVK_AVX512, CVK_AVX2"
+#include "qdot_avx2.h"
 #endif
