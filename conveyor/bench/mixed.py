@@ -55,6 +55,7 @@ class MixedResult:
     prediction: dict = field(default_factory=dict)  # TTFT / TPOT prediction error (SLO-aware admission), when known
     refused_waiting: int = 0  # refused after admission, while waiting (an in-stream error: its stream had started)
     server_refusal: dict = field(default_factory=dict)  # the server's own time to refuse, when it reports it
+    ttfts: list = field(default_factory=list)  # per interactive request, in sending order: [sent at s, TTFT s | None]
 
     @property
     def output_throughput(self) -> float:
@@ -81,8 +82,10 @@ def result_of(mode: str, timings: list[RequestTiming], window_s: float, output_t
     summary = summarize(timings, window_s, slo_ms or None).to_dict()
     if slo_ms:  # goodput counts every interactive request that was sent: a refused one did not meet it
         summary["goodput"] = summary["goodput"] or 0.0
+    ttfts = sorted([round(t.arrival, 3), None if t.first_token is None else round(t.first_token - t.arrival, 3)]
+                   for t in timings)
     return MixedResult(mode, window_s, summary, output_tokens, len(refusal_s), asdict(LatencyStats.of(refusal_s)),
-                       batch_done, prediction or {}, refused_waiting, server_refusal or {})
+                       batch_done, prediction or {}, refused_waiting, server_refusal or {}, ttfts)
 
 
 def format_rows(results: list[MixedResult]) -> str:

@@ -80,3 +80,5 @@ def test_every_mode_over_http_against_a_real_server(tiny_chat_dir, tmp_path):
     for mode in ("alone", "batch-api", "fcfs", "low-priority"):
         assert results[mode]["interactive"]["num_completed"] == 6, results[mode]
         assert results[mode]["interactive"]["goodput"] > 0
+        sent, ttfts = zip(*results[mode]["ttfts"])  # per request, in sending order
+        assert len(ttfts) == 6 and list(sent) == sorted(sent) and all(t is not None and t > 0 for t in ttfts)
