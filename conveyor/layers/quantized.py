@@ -1,5 +1,5 @@
 """Linear layers on quantized weights: GGUF blocks kept as they are stored (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K,
-Q5_K) and int8 computed at load from a float checkpoint, run by the native integer-dot-product GEMM
+Q5_K, Q6_K) and int8 computed at load from a float checkpoint, run by the native integer-dot-product GEMM
 (kernels/csrc/gemm_quant.cpp).
 
 Every supported format is one of two layouts (csrc/cvk.h's ``CvkQuantWeight``): per block of 32 values along
@@ -11,7 +11,11 @@ scale, per block), and as float32 otherwise (K-quants' f16 x 6-bit products and 
 there). Where every offset is q's middle times the scale (-128 x for 8-bit q, -8 x for 4-bit: Q8_0, Q4_0, int8)
 no offsets are stored and the kernels compute them. So a decode step streams the file's bytes (Q4_1 0.625 a value,
 Q8_0 1.0625, Q4_0 0.5625) or close (Q4_K 0.75 against the file's 0.5625; int8 1.125).
-Q6_K (scales per 16 values) and the IQ types have no such form: they are dequantized at load as before.
+Q6_K, whose scales are per 16 values, has a layout of its own (``q6``, csrc/cvk.h's CVK_Q6, ``layers.q6k``): its
+6-bit q, int8 sub-scales and f16 super-scales as the file holds them (0.8203 bytes a value). A linear whose fused
+row parts came in layouts that cannot share one packed form (llama.cpp's Q4_K_M: Q4_K q and k, a Q6_K v) is a
+``QuantizedStack``: its parts packed apart, chained in one descriptor, one kernel call. The IQ types have no
+kernel: they are dequantized at load.
 
 ``QuantLinear`` picks per call: up to ``QUANT_INT_MAX_ROWS[dtype]`` rows the integer kernel (activations
 quantized per block to 15-bit integers, csrc/qdot.h); above, the weight is dequantized into a transient float
@@ -34,12 +38,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from conveyor.layers import q6k
+
 BLOCK = 32  # values per block along K
 GROUP = 16  # output columns per group in the packed layout
-KINDS = {"q4": 1, "q8": 2}  # csrc/cvk.h's CVK_Q4, CVK_Q8
+KINDS = {"q4": 1, "q8": 2, "q6": 3}  # csrc/cvk.h's CVK_Q4, CVK_Q8, CVK_Q6
 # Rows up to which the integer kernel runs, per activation dtype; above, dequantize + float GEMM (module doc).
 QUANT_INT_MAX_ROWS = {torch.float32: 1 << 30, torch.bfloat16: 128}
-GGUF_KERNEL_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K")
+GGUF_KERNEL_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 
 
 @dataclass
@@ -47,14 +53,21 @@ class QuantizedTensor:
     """A [N, K] weight quantized per block of 32 along K, in natural order: ``q`` uint8 [N, K] (unsigned: signed
     formats are stored as q + 128, their offset taking -128 * scale), ``scale`` and ``offset`` float32 [N, K / 32]
     (K rounded up), value = scale * q + offset. ``kind``: "q4" when every q fits 4 bits (packed two per byte),
-    else "q8". ``source``: the format it came from (Q4_1, int8, ...), for logs. ``pack()`` gives the kernels'
-    layout."""
+    "q8", or "q6" (Q6_K: blocks of 16, q in 0..63, offset -32 x scale, and ``super_scale`` [N, K / 256], of which
+    every scale is an int8 multiple). ``source``: the format it came from (Q4_1, int8, ...), for logs. ``pack()``
+    gives the kernels' layout."""
 
     kind: str
     q: torch.Tensor
     scale: torch.Tensor
     offset: torch.Tensor
     source: str
+    super_scale: torch.Tensor | None = None
+
+    @property
+    def block(self) -> int:
+        """Values per scale along K."""
+        return q6k.SUB if self.kind == "q6" else BLOCK
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -64,42 +77,55 @@ class QuantizedTensor:
         """The float weight [N, K], in torch: scale * q + offset per block."""
         n, k = self.shape
         nb = self.scale.shape[1]
-        q = torch.nn.functional.pad(self.q, (0, nb * BLOCK - k)).view(n, nb, BLOCK).to(torch.float32)
+        q = torch.nn.functional.pad(self.q, (0, nb * self.block - k)).view(n, nb, self.block).to(torch.float32)
         w = q * self.scale.unsqueeze(-1) + self.offset.unsqueeze(-1)
         return w.reshape(n, -1)[:, :k].to(dtype)
 
     def take_rows(self, index: torch.Tensor) -> QuantizedTensor:
         """Rows ``index`` (a permutation or a selection) as a new tensor."""
+        sup = None if self.super_scale is None else self.super_scale.index_select(0, index)
         return QuantizedTensor(self.kind, self.q.index_select(0, index), self.scale.index_select(0, index),
-                               self.offset.index_select(0, index), self.source)
+                               self.offset.index_select(0, index), self.source, sup)
 
     @staticmethod
-    def cat(parts: list[QuantizedTensor]) -> QuantizedTensor:
+    def cat(parts: list[QuantizedTensor]) -> QuantizedTensor | QuantizedStack:
         """The rows of ``parts`` stacked (the fused qkv / gate_up weights); all of one K. A 4-bit part fused with
-        an 8-bit one is held as 8-bit (its values unchanged)."""
+        an 8-bit one is held as 8-bit (its values unchanged); Q6_K parts beside others stay apart, in a
+        ``QuantizedStack`` (consecutive parts of one layout fused)."""
         first = parts[0]
         if any(p.shape[1] != first.shape[1] for p in parts):
             raise ValueError("cannot fuse quantized weights of different in_features")
+        runs: list[list[QuantizedTensor]] = []
+        for p in parts:
+            if runs and (runs[-1][0].kind == "q6") == (p.kind == "q6"):
+                runs[-1].append(p)
+            else:
+                runs.append([p])
+        if len(runs) > 1:
+            return QuantizedStack([QuantizedTensor.cat(run) for run in runs])
         if len(parts) == 1:
             return first
-        kind = "q4" if all(p.kind == "q4" for p in parts) else "q8"
+        kind = "q6" if first.kind == "q6" else "q4" if all(p.kind == "q4" for p in parts) else "q8"
         sources = "+".join(sorted({p.source for p in parts}))
+        sup = torch.cat([p.super_scale for p in parts]) if kind == "q6" else None
         return QuantizedTensor(kind, torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]),
-                               torch.cat([p.offset for p in parts]), sources)
+                               torch.cat([p.offset for p in parts]), sources, sup)
 
     @property
     def nbytes(self) -> int:
         """Bytes of the packed form (what the model holds)."""
         n, k = self.shape
         np_, kp = -(-n // GROUP) * GROUP, -(-k // BLOCK) * BLOCK
+        if self.kind == "q6":  # 6-bit q, an int8 per 16 values, an f16 per 256
+            return np_ * kp * 3 // 4 + np_ * kp // q6k.SUB + 2 * np_ * kp // q6k.SUPER
         scale_bytes = 2 if self.scales_fit_f16() else 4
         arrays = 1 if self.offset_is_mid() else 2
         return np_ * kp // (2 if self.kind == "q4" else 1) + arrays * scale_bytes * np_ * kp // BLOCK
 
     @property
     def mid(self) -> float:
-        """q's middle for this layout (csrc/qdot.h's kMidOffset): -8 for 4-bit q, -128 for 8-bit."""
-        return -8.0 if self.kind == "q4" else -128.0
+        """q's middle for this layout (csrc/qdot.h's kMidOffset): -8 for 4-bit q, -128 for 8-bit, -32 for Q6_K."""
+        return {"q4": -8.0, "q8": -128.0, "q6": -float(q6k.MID)}[self.kind]
 
     def offset_is_mid(self) -> bool:
         """Whether every offset is ``mid`` x its scale (symmetric formats: Q8_0, Q4_0, int8), so that the packed
@@ -119,7 +145,13 @@ class QuantizedTensor:
         """The kernels' layout (csrc/cvk.h's CvkQuantWeight): columns in groups of 16, 16 columns x 4 k per 64 bytes.
         ``scale_dtype``: torch.float16 or torch.float32 for the scales and offsets; None picks float16 where it is
         exact (``scales_fit_f16``). Either gives the same numbers. ``store_offsets``: False leaves out offsets
-        that are ``mid`` x the scale (``offset_is_mid``; None does where they are), True always stores them."""
+        that are ``mid`` x the scale (``offset_is_mid``; None does where they are), True always stores them.
+        A "q6" weight has one packing (``layers.q6k``): int8 sub-scales, f16 super-scales, no offsets."""
+        if self.kind == "q6":
+            if scale_dtype is not None or store_offsets:
+                raise ValueError("a Q6_K weight packs as int8 sub-scales and f16 super-scales, without offsets")
+            qs, sub, sup = q6k.pack(self.q, self.scale, self.super_scale, GROUP, BLOCK)
+            return PackedQuantWeight(self.kind, qs, sub, None, self.shape, self.source, super_scale=sup)
         if store_offsets is None:
             store_offsets = not self.offset_is_mid()
         elif not store_offsets and not self.offset_is_mid():
@@ -149,10 +181,42 @@ class QuantizedTensor:
 
 
 @dataclass
+class QuantizedStack:
+    """A weight's row parts held apart because their layouts cannot share one packed form (``QuantizedTensor.cat``:
+    a Q6_K attn_v after Q4_K q and k); packed as a chain (csrc/cvk.h's ``next``) that one kernel call computes."""
+
+    parts: list[QuantizedTensor]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return sum(p.shape[0] for p in self.parts), self.parts[0].shape[1]
+
+    @property
+    def source(self) -> str:
+        return "+".join(p.source for p in self.parts)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.cat([p.dequantize(dtype) for p in self.parts])
+
+    def pack(self) -> PackedQuantWeight:
+        packed = [p.pack() for p in self.parts]
+        for part, after in zip(packed, packed[1:]):
+            part.next = after
+        return packed[0]
+
+
+@dataclass
 class PackedQuantWeight:
     """A ``QuantizedTensor`` in the kernels' layout, with its ``QuantWeight`` descriptor (pointers into these
     tensors, which it keeps alive). ``scale`` and ``offset`` are float16 or float32 (``QuantizedTensor.pack``);
-    ``offset`` None: every offset is q's middle times the scale, computed by the kernels."""
+    ``offset`` None: every offset is q's middle times the scale, computed by the kernels. A "q6" weight's
+    ``scale`` holds its int8 sub-scales and ``super_scale`` its f16 ones. ``shape`` and ``source`` are this
+    part's; ``next`` the packed part holding the rows after it (a ``QuantizedStack``), whose outputs follow this
+    one's (``full_shape``, ``sources``, ``nbytes``: all parts')."""
 
     kind: str
     qs: torch.Tensor
@@ -160,23 +224,47 @@ class PackedQuantWeight:
     offset: torch.Tensor | None
     shape: tuple[int, int]
     source: str
+    super_scale: torch.Tensor | None = None
+    next: PackedQuantWeight | None = None
     _desc: object = field(default=None, repr=False, compare=False)
+
+    def chain(self) -> list[PackedQuantWeight]:
+        parts, p = [], self
+        while p is not None:
+            parts.append(p)
+            p = p.next
+        return parts
+
+    @property
+    def full_shape(self) -> tuple[int, int]:
+        return sum(p.shape[0] for p in self.chain()), self.shape[1]
+
+    @property
+    def sources(self) -> str:
+        return "+".join(p.source for p in self.chain())
 
     @property
     def padded_in(self) -> int:
-        return self.scale.shape[1] * BLOCK
+        return self.scale.shape[1] * (q6k.SUB if self.kind == "q6" else BLOCK)
+
+    @property
+    def part_nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.qs, self.scale, self.offset, self.super_scale)
+                   if t is not None)
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.qs, self.scale, self.offset) if t is not None)
+        return sum(p.part_nbytes for p in self.chain())
 
     def descriptor(self):
         if self._desc is None:
             from conveyor.kernels.cpu_ops import QuantWeight
 
+            after = 0 if self.next is None else ctypes.addressof(self.next.descriptor())
             self._desc = QuantWeight(qs=self.qs.data_ptr(), scale=self.scale.data_ptr(),
                                      offset=0 if self.offset is None else self.offset.data_ptr(),
-                                     N=self.shape[0], K=self.shape[1],
+                                     super_scale=0 if self.super_scale is None else self.super_scale.data_ptr(),
+                                     next=after, N=self.shape[0], K=self.shape[1],
                                      KP=self.padded_in, kind=KINDS[self.kind],
                                      scale_f16=int(self.scale.dtype == torch.float16))
         return self._desc
@@ -219,6 +307,12 @@ def from_gguf(raw: np.ndarray, qtype_name: str, shape: tuple[int, int]) -> Quant
     n, k = shape
     if qtype_name in ("Q4_K", "Q5_K"):
         return _from_kquant(raw, qtype_name, n, k)
+    if qtype_name == "Q6_K":
+        if k % q6k.SUPER:  # not a layout llama.cpp writes (its rows hold whole super-blocks)
+            return None
+        q, scale, sup = q6k.natural(raw, n, k)
+        t = torch.from_numpy
+        return QuantizedTensor("q6", t(np.ascontiguousarray(q)), t(scale), t(-q6k.MID * scale), qtype_name, t(sup))
     size = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24}[qtype_name]
     blocks = raw.reshape(-1, size)
     d = _f16(blocks, 0).reshape(n, -1)
@@ -279,13 +373,14 @@ class QuantLinear(nn.Module):
     """y = x @ W.T + b for a quantized W (module doc). ``weight`` is a meta parameter of the float shape (for
     parameter and FLOP counts); the data is ``quant``."""
 
-    def __init__(self, quant: QuantizedTensor | PackedQuantWeight, bias: torch.Tensor | None, kernels,
-                 dtype: torch.dtype) -> None:
+    def __init__(self, quant: QuantizedTensor | QuantizedStack | PackedQuantWeight, bias: torch.Tensor | None,
+                 kernels, dtype: torch.dtype) -> None:
         super().__init__()
-        self.out_features, self.in_features = quant.shape
-        self.quant = quant.pack() if isinstance(quant, QuantizedTensor) else quant
+        self.quant = quant if isinstance(quant, PackedQuantWeight) else quant.pack()
+        self.out_features, self.in_features = self.quant.full_shape
         self.kernels = kernels
-        self.weight = nn.Parameter(torch.empty(quant.shape, dtype=dtype, device="meta"), requires_grad=False)
+        self.weight = nn.Parameter(torch.empty(self.quant.full_shape, dtype=dtype, device="meta"),
+                                   requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias.detach().to(dtype).clone(), requires_grad=False)
         self.desc = self.quant.descriptor()
         self.max_rows = QUANT_INT_MAX_ROWS[dtype]
@@ -300,13 +395,14 @@ class QuantLinear(nn.Module):
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         """A transient float copy of the weight [N, K] (the compute-bound path's operand)."""
-        out = torch.empty(self.quant.shape, dtype=dtype)
+        out = torch.empty(self.quant.full_shape, dtype=dtype)
         self.kernels.quant_dequantize(self.desc, None, out)
         return out
 
     def extra_repr(self) -> str:
+        kinds = "+".join(p.kind for p in self.quant.chain())
         return (f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}, "
-                f"{self.quant.source} ({self.quant.kind})")
+                f"{self.quant.sources} ({kinds})")
 
 
 class QuantEmbedding(nn.Module):

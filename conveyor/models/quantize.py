@@ -98,7 +98,7 @@ def describe(done: list[str], model: nn.Module) -> str:
     float_linears = 0
     for module in model.modules():
         if isinstance(module, (QuantLinear, QuantEmbedding)):
-            sources[module.quant.source] += 1
+            sources[module.quant.sources] += 1
             packed[id(module.quant)] = module.quant.nbytes
         elif isinstance(module, nn.Linear) or type(module).__name__ == "PackedLinear":
             float_linears += 1

@@ -9,7 +9,7 @@
 
 #include <stdint.h>
 
-#define CVK_ABI_VERSION 11
+#define CVK_ABI_VERSION 12
 
 enum {
   CVK_OK = 0,
@@ -116,12 +116,23 @@ static_assert(sizeof(CvkLayerStackArgs) == 18 * 8 + 5 * 8 + 12 * 4 + 3 * 8 + 4 *
  * So one 64-byte load is 16 columns x 4 k, a VPDPBUSD against 4 broadcast activation bytes. Signed formats
  * (Q8_0, int8) are stored as q + 128 with the offset taking -128 * scale. Halves hold the formats whose scale and
  * offset are one f16 per block in the file (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1: the weight stream is then the file's
- * bytes, Q8_0 and Q4_0 storing no offsets); K-quants (f16 x 6-bit products) and int8 (max / 127) need float32. */
-enum { CVK_Q4 = 1, CVK_Q8 = 2 };
+ * bytes, Q8_0 and Q4_0 storing no offsets); K-quants (f16 x 6-bit products) and int8 (max / 127) need float32.
+ *   kind CVK_Q6 (Q6_K: value = super * sub * (q - 32), q 6-bit, one int8 sub-scale per 16 values along K and one
+ *                f16 super-scale per 256; KP a multiple of 256): qs uint8 [NP/16][KP/32][384]: bytes 0..255 q's
+ *                low 4 bits as CVK_Q4 lays them, then byte 256 + 64 v + 4 i + b holds bits 2t..2t+1 = q's high 2
+ *                bits of (column i, k = 32j + 4(4v + t) + b), t = 0..3; scale int8 [NP/16][KP/16][16] the
+ *                sub-scales; super_scale f16 [NP/16][KP/256][16]; offset NULL, scale_f16 0. The weight stream is
+ *                then the file's bytes (0.8203 a value).
+ * next: NULL, or the weight of the rows that follow this one's N (output columns N, N + 1, ...) with the same K
+ * and KP, in whatever kind: one linear whose row parts came in different types (a Q6_K attn_v after Q4_K q and
+ * k), computed by one call into one output. */
+enum { CVK_Q4 = 1, CVK_Q8 = 2, CVK_Q6 = 3 };
 typedef struct CvkQuantWeight {
   const void* qs;
   const void* scale;
   const void* offset;
+  const void* super_scale;
+  const struct CvkQuantWeight* next;
   int64_t N, K, KP;
   int32_t kind, scale_f16;
 } CvkQuantWeight;
@@ -160,7 +171,7 @@ enum { CVK_STRUCT_ATTN_ARGS = 0, CVK_STRUCT_LAYER_STACK_ARGS = 1, CVK_STRUCT_QUA
        CVK_STRUCT_QUANT_GEMM_ARGS = 3, CVK_STRUCT_MOE_ARGS = 4 }; /* cvk_struct_layout's `which` */
 
 #ifdef __cplusplus
-static_assert(sizeof(CvkQuantWeight) == 3 * 8 + 3 * 8 + 2 * 4, "CvkQuantWeight changed: bump CVK_ABI_VERSION");
+static_assert(sizeof(CvkQuantWeight) == 5 * 8 + 3 * 8 + 2 * 4, "CvkQuantWeight changed: bump CVK_ABI_VERSION");
 static_assert(sizeof(CvkQuantGemmArgs) == 5 * 8 + 4 * 8 + 2 * 4, "CvkQuantGemmArgs changed: bump CVK_ABI_VERSION");
 static_assert(sizeof(CvkMoeArgs) == 5 * 8 + 5 * 8 + 5 * 4 + 4, "CvkMoeArgs changed: bump CVK_ABI_VERSION");
 #endif
