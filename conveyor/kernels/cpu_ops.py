@@ -61,7 +61,7 @@ class QuantWeight(ctypes.Structure):
     """csrc/cvk.h's CvkQuantWeight (the layout of a quantized weight); checked against the library on load."""
 
     _fields_ = [("qs", _P), ("scale", _P), ("offset", _P), ("super_scale", _P), ("next", _P), ("N", _I64),
-                ("K", _I64), ("KP", _I64), ("kind", _I32), ("scale_f16", _I32)]
+                ("K", _I64), ("KP", _I64), ("kind", _I32), ("scale_format", _I32)]
 
 
 class QuantGemmArgs(ctypes.Structure):

@@ -11,7 +11,7 @@ scale, per block), and as float32 otherwise (K-quants' f16 x 6-bit products and 
 there). Where every offset is q's middle times the scale (-128 x for 8-bit q, -8 x for 4-bit: Q8_0, Q4_0, int8)
 no offsets are stored and the kernels compute them. So a decode step streams the file's bytes (Q4_1 0.625 a value,
 Q8_0 1.0625, Q4_0 0.5625) or close (Q4_K 0.75 against the file's 0.5625; int8 1.125).
-Q6_K, whose scales are per 16 values, has a layout of its own (``q6``, csrc/cvk.h's CVK_Q6, ``layers.q6k``): its
+Q6_K, whose scales are per 16 values, has a layout of its own (``q6``, csrc/cvk.h's CVK_Q6, ``layers.kquants``): its
 6-bit q, int8 sub-scales and f16 super-scales as the file holds them (0.8203 bytes a value). A linear whose fused
 row parts came in layouts that cannot share one packed form (llama.cpp's Q4_K_M: Q4_K q and k, a Q6_K v) is a
 ``QuantizedStack``: its parts packed apart, chained in one descriptor, one kernel call. The IQ types have no
@@ -38,14 +38,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from conveyor.layers import q6k
+from conveyor.layers import kquants
 
 BLOCK = 32  # values per block along K
 GROUP = 16  # output columns per group in the packed layout
 KINDS = {"q4": 1, "q8": 2, "q6": 3}  # csrc/cvk.h's CVK_Q4, CVK_Q8, CVK_Q6
+# csrc/cvk.h's CVK_SCALE_F32 / F16 / KQUANT, by the packed scales' dtype (Q6_K's int8 sub-scales: its own kind)
+SCALE_FORMATS = {torch.float32: 0, torch.float16: 1, torch.uint8: 2}
 # Rows up to which the integer kernel runs, per activation dtype; above, dequantize + float GEMM (module doc).
 QUANT_INT_MAX_ROWS = {torch.float32: 1 << 30, torch.bfloat16: 128}
-GGUF_KERNEL_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 
 
 @dataclass
@@ -54,8 +55,9 @@ class QuantizedTensor:
     formats are stored as q + 128, their offset taking -128 * scale), ``scale`` and ``offset`` float32 [N, K / 32]
     (K rounded up), value = scale * q + offset. ``kind``: "q4" when every q fits 4 bits (packed two per byte),
     "q8", or "q6" (Q6_K: blocks of 16, q in 0..63, offset -32 x scale, and ``super_scale`` [N, K / 256], of which
-    every scale is an int8 multiple). ``source``: the format it came from (Q4_1, int8, ...), for logs. ``pack()``
-    gives the kernels' layout."""
+    every scale is an int8 multiple). Q4_K / Q5_K carry ``super_scale`` [N, K / 256, 2] (d, dmin: every scale is
+    d times a byte, every offset -dmin times one). ``source``: the format it came from (Q4_1, int8, ...), for
+    logs. ``pack()`` gives the kernels' layout."""
 
     kind: str
     q: torch.Tensor
@@ -67,7 +69,7 @@ class QuantizedTensor:
     @property
     def block(self) -> int:
         """Values per scale along K."""
-        return q6k.SUB if self.kind == "q6" else BLOCK
+        return kquants.SUB if self.kind == "q6" else BLOCK
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -107,7 +109,8 @@ class QuantizedTensor:
             return first
         kind = "q6" if first.kind == "q6" else "q4" if all(p.kind == "q4" for p in parts) else "q8"
         sources = "+".join(sorted({p.source for p in parts}))
-        sup = torch.cat([p.super_scale for p in parts]) if kind == "q6" else None
+        supers = [p.super_scale for p in parts]
+        sup = torch.cat(supers) if all(t is not None and t.dim() == supers[0].dim() for t in supers) else None
         return QuantizedTensor(kind, torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]),
                                torch.cat([p.offset for p in parts]), sources, sup)
 
@@ -117,7 +120,9 @@ class QuantizedTensor:
         n, k = self.shape
         np_, kp = -(-n // GROUP) * GROUP, -(-k // BLOCK) * BLOCK
         if self.kind == "q6":  # 6-bit q, an int8 per 16 values, an f16 per 256
-            return np_ * kp * 3 // 4 + np_ * kp // q6k.SUB + 2 * np_ * kp // q6k.SUPER
+            return np_ * kp * 3 // 4 + np_ * kp // kquants.SUB + 2 * np_ * kp // kquants.SUPER
+        if self.super_scale is not None:  # Q4_K / Q5_K: a byte per sub-scale and minimum, d and dmin per 256
+            return np_ * kp // (2 if self.kind == "q4" else 1) + 2 * np_ * kp // BLOCK + 4 * np_ * kp // kquants.SUPER
         scale_bytes = 2 if self.scales_fit_f16() else 4
         arrays = 1 if self.offset_is_mid() else 2
         return np_ * kp // (2 if self.kind == "q4" else 1) + arrays * scale_bytes * np_ * kp // BLOCK
@@ -125,7 +130,7 @@ class QuantizedTensor:
     @property
     def mid(self) -> float:
         """q's middle for this layout (csrc/qdot.h's kMidOffset): -8 for 4-bit q, -128 for 8-bit, -32 for Q6_K."""
-        return {"q4": -8.0, "q8": -128.0, "q6": -float(q6k.MID)}[self.kind]
+        return {"q4": -8.0, "q8": -128.0, "q6": -float(kquants.MID)}[self.kind]
 
     def offset_is_mid(self) -> bool:
         """Whether every offset is ``mid`` x its scale (symmetric formats: Q8_0, Q4_0, int8), so that the packed
@@ -146,19 +151,22 @@ class QuantizedTensor:
         ``scale_dtype``: torch.float16 or torch.float32 for the scales and offsets; None picks float16 where it is
         exact (``scales_fit_f16``). Either gives the same numbers. ``store_offsets``: False leaves out offsets
         that are ``mid`` x the scale (``offset_is_mid``; None does where they are), True always stores them.
-        A "q6" weight has one packing (``layers.q6k``): int8 sub-scales, f16 super-scales, no offsets."""
+        A "q6" weight has one packing (``layers.kquants``): int8 sub-scales, f16 super-scales, no offsets. Q4_K
+        and Q5_K pack their scales as the file holds them (``super_scale``: byte sub-scales and minimums, f16 d
+        and dmin, the same float32 numbers) unless ``scale_dtype`` asks for float32 or halves."""
         if self.kind == "q6":
             if scale_dtype is not None or store_offsets:
                 raise ValueError("a Q6_K weight packs as int8 sub-scales and f16 super-scales, without offsets")
-            qs, sub, sup = q6k.pack(self.q, self.scale, self.super_scale, GROUP, BLOCK)
+            qs, sub, sup = kquants.pack(self.q, self.scale, self.super_scale, GROUP, BLOCK)
             return PackedQuantWeight(self.kind, qs, sub, None, self.shape, self.source, super_scale=sup)
+        kquant = self.super_scale is not None and scale_dtype is None and store_offsets is not False
         if store_offsets is None:
-            store_offsets = not self.offset_is_mid()
+            store_offsets = kquant or not self.offset_is_mid()
         elif not store_offsets and not self.offset_is_mid():
             raise ValueError(f"the offsets of this {self.source} weight are not {self.mid} x its scales")
-        if scale_dtype is None:
+        if scale_dtype is None and not kquant:
             scale_dtype = torch.float16 if self.scales_fit_f16(store_offsets) else torch.float32
-        if scale_dtype not in (torch.float16, torch.float32):
+        if not kquant and scale_dtype not in (torch.float16, torch.float32):
             raise ValueError(f"scales are stored as float16 or float32, not {scale_dtype}")
         n, k = self.shape
         nb = self.scale.shape[1]
@@ -176,6 +184,9 @@ class QuantizedTensor:
             t = torch.nn.functional.pad(t, (0, 0, 0, np_ - n))
             return t.view(groups, GROUP, nb).transpose(1, 2).to(scale_dtype).contiguous()
 
+        if kquant:
+            sc, m, sup = kquants.pack_scales(self.scale, self.offset, self.super_scale, GROUP, BLOCK)
+            return PackedQuantWeight(self.kind, qs.view(-1), sc, m, (n, k), self.source, super_scale=sup)
         offset = grouped(self.offset) if store_offsets else None
         return PackedQuantWeight(self.kind, qs.view(-1), grouped(self.scale), offset, (n, k), self.source)
 
@@ -245,7 +256,7 @@ class PackedQuantWeight:
 
     @property
     def padded_in(self) -> int:
-        return self.scale.shape[1] * (q6k.SUB if self.kind == "q6" else BLOCK)
+        return self.scale.shape[1] * (kquants.SUB if self.kind == "q6" else BLOCK)
 
     @property
     def part_nbytes(self) -> int:
@@ -266,11 +277,11 @@ class PackedQuantWeight:
                                      super_scale=0 if self.super_scale is None else self.super_scale.data_ptr(),
                                      next=after, N=self.shape[0], K=self.shape[1],
                                      KP=self.padded_in, kind=KINDS[self.kind],
-                                     scale_f16=int(self.scale.dtype == torch.float16))
+                                     scale_format=SCALE_FORMATS.get(self.scale.dtype, 0))
         return self._desc
 
 
-def _natural(q: np.ndarray, scale: np.ndarray, offset: np.ndarray | None, signed: bool, kind: str,
+def natural(q: np.ndarray, scale: np.ndarray, offset: np.ndarray | None, signed: bool, kind: str,
              source: str) -> QuantizedTensor:
     """q [N, K] (int8 when ``signed``, else uint8), scale / offset [N, K / 32] -> a QuantizedTensor."""
     scale = scale.astype(np.float32)
@@ -282,73 +293,6 @@ def _natural(q: np.ndarray, scale: np.ndarray, offset: np.ndarray | None, signed
         return torch.from_numpy(np.ascontiguousarray(a, dtype=dtype))
 
     return QuantizedTensor(kind, tensor(q, np.uint8), tensor(scale), tensor(offset), source)
-
-
-def _f16(blocks: np.ndarray, at: int) -> np.ndarray:
-    """The f16 at byte ``at`` of every block, as float32 [n_blocks]."""
-    return blocks[:, at:at + 2].copy().view(np.float16).astype(np.float32)[:, 0]
-
-
-def _nibbles(qs: np.ndarray) -> np.ndarray:
-    """16 bytes per 32-value block (low nibbles: values 0-15, high: 16-31) -> [n, 32] uint8."""
-    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
-
-
-def _high_bits(qh: np.ndarray) -> np.ndarray:
-    """4 bytes per block, bit i = the 5th bit of value i -> [n, 32] uint8 (0 or 16)."""
-    return (np.unpackbits(qh, axis=-1, bitorder="little") << 4).astype(np.uint8)
-
-
-def from_gguf(raw: np.ndarray, qtype_name: str, shape: tuple[int, int]) -> QuantizedTensor | None:
-    """A GGUF tensor's stored bytes -> its ``QuantizedTensor``, or None for a type without a kernel (the caller
-    dequantizes those). ``shape`` is [rows, cols] (numpy order)."""
-    if qtype_name not in GGUF_KERNEL_TYPES or len(shape) != 2:
-        return None
-    n, k = shape
-    if qtype_name in ("Q4_K", "Q5_K"):
-        return _from_kquant(raw, qtype_name, n, k)
-    if qtype_name == "Q6_K":
-        if k % q6k.SUPER:  # not a layout llama.cpp writes (its rows hold whole super-blocks)
-            return None
-        q, scale, sup = q6k.natural(raw, n, k)
-        t = torch.from_numpy
-        return QuantizedTensor("q6", t(np.ascontiguousarray(q)), t(scale), t(-q6k.MID * scale), qtype_name, t(sup))
-    size = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24}[qtype_name]
-    blocks = raw.reshape(-1, size)
-    d = _f16(blocks, 0).reshape(n, -1)
-    if qtype_name == "Q8_0":
-        return _natural(blocks[:, 2:].view(np.int8).reshape(n, k), d, None, True, "q8", qtype_name)
-    if qtype_name == "Q4_0":  # d * (q - 8)
-        return _natural(_nibbles(blocks[:, 2:]).reshape(n, k), d, -8 * d, False, "q4", qtype_name)
-    if qtype_name == "Q4_1":  # d * q + m
-        return _natural(_nibbles(blocks[:, 4:]).reshape(n, k), d, _f16(blocks, 2).reshape(n, -1), False, "q4",
-                        qtype_name)
-    if qtype_name == "Q5_0":  # d * (q - 16), q 5-bit
-        q = _nibbles(blocks[:, 6:]) | _high_bits(blocks[:, 2:6])
-        return _natural(q.reshape(n, k), d, -16 * d, False, "q8", qtype_name)
-    q = _nibbles(blocks[:, 8:]) | _high_bits(blocks[:, 4:8])  # Q5_1: d * q + m
-    return _natural(q.reshape(n, k), d, _f16(blocks, 2).reshape(n, -1), False, "q8", qtype_name)
-
-
-def _from_kquant(raw: np.ndarray, qtype_name: str, n: int, k: int) -> QuantizedTensor:
-    """Q4_K / Q5_K super-blocks of 256: value = d * sc_j * q - dmin * m_j for sub-block j of 32 (the 6-bit scales
-    and minimums unpacked by the gguf package's own ``Q4_K.get_scale_min``)."""
-    from gguf.quants import Q4_K
-
-    size = 144 if qtype_name == "Q4_K" else 176
-    blocks = raw.reshape(-1, size)
-    nsb = blocks.shape[0]
-    d, dmin = _f16(blocks, 0), _f16(blocks, 2)
-    sc, m = Q4_K.get_scale_min(blocks[:, 4:16])
-    scale = (d[:, None] * sc.astype(np.float32)).reshape(n, -1)
-    offset = (-dmin[:, None] * m.astype(np.float32)).reshape(n, -1)
-    qs = blocks[:, size - 128:].reshape(nsb, 4, 1, 32)
-    low = np.concatenate([qs & 0x0F, qs >> 4], axis=2).reshape(nsb, 256)  # sub-blocks 2i, 2i + 1 per 32 bytes
-    if qtype_name == "Q4_K":
-        return _natural(low.reshape(n, k), scale, offset, False, "q4", qtype_name)
-    qh = blocks[:, 16:48].reshape(nsb, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)
-    q = low | ((qh & 1) << 4).reshape(nsb, 256)
-    return _natural(q.reshape(n, k), scale, offset, False, "q8", qtype_name)
 
 
 def int8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -366,7 +310,7 @@ def quantize_int8(weight: torch.Tensor) -> QuantizedTensor:
     q, s = int8_per_channel(weight)
     n, k = q.shape
     nb = -(-k // BLOCK)
-    return _natural(q.numpy(), s.expand(n, nb).numpy(), None, True, "q8", "int8")
+    return natural(q.numpy(), s.expand(n, nb).numpy(), None, True, "q8", "int8")
 
 
 class QuantLinear(nn.Module):

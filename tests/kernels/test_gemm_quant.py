@@ -10,15 +10,8 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf import quants as gq
 
-from conveyor.layers.quantized import (
-    GGUF_KERNEL_TYPES,
-    QuantEmbedding,
-    QuantizedTensor,
-    QuantizedStack,
-    QuantLinear,
-    from_gguf,
-    quantize_int8,
-)
+from conveyor.layers.gguf_blocks import GGUF_KERNEL_TYPES, from_gguf
+from conveyor.layers.quantized import QuantEmbedding, QuantizedStack, QuantizedTensor, QuantLinear, quantize_int8
 
 QUANTIZABLE = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")  # the gguf package writes these itself
 KQUANTS = ("Q4_K", "Q5_K", "Q6_K")  # written here as random blocks with sane scales
@@ -271,8 +264,10 @@ SYMMETRIC = ("Q8_0", "Q4_0")  # offset = q's middle x scale: packed without offs
 
 def test_packed_scales_are_halves_where_the_file_has_them():
     """The one-f16-per-block formats pack their scales and offsets as halves, and the symmetric ones no offsets
-    at all (Q4_1's, Q8_0's and Q4_0's packed weights are then the file's own size); Q4_K, Q5_K and int8, whose
-    scales an f16 cannot hold exactly, keep float32 (int8 without offsets); Q6_K packs as the file holds it."""
+    at all (Q4_1's, Q8_0's and Q4_0's packed weights are then the file's own size); Q4_K and Q5_K keep the file's
+    f16 d and dmin with a byte per 6-bit sub-scale and minimum (0.578 bytes a value for Q4_K, the file's 0.5625);
+    int8, whose scales an f16 cannot hold exactly, keeps float32 (without offsets); Q6_K packs as the file holds
+    it."""
     n, k = 32, 256
     for qtype in GGUF_KERNEL_TYPES:
         raw = gguf_bytes(qtype, n, k, seed=5)
@@ -284,8 +279,12 @@ def test_packed_scales_are_halves_where_the_file_has_them():
             assert packed.nbytes == qt.nbytes == raw.nbytes
             continue
         assert (packed.offset is None) == (qtype in SYMMETRIC) == qt.offset_is_mid(), qtype
-        if qtype in KQUANTS:
-            assert packed.scale.dtype == torch.float32 and not qt.scales_fit_f16(), qtype
+        if qtype in KQUANTS:  # a byte per sub-scale and minimum, f16 d and dmin per 256 values
+            assert packed.scale.dtype == packed.offset.dtype == torch.uint8, qtype
+            assert packed.super_scale.dtype == torch.float16 and not qt.scales_fit_f16(), qtype
+            per_block = (16 if qt.kind == "q4" else 32) + 2 + 4 * 32 / 256
+            assert packed.nbytes == qt.nbytes == per_block * n * k // 32, qtype
+            assert qt.pack(torch.float32).scale.dtype == torch.float32, qtype
             continue
         assert packed.scale.dtype == torch.float16, qtype
         if packed.offset is not None:
@@ -418,3 +417,16 @@ def test_q6k_scales_that_are_not_int8_multiples_are_refused():
     qt.scale[0, 0] *= 1.5
     with pytest.raises(ValueError, match="not an f16 super-scale times int8"):
         qt.pack()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_k_quant_sub_scales_give_the_float32_scales_outputs(kernels, dtype):
+    """Q4_K / Q5_K packed with byte sub-scales and f16 super-scales (the file's form) compute bit for bit what their
+    float32 scales and offsets compute: d * sc and -dmin * m are exact in float32."""
+    gen = torch.Generator().manual_seed(13)
+    for qtype in ("Q4_K", "Q5_K"):
+        qt = from_gguf(gguf_bytes(qtype, 40, 768, seed=4), qtype, (40, 768))
+        kquant, floats = qt.pack(), qt.pack(torch.float32)
+        assert kquant.scale.dtype == torch.uint8 and floats.scale.dtype == torch.float32
+        assert kquant.nbytes < (0.8 if qtype == "Q4_K" else 0.9) * floats.nbytes
+        assert_packings_agree(kernels, qt, (kquant, floats), dtype, gen, qtype)

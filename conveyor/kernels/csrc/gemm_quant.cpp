@@ -39,6 +39,11 @@ inline bool takes_amx(int64_t M, int kind) {
   const int64_t min_rows = kind == CVK_Q4 ? g_amx_qdot_min_rows_q4 : g_amx_qdot_min_rows_q8;
   return kAmx && min_rows > 0 && M >= min_rows;
 }
+// ... and for this weight: K-quant sub-scales (CVK_SCALE_KQUANT) take the VNNI loop only (the AMX epilogue reads
+// float or half scales).
+inline bool takes_amx(int64_t M, const CvkQuantWeight& w) {
+  return w.scale_format != CVK_SCALE_KQUANT && takes_amx(M, w.kind);
+}
 
 // One row of x (dtype) -> its QRow in `out` (quant_row_bytes bytes), blocks past K zero.
 template <typename T>
@@ -76,16 +81,22 @@ inline const S* group_scales(const void* base, int64_t g, int64_t nb) {
   return base == nullptr ? nullptr : static_cast<const S*>(base) + g * nb * QG;
 }
 
+// Group g's K-quant super-scales (CVK_SCALE_KQUANT: [KP/256][2][16] halves a group), or NULL.
+inline const uint16_t* group_super(const CvkQuantWeight& w, int64_t g, int64_t nb) {
+  return w.super_scale == nullptr ? nullptr : static_cast<const uint16_t*>(w.super_scale) + g * (nb / 8) * 2 * QG;
+}
+
 template <int R, typename S>
 inline void group_rows_as(const CvkQuantWeight& w, int64_t g, const QRow* xr, float* out, bool prefetch) {
   const int64_t nb = blocks(w.KP);
   const uint8_t* qs = static_cast<const uint8_t*>(w.qs) + g * nb * block_bytes(w.kind);
   const S* scale = group_scales<S>(w.scale, g, nb);
   const S* offset = group_scales<S>(w.offset, g, nb);
+  const uint16_t* super = group_super(w, g, nb);
   if (w.kind == CVK_Q4)
-    qdot::group_dot<R, true>(qs, scale, offset, xr, nb, out, prefetch);
+    qdot::group_dot<R, true>(qs, scale, offset, super, xr, nb, out, prefetch);
   else
-    qdot::group_dot<R, false>(qs, scale, offset, xr, nb, out, prefetch);
+    qdot::group_dot<R, false>(qs, scale, offset, super, xr, nb, out, prefetch);
 }
 
 template <int R>
@@ -97,8 +108,10 @@ inline void group_rows(const CvkQuantWeight& w, int64_t g, const QRow* xr, float
                           static_cast<const uint16_t*>(w.super_scale) + g * (nb / 8) * QG, xr, nb, out, prefetch);
     return;
   }
-  if (w.scale_f16)
+  if (w.scale_format == CVK_SCALE_F16)
     group_rows_as<R, uint16_t>(w, g, xr, out, prefetch);
+  else if (w.scale_format == CVK_SCALE_KQUANT)
+    group_rows_as<R, uint8_t>(w, g, xr, out, prefetch);
   else
     group_rows_as<R, float>(w, g, xr, out, prefetch);
 }
@@ -174,7 +187,7 @@ void amx_groups(const CvkQuantGemmArgs& a, const char* scratch, int64_t rb, char
     }
     const uint8_t* wq = static_cast<const uint8_t*>(w.qs) + g * nb * bb;
     if (q4) {
-      if (w.scale_f16)
+      if (w.scale_format == CVK_SCALE_F16)
         qdot::unpack_q4_group(wq, group_scales<uint16_t>(w.scale, g, nb), group_scales<uint16_t>(w.offset, g, nb), nb,
                               unpacked.data());
       else
@@ -190,7 +203,7 @@ void amx_groups(const CvkQuantGemmArgs& a, const char* scratch, int64_t rb, char
       const int8_t* digits = reinterpret_cast<const int8_t*>(p);
       const float* units = reinterpret_cast<const float*>(p + nb * 512);
       const bool prefetch = !q4 && t == 0;  // 4-bit weights were streamed (and prefetched) by the unpacking
-      if (w.scale_f16)
+      if (w.scale_format == CVK_SCALE_F16)
         qdot::amx_group_dot_upto<qdot::kAmxRows>(r, wq, group_scales<uint16_t>(w.scale, g, nb),
                                                  group_scales<uint16_t>(w.offset, g, nb), mid, digits, units, nb, acc,
                                                  prefetch);
@@ -221,7 +234,7 @@ void quant_gemm_impl(const CvkQuantGemmArgs& a) {
       pa.w = part;
       pa.y = static_cast<T*>(a.y) + n0;
       pa.bias = a.bias != nullptr ? static_cast<const T*>(a.bias) + n0 : nullptr;
-      if (takes_amx(M, part->kind))
+      if (takes_amx(M, *part))
         amx_groups<T>(pa, scratch, rb, scratch + M * rb);  // quant_scratch_bytes' second part
       else
         vector_groups<T>(pa, scratch, rb);
@@ -229,9 +242,21 @@ void quant_gemm_impl(const CvkQuantGemmArgs& a) {
   });
 }
 
-// Element i of a weight's scales or offsets (`base`: w.scale or w.offset) as float32.
-inline float scale_at(const CvkQuantWeight& w, const void* base, int64_t i) {
-  return w.scale_f16 ? _cvtsh_ss(static_cast<const uint16_t*>(base)[i]) : static_cast<const float*>(base)[i];
+// Column c's scale and offset in group g's block j, as float32 (cvk.h's scale formats; offset NULL: mid x scale).
+inline void block_scale_offset(const CvkQuantWeight& w, int64_t g, int64_t j, int64_t c, float& sc, float& of) {
+  const int64_t nb = blocks(w.KP), i = (g * nb + j) * QG + c;
+  if (w.scale_format == CVK_SCALE_KQUANT) {
+    const uint16_t* super = group_super(w, g, nb) + (j / 8) * 2 * QG;
+    sc = _cvtsh_ss(super[c]) * float(static_cast<const uint8_t*>(w.scale)[i]);
+    of = -_cvtsh_ss(super[QG + c]) * float(static_cast<const uint8_t*>(w.offset)[i]);
+    return;
+  }
+  auto at = [&](const void* base) {
+    return w.scale_format == CVK_SCALE_F16 ? _cvtsh_ss(static_cast<const uint16_t*>(base)[i])
+                                           : static_cast<const float*>(base)[i];
+  };
+  sc = at(w.scale);
+  of = w.offset != nullptr ? at(w.offset) : sc * mid_offset(w.kind);
 }
 
 // Column c of a CVK_Q6 group's block j (blk, its 384 bytes), dequantized into vals (cvk.h's layout).
@@ -282,8 +307,8 @@ void dequantize_impl(const CvkQuantWeight& whole, const int64_t* rows, int64_t c
                                            : blk[t * 64 + c * 4 + b];
             vals[t * 4 + b] = float(v);
           }
-        const float sc = scale_at(w, w.scale, (g * nb + j) * QG + c), of = w.offset != nullptr ? scale_at(w, w.offset, (g * nb + j) * QG + c)
-                                                  : sc * mid_offset(w.kind);
+        float sc, of;
+        block_scale_offset(w, g, j, c, sc, of);
         for (int t = 0; t < lim; t++) from_f32(vals[t] * sc + of, dst + j * QB + t);
       }
     }
@@ -292,8 +317,12 @@ void dequantize_impl(const CvkQuantWeight& whole, const int64_t* rows, int64_t c
 
 bool valid_part(const CvkQuantWeight* w) {
   if (w->kind == CVK_Q6)
-    return w->scale_f16 == 0 && w->offset == nullptr && w->super_scale != nullptr && w->KP % 256 == 0;
-  return (w->kind == CVK_Q4 || w->kind == CVK_Q8) && (w->scale_f16 == 0 || w->scale_f16 == 1);
+    return w->scale_format == CVK_SCALE_F32 && w->offset == nullptr && w->super_scale != nullptr && w->KP % 256 == 0;
+  if (w->scale_format == CVK_SCALE_KQUANT)
+    return (w->kind == CVK_Q4 || w->kind == CVK_Q8) && w->offset != nullptr && w->super_scale != nullptr &&
+           w->KP % 256 == 0;
+  return (w->kind == CVK_Q4 || w->kind == CVK_Q8) &&
+         (w->scale_format == CVK_SCALE_F32 || w->scale_format == CVK_SCALE_F16);
 }
 
 // Every part well formed, of one K and KP (the activations are quantized once for all of them); at most 16 parts.

@@ -144,23 +144,47 @@ inline __m256 load_offsets(const S* offset, __m256 scale, int64_t i, float mid) 
   return offset != nullptr ? load_scales(offset + i) : _mm256_mul_ps(scale, _mm256_set1_ps(mid));
 }
 
+// 8 columns' K-quant sub-scales (or minimums) of one block (CVK_SCALE_KQUANT, cvk.h), bytes, as float32.
+inline __m256 load_u8(const uint8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
+// Block j's 8 scales a and offsets b of column half h (as qdot_avx512.h's block_scales).
+template <bool Q4, typename S>
+inline void block_scales(const S* scale, const S* offset, const uint16_t* super, int64_t j, int h, __m256& ds,
+                         __m256& ms, __m256& a, __m256& b) {
+  if constexpr (std::is_same_v<S, uint8_t>) {
+    if (j % 8 == 0) {
+      ds = load_scales(super + (j / 8) * 32 + h * 8);
+      ms = _mm256_xor_ps(load_scales(super + (j / 8) * 32 + 16 + h * 8), _mm256_set1_ps(-0.f));
+    }
+    a = _mm256_mul_ps(ds, load_u8(scale + j * 16 + h * 8));
+    b = _mm256_mul_ps(ms, load_u8(offset + j * 16 + h * 8));
+  } else {
+    a = load_scales(scale + j * 16 + h * 8);
+    b = load_offsets(offset, a, j * 16 + h * 8, kMidOffset<Q4>);
+  }
+}
+
 // out[r][0..16) = sum over blocks j of scale_j * d_rj * <q_j, n_rj> + offset_j * s_rj, for one group of 16
-// columns and R rows (S: float or uint16_t halves, as the weight stores its scales). prefetch: ask for the
+// columns and R rows (S: float, uint16_t halves or uint8_t K-quant sub-scales, as the weight stores its scales;
+// super: their super-scales). prefetch: ask for the
 // weights kPrefetchBlocks ahead (qdot.h), on the first pass over a group (the first half's: the second reads
 // the same lines from cache).
 template <int R, bool Q4, typename S>
-inline void group_dot(const uint8_t* qs, const S* scale, const S* offset, const QRow* xr, int64_t nb, float* out,
-                      bool prefetch) {
+inline void group_dot(const uint8_t* qs, const S* scale, const S* offset, const uint16_t* super, const QRow* xr,
+                      int64_t nb, float* out, bool prefetch) {
   constexpr int64_t block_bytes = Q4 ? 256 : 512;
   for (int h = 0; h < 2; h++) {
     __m256 acc[R];
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    __m256 ds = _mm256_setzero_ps(), ms = _mm256_setzero_ps();
     for (int64_t j = 0; j < nb; j++) {
       if (prefetch && h == 0) prefetch_block<Q4>(qs, scale, offset, j);
       __m256i w[8];
       load_half<Q4>(qs + j * block_bytes, h, w);
-      const __m256 a = load_scales(scale + j * 16 + h * 8);
-      __m256 b = load_offsets(offset, a, j * 16 + h * 8, kMidOffset<Q4>);
+      __m256 a, b;
+      block_scales<Q4>(scale, offset, super, j, h, ds, ms, a, b);
       if constexpr (!Q4) b = _mm256_fmadd_ps(a, _mm256_set1_ps(128.f), b);
       for (int r = 0; r < R; r++) {
         const __m256i d = block_dot<Q4>(w, xr[r].hi + j * 32, xr[r].lo + j * 32);

@@ -138,6 +138,30 @@ inline __m512 load_offsets(const S* offset, __m512 scale, int64_t i, float mid) 
   return offset != nullptr ? load_scales(offset + i) : _mm512_mul_ps(scale, _mm512_set1_ps(mid));
 }
 
+// 16 columns' K-quant sub-scales (or minimums) of one block (CVK_SCALE_KQUANT, cvk.h), bytes, as float32.
+inline __m512 load_u8(const uint8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+
+// Block j's 16 scales a and offsets b. S uint8_t: K-quant sub-scales and minimums (CVK_SCALE_KQUANT), times the
+// super-block's d and -dmin (super: the group's [KP/256][2][16] halves), kept in ds / ms across its 8 blocks:
+// d * sc and -dmin * m are exact in float32, the numbers a float32-scale packing holds.
+template <bool Q4, typename S>
+inline void block_scales(const S* scale, const S* offset, const uint16_t* super, int64_t j, __m512& ds, __m512& ms,
+                         __m512& a, __m512& b) {
+  if constexpr (std::is_same_v<S, uint8_t>) {
+    if (j % 8 == 0) {
+      ds = load_scales(super + (j / 8) * 32);
+      ms = _mm512_xor_ps(load_scales(super + (j / 8) * 32 + 16), _mm512_set1_ps(-0.f));
+    }
+    a = _mm512_mul_ps(ds, load_u8(scale + j * 16));
+    b = _mm512_mul_ps(ms, load_u8(offset + j * 16));
+  } else {
+    a = load_scales(scale + j * 16);
+    b = load_offsets(offset, a, j * 16, kMidOffset<Q4>);
+  }
+}
+
 // Whether block_dot returned sum((q - 128) n) for 8-bit weights (the signed detour above) instead of sum(q x);
 // the caller adds 128 * sum(n) back through the offset.
 #if defined(CVK_VNNI)
@@ -147,20 +171,22 @@ constexpr bool kSignedQ8Dot = true;
 #endif
 
 // out[r][0..16) = sum over blocks j of scale_j * d_rj * <q_j, n_rj> + offset_j * s_rj, for one group of 16
-// columns and R rows (qs, scale, offset: the group's part of the weight; S float or uint16_t halves). prefetch:
+// columns and R rows (qs, scale, offset, super: the group's part of the weight; S float, uint16_t halves or
+// uint8_t K-quant sub-scales with their super-scales, block_scales). prefetch:
 // ask for the weights kPrefetchBlocks ahead (qdot.h), on the first pass over a group.
 template <int R, bool Q4, typename S>
-inline void group_dot(const uint8_t* qs, const S* scale, const S* offset, const QRow* xr, int64_t nb, float* out,
-                      bool prefetch) {
+inline void group_dot(const uint8_t* qs, const S* scale, const S* offset, const uint16_t* super, const QRow* xr,
+                      int64_t nb, float* out, bool prefetch) {
   __m512 acc[R];
   for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
   constexpr int64_t block_bytes = Q4 ? 256 : 512;
+  __m512 ds = _mm512_setzero_ps(), ms = _mm512_setzero_ps();
   for (int64_t j = 0; j < nb; j++) {
     if (prefetch) prefetch_block<Q4>(qs, scale, offset, j);
     __m512i w[8];
     load_block<Q4>(qs + j * block_bytes, w);
-    const __m512 a = load_scales(scale + j * 16);
-    __m512 b = load_offsets(offset, a, j * 16, kMidOffset<Q4>);
+    __m512 a, b;
+    block_scales<Q4>(scale, offset, super, j, ds, ms, a, b);
     if constexpr (!Q4 && kSignedQ8Dot) b = _mm512_fmadd_ps(a, _mm512_set1_ps(128.f), b);
     for (int r = 0; r < R; r++) {
       acc[r] = add_block(acc[r], block_dot<Q4>(w, xr[r].hi + j * 32, xr[r].lo + j * 32), a, b, xr[r].d[j], xr[r].s[j]);

@@ -1,5 +1,6 @@
-"""GGUF's Q6_K for the integer kernels: its blocks read into natural order, and packed into csrc/cvk.h's
-``CVK_Q6`` layout (what ``layers.quantized`` holds for a Q6_K tensor).
+"""GGUF's K-quants for the integer kernels, as ``layers.quantized`` holds them: Q6_K read into natural order and
+packed into csrc/cvk.h's ``CVK_Q6`` layout, and Q4_K / Q5_K's scales packed as the file holds them
+(``CVK_SCALE_KQUANT``: a byte per sub-scale and minimum, the f16 d and dmin per 256 values).
 
 A Q6_K super-block of 256 values is ``ql`` (128 bytes: low 4 bits), ``qh`` (64: high 2 bits), 16 int8 sub-scales
 and one f16 ``d``: value = d * sub_j * (q - 32) for sub-block j of 16, q 6-bit. The packed form keeps exactly that
@@ -63,3 +64,32 @@ def pack(q: torch.Tensor, scale: torch.Tensor, super_scale: torch.Tensor, group:
         return t.view(groups, group, -1).transpose(1, 2).to(dtype).contiguous()
 
     return qs, grouped(sub, torch.int8), grouped(super_scale, torch.float16)
+
+
+def pack_scales(scale: torch.Tensor, offset: torch.Tensor, super_scale: torch.Tensor, group: int, block: int):
+    """Q4_K / Q5_K: scale, offset float32 [N, K / 32] (= d * sc and -dmin * m), super_scale float32 [N, K / 256, 2]
+    (d, dmin) -> (sc uint8 [NP / 16, K / 32, 16], m likewise, super float16 [NP / 16, K / 256, 2, 16]) in cvk.h's
+    ``CVK_SCALE_KQUANT`` layout, rows padded with zeros. Scales that are not so are an error."""
+    n, nb = scale.shape
+    per = SUPER // block
+    d = super_scale[:, :, 0].repeat_interleave(per, dim=1)
+    dmin = super_scale[:, :, 1].repeat_interleave(per, dim=1)
+
+    def sub(value: torch.Tensor, unit: torch.Tensor) -> torch.Tensor:
+        s = torch.where(unit != 0, torch.round(value / torch.where(unit != 0, unit, 1.0)), 0.0)
+        if not torch.equal(s * unit, value) or s.min().item() < 0 or s.max().item() > 255:
+            raise ValueError("the K-quant scales are not f16 super-scales times byte sub-scales")
+        return s
+
+    sc, m = sub(scale, d), sub(-offset, dmin)
+    if not torch.equal(super_scale.to(torch.float16).to(torch.float32), super_scale):
+        raise ValueError("the K-quant super-scales are not halves")
+    np_ = -(-n // group) * group
+    groups = np_ // group
+
+    def grouped(t: torch.Tensor) -> torch.Tensor:
+        t = torch.nn.functional.pad(t, (0, 0, 0, np_ - n))
+        return t.view(groups, group, nb).transpose(1, 2).to(torch.uint8).contiguous()
+
+    sup = torch.nn.functional.pad(super_scale, (0, 0, 0, 0, 0, np_ - n)).view(groups, group, -1, 2)
+    return grouped(sc), grouped(m), sup.permute(0, 2, 3, 1).to(torch.float16).contiguous()
