@@ -4,7 +4,6 @@
     python scripts/grammar_backend_ab.py
 """
 import json, time, statistics
-import torch
 from conveyor.tokenizer import load_tokenizer
 from transformers import PreTrainedTokenizerFast
 

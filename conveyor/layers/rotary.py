@@ -22,7 +22,7 @@ from conveyor.layers.rope_scaling import rope_inv_freq
 def partial_rotary_order(head_dim: int, rotary_dim: int) -> list[int]:
     """The order of one head's q/k rows that puts rotary dims [0, rotary_dim) (pairs i, i + rotary_dim/2) on the
     full-width pairs (j, j + head_dim/2) for j < rotary_dim/2, and the unrotated dims on the rest."""
-    r, d = rotary_dim // 2, head_dim // 2
+    r = rotary_dim // 2
     rest = (head_dim - rotary_dim) // 2
     return [*range(r), *range(rotary_dim, rotary_dim + rest), *range(r, rotary_dim), *range(rotary_dim + rest, head_dim)]
 

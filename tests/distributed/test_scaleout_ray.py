@@ -109,7 +109,7 @@ def test_two_replicas_serve_the_openai_api(cluster, client, tiny_chat_dir):
 
 
 def test_metrics_per_replica_and_summed_and_health(cluster, client):
-    before = counts_at(cluster.url, cluster.sent)
+    counts_at(cluster.url, cluster.sent)  # earlier tests' requests all counted before this one's
     for i in range(6):  # distinct short prompts: no shared block, so power of two spreads them
         client.completions.create(model="tiny", prompt=f"w{20 + i} w{30 + i}", max_tokens=2)
     cluster.sent += 6

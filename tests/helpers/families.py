@@ -261,12 +261,12 @@ def requantize_gguf(src: Path, dst: Path, types: dict[str, str]) -> Path:
 
     reader = gguf.GGUFReader(src, "r")
     writer = gguf.GGUFWriter(str(dst), arch=reader.get_field(gguf.Keys.General.ARCHITECTURE).contents())
-    for field in reader.fields.values():
-        if field.name == gguf.Keys.General.ARCHITECTURE or field.name.startswith("GGUF."):
+    for key in reader.fields.values():
+        if key.name == gguf.Keys.General.ARCHITECTURE or key.name.startswith("GGUF."):
             continue
-        kind = field.types[0]
-        writer.add_key_value(field.name, field.contents(), kind,
-                             sub_type=field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None)
+        kind = key.types[0]
+        writer.add_key_value(key.name, key.contents(), kind,
+                             sub_type=key.types[-1] if kind == gguf.GGUFValueType.ARRAY else None)
     rng = np.random.default_rng(0)
     for tensor in reader.tensors:
         data = np.array(tensor.data)

@@ -26,7 +26,7 @@ def expected_mass(q, k_cache, table, qsl, seq_lens, scored, heads, kv_heads, sca
     bs, group = k_cache.shape[1], heads // kv_heads
     out = torch.zeros(len(scored), kv_heads, stride)
     for n, (r, rows) in enumerate(sorted(scored.items())):
-        s, e, length = int(qsl[r]), int(qsl[r + 1]), int(seq_lens[r])
+        e, length = int(qsl[r + 1]), int(seq_lens[r])
         ctx = torch.arange(length)
         keys = k_cache.view(-1, kv_heads, k_cache.shape[3])[table[r, ctx // bs] * bs + ctx % bs].float()
         for t in range(e - rows, e):

@@ -17,7 +17,7 @@ from tests.layers.test_attention import HEAD_DIM, HEADS, KV_HEADS, make_step
 def expected_mass(meta, q, cache, i, rows, scale):
     """Softmax of request i's last ``rows`` queries over its keys, summed over heads and rows, per block."""
     bs = meta.block_size
-    start, end, seq_len = meta.query_start_loc[i], meta.query_start_loc[i + 1], meta.seq_lens[i]
+    end, seq_len = meta.query_start_loc[i + 1], meta.seq_lens[i]
     keys, _ = gather_context(cache, meta.block_table[i], seq_len)  # token-major [L, KVH, d]
     group = HEADS // KV_HEADS
     kh = keys.transpose(0, 1).repeat_interleave(group, dim=0)  # [H, L, d]
