@@ -20,7 +20,7 @@ from conveyor.bench.metrics import RequestTiming, percentile, summarize
 from conveyor.bench.simulate import StepRecorder, build_scheduler, sim_requests
 from conveyor.bench.workload import Workload, time_scale_for
 from conveyor.sim import Hardware, ModelSpec, RooflineCostModel, SimExecutor
-from conveyor.sim.cluster import COLOCATED, DECODE, PREFILL, ClusterResult, Instance, simulate_cluster
+from conveyor.sim.cluster import PREFILL, ClusterResult, Instance, simulate_cluster
 from conveyor.sim.held_kv import HeldKVManager
 from conveyor.sim.kv_transfer import LinkSpec, get_link, kv_bytes_per_token
 from conveyor.sim.layout import Layout, parse_layout
@@ -45,11 +45,9 @@ def build_instances(layout: Layout, args, spec: ModelSpec, hw: Hardware, max_mod
                     utilization: float, prefill_budget: int | None = None) -> list[Instance]:
     """The layout's instances, each with its scheduler (from ``args``; prefill instances with the token budget
     ``prefill_budget`` when given), KV blocks, cost model and step recorder."""
-    roles = ([(COLOCATED, layout.tp_colocated)] * layout.num_colocated + [(PREFILL, layout.tp_prefill)]
-             * layout.num_prefill + [(DECODE, layout.tp_decode)] * layout.num_decode)
     instances = []
     counters: dict[str, int] = {}
-    for role, tp in roles:
+    for role, tp in layout.roles():
         cost = RooflineCostModel(spec, hw, tp)
         role_args = replace(args, max_num_batched_tokens=prefill_budget) if role == PREFILL and prefill_budget \
             else args

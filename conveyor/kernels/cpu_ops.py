@@ -45,15 +45,12 @@ class AttnArgs(ctypes.Structure):
 
 
 class LayerStackArgs(ctypes.Structure):
-    """csrc/cvk.h's CvkLayerStackArgs; checked against the library on load."""
+    """csrc/cvk.h's CvkLayerStackArgs (``step``: the attention arguments every layer shares); checked on load."""
 
-    _fields_ = [("fields", _P), ("x", _P), ("residual", _P), ("h", _P), ("qkv", _P), ("attn", _P), ("gu", _P),
-                ("act", _P), ("block_table", _P), ("query_start", _P), ("seq_lens", _P), ("cos_sin", _P), ("plan", _P),
-                ("quant_scratch", _P), ("key_mass", _P), ("score_rows", _P), ("mass_offset", _P), ("rope_offset", _P),
-                ("T", _I64), ("hidden", _I64), ("inter", _I64), ("bt_stride", _I64), ("mass_stride", _I64), ("dtype", _I32),
-                ("use_amx", _I32), ("L", _I32), ("num_reqs", _I32), ("H", _I32), ("KVH", _I32), ("D", _I32),
-                ("bs", _I32), ("num_threads", _I32), ("scale", _F32), ("eps", _F32), ("quantized", _I32),
-                ("moe_scratch", _P), ("moe_scratch_bytes", _I64), ("moe_inter", _I64), ("E", _I32), ("top_k", _I32),
+    _fields_ = [("step", AttnArgs), ("fields", _P), ("x", _P), ("residual", _P), ("h", _P), ("qkv", _P), ("attn", _P),
+                ("gu", _P), ("act", _P), ("quant_scratch", _P), ("T", _I64), ("hidden", _I64), ("inter", _I64),
+                ("use_amx", _I32), ("L", _I32), ("eps", _F32), ("quantized", _I32), ("moe_scratch", _P),
+                ("moe_scratch_bytes", _I64), ("moe_inter", _I64), ("E", _I32), ("top_k", _I32),
                 ("norm_topk_prob", _I32), ("qk_norm_across_heads", _I32)]
 
 
@@ -110,6 +107,19 @@ class KeyMass:
         self._offsets = self.slot * (self.mass.shape[1] * stride)  # element offsets, kept alive with the call
         return dict(key_mass=self.mass.data_ptr(), score_rows=self.score_rows.data_ptr(),
                     mass_offset=self._offsets.data_ptr(), mass_stride=stride)
+
+
+def _step_args(block_table: torch.Tensor, query_start: torch.Tensor, seq_lens: torch.Tensor,
+               cos_sin: torch.Tensor | None, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int,
+               block_size: int, scale: float, plan: torch.Tensor | None, key_mass: KeyMass | None,
+               rope_offset: torch.Tensor | None) -> AttnArgs:
+    """The step's part of an attention call (the same for every layer): ``cvk_attention`` adds a layer's q, k, v,
+    out and caches, ``cvk_llama_layers`` takes it as its ``step``."""
+    return AttnArgs(block_table=block_table.data_ptr(), query_start=query_start.data_ptr(),
+                    seq_lens=seq_lens.data_ptr(), cos_sin=_ptr(cos_sin), plan=_ptr(plan),
+                    rope_offset=_ptr(rope_offset), bt_stride=block_table.stride(0), dtype=_DTYPE_CODES[dtype],
+                    num_reqs=seq_lens.shape[0], H=num_heads, KVH=num_kv_heads, D=head_dim, bs=block_size,
+                    num_threads=torch.get_num_threads(), scale=scale, **(key_mass.fields() if key_mass else {}))
 
 
 def _c_function(lib: ctypes.CDLL, name: str, restype, argtypes: list):
@@ -196,14 +206,11 @@ class CpuKernels:
         for t in (q, k, v, out):
             if t.stride(2) != 1 or t.stride(1) != head_dim:
                 raise KernelError(f"attention: rows must be dense [heads, head_dim], got strides {t.stride()}")
-        a = AttnArgs(q=q.data_ptr(), k=k.data_ptr(), v=v.data_ptr(), k_cache=k_cache.data_ptr(),
-                     v_cache=v_cache.data_ptr(), block_table=block_table.data_ptr(), query_start=query_start.data_ptr(),
-                     seq_lens=seq_lens.data_ptr(), cos_sin=_ptr(cos_sin), out=out.data_ptr(), plan=_ptr(plan),
-                     q_stride=q.stride(0), k_stride=k.stride(0), v_stride=v.stride(0), bt_stride=block_table.stride(0),
-                     out_stride=out.stride(0), dtype=_DTYPE_CODES[q.dtype], num_reqs=seq_lens.shape[0], H=num_heads,
-                     KVH=num_kv_heads, D=head_dim, bs=k_cache.shape[2], num_threads=torch.get_num_threads(),
-                     scale=scale, rope_offset=_ptr(rope_offset), window=window,
-                     **(key_mass.fields() if key_mass else {}))
+        a = _step_args(block_table, query_start, seq_lens, cos_sin, q.dtype, num_heads, num_kv_heads, head_dim,
+                       k_cache.shape[2], scale, plan, key_mass, rope_offset)
+        a.q, a.k, a.v, a.out = q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr()
+        a.k_cache, a.v_cache, a.window = k_cache.data_ptr(), v_cache.data_ptr(), window
+        a.q_stride, a.k_stride, a.v_stride, a.out_stride = q.stride(0), k.stride(0), v.stride(0), out.stride(0)
         self._check(f"cvk_attention (H={num_heads} KVH={num_kv_heads} D={head_dim})",
                     self._attention(ctypes.byref(a)))
 
@@ -267,16 +274,13 @@ class CpuKernels:
         every layer's). ``moe``: a mixture's LayerStackArgs fields (moe_scratch, moe_scratch_bytes, moe_inter, E,
         top_k, norm_topk_prob; ``models.native_stack``), and qk_norm_across_heads."""
         h, qkv, attn, gu, act = scratch
-        s = LayerStackArgs(fields=fields.data_ptr(), x=x.data_ptr(), residual=residual.data_ptr(), h=h.data_ptr(),
-                           qkv=qkv.data_ptr(), attn=attn.data_ptr(), gu=gu.data_ptr(), act=act.data_ptr(),
-                           block_table=block_table.data_ptr(), query_start=query_start.data_ptr(),
-                           seq_lens=seq_lens.data_ptr(), cos_sin=cos_sin.data_ptr(), plan=_ptr(plan), T=x.shape[0],
-                           hidden=hidden, inter=inter, bt_stride=block_table.stride(0), dtype=_DTYPE_CODES[x.dtype],
-                           use_amx=int(self.amx), L=num_layers, num_reqs=seq_lens.shape[0], H=num_heads,
-                           KVH=num_kv_heads, D=head_dim, bs=block_size, num_threads=torch.get_num_threads(),
-                           scale=scale, eps=eps, quant_scratch=_ptr(quant_scratch),
-                           quantized=int(quant_scratch is not None), rope_offset=_ptr(rope_offset),
-                           **(key_mass.fields() if key_mass else {}), **(moe or {}))
+        step = _step_args(block_table, query_start, seq_lens, cos_sin, x.dtype, num_heads, num_kv_heads, head_dim,
+                          block_size, scale, plan, key_mass, rope_offset)
+        s = LayerStackArgs(step=step, fields=fields.data_ptr(), x=x.data_ptr(), residual=residual.data_ptr(),
+                           h=h.data_ptr(), qkv=qkv.data_ptr(), attn=attn.data_ptr(), gu=gu.data_ptr(),
+                           act=act.data_ptr(), T=x.shape[0], hidden=hidden, inter=inter, use_amx=int(self.amx),
+                           L=num_layers, eps=eps, quant_scratch=_ptr(quant_scratch),
+                           quantized=int(quant_scratch is not None), **(moe or {}))
         self._check("cvk_llama_layers", self._llama_layers(ctypes.byref(s)))
 
     def quant_scratch_bytes(self, rows: int, padded_in: int) -> int:

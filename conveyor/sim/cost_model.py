@@ -93,27 +93,35 @@ class ConstantCostModel:
 
 
 @dataclass(slots=True)
+class OpCost:
+    """One op's FLOPs and bytes in a step, on one device."""
+
+    flops: float = 0.0
+    bytes: float = 0.0
+
+    def seconds(self, flop_rate: float, bandwidth: float) -> float:
+        """The roofline: compute or memory, whichever is slower."""
+        return max(self.flops / flop_rate, self.bytes / bandwidth)
+
+
+@dataclass(slots=True)
 class OpCounts:
     """FLOPs and bytes of one step per op, for one device (before overheads)."""
 
-    linear_flops: float = 0.0
-    linear_bytes: float = 0.0
-    prefill_attn_flops: float = 0.0
-    prefill_attn_bytes: float = 0.0
-    decode_attn_flops: float = 0.0
-    decode_attn_bytes: float = 0.0
-    lm_head_flops: float = 0.0
-    lm_head_bytes: float = 0.0
+    linear: OpCost = field(default_factory=OpCost)
+    prefill_attn: OpCost = field(default_factory=OpCost)
+    decode_attn: OpCost = field(default_factory=OpCost)
+    lm_head: OpCost = field(default_factory=OpCost)
     allreduce_bytes: float = 0.0  # payload of each all-reduce
     num_allreduces: int = 0
 
     @property
     def flops(self) -> float:
-        return self.linear_flops + self.prefill_attn_flops + self.decode_attn_flops + self.lm_head_flops
+        return self.linear.flops + self.prefill_attn.flops + self.decode_attn.flops + self.lm_head.flops
 
     @property
     def bytes(self) -> float:
-        return self.linear_bytes + self.prefill_attn_bytes + self.decode_attn_bytes + self.lm_head_bytes
+        return self.linear.bytes + self.prefill_attn.bytes + self.decode_attn.bytes + self.lm_head.bytes
 
 
 def causal_pairs(query: int, computed: int) -> int:
@@ -180,15 +188,13 @@ class RooflineCostModel:
             tokens += pad
         if tokens == 0:
             return ops
-        ops.linear_flops = self.linear_flops_per_token * tokens
-        ops.linear_bytes = self.model.step_linear_params(tokens) * self.weight_bytes_per_param
-        ops.prefill_attn_flops = self.attn_flops_per_pair * prefill_pairs
-        ops.prefill_attn_bytes = self.kv_bytes_per_token_per_device * prefill_ctx
-        ops.decode_attn_flops = self.attn_flops_per_pair * decode_ctx
-        ops.decode_attn_bytes = self.kv_bytes_per_token_per_device * decode_ctx
+        ops.linear = OpCost(self.linear_flops_per_token * tokens,
+                            self.model.step_linear_params(tokens) * self.weight_bytes_per_param)
+        ops.prefill_attn = OpCost(self.attn_flops_per_pair * prefill_pairs,
+                                  self.kv_bytes_per_token_per_device * prefill_ctx)
+        ops.decode_attn = OpCost(self.attn_flops_per_pair * decode_ctx, self.kv_bytes_per_token_per_device * decode_ctx)
         if shape.num_sampled:
-            ops.lm_head_flops = self.lm_head_flops_per_row * shape.num_sampled
-            ops.lm_head_bytes = self.lm_head_bytes
+            ops.lm_head = OpCost(self.lm_head_flops_per_row * shape.num_sampled, self.lm_head_bytes)
         if self.tp > 1:
             ops.num_allreduces = 2 * self.model.num_layers  # after o_proj and after down_proj
             ops.allreduce_bytes = tokens * self.model.hidden_size * self.dtype_bytes
@@ -197,10 +203,10 @@ class RooflineCostModel:
     def op_seconds(self, ops: OpCounts) -> float:
         """Compute or memory, whichever is slower, per op; plus the all-reduces."""
         bw = self.bandwidth
-        t = max(ops.linear_flops / self.matmul_rate, ops.linear_bytes / bw)
-        t += max(ops.prefill_attn_flops / self.attention_rate, ops.prefill_attn_bytes / bw)
-        t += max(ops.decode_attn_flops / self.attention_rate, ops.decode_attn_bytes / bw)
-        t += max(ops.lm_head_flops / self.matmul_rate, ops.lm_head_bytes / bw)
+        t = ops.linear.seconds(self.matmul_rate, bw)
+        t += ops.prefill_attn.seconds(self.attention_rate, bw)
+        t += ops.decode_attn.seconds(self.attention_rate, bw)
+        t += ops.lm_head.seconds(self.matmul_rate, bw)
         if ops.num_allreduces:
             hw = self.hw
             ring = 2.0 * (self.tp - 1) / self.tp * ops.allreduce_bytes / (hw.link_bandwidth * hw.link_efficiency)

@@ -11,41 +11,56 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from conveyor.sim.instance import COLOCATED, DECODE, PREFILL
+
 _SPEC = re.compile(r"^(?:(?P<c>\d+)C|(?P<p>\d+)P(?P<d>\d+)D)(?:@(?P<tp1>\d+)(?:/(?P<tp2>\d+))?)?$", re.IGNORECASE)
 
 
 @dataclass(frozen=True)
-class Layout:
-    """Instances of a cluster: counts per role and the TP of each role."""
+class Instances:
+    """``count`` instances of one role, each tensor-parallel over ``tp`` GPUs."""
 
-    num_colocated: int = 0
-    num_prefill: int = 0
-    num_decode: int = 0
-    tp_colocated: int = 1
-    tp_prefill: int = 1
-    tp_decode: int = 1
-
-    @property
-    def disaggregated(self) -> bool:
-        return self.num_prefill > 0
+    count: int = 0
+    tp: int = 1
 
     @property
     def gpus(self) -> int:
-        return (self.num_colocated * self.tp_colocated + self.num_prefill * self.tp_prefill
-                + self.num_decode * self.tp_decode)
+        return self.count * self.tp
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Instances of a cluster, per role: colocated ones (prefill and decode), or prefill and decode ones."""
+
+    colocated: Instances = Instances()
+    prefill: Instances = Instances()
+    decode: Instances = Instances()
+
+    @property
+    def disaggregated(self) -> bool:
+        return self.prefill.count > 0
+
+    @property
+    def gpus(self) -> int:
+        return self.colocated.gpus + self.prefill.gpus + self.decode.gpus
+
+    def roles(self) -> list[tuple[str, int]]:
+        """(role, TP) of every instance (``sim.instance``'s role names): colocated ones, prefill, then decode."""
+        groups = ((COLOCATED, self.colocated), (PREFILL, self.prefill), (DECODE, self.decode))
+        return [(role, group.tp) for role, group in groups for _ in range(group.count)]
 
     @property
     def label(self) -> str:
         if not self.disaggregated:
-            return f"{self.num_colocated}C@{self.tp_colocated}"
-        tp = f"{self.tp_prefill}" if self.tp_prefill == self.tp_decode else f"{self.tp_prefill}/{self.tp_decode}"
-        return f"{self.num_prefill}P{self.num_decode}D@{tp}"
+            return f"{self.colocated.count}C@{self.colocated.tp}"
+        p, d = self.prefill, self.decode
+        return f"{p.count}P{d.count}D@{p.tp if p.tp == d.tp else f'{p.tp}/{d.tp}'}"
 
     def describe(self) -> str:
         if not self.disaggregated:
-            return f"{self.num_colocated} colocated x TP{self.tp_colocated} ({self.gpus} GPUs)"
-        return (f"{self.num_prefill} prefill x TP{self.tp_prefill} + {self.num_decode} decode x TP{self.tp_decode} "
-                f"({self.gpus} GPUs)")
+            return f"{self.colocated.count} colocated x TP{self.colocated.tp} ({self.gpus} GPUs)"
+        return (f"{self.prefill.count} prefill x TP{self.prefill.tp} + {self.decode.count} decode x "
+                f"TP{self.decode.tp} ({self.gpus} GPUs)")
 
 
 def parse_layout(text: str, default_tp: int = 1) -> Layout:
@@ -59,10 +74,10 @@ def parse_layout(text: str, default_tp: int = 1) -> Layout:
     if m["c"] is not None:
         if m["tp2"]:
             raise ValueError(f"bad layout {text!r}: a colocated layout has one TP size")
-        layout = Layout(num_colocated=int(m["c"]), tp_colocated=tp1)
+        layout = Layout(colocated=Instances(int(m["c"]), tp1))
     else:
-        layout = Layout(num_prefill=int(m["p"]), num_decode=int(m["d"]), tp_prefill=tp1, tp_decode=tp2)
-    counts = [layout.num_colocated] if m["c"] is not None else [layout.num_prefill, layout.num_decode]
+        layout = Layout(prefill=Instances(int(m["p"]), tp1), decode=Instances(int(m["d"]), tp2))
+    counts = [layout.colocated.count] if m["c"] is not None else [layout.prefill.count, layout.decode.count]
     if min(counts) < 1 or min(tp1, tp2) < 1:
         raise ValueError(f"bad layout {text!r}: every count and TP size must be at least 1")
     return layout

@@ -145,10 +145,10 @@ def test_simulator_prices_the_experts_a_step_reads():
     cost = RooflineCostModel(spec, HARDWARE["h100-sxm"])
     one, many = (cost.op_counts(StepShape(rows=[(1, 10)] * n, num_sampled=n)) for n in (1, 64))
     per_param = cost.dtype_bytes
-    assert one.linear_bytes == spec.step_linear_params(1) * per_param
-    assert many.linear_bytes == pytest.approx(spec.step_linear_params(64) * per_param)
-    assert one.linear_bytes < many.linear_bytes < 64 * one.linear_bytes
-    assert many.linear_flops == 64 * one.linear_flops  # FLOPs: the experts each token runs
+    assert one.linear.bytes == spec.step_linear_params(1) * per_param
+    assert many.linear.bytes == pytest.approx(spec.step_linear_params(64) * per_param)
+    assert one.linear.bytes < many.linear.bytes < 64 * one.linear.bytes
+    assert many.linear.flops == 64 * one.linear.flops  # FLOPs: the experts each token runs
 
 
 def test_a_step_runs_each_chosen_expert_once_on_its_rows():

@@ -44,14 +44,14 @@ def test_roofline_on_a_hand_computed_step():
     shape = StepShape(rows=[(3, 0), (1, 5)], num_sampled=2)
     cost = RooflineCostModel(TOY, UNIT)
     ops = cost.op_counts(shape)
-    assert ops.linear_flops == 2 * 1152 * 4 == 9216
-    assert ops.linear_bytes == 1152 * 2  # the weights, once
+    assert ops.linear.flops == 2 * 1152 * 4 == 9216
+    assert ops.linear.bytes == 1152 * 2  # the weights, once
     # prefill: 0 + 1 + 2 + 3 ... token i sees i + 1 keys: 1 + 2 + 3 = 6 pairs; 4 x q_dim 8 x 2 layers per pair
-    assert ops.prefill_attn_flops == 6 * 64
+    assert ops.prefill_attn.flops == 6 * 64
     kv_per_token = 2 * 2 * 1 * 4 * 2  # K and V, 2 layers, 1 KV head of 4, 2 bytes = 32
-    assert ops.prefill_attn_bytes == 3 * kv_per_token
-    assert ops.decode_attn_flops == 6 * 64 and ops.decode_attn_bytes == 6 * kv_per_token  # 5 cached + itself
-    assert ops.lm_head_flops == 2 * 80 * 2 and ops.lm_head_bytes == 160
+    assert ops.prefill_attn.bytes == 3 * kv_per_token
+    assert ops.decode_attn.flops == 6 * 64 and ops.decode_attn.bytes == 6 * kv_per_token  # 5 cached + itself
+    assert ops.lm_head.flops == 2 * 80 * 2 and ops.lm_head.bytes == 160
     # every op is memory-bound here: 23.04 + 0.96 + 1.92 + 1.6 seconds
     assert cost.step_time(shape) == pytest.approx(2304 / 100 + 96 / 100 + 192 / 100 + 160 / 100)
     c = cost.step_cost(shape)
@@ -71,18 +71,18 @@ def test_compute_bound_prefill_and_overheads():
 def test_padding_runs_as_causal_segments_of_the_longest_chunk():
     shape = StepShape(rows=[(4, 0), (2, 0)], num_sampled=2, num_padding_tokens=2 + 4 + 1)
     ops = RooflineCostModel(TOY, UNIT).op_counts(shape)
-    assert ops.linear_flops == 2 * 1152 * 13
+    assert ops.linear.flops == 2 * 1152 * 13
     pairs = (4 * 5 // 2) + (2 * 3 // 2) + (4 * 5 // 2) + (3 * 4 // 2)  # rows, then pad: one 4-segment and a 3
-    assert ops.prefill_attn_flops == pairs * 64
+    assert ops.prefill_attn.flops == pairs * 64
 
 
 def test_tensor_parallel_splits_work_and_adds_all_reduces():
     shape = StepShape(rows=[(1, 3), (1, 7)], num_sampled=2)
     one, two = RooflineCostModel(TOY, UNIT), RooflineCostModel(TOY, UNIT, tensor_parallel_size=2)
     a, b = one.op_counts(shape), two.op_counts(shape)
-    assert b.linear_flops == a.linear_flops / 2 and b.linear_bytes == a.linear_bytes / 2
-    assert b.decode_attn_flops == a.decode_attn_flops / 2
-    assert b.decode_attn_bytes == a.decode_attn_bytes  # one KV head: replicated on both devices
+    assert b.linear.flops == a.linear.flops / 2 and b.linear.bytes == a.linear.bytes / 2
+    assert b.decode_attn.flops == a.decode_attn.flops / 2
+    assert b.decode_attn.bytes == a.decode_attn.bytes  # one KV head: replicated on both devices
     assert b.num_allreduces == 4 and b.allreduce_bytes == 2 * 8 * 2  # 2 per layer; 2 tokens x hidden x 2 B
     # each all-reduce: 0.5 s latency + ring 2 x (2 - 1) / 2 x 32 B / 50 B/s
     assert two.op_seconds(b) - two.op_seconds(b.__class__(**{**_fields(b), "num_allreduces": 0})) == \

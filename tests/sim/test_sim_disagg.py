@@ -77,7 +77,7 @@ def test_every_instance_schedules_what_its_scheduler_alone_schedules(layout, lin
     instances' small caches force recompute preemptions of handed-over requests."""
     spec = parse_layout(layout)
     blocks = {COLOCATED: 40, PREFILL: 200, DECODE: 26}  # prefill roomy: held blocks never delay an admission
-    roles = [COLOCATED] * spec.num_colocated + [PREFILL] * spec.num_prefill + [DECODE] * spec.num_decode
+    roles = [role for role, _ in spec.roles()]
     instances = [make_instance(f"{role}{i}", role, blocks[role]) for i, role in enumerate(roles)]
     workload = traffic(40, seed=3, rate=100.0)
     result = run(instances, workload, link=link)
@@ -86,7 +86,7 @@ def test_every_instance_schedules_what_its_scheduler_alone_schedules(layout, lin
         steps = [dict(s.num_scheduled_tokens) for s in inst.observer.steps]
         assert len(steps) > 10 and inst.deliveries
         assert steps == replayed_schedule(inst, blocks[inst.role])
-    if spec.num_decode:
+    if spec.decode.count:
         assert sum(i.scheduler.num_preemptions for i in instances if i.role == DECODE) > 0
         # a decode instance only ever decodes, except to recompute a preempted request
         decodes = [i for i in instances if i.role == DECODE]
@@ -151,8 +151,8 @@ def test_cluster_transfers_take_bytes_over_bandwidth_plus_latency_and_queue_per_
 @pytest.mark.parametrize("layout,decode_blocks", [("1P1D", 200), ("2P1D", 34), ("1P2D", 34)])
 def test_no_request_lost_and_kv_returns_to_zero(layout, decode_blocks):
     spec = parse_layout(layout)
-    instances = ([make_instance(f"P{i}", PREFILL, 40) for i in range(spec.num_prefill)]
-                 + [make_instance(f"D{i}", DECODE, decode_blocks) for i in range(spec.num_decode)])
+    instances = ([make_instance(f"P{i}", PREFILL, 40) for i in range(spec.prefill.count)]
+                 + [make_instance(f"D{i}", DECODE, decode_blocks) for i in range(spec.decode.count)])
     workload = traffic(60, seed=6, rate=80.0)
     result = run(instances, workload, link="ethernet-25g")  # slow: prefill blocks stay held for a while
     assert sorted(int(r.request_id) for r in result.requests) == list(range(60))
@@ -179,10 +179,8 @@ def single_request_times(layout: str, link: str, prompt_len: int = 3000, max_tok
     args = EngineArgs(model="unused", block_size=16, max_model_len=8192, policy="chunked", max_num_seqs=8,
                       max_num_batched_tokens=512)
     lay = parse_layout(layout, 4)
-    roles = ([(COLOCATED, lay.tp_colocated)] * lay.num_colocated + [(PREFILL, lay.tp_prefill)] * lay.num_prefill
-             + [(DECODE, lay.tp_decode)] * lay.num_decode)
     instances = [make_instance(f"{r}{i}", r, 1000, args, RooflineCostModel(spec, hw, tp), tp, 8192)
-                 for i, (r, tp) in enumerate(roles)]
+                 for i, (r, tp) in enumerate(lay.roles())]
     workload = Workload("one", [WorkloadRequest(0, 0.0, list(range(4, 4 + prompt_len)), None, max_tokens, "",
                                                 {"ignore_eos": True})])
     result = simulate_cluster(instances, sim_requests(workload, 1.0, 8192), get_link(link), kv_bytes_per_token(spec))
@@ -207,7 +205,8 @@ def test_1p1d_with_a_free_link_is_not_slower_to_first_token_than_colocated():
 def test_layout_grammar():
     assert parse_layout("2C@4").gpus == 8 and not parse_layout("2C@4").disaggregated
     one = parse_layout("1P1D", default_tp=4)
-    assert (one.num_prefill, one.num_decode, one.tp_prefill, one.tp_decode, one.gpus) == (1, 1, 4, 4, 8)
+    assert (one.prefill.count, one.decode.count, one.prefill.tp, one.decode.tp, one.gpus) == (1, 1, 4, 4, 8)
+    assert one.roles() == [(PREFILL, 4), (DECODE, 4)]
     assert parse_layout("2P1D@2/4").gpus == 8 and parse_layout("2P1D@2/4").label == "2P1D@2/4"
     for bad in ("0C", "1P0D", "1P1D@0", "1C@2/4", "P1D", "3X"):
         with pytest.raises(ValueError):

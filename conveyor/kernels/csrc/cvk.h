@@ -60,12 +60,14 @@ typedef struct CvkAttnArgs {
 } CvkAttnArgs;
 
 /* The decoder-layer stack of a Llama-family model for one decode-sized step (cvk_llama_layers; see
- * layer_stack.cpp for the ops and their order). fields: per-layer pointers, int64 [LW_FIELDS][L] field-major
+ * layer_stack.cpp for the ops and their order). step: the attention arguments every layer shares, as
+ * cvk_attention takes them (block_table .. rope_offset, bt_stride, mass_stride, dtype .. scale; the key mass then
+ * sums every layer's); the stack fills in each layer's q, k, v, out, caches, strides and window, and step.dtype and
+ * step.num_threads serve the whole stack. fields: per-layer pointers, int64 [LW_FIELDS][L] field-major
  * (layer_stack.cpp's enum gives the order); x, residual and the scratch buffers h, qkv, attn, gu, act are dense
- * [T, ...] in the step's dtype; block_table .. plan, key_mass .. rope_offset and mass_stride as in CvkAttnArgs
- * (the key mass then sums every layer's). use_amx: the caller checked cvk_amx_init
- * (bfloat16 with float weights needs it). */
+ * [T, ...] in the step's dtype. use_amx: the caller checked cvk_amx_init (bfloat16 with float weights needs it). */
 typedef struct CvkLayerStackArgs {
+  CvkAttnArgs step;
   const int64_t* fields;
   void* x;
   void* residual;
@@ -74,19 +76,10 @@ typedef struct CvkLayerStackArgs {
   void* attn;
   void* gu;
   void* act;
-  const int64_t* block_table;
-  const int64_t* query_start;
-  const int64_t* seq_lens;
-  const float* cos_sin;
-  const void* plan;
   void* quant_scratch; /* quantized: cvk_quant_scratch_bytes(T, the largest K) bytes for the activations */
-  float* key_mass;
-  const int32_t* score_rows;
-  const int64_t* mass_offset;
-  const int64_t* rope_offset;
-  int64_t T, hidden, inter, bt_stride, mass_stride;
-  int32_t dtype, use_amx, L, num_reqs, H, KVH, D, bs, num_threads;
-  float scale, eps;
+  int64_t T, hidden, inter;
+  int32_t use_amx, L;
+  float eps;
   int32_t quantized; /* 1: some linear fields hold CvkQuantWeight descriptors (a per-layer field says which) */
   /* A mixture of experts (E > 0; float32 only): per layer its router and experts' table (layer_stack.cpp's
    * fields), top_k and norm_topk_prob as in CvkMoeArgs, the experts' width moe_inter, and moe_scratch: the router
@@ -100,7 +93,7 @@ typedef struct CvkLayerStackArgs {
 #ifdef __cplusplus
 static_assert(sizeof(void*) == 8, "the Python mirrors assume 64-bit pointers");
 static_assert(sizeof(CvkAttnArgs) == 15 * 8 + 7 * 8 + 8 * 4, "CvkAttnArgs changed: bump CVK_ABI_VERSION");
-static_assert(sizeof(CvkLayerStackArgs) == 18 * 8 + 5 * 8 + 12 * 4 + 3 * 8 + 4 * 4,
+static_assert(sizeof(CvkLayerStackArgs) == sizeof(CvkAttnArgs) + 9 * 8 + 3 * 8 + 4 * 4 + 3 * 8 + 4 * 4,
               "CvkLayerStackArgs changed: bump CVK_ABI_VERSION");
 #endif
 

@@ -32,13 +32,14 @@ namespace cvk {
 // act [T, inter]. Weights are packed as cvk_skinny_gemm takes them, and bfloat16 runs its GEMMs on AMX only
 // (use_amx: the caller checked cvk_amx_init); a linear field that points at a CvkQuantWeight descriptor (its bit
 // in field 15) is cvk_quant_gemm's (either dtype), its activations quantized into s.quant_scratch (given when any
-// field is). The attention plan is the step's (s.plan), or built here once
+// field is). The attention plan is the step's (s.step.plan), or built here once
 // for all layers. Returns CVK_OK, or the first failing part's code.
 enum { LW_IN_NORM, LW_QKV, LW_QKV_B, LW_O, LW_O_B, LW_POST_NORM, LW_GU, LW_GU_B, LW_DOWN, LW_DOWN_B, LW_Q_NORM,
        LW_K_NORM, LW_WINDOW, LW_ROUTER, LW_EXPERTS, LW_QUANT, LW_KC, LW_VC, LW_FIELDS };
 
 int llama_layers(const CvkLayerStackArgs& s) {
-  const int dtype = s.dtype, L = s.L, H = s.H, KVH = s.KVH, D = s.D, num_threads = s.num_threads;
+  const int dtype = s.step.dtype, L = s.L, H = s.step.H, KVH = s.step.KVH, D = s.step.D;
+  const int num_threads = s.step.num_threads;
   const int64_t T = s.T, hidden = s.hidden, inter = s.inter;
   const int64_t* fields = s.fields;
   void *x = s.x, *residual = s.residual, *h = s.h, *attn = s.attn, *gu = s.gu, *act = s.act;
@@ -78,31 +79,12 @@ int llama_layers(const CvkLayerStackArgs& s) {
     add_rmsnorm(dtype, in, hidden, residual, w, h, T, hidden, eps, add, num_threads);
   };
   char* qkv_c = static_cast<char*>(s.qkv);
-  // What every layer's attention call shares; each layer adds its q/k/v/cache pointers.
-  AttnArgs base{};
-  base.block_table = s.block_table;
-  base.query_start = s.query_start;
-  base.seq_lens = s.seq_lens;
-  base.cos_sin = s.cos_sin;
-  base.plan = s.plan;
-  base.key_mass = s.key_mass;
-  base.score_rows = s.score_rows;
-  base.mass_offset = s.mass_offset;
-  base.rope_offset = s.rope_offset;
-  base.mass_stride = s.mass_stride;
+  // What every layer's attention call shares (s.step); each layer adds its q/k/v/cache pointers.
+  AttnArgs base = s.step;
   base.q_stride = base.k_stride = base.v_stride = qkv_n;
-  base.bt_stride = s.bt_stride;
   base.out_stride = q_n;
-  base.dtype = dtype;
-  base.num_reqs = s.num_reqs;
-  base.H = H;
-  base.KVH = KVH;
-  base.D = D;
-  base.bs = s.bs;
-  base.num_threads = num_threads;
-  base.scale = s.scale;
   void* own_plan = nullptr;
-  if (base.plan == nullptr && s.num_reqs > 0) {
+  if (base.plan == nullptr && base.num_reqs > 0) {
     const int64_t bytes = attention_plan_bytes(base);
     own_plan = malloc(size_t(bytes));
     if (own_plan == nullptr) return CVK_ERR_NOMEM;

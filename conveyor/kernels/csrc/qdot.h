@@ -10,6 +10,7 @@
 #include <type_traits>
 
 #include "cvk.h"
+#include "level.h"
 
 namespace cvk {
 
@@ -78,10 +79,8 @@ inline void prefetch_block_q6(const uint8_t* qs, const int8_t* sub, int64_t j) {
 
 }  // namespace cvk
 
-#if defined(CVK_AVX512) || defined(CVK_AVX512BF16)
+#if CVK_AVX512_LANES
 #include "qdot_avx512.h"
-#elif defined(CVK_AVX2)
-#include "qdot_avx2.h"
 #else
-#error "compile with one of CVK_AVX512BF16, CVK_AVX512, CVK_AVX2"
+#include "qdot_avx2.h"
 #endif

@@ -11,6 +11,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "level.h"
+
 namespace cvk {
 
 // exp(r) for |r| <= ln(2)/2: the Cephes polynomial, shared by every vector width (V::exp reduces x to r).
@@ -27,12 +29,10 @@ inline Vec exp_poly(Vec r) {
 
 }  // namespace cvk
 
-#if defined(CVK_AVX512) || defined(CVK_AVX512BF16)
+#if CVK_AVX512_LANES
 #include "vec_avx512.h"
-#elif defined(CVK_AVX2)
-#include "vec_avx2.h"
 #else
-#error "compile with one of CVK_AVX512BF16, CVK_AVX512, CVK_AVX2"
+#include "vec_avx2.h"
 #endif
 
 namespace cvk {
