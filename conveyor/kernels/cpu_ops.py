@@ -22,7 +22,7 @@ from conveyor.kernels.cpu_features import LEVEL_FLAGS, cpu_features, kernel_leve
 from conveyor.kernels.moe_ops import MoeArgs, MoeKernels
 
 SOURCE_DIR = os.path.join(os.path.dirname(__file__), "csrc")
-ABI_VERSION = 12  # csrc/cvk.h's CVK_ABI_VERSION
+ABI_VERSION = 13  # csrc/cvk.h's CVK_ABI_VERSION
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 
 

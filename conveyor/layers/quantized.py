@@ -10,7 +10,9 @@ every one is exactly an f16 (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1: one f16 scale, and a 
 scale, per block), and as float32 otherwise (K-quants' f16 x 6-bit products and int8's max / 127 are exact only
 there). Where every offset is q's middle times the scale (-128 x for 8-bit q, -8 x for 4-bit: Q8_0, Q4_0, int8)
 no offsets are stored and the kernels compute them. So a decode step streams the file's bytes (Q4_1 0.625 a value,
-Q8_0 1.0625, Q4_0 0.5625) or close (Q4_K 0.75 against the file's 0.5625; int8 1.125).
+Q8_0 1.0625, Q4_0 0.5625) or close (int8 1.125). Q4_K and Q5_K keep the file's f16 d and dmin per 256 values and a
+byte per 6-bit sub-scale and minimum (``layers.kquants``; 0.578 bytes a value for Q4_K against the file's 0.5625),
+from which the kernels form the same float32 scales and offsets.
 Q6_K, whose scales are per 16 values, has a layout of its own (``q6``, csrc/cvk.h's CVK_Q6, ``layers.kquants``): its
 6-bit q, int8 sub-scales and f16 super-scales as the file holds them (0.8203 bytes a value). A linear whose fused
 row parts came in layouts that cannot share one packed form (llama.cpp's Q4_K_M: Q4_K q and k, a Q6_K v) is a

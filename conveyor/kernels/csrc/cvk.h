@@ -9,7 +9,7 @@
 
 #include <stdint.h>
 
-#define CVK_ABI_VERSION 12
+#define CVK_ABI_VERSION 13
 
 enum {
   CVK_OK = 0,
