@@ -80,7 +80,7 @@ class LLMEngine:
             self.model, self.model_info, num_blocks=num_blocks, block_size=block_size, device=self.device,
             attention_backend=args.attention_backend, seed=args.seed,  # --seed seeds sampling too, as in vLLM
             structured=self.structured, pooler=make_pooler(self.model, self.model_info, self.tokenizer),
-            null_block_id=self.kv_manager.null_block_id)
+            null_block_id=self.kv_manager.null_block_id, kv_cache_dtype=args.kv_cache_dtype)
         if draft is not None:
             runner.attach_draft(*draft, args.attention_backend)
         return runner

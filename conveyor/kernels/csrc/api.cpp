@@ -58,7 +58,7 @@ const char* cvk_struct_layout(int which) {
       CVK_FIELD(CvkAttnArgs, window),
       CVK_FIELD(CvkAttnArgs, dtype), CVK_FIELD(CvkAttnArgs, num_reqs),
       CVK_FIELD(CvkAttnArgs, H), CVK_FIELD(CvkAttnArgs, KVH), CVK_FIELD(CvkAttnArgs, D), CVK_FIELD(CvkAttnArgs, bs),
-      CVK_FIELD(CvkAttnArgs, num_threads), CVK_FIELD(CvkAttnArgs, scale)});
+      CVK_FIELD(CvkAttnArgs, num_threads), CVK_FIELD(CvkAttnArgs, scale), CVK_FIELD(CvkAttnArgs, kv_dtype)});
   static const std::string stack = layout<CvkLayerStackArgs>({
       CVK_FIELD(CvkLayerStackArgs, step), CVK_FIELD(CvkLayerStackArgs, fields), CVK_FIELD(CvkLayerStackArgs, x),
       CVK_FIELD(CvkLayerStackArgs, residual), CVK_FIELD(CvkLayerStackArgs, h), CVK_FIELD(CvkLayerStackArgs, qkv),

@@ -20,12 +20,19 @@ enum {
 
 enum { CVK_F32 = 0, CVK_BF16 = 1 }; /* dtype codes; bfloat16 is stored as uint16_t, all arithmetic is float32 */
 
+/* KV-cache element codes (kv_dtype): CVK_KV_SAME, the cache holds the step's dtype; CVK_KV_INT8, each head's row of
+ * a token holds D int8 values then its float32 scale (4 bytes): row = D + 4 bytes, value = scale * q, scale =
+ * max |x| / 127 of the row, q = round-half-even(x / scale) (0 for a row of zeros). The kernels quantize when they
+ * write a row and dequantize (q * scale, float32) when they read one. */
+enum { CVK_KV_SAME = 0, CVK_KV_INT8 = 2 };
+
 /* Rope (when cos_sin is not NULL) + KV-cache write + causal attention for every request of a step.
  *   q [T, q_stride] holds H heads of D values per token, k [T, k_stride] and v [T, v_stride] KVH heads each
  *     (they may be views of one fused qkv buffer); q and k are rotated in place. Request r owns tokens
  *     [query_start[r], query_start[r+1]) at positions seq_lens[r] - n_r ... seq_lens[r] - 1, and their K/V go
  *     to the slots its block table gives.
- *   k_cache, v_cache [num_blocks, KVH, bs, D] (head-major blocks); block_table [num_reqs, bt_stride]; cos_sin
+ *   k_cache, v_cache [num_blocks, KVH, bs, D] (head-major blocks), elements of the step's dtype; with kv_dtype
+ *     CVK_KV_INT8 [num_blocks, KVH, bs, D + 4] bytes (the rows above); block_table [num_reqs, bt_stride]; cos_sin
  *     [positions, D] float32 (cos in the first half of a row, sin in the second); out [T, out_stride] gets H * D
  *     per token.
  *   plan: the step's work plan from cvk_attention_plan (the same for every layer), or NULL to plan in the call.
@@ -57,6 +64,7 @@ typedef struct CvkAttnArgs {
   int64_t q_stride, k_stride, v_stride, bt_stride, out_stride, mass_stride, window;
   int32_t dtype, num_reqs, H, KVH, D, bs, num_threads;
   float scale;
+  int32_t kv_dtype; /* CVK_KV_SAME or CVK_KV_INT8 */
 } CvkAttnArgs;
 
 /* The decoder-layer stack of a Llama-family model for one decode-sized step (cvk_llama_layers; see
@@ -92,7 +100,7 @@ typedef struct CvkLayerStackArgs {
 
 #ifdef __cplusplus
 static_assert(sizeof(void*) == 8, "the Python mirrors assume 64-bit pointers");
-static_assert(sizeof(CvkAttnArgs) == 15 * 8 + 7 * 8 + 8 * 4, "CvkAttnArgs changed: bump CVK_ABI_VERSION");
+static_assert(sizeof(CvkAttnArgs) == 15 * 8 + 7 * 8 + 10 * 4, "CvkAttnArgs changed: bump CVK_ABI_VERSION");
 static_assert(sizeof(CvkLayerStackArgs) == sizeof(CvkAttnArgs) + 9 * 8 + 3 * 8 + 4 * 4 + 3 * 8 + 4 * 4,
               "CvkLayerStackArgs changed: bump CVK_ABI_VERSION");
 #endif
