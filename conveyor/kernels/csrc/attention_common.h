@@ -95,6 +95,22 @@ inline float kv_row_scale(const int8_t* src, int dv) {
   return scale;
 }
 
+// Cache row src of a decode chunk as float32 for its dot products: a pointer into a float32 cache, or the row
+// widened into buf (bfloat16), or an int8 row's values into buf with its scale in *scale (the caller folds it in).
+template <typename C>
+inline const float* decode_row(const C* src, int dv, float* buf, float* scale) {
+  if constexpr (sizeof(C) == 4) {
+    return reinterpret_cast<const float*>(src);
+  } else if constexpr (sizeof(C) == 1) {
+    load_kv_values(src, dv, buf);
+    *scale = kv_row_scale(src, dv);
+    return buf;
+  } else {
+    load_kv_row(src, dv, buf);
+    return buf;
+  }
+}
+
 // One head's row x of D = dv * W values (the step's dtype T) into a cache row of type C: copied, or quantized to
 // int8 with its scale (cvk.h's CVK_KV_INT8: scale = max |x| / 127, q = round-half-even(x / scale), a division so
 // that a torch reference computes the same integers).

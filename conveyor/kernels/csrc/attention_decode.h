@@ -100,15 +100,8 @@ void attend_one_query(const AttnArgs& a, const Item& it) {
           if (j >= nk) {
             krow[j] = kZeros;
             if constexpr (kInt8) ks[j] = 0.f;
-          } else if constexpr (sizeof(C) == 4) {
-            krow[j] = reinterpret_cast<const float*>(kbase[j] + h * hstride);
-          } else if constexpr (kInt8) {
-            load_kv_values(kbase[j] + h * hstride, dv, kbuf + j * D);
-            ks[j] = kv_row_scale(kbase[j] + h * hstride, dv);
-            krow[j] = kbuf + j * D;
           } else {
-            load_kv_row(kbase[j] + h * hstride, dv, kbuf + j * D);
-            krow[j] = kbuf + j * D;
+            krow[j] = decode_row(kbase[j] + h * hstride, dv, kbuf + j * D, ks + (kInt8 ? j : 0));
           }
         }
         for (int r = r0; r < r0 + G; r++) {
@@ -156,18 +149,8 @@ void attend_one_query(const AttnArgs& a, const Item& it) {
         pv_bf16<DV>(Pb + r0 * KP, KP, G, vh, (nk + 1) & ~1, O + r0 * D, pfc);
         pfc.flush();
       } else {
-        for (int j = 0; j < nk; j++) {
-          if constexpr (sizeof(C) == 4) {
-            vrow[j] = reinterpret_cast<const float*>(vbase[j] + h * hstride);
-          } else if constexpr (kInt8) {
-            load_kv_values(vbase[j] + h * hstride, dv, vbuf + j * D);
-            vs[j] = kv_row_scale(vbase[j] + h * hstride, dv);
-            vrow[j] = vbuf + j * D;
-          } else {
-            load_kv_row(vbase[j] + h * hstride, dv, vbuf + j * D);
-            vrow[j] = vbuf + j * D;
-          }
-        }
+        for (int j = 0; j < nk; j++)
+          vrow[j] = decode_row(vbase[j] + h * hstride, dv, vbuf + j * D, vs + (kInt8 ? j : 0));
         if constexpr (kInt8) {  // p_j * vs_j: the probabilities were kept (mass) and summed (l) above
           for (int j = nk; j < KP; j++) vs[j] = 0.f;
           for (int r = r0; r < r0 + G; r++)
