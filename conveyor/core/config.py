@@ -65,8 +65,13 @@ class SchedulerConfig:
     # priority: while requests of several priorities run, the tokens of those below the best may add at most this
     # fraction to the step's time (from the measured step cost); None: they take whatever budget is left
     priority_step_slack: float | None = None
+    # LoRA: at most this many distinct adapters among the running requests (the runner's adapter slots); a waiting
+    # request of another adapter waits at the queue head until one of them has no running request. 0: no bound.
+    max_loras: int = 0
 
     def __post_init__(self) -> None:
+        if self.max_loras < 0:
+            raise ValueError(f"max_loras must be >= 0, got {self.max_loras}")
         for name in ("max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

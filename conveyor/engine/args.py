@@ -105,6 +105,10 @@ class EngineArgs:
     attention_backend: str = _arg("auto", "attention implementation: auto and cpu pick the fastest this machine "
                                           "runs (see conveyor.layers.attention)", choices=ATTENTION_BACKENDS)
     max_num_queued_reqs: int | None = _arg(None, "bound on waiting requests (default: unbounded)")
+    enable_lora: bool = _arg(False, "serve LoRA adapters of this model (PEFT directories), many in one batch")
+    max_loras: int = _arg(4, "LoRA adapters with requests in the running batch at once (adapter slots; vLLM's "
+                             "default is 1); more are swapped in least recently used first")
+    max_lora_rank: int = _arg(16, "largest LoRA rank served; an adapter above it is refused")
     debug_invariants: bool = _arg(False, "check the scheduler's and KV cache's invariants after every step")
     detokenize: bool = field(default=True, metadata={"cli": False})  # benchmarks turn it off: ids in, ids out
     num_threads: int | None = _arg(None, "torch intra-op threads on CPU (default: all cores)")
@@ -116,7 +120,8 @@ class EngineArgs:
     def scheduler_config(self, max_model_len: int, whole_prompts: bool = False) -> SchedulerConfig:
         """The scheduler's config, its policy objects' included (KV eviction from the cache flags)."""
         return SchedulerConfig(**{**self._values_of(SchedulerConfig), "max_model_len": max_model_len,
-                                  "whole_prompts": whole_prompts, "eviction": self.cache_config().eviction_config()})
+                                  "whole_prompts": whole_prompts, "eviction": self.cache_config().eviction_config(),
+                                  "max_loras": self.max_loras if self.enable_lora else 0})
 
     def pooler_overrides(self) -> dict | None:
         """``pooler_config`` as a dict (it may be given as JSON text or, from Python, a dict)."""

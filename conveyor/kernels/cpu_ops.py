@@ -19,6 +19,7 @@ import torch
 
 from conveyor.kernels.build import BuildError, build_library
 from conveyor.kernels.cpu_features import LEVEL_FLAGS, cpu_features, kernel_level
+from conveyor.kernels.lora_ops import LoraArgs, LoraKernels
 from conveyor.kernels.moe_ops import MoeArgs, MoeKernels
 
 SOURCE_DIR = os.path.join(os.path.dirname(__file__), "csrc")
@@ -69,7 +70,8 @@ class QuantGemmArgs(ctypes.Structure):
                 ("y_stride", _I64), ("scratch_bytes", _I64), ("dtype", _I32), ("num_threads", _I32)]
 
 
-_STRUCTS = {0: AttnArgs, 1: LayerStackArgs, 2: QuantWeight, 3: QuantGemmArgs, 4: MoeArgs}  # cvk.h's CVK_STRUCT_*
+_STRUCTS = {0: AttnArgs, 1: LayerStackArgs, 2: QuantWeight, 3: QuantGemmArgs, 4: MoeArgs,
+            5: LoraArgs}  # cvk.h's CVK_STRUCT_*
 _ERRORS = {-1: "out of memory", -2: "unsupported by this build (head size, group size or dtype)",
            -3: "bad argument (dtype, shape, or a plan built for other arguments)"}
 
@@ -169,6 +171,7 @@ class CpuKernels:
         self._quant_scratch = _c_function(lib, "cvk_quant_scratch_bytes", i64, [i64, i64])
         self.vnni = lib.cvk_quant_vnni() == 1  # the quantized GEMM's dot products on VPDPBUSD
         self.moe = MoeKernels(lib, self._check)  # a mixture's routed MLP (moe_ops)
+        self.lora = LoraKernels(lib, self._check)  # many LoRA adapters' low-rank products in one step (lora_ops)
         self.vector_width = lib.cvk_vector_width()
         self.max_head_dim = lib.cvk_max_head_dim()
 

@@ -60,12 +60,26 @@ class ModelRunner:
         self._imported_generators: dict[str, torch.Tensor] = {}
         self._scored_attention = None  # the step's scoring attention (block_scores) while its scores wait to be returned
         self.draft = None  # runner.draft_model.DraftModel (attach_draft): fills the scheduler's placeholders
+        self.lora = None  # runner.lora_slots.LoRASlots (attach_lora): each step's rows of each LoRA adapter
 
     def attach_draft(self, model: torch.nn.Module, info: ModelInfo, attention_backend: str = "auto") -> None:
         """Propose with ``model`` (speculative decoding's draft model), on this runner's blocks."""
         from conveyor.runner.draft_model import DraftModel
 
         self.draft = DraftModel(model, info, self.block_size, self.device, attention_backend, self._allocate_kv)
+
+    def attach_lora(self, max_loras: int, max_rank: int, segmented: bool = True) -> None:
+        """Serve LoRA adapters: ``max_loras`` adapter slots of rank up to ``max_rank`` on this runner's model
+        (``models.lora_model``; ``segmented=False``: the torch per-adapter loop instead of the native kernel)."""
+        from conveyor.models.lora_model import LoRAModel
+        from conveyor.runner.lora_slots import LoRASlots
+
+        kernels = None
+        if self.device.type == "cpu":
+            from conveyor.kernels import load_cpu_kernels
+
+            kernels = load_cpu_kernels()
+        self.lora = LoRASlots(LoRAModel(self.model, max_loras, max_rank, self.device, kernels, segmented))
 
     def _allocate_kv(self, backend: str, info: ModelInfo) -> list[torch.Tensor]:
         """A model's per-layer caches over this runner's blocks, the null block (zeroed: a masked key's weight
@@ -160,7 +174,13 @@ class ModelRunner:
         else:
             attn = make_attention(self.backend, step.attn_meta, self.dtype, step.padding, step.scored)
             self._scored_attention = attn if step.scored else None
-            hidden = self.model(step.input_ids, step.positions, self.kv_caches, attn)
+            if self.lora is not None:
+                self.lora.prepare(step, self.batch.requests)
+            try:
+                hidden = self.model(step.input_ids, step.positions, self.kv_caches, attn)
+            finally:
+                if self.lora is not None:
+                    self.lora.done()
         if step.pool_rows:
             self._pooled = self.pooler.pool(hidden, step.pool_rows)
         prompt_lps = {rows.state.req_id: self._prompt_logprobs(hidden, rows) for rows in step.prompt_rows

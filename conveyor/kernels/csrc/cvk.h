@@ -174,12 +174,33 @@ typedef struct CvkMoeArgs {
   int32_t dtype, E, top_k, norm_topk_prob, num_threads;
 } CvkMoeArgs;
 
+/* Many LoRA adapters in one step (cvk_lora_apply, lora.cpp): for each segment s (rows[seg_start[s] ..
+ * seg_start[s + 1]), all of adapter slot seg_slot[s]) y[row] += (x[row] A[slot]) B[slot], with A float32
+ * [slots][K][SR] and B float32 [slots][SR][N] (the adapter's scaling folded in), SR = num_subs x R: the columns
+ * [sub_cols[p], sub_cols[p + 1]) of y (one part of a fused projection) read rank slice p of the shrink only.
+ * x and y are dtype, rows x_stride / y_stride elements apart; scratch float32 [M][SR], M = seg_start[num_segs]. */
+typedef struct CvkLoraArgs {
+  const void* x;
+  void* y;
+  const float* a;
+  const float* b;
+  const int64_t* rows;
+  const int64_t* seg_start;
+  const int64_t* seg_slot;
+  const int64_t* sub_cols;
+  float* scratch;
+  int64_t x_stride, y_stride, K, N, SR, R, num_segs, num_subs;
+  int32_t dtype, num_threads;
+} CvkLoraArgs;
+
 enum { CVK_STRUCT_ATTN_ARGS = 0, CVK_STRUCT_LAYER_STACK_ARGS = 1, CVK_STRUCT_QUANT_WEIGHT = 2,
-       CVK_STRUCT_QUANT_GEMM_ARGS = 3, CVK_STRUCT_MOE_ARGS = 4 }; /* cvk_struct_layout's `which` */
+       CVK_STRUCT_QUANT_GEMM_ARGS = 3, CVK_STRUCT_MOE_ARGS = 4,
+       CVK_STRUCT_LORA_ARGS = 5 }; /* cvk_struct_layout's `which` */
 
 #ifdef __cplusplus
 static_assert(sizeof(CvkQuantWeight) == 5 * 8 + 3 * 8 + 2 * 4, "CvkQuantWeight changed: bump CVK_ABI_VERSION");
 static_assert(sizeof(CvkQuantGemmArgs) == 5 * 8 + 4 * 8 + 2 * 4, "CvkQuantGemmArgs changed: bump CVK_ABI_VERSION");
+static_assert(sizeof(CvkLoraArgs) == 9 * 8 + 8 * 8 + 2 * 4, "CvkLoraArgs changed: bump CVK_ABI_VERSION");
 static_assert(sizeof(CvkMoeArgs) == 5 * 8 + 5 * 8 + 5 * 4 + 4, "CvkMoeArgs changed: bump CVK_ABI_VERSION");
 #endif
 
