@@ -9,7 +9,7 @@
 
 #include <stdint.h>
 
-#define CVK_ABI_VERSION 14
+#define CVK_ABI_VERSION 15
 
 enum {
   CVK_OK = 0,
