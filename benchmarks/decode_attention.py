@@ -2,7 +2,7 @@
 """Decode attention alone: the native kernel over a step of one-token requests, every layer's cache its own.
 
     python benchmarks/decode_attention.py [--dtype bfloat16] [--heads 9 --kv-heads 3 --head-dim 64]
-        [--layers 30] [--shapes 86x190,86x500,16x500] [--rounds 10] [--key-mass]
+        [--layers 30] [--shapes 86x190,86x500,16x500] [--rounds 10] [--key-mass] [--kv-int8]
 
 For each requests x keys shape: one attention call per layer (rope + KV write + attention, as the engine makes
 them), over --layers separate caches so they come from DRAM as a real step's do (the defaults are SmolLM2-135M's
@@ -13,6 +13,10 @@ the results in docs/kernels.md were measured this way or with both builds in one
 --key-mass times each step twice, taking turns: as above, and with every request scored for KV eviction (the
 kernel adds each query head's attention probabilities into a per-request buffer, as h2o asks of every decode
 it scores), and prints what scoring adds (docs/kv-eviction.md).
+
+--kv-int8 times each step twice, taking turns: over the --dtype cache, and over an int8 cache of the same K/V
+(``--kv-cache-dtype int8``: D int8 values and a float32 scale per token and head), and prints the ratio
+(docs/kv-cache.md).
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--key-mass", action="store_true", help="also time the step with every request scored")
+    ap.add_argument("--kv-int8", action="store_true", help="also time the step over an int8 KV cache")
     ap.add_argument("--queries", type=int, default=1,
                     help="query tokens per request (a step verifying k speculative tokens has 1 + k)")
     ns = ap.parse_args()
@@ -70,6 +75,10 @@ def main() -> int:
         k = qkv[:, h * d:(h + kvh) * d].unflatten(1, (kvh, d))
         v = qkv[:, (h + kvh) * d:].unflatten(1, (kvh, d))
         variants = [{}]
+        if ns.kv_int8:
+            from conveyor.layers.attention.kv_quant import quantize_rows
+
+            variants.append({"caches": [quantize_rows(c) for c in caches]})
         if ns.key_mass:
             from conveyor.kernels.cpu_ops import KeyMass
 
@@ -82,15 +91,18 @@ def main() -> int:
                 t0 = time.perf_counter()
                 plan = kernels.attention_plan(qsl, seq_lens, h, kvh, d) if hasattr(kernels, "attention_plan") else None
                 extra = {} if plan is None else {"plan": plan}
-                if scored:
+                scored = dict(scored)
+                if "key_mass" in scored:
                     scored["key_mass"].mass.zero_()  # once per step, as the engine allocates it
-                for cache in caches:
+                for cache in scored.pop("caches", caches):
                     kernels.attention(q, k, v, cache[0], cache[1], table, qsl, seq_lens, cos_sin, out, d ** -0.5,
                                       **extra, **scored)
                 best[j] = min(best[j], time.perf_counter() - t0)
         line = f"{reqs:4d} requests x {keys:5d} keys: {best[0] * 1e3:8.2f} ms per step"
+        if ns.kv_int8:
+            line += f", int8 cache {best[1] * 1e3:8.2f} ms ({best[1] / best[0]:.2f}x)"
         if ns.key_mass:
-            line += f", scored {best[1] * 1e3:8.2f} ms ({100 * (best[1] / best[0] - 1):+.1f}%)"
+            line += f", scored {best[-1] * 1e3:8.2f} ms ({100 * (best[-1] / best[0] - 1):+.1f}%)"
         print(line)
     return 0
 

@@ -4,7 +4,7 @@ sentence-transformers' ``encode`` on the same threads and, given its binary, lla
 --embedding`` on the GGUF of the same model, in alternating rounds.
 
     python benchmarks/embed_throughput.py [--passages 10000] [--rounds 3] [--threads 2] [--dtype auto] \
-        [--llama-server PATH/llama-server [--gguf PATH/minilm.gguf]]
+        [--llama-server PATH/llama-server --gguf PATH/minilm-f32.gguf [--gguf PATH/minilm-f16.gguf ...]]
 
 Every system embeds the same passages whole (no truncation: sentence-transformers' max_seq_length and conveyor's
 max_model_len are raised to 512, the model's positions; llama-server's context is the GGUF's 512). The passages are
@@ -93,7 +93,9 @@ def main() -> int:
     ap.add_argument("--st-batch-size", type=int, default=32)
     ap.add_argument("--st-bfloat16", action="store_true")
     ap.add_argument("--llama-server", default=None)
-    ap.add_argument("--gguf", default=None, help="the GGUF of all-MiniLM-L6-v2 (llama.cpp's convert_hf_to_gguf.py)")
+    ap.add_argument("--gguf", action="append", default=[],
+                    help="a GGUF of all-MiniLM-L6-v2 (llama.cpp's convert_hf_to_gguf.py); repeat it to run one "
+                    "llama-server per file (F32, F16, BF16) in the same rounds")
     ns = ap.parse_args()
     import torch
     from sentence_transformers import SentenceTransformer
@@ -111,12 +113,13 @@ def main() -> int:
         st = SentenceTransformer(model, device="cpu", model_kwargs={"dtype": getattr(torch, dtype)})
         st.max_seq_length = 512
         systems[f"sentence-transformers ({dtype})"] = (lambda m: lambda ps: m.encode(ps, batch_size=ns.st_batch_size))(st)
-    server = None
-    if ns.llama_server:
-        if not ns.gguf:
-            raise SystemExit("--llama-server needs --gguf")
-        server, url = run_llama_server(ns.llama_server, ns.gguf, ns.threads)
-        systems["llama-server --embedding"] = lambda ps: llama_embed(url, ps)
+    servers = []
+    if ns.llama_server and not ns.gguf:
+        raise SystemExit("--llama-server needs --gguf")
+    for i, gguf in enumerate(ns.gguf if ns.llama_server else []):
+        server, url = run_llama_server(ns.llama_server, gguf, ns.threads, 8931 + i)
+        servers.append(server)
+        systems[f"llama-server --embedding ({os.path.basename(gguf)})"] = (lambda u: lambda ps: llama_embed(u, ps))(url)
     print(f"{len(passages)} passages, {tokens} tokens ({tokens / len(passages):.0f} a passage), "
           f"{ns.threads} threads; uptime: {os.popen('uptime').read().strip()}")
     rates: dict[str, list[float]] = {name: [] for name in systems}
@@ -128,9 +131,10 @@ def main() -> int:
                 start = time.perf_counter()
                 run(passages)
                 rates[name].append(len(passages) / (time.perf_counter() - start))
-                print(f"round {r + 1}: {name}: {rates[name][-1]:.1f} passages/s", flush=True)
+                print(f"round {r + 1}: {name}: {rates[name][-1]:.1f} passages/s; load {os.getloadavg()[0]:.1f}",
+                      flush=True)
     finally:
-        if server is not None:
+        for server in servers:
             server.kill()
     medians = {name: statistics.median(v) for name, v in rates.items()}
     ours = next(n for n in medians if n.startswith("conveyor"))

@@ -4,9 +4,10 @@
 be imported (and tested) without torch.
 """
 
+from conveyor.core.lora_request import LoRARequest
 from conveyor.core.sampling_params import SamplingParams
 
-__all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "LLMEngine", "LoRARequest", "SamplingParams", "RequestOutput", "CompletionOutput"]
 __version__ = "0.1.0"
 
 

@@ -8,6 +8,7 @@ thread of this one, or ``--data-parallel-size`` replicas on Ray Serve) and build
 from __future__ import annotations
 
 import argparse
+import asyncio
 import dataclasses
 import logging
 import os
@@ -126,6 +127,10 @@ def _add_models_args(p) -> None:
                    help=EngineArgs.__dataclass_fields__["model"].metadata["help"] + "; NAME=PATH (repeatable) "
                    "serves PATH as NAME among models loaded on demand")
     p.set_defaults(named_models=None)
+    g.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                   help="with --enable-lora: serve the PEFT LoRA adapter directory PATH as model NAME (vLLM's "
+                   'spelling; also its JSON form {"name": ..., "path": ...}); more through /v1/load_lora_adapter '
+                   "(docs/lora.md)")
     g.add_argument("--models-dir", default=None, metavar="DIR",
                    help="serve every model in DIR (each GGUF file or model directory, named by its file / directory "
                    "name), each loaded in an engine process of its own when a request first names it")
@@ -252,6 +257,7 @@ def run_serve(ns: argparse.Namespace) -> int:
     from conveyor.server.batches.setup import BatchAPIConfig
     from conveyor.server.cors import CORSConfig
     from conveyor.server.launcher import make_server
+    from conveyor.server.lora_adapters import parse_lora_modules
     from conveyor.server.responses.store import ResponseStore
 
     if ns.engine_in_process:
@@ -260,6 +266,10 @@ def run_serve(ns: argparse.Namespace) -> int:
         engine = LLMEngine(args)
         second = LLMEngine(second_args) if second_args is not None else None
     also_serve = [(second, ns.embedding_served_model_name)] if second is not None else []
+    try:
+        lora_modules = parse_lora_modules(ns.lora_modules)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
     info = engine.info  # (the engine process: waits until it is ready)
     model = info.model_info
     if info.random_weights:
@@ -268,13 +278,19 @@ def run_serve(ns: argparse.Namespace) -> int:
                 "max_model_len %d, policy %s, engine %s", model.name, model.num_params / 1e6, model.dtype,
                 info.load_time_s, info.init_time_s, info.num_kv_blocks, args.block_size, info.max_model_len,
                 args.policy, "in this process" if ns.engine_in_process else f"in process {info.pid}")
-    app = build_app(engine, ns.served_model_name or model.name, ns.api_key,
-                    0.0 if ns.disable_log_stats else ns.log_stats_interval, ns.shutdown_timeout, ns.max_n,
-                    max_request_body_bytes=ns.max_request_body_bytes, max_seqs_per_request=ns.max_seqs_per_request,
-                    tool_call_parser=ns.tool_call_parser, reasoning_parser=ns.reasoning_parser,
-                    cors=CORSConfig.from_namespace(ns), responses_store=ResponseStore.from_namespace(ns),
-                    also_serve=also_serve, grammar_check_timeout_s=ns.grammar_check_timeout,
-                    batches=BatchAPIConfig.from_namespace(ns, args), service_classes=service_classes)
+    try:  # a --lora-modules adapter refused (the reason in the message) ends the start
+        app = build_app(engine, ns.served_model_name or model.name, ns.api_key,
+                        0.0 if ns.disable_log_stats else ns.log_stats_interval, ns.shutdown_timeout, ns.max_n,
+                        max_request_body_bytes=ns.max_request_body_bytes, max_seqs_per_request=ns.max_seqs_per_request,
+                        tool_call_parser=ns.tool_call_parser, reasoning_parser=ns.reasoning_parser,
+                        cors=CORSConfig.from_namespace(ns), responses_store=ResponseStore.from_namespace(ns),
+                        also_serve=also_serve, grammar_check_timeout_s=ns.grammar_check_timeout,
+                        batches=BatchAPIConfig.from_namespace(ns, args), service_classes=service_classes,
+                        lora_modules=lora_modules)
+    except ValueError as exc:
+        if not ns.engine_in_process:  # the engine process stops with the refusal (else it keeps this one alive)
+            asyncio.run(engine.shutdown())
+        raise SystemExit(str(exc)) from None
     server = make_server(app, ns.host, ns.port, ns.uvicorn_log_level, ns.timeout_keep_alive, ns.timeout_headers,
                          loop=ns.uvicorn_loop)
     try:
@@ -292,6 +308,7 @@ def run_serve_models(ns: argparse.Namespace, args) -> int:
     of its own (``server/model_pool.py``); a plain ``--model`` joins them under its served name."""
     refused = [flag for flag, on in (("--engine-in-process", ns.engine_in_process),
                                      ("--embedding-model", ns.embedding_model),
+                                     ("--lora-modules", ns.lora_modules), ("--enable-lora", args.enable_lora),
                                      ("--frontend-cpus", ns.frontend_cpus), ("--cpu-ids", args.cpu_ids),
                                      ("--service-class", ns.service_class),
                                      ("--data-parallel-size", ns.data_parallel_size > 1),

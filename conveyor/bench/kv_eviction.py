@@ -191,7 +191,8 @@ def add_kv_eviction_parser(sub) -> None:
     p.add_argument("--trace-output-len", default="200,800", help="trace answer length bounds in tokens")
     p.add_argument("--trace-configs", default="none,none@fit,h2o",
                    help="trace configurations: a policy (none, h2o, h2o:sum, sink, snapkv), optionally @K (at most K "
-                        "requests running) or @fit (as many as the pool holds whole: the exact cache never preempts)")
+                        "requests running) or @fit (as many as the pool holds whole: the exact cache never preempts), "
+                        "optionally +int8 (an int8 KV cache of the same bytes: more blocks)")
     p.add_argument("--trace-fraction", type=float, default=0.25, help="each trace request's budget, as a "
                                                                        "fraction of its prompt's length")
     p.add_argument("--trace-kv-blocks", type=int, default=None, help="the KV pool of every trace "
@@ -218,8 +219,8 @@ def _policy_knobs(name: str) -> dict:
 def _trace_config(name: str, fit: int) -> tuple[dict, str]:
     """Engine knobs and a label of one ``--trace-configs`` entry: a policy (``none``, ``h2o``, ``h2o:sum``, ...),
     optionally ``@K`` (at most K requests running) or ``@fit`` (as many as the pool holds at full length, so
-    that the exact cache never preempts)."""
-    policy, _, seqs = name.partition("@")
+    that the exact cache never preempts); ``+int8`` is read by ``_trace``."""
+    policy, _, seqs = name.removesuffix("+int8").partition("@")
     knobs = {} if policy == "none" else _policy_knobs(policy)
     if seqs:
         knobs["max_num_seqs"] = fit if seqs == "fit" else int(seqs)
@@ -241,15 +242,27 @@ def _trace(base, ns, prompt_len: tuple[int, int], output_len: tuple[int, int], l
     print_header()
     baseline = None
     for name in [c for c in ns.trace_configs.split(",") if c]:
-        knobs, label = _trace_config(name, max(1, blocks // per_request))
+        pool = blocks
+        if name.endswith("+int8"):  # the same bytes of int8 rows: more blocks
+            pool = blocks * _block_bytes(base, bs, ns.kv_cache_dtype) // _block_bytes(base, bs, "int8")
+        knobs, label = _trace_config(name, max(1, pool // per_request))
         evicting = "kv_eviction" in knobs
         if evicting:
             label += f", {100 * ns.trace_fraction:g}%"
-        engine = _engine(base, ns, num_kv_blocks=blocks, max_model_len=longest, **knobs)
+        if name.endswith("+int8"):
+            knobs["kv_cache_dtype"] = "int8"
+            label += f", int8 KV ({pool} blocks)"
+        engine = _engine(base, ns, num_kv_blocks=pool, max_model_len=longest, **knobs)
         result = run_trace(engine, cases, ns.trace_fraction if evicting else None, label)
         if baseline is None and not evicting:
             baseline = result
         print_row(result, baseline or result)
+
+
+def _block_bytes(base, block_size: int, kv_cache_dtype: str) -> int:
+    from conveyor.runner.model_runner import ModelRunner
+
+    return ModelRunner.kv_cache_bytes_per_block(base.model_info, block_size, kv_cache_dtype)
 
 
 def _chat_agreement(base, ns, policies: list[str], fractions: list[float]) -> None:

@@ -52,7 +52,10 @@ class MixedResult:
     refused: int = 0
     refusal_latency: dict = field(default_factory=dict)  # LatencyStats of the refusals (s)
     batch_done: int = 0  # batch requests finished in the window (offline: in all)
-    prediction: dict = field(default_factory=dict)  # TTFT prediction error (SLO-aware admission), when known
+    prediction: dict = field(default_factory=dict)  # TTFT / TPOT prediction error (SLO-aware admission), when known
+    refused_waiting: int = 0  # refused after admission, while waiting (an in-stream error: its stream had started)
+    server_refusal: dict = field(default_factory=dict)  # the server's own time to refuse, when it reports it
+    ttfts: list = field(default_factory=list)  # per interactive request, in sending order: [sent at s, TTFT s | None]
 
     @property
     def output_throughput(self) -> float:
@@ -74,17 +77,20 @@ def _range(text: str) -> tuple[int, int]:
 
 
 def result_of(mode: str, timings: list[RequestTiming], window_s: float, output_tokens: int, slo_ms: dict,
-              refusal_s: list[float], batch_done: int, prediction: dict | None = None) -> MixedResult:
+              refusal_s: list[float], batch_done: int, prediction: dict | None = None,
+              refused_waiting: int = 0, server_refusal: dict | None = None) -> MixedResult:
     summary = summarize(timings, window_s, slo_ms or None).to_dict()
     if slo_ms:  # goodput counts every interactive request that was sent: a refused one did not meet it
         summary["goodput"] = summary["goodput"] or 0.0
+    ttfts = sorted([round(t.arrival, 3), None if t.first_token is None else round(t.first_token - t.arrival, 3)]
+                   for t in timings)
     return MixedResult(mode, window_s, summary, output_tokens, len(refusal_s), asdict(LatencyStats.of(refusal_s)),
-                       batch_done, prediction or {})
+                       batch_done, prediction or {}, refused_waiting, server_refusal or {}, ttfts)
 
 
 def format_rows(results: list[MixedResult]) -> str:
     """One markdown row per mode."""
-    lines = ["| mode | TTFT p50 / p99 ms | TPOT p50 / p99 ms | goodput req/s | refused (max ms) | output tok/s | "
+    lines = ["| mode | TTFT p50 / p99 ms | TPOT p50 / p99 ms | goodput req/s | refused (p50 / p99 ms) | output tok/s | "
              "batch done |", "|---|---|---|---|---|---|---|"]
     for r in results:
         s = r.interactive
@@ -93,7 +99,9 @@ def format_rows(results: list[MixedResult]) -> str:
             return "-" if not s[key]["count"] else f"{1e3 * s[key]['p50']:.0f} / {1e3 * s[key]['p99']:.0f}"
 
         goodput = "-" if s.get("goodput") is None else f"{s['goodput']:.2f}"
-        refused = f"{r.refused} ({1e3 * r.refusal_latency['max']:.1f})" if r.refused else "0"
+        lat = r.refusal_latency
+        refused = f"{r.refused} ({1e3 * lat['p50']:.1f} / {1e3 * lat['p99']:.1f})" if r.refused else "0"
+        refused += f" + {r.refused_waiting} waiting" if r.refused_waiting else ""
         lines.append(f"| {r.mode} | {ms('ttft')} | {ms('tpot')} | {goodput} | {refused} | {r.output_throughput:.0f} "
                      f"| {r.batch_done} |")
     return "\n".join(lines)

@@ -17,6 +17,7 @@ from conveyor.bench.serve_client import ServeBenchConfig, first_model, run_bench
 from conveyor.bench.workload import Workload, WorkloadRequest
 
 TOKEN_COUNTERS = ("conveyor:generation_tokens_total", "vllm:generation_tokens_total")
+SLO_REFUSED = "slo_unattainable"  # the error code of SLO-aware admission's refusals
 BATCH_START_S = 2.0  # how long the batch runs alone before the interactive stream starts (its slots fill)
 
 
@@ -45,7 +46,8 @@ async def run_http(ns: argparse.Namespace, traffic: MixedTraffic, mode: str) -> 
                                  timeout=httpx.Timeout(ns.timeout)) as client:
         model = ns.model or await first_model(client)
         batch = BatchTraffic(client, ns, traffic.batch, model, mode)
-        before = generation_tokens(await scrape(client))
+        first = await scrape(client)
+        before = generation_tokens(first)
         start = time.perf_counter()
         await batch.start()
         if mode == "offline":
@@ -65,7 +67,10 @@ async def run_http(ns: argparse.Namespace, traffic: MixedTraffic, mode: str) -> 
         done = batch.done
     refusals = [t.finished - t.arrival for t in timings if t.error and t.error.startswith("HTTP 429")
                 and t.finished is not None]
-    return result_of(mode, timings, window, int(tokens), traffic.slo_ms, refusals, done, prediction_error(samples))
+    # judged again while waiting and refused: its stream had started, so the refusal came in it
+    refused_waiting = sum(1 for t in timings if t.error and t.error.startswith(f"stream error ({SLO_REFUSED})"))
+    return result_of(mode, timings, window, int(tokens), traffic.slo_ms, refusals, done, prediction_error(samples),
+                     refused_waiting, server_refusal_time(first, samples))
 
 
 def _with_params(workload: Workload, service_tier: str | None) -> Workload:
@@ -77,14 +82,35 @@ def _with_params(workload: Workload, service_tier: str | None) -> Workload:
 
 
 def prediction_error(samples: dict[str, float]) -> dict:
-    """The server's TTFT prediction error quantiles (SLO-aware admission), when it reports them."""
+    """The server's TTFT and TPOT prediction error quantiles (SLO-aware admission), when it reports them:
+    ``ttft_abs_error_s_p50``, ``ttft_measured_over_predicted_p90``, ``tpot_...``."""
     out = {}
-    for name, key in (("conveyor:slo_ttft_prediction_abs_error_seconds", "abs_error_s"),
-                      ("conveyor:slo_ttft_prediction_ratio", "measured_over_predicted")):
-        for q in ("0.5", "0.9"):
-            if (value := samples.get(f"{name}|quantile={q}")) is not None:
-                out[f"{key}_p{int(float(q) * 100)}"] = value
+    for what in ("ttft", "tpot"):
+        for name, key in ((f"conveyor:slo_{what}_prediction_abs_error_seconds", "abs_error_s"),
+                          (f"conveyor:slo_{what}_prediction_ratio", "measured_over_predicted")):
+            for q in ("0.5", "0.9"):
+                if (value := samples.get(f"{name}|quantile={q}")) is not None:
+                    out[f"{what}_{key}_p{int(float(q) * 100)}"] = value
     return out
+
+
+def server_refusal_time(before: dict[str, float], after: dict[str, float]) -> dict:
+    """The server's own time to refuse (conveyor's ``slo_admission_decision_seconds{decision="refused"}``, from
+    the admission check's start to the refusal) over the run: the refusals, how many took at most 50 ms, and
+    the histogram bucket holding the p50 and the p99 (an upper bound of each)."""
+    name = "conveyor:slo_admission_decision_seconds"
+    count = after.get(f"{name}_count|decision=refused", 0.0) - before.get(f"{name}_count|decision=refused", 0.0)
+    if count <= 0:
+        return {}
+    buckets = sorted((float(key.rsplit("le=", 1)[1]), value - before.get(key, 0.0)) for key, value in after.items()
+                     if key.startswith(f"{name}_bucket|decision=refused|le="))
+
+    def bound(q: float) -> float:
+        return next(le for le, n in buckets if n >= q * count)
+
+    within = dict(buckets)
+    return {"server_refused": int(count), "server_refused_within_50ms": int(within.get(0.05, 0.0)),
+            "server_refusal_s_p50_at_most": bound(0.5), "server_refusal_s_p99_at_most": bound(0.99)}
 
 
 class BatchTraffic:

@@ -92,13 +92,22 @@ def run_simulated(ns: argparse.Namespace, traffic: MixedTraffic, mode: str) -> M
 
 
 def _prediction_error(admission: SimAdmission | None, timings: dict) -> dict:
+    """The TTFT and TPOT predictions at admission against what the simulation measured, keyed as over HTTP."""
     if admission is None:
         return {}
-    pairs = [(p.ttft_s, timings[rid].request.times.first_token - timings[rid].request.arrival_time)
-             for rid, p in admission.predicted.items() if rid in timings]
-    if not pairs:
-        return {}
-    errors = [abs(m - p) for p, m in pairs]
-    ratios = [m / p for p, m in pairs if p > 0]
-    return {"abs_error_s_p50": percentile(errors, 50), "abs_error_s_p90": percentile(errors, 90),
-            "measured_over_predicted_p50": percentile(ratios, 50), "measured_over_predicted_p90": percentile(ratios, 90)}
+    ttft, tpot = [], []
+    for rid, p in admission.predicted.items():
+        if (t := timings.get(rid)) is None:
+            continue
+        ttft.append((p.ttft_s, t.request.times.first_token - t.request.arrival_time))
+        if p.tpot_s is not None and len(t.token_times) > 1:
+            tpot.append((p.tpot_s, (t.token_times[-1] - t.token_times[0]) / (len(t.token_times) - 1)))
+    out = {}
+    for what, pairs in (("ttft", ttft), ("tpot", tpot)):
+        if pairs:
+            errors = [abs(m - p) for p, m in pairs]
+            ratios = [m / p for p, m in pairs if p > 0]
+            for q in (50, 90):
+                out[f"{what}_abs_error_s_p{q}"] = percentile(errors, q)
+                out[f"{what}_measured_over_predicted_p{q}"] = percentile(ratios, q)
+    return out

@@ -73,7 +73,8 @@ async def send_one(client, req: WorkloadRequest, model: str, t0: float) -> Reque
                 now = time.perf_counter() - t0
                 chunk = json.loads(data)
                 if "error" in chunk:
-                    timing.error = f"stream error: {chunk['error'].get('message')}"
+                    code = chunk["error"].get("code")
+                    timing.error = f"stream error{f' ({code})' if code else ''}: {chunk['error'].get('message')}"
                     return timing
                 if chunk.get("choices"):
                     timing.server_id = timing.server_id or chunk.get("id")

@@ -164,7 +164,7 @@ def run_all_simulated(ns, base_args, configs, workload: Workload, progress: bool
         peak_flops, peak_bw = hw.peak_flops * tp, hw.mem_bandwidth * tp
     for config in [] if disaggregate else configs:
         args = replace(base_args, **dict(config.overrides))
-        cost = RooflineCostModel(spec, hw, tp)
+        cost = RooflineCostModel(spec, hw, tp, kv_cache_dtype=args.kv_cache_dtype)
         max_model_len = args.max_model_len or spec.max_position_embeddings
         blocks = num_kv_blocks(args, cost, max_model_len)
         scale = time_scale_for(workload, config.request_rate, ns.time_scale)

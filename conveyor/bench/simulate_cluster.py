@@ -22,7 +22,7 @@ from conveyor.bench.workload import Workload, time_scale_for
 from conveyor.sim import Hardware, ModelSpec, RooflineCostModel, SimExecutor
 from conveyor.sim.cluster import PREFILL, ClusterResult, Instance, simulate_cluster
 from conveyor.sim.held_kv import HeldKVManager
-from conveyor.sim.kv_transfer import LinkSpec, get_link, kv_bytes_per_token
+from conveyor.sim.kv_transfer import LinkSpec, get_link
 from conveyor.sim.layout import Layout, parse_layout
 
 
@@ -48,7 +48,7 @@ def build_instances(layout: Layout, args, spec: ModelSpec, hw: Hardware, max_mod
     instances = []
     counters: dict[str, int] = {}
     for role, tp in layout.roles():
-        cost = RooflineCostModel(spec, hw, tp)
+        cost = RooflineCostModel(spec, hw, tp, kv_cache_dtype=args.kv_cache_dtype)
         role_args = replace(args, max_num_batched_tokens=prefill_budget) if role == PREFILL and prefill_budget \
             else args
         blocks = instance_kv_blocks(role_args, cost, max_model_len, utilization)
@@ -102,7 +102,7 @@ def run_layout(ns, base_args, config, layout: Layout, spec: ModelSpec, hw: Hardw
     scale = time_scale_for(workload, config.request_rate, ns.time_scale)
     t0 = time.perf_counter()
     result = simulate_cluster(instances, sim_requests(workload, scale, max_model_len), link,
-                              kv_bytes_per_token(spec, hw.dtype_bytes))
+                              RooflineCostModel(spec, hw, kv_cache_dtype=args.kv_cache_dtype).kv_bytes_per_token())
     label = f"{layout.label} {config.label}" if config.label != "default" else layout.label
     if progress:
         print(f"{label}: {len(result.requests)} requests, {sum(i.num_steps for i in instances)} steps on "

@@ -50,7 +50,8 @@ def hash_block(parent_hash: BlockHash | None, token_ids: Sequence[int]) -> Block
     digest over an injective encoding: the parent key (always exactly 32 bytes) followed by every token id as a
     little-endian signed 64-bit integer. Fixed widths leave no ambiguity: the parent is the first 32 bytes, the
     token count is the remaining length / 8, and an id outside int64 raises (struct.error) instead of aliasing.
-    Extra keys (a LoRA adapter, a cache salt), when they come, must be appended framed (tag + length), not bare.
+    Extra keys (a cache salt) must be appended framed (tag + length), not bare; a LoRA adapter's requests start
+    from a root of their own (``core.lora_request.prefix_root``).
     Python's hash(), the old key, was 64 bits and not collision resistant: hash(0) == hash(2**61 - 1).
     """
     parent = ROOT_KEY if parent_hash is None else parent_hash

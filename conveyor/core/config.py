@@ -9,6 +9,11 @@ from conveyor.core.prefix_eviction import PREFIX_EVICTION_POLICIES
 from conveyor.core.speculative import SpeculativeConfig
 
 KV_LAYOUTS = ("paged", "slab")
+# --kv-cache-dtype: "auto" keeps K/V in the model's dtype; "int8" stores each token's head as 8-bit integers with a
+# float32 scale (layers/attention/kv_quant.py), read by the native CPU attention kernels.
+KV_CACHE_DTYPES = ("auto", "int8")
+# vLLM's 8-bit float names: conveyor stores no fp8 format, so they are refused by name rather than run as int8.
+FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3", "fp8_e5m2", "fp8_inc", "fp8_ds_mla")
 # --attention-backend: "auto" and "cpu" choose for the machine (layers.attention.resolve_backend); the rest name
 # one backend each. Here, not in the torch package, so the flag's choices are known without importing torch.
 ATTENTION_BACKENDS = ("auto", "cpu", "cpu-native", "cpu-torch", "reference", "cuda")
@@ -60,8 +65,13 @@ class SchedulerConfig:
     # priority: while requests of several priorities run, the tokens of those below the best may add at most this
     # fraction to the step's time (from the measured step cost); None: they take whatever budget is left
     priority_step_slack: float | None = None
+    # LoRA: at most this many distinct adapters among the running requests (the runner's adapter slots); a waiting
+    # request of another adapter waits at the queue head until one of them has no running request. 0: no bound.
+    max_loras: int = 0
 
     def __post_init__(self) -> None:
+        if self.max_loras < 0:
+            raise ValueError(f"max_loras must be >= 0, got {self.max_loras}")
         for name in ("max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -115,8 +125,10 @@ class CacheConfig:
     # A model whose every layer has a sliding window: give back the blocks outside every window as requests
     # advance (core.sliding_window). Off: hold each request's whole history, as full attention does.
     free_outside_window: bool = True
+    kv_cache_dtype: str = "auto"  # KV_CACHE_DTYPES: the model's dtype, or int8 rows with their scales
 
     def __post_init__(self) -> None:
+        check_kv_cache_dtype(self.kv_cache_dtype)
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
@@ -137,3 +149,13 @@ class CacheConfig:
         """The KV eviction settings (``core.kv_eviction``)."""
         return EvictionConfig(self.kv_eviction, self.kv_budget_tokens, score_period=self.kv_score_period,
                               h2o_rank=self.kv_h2o_rank)
+
+
+def check_kv_cache_dtype(name: str) -> None:
+    """Refuse a ``kv_cache_dtype`` conveyor does not store, vLLM's fp8 names by what they would have meant."""
+    if name in FP8_KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype {name!r}: conveyor does not store K/V as 8-bit floats; 'int8' stores them "
+                         "in 8 bits too (an integer per value and a float32 scale per token and head), read by the "
+                         "native CPU attention kernels")
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {name!r}")

@@ -19,7 +19,8 @@ request's next token go back to the pool as it advances, their entries pointing 
 
 from __future__ import annotations
 
-from conveyor.core.block_pool import BlockHash, BlockPool, KVBlock, cdiv, hash_block
+from conveyor.core.block_pool import ROOT_KEY, BlockHash, BlockPool, KVBlock, cdiv, hash_block
+from conveyor.core.lora_request import prefix_root
 from conveyor.core.request import Request
 from conveyor.core.sliding_window import SlidingWindow
 
@@ -97,7 +98,7 @@ class KVCacheManager:
         if len(hashes) < n_full:
             tokens = request.all_token_ids
             bs = self.block_size
-            parent = hashes[-1] if hashes else None
+            parent = hashes[-1] if hashes else prefix_root(ROOT_KEY, request.sampling_params.lora)
             for i in range(len(hashes), n_full):
                 parent = hash_block(parent, tokens[i * bs : (i + 1) * bs])
                 hashes.append(parent)

@@ -11,6 +11,7 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
+from conveyor.core.lora_request import LoRARequest
 from conveyor.core.pooling_params import PoolingParams
 
 # Bounds that come from where the values end up, not from taste:
@@ -128,6 +129,8 @@ class SamplingParams:
     # arrival; the lowest-priority running request is preempted first. Not a sampling choice, but it travels with
     # the request as these do.
     priority: int = 0
+    # The LoRA adapter the request runs with (core.lora_request, vLLM's LoRARequest); None: the base model
+    lora: LoRARequest | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

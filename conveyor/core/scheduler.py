@@ -153,11 +153,16 @@ class Scheduler:
         return preempted_any
 
     def _admit(self, budget: TokenBudget, now: float, out: SchedulerOutput) -> None:
-        """Waiting requests join in queue order while seats, budget and blocks last."""
+        """Waiting requests join in queue order while seats, budget, blocks and adapter slots last."""
+        adapters = self._running_adapters()
         while self.waiting and not budget.exhausted and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             if not self.policy.admits(request) or budget.closed_to(request):
                 break
+            lora = request.sampling_params.lora
+            if adapters is not None and lora is not None and lora not in adapters and \
+                    len(adapters) >= self.config.max_loras:
+                break  # every adapter slot holds an adapter with running requests: it waits for one to empty
             # A waiting request normally holds no KV (new, or preempted and reset to 0): it starts from a prefix-
             # cache lookup. One handed over with its KV computed elsewhere (disaggregated prefill) keeps that count:
             # blocks are allocated for all its tokens, only the rest is scheduled (vLLM's external tokens).
@@ -181,8 +186,16 @@ class Scheduler:
             if request.times.first_scheduled is None:
                 request.times.first_scheduled = now
             self.running.append(request)
+            if adapters is not None and lora is not None:
+                adapters.add(lora)
             self._emit(request, num_new, new_blocks, out)
             budget.spend(num_new, admitted=request)
+
+    def _running_adapters(self) -> set | None:
+        """The LoRA adapters of the running requests (None: no bound on them, ``max_loras`` 0)."""
+        if not self.config.max_loras:
+            return None
+        return {r.sampling_params.lora for r in self.running if r.sampling_params.lora is not None}
 
     def _speculate(self, budget: TokenBudget, out: SchedulerOutput) -> None:
         """Give this step's decodes the proposed tokens the speculator chooses, from the budget and the free

@@ -72,6 +72,10 @@ class EngineArgs:
     kv_cache_memory: float = _arg(CacheConfig.kv_cache_memory, "KV cache size in GiB")
     enable_prefix_caching: bool = _arg(CacheConfig.enable_prefix_caching, "reuse the KV of shared prompt prefixes")
     kv_layout: str = _arg(CacheConfig.kv_layout, "KV cache layout", choices=KV_LAYOUTS)
+    kv_cache_dtype: str = _arg(CacheConfig.kv_cache_dtype, "KV cache element type: auto (the model's dtype) or "
+                               "int8 (8-bit values with a float32 scale per token and head: about half a bfloat16 "
+                               "cache's bytes, a quarter of float32's; native CPU attention only; vLLM's fp8 names "
+                               "are refused: docs/kv-cache.md)")
     prefix_cache_eviction: str = _arg(CacheConfig.prefix_cache_eviction, "which cached prefix block a full KV "
                                       "cache gives up first: lru (least recently freed) or cost (GDSF: hits x "
                                       "recompute cost, aged; leaves of a chain first)",
@@ -101,6 +105,10 @@ class EngineArgs:
     attention_backend: str = _arg("auto", "attention implementation: auto and cpu pick the fastest this machine "
                                           "runs (see conveyor.layers.attention)", choices=ATTENTION_BACKENDS)
     max_num_queued_reqs: int | None = _arg(None, "bound on waiting requests (default: unbounded)")
+    enable_lora: bool = _arg(False, "serve LoRA adapters of this model (PEFT directories), many in one batch")
+    max_loras: int = _arg(4, "LoRA adapters with requests in the running batch at once (adapter slots; vLLM's "
+                             "default is 1); more are swapped in least recently used first")
+    max_lora_rank: int = _arg(16, "largest LoRA rank served; an adapter above it is refused")
     debug_invariants: bool = _arg(False, "check the scheduler's and KV cache's invariants after every step")
     detokenize: bool = field(default=True, metadata={"cli": False})  # benchmarks turn it off: ids in, ids out
     num_threads: int | None = _arg(None, "torch intra-op threads on CPU (default: all cores)")
@@ -112,7 +120,8 @@ class EngineArgs:
     def scheduler_config(self, max_model_len: int, whole_prompts: bool = False) -> SchedulerConfig:
         """The scheduler's config, its policy objects' included (KV eviction from the cache flags)."""
         return SchedulerConfig(**{**self._values_of(SchedulerConfig), "max_model_len": max_model_len,
-                                  "whole_prompts": whole_prompts, "eviction": self.cache_config().eviction_config()})
+                                  "whole_prompts": whole_prompts, "eviction": self.cache_config().eviction_config(),
+                                  "max_loras": self.max_loras if self.enable_lora else 0})
 
     def pooler_overrides(self) -> dict | None:
         """``pooler_config`` as a dict (it may be given as JSON text or, from Python, a dict)."""

@@ -69,7 +69,8 @@ class EngineInfo:
         tokenizer = self.tokenizer if with_tokenizer and picklable(self.tokenizer) else None
         model_info = self.model_info
         if dataclasses.is_dataclass(model_info):  # (its PoolingConfig travels as it is: plain, frozen)
-            model_info = types.SimpleNamespace(**{**dataclasses.asdict(model_info), "pooling": model_info.pooling})
+            model_info = types.SimpleNamespace(**{**dataclasses.asdict(model_info), "pooling": model_info.pooling,
+                                                  "lora_base": model_info.lora_base})
         return dataclasses.replace(self, tokenizer=tokenizer, model_info=model_info)
 
     def loaded(self) -> EngineInfo:

@@ -7,6 +7,7 @@ from dataclasses import replace
 
 from tqdm.auto import tqdm
 
+from conveyor.core.lora_request import LoRARequest
 from conveyor.core.pooling_params import PoolingParams
 from conveyor.core.sampling_params import SamplingParams
 from conveyor.engine.args import EngineArgs
@@ -23,17 +24,40 @@ class LLM:
     def __init__(self, model: str | None = None, **kwargs) -> None:
         self.engine = LLMEngine(EngineArgs(model=model, **kwargs))
         self.tokenizer = self.engine.tokenizer
+        self._checked_loras: set[LoRARequest] = set()
+
+    def _with_lora(self, params: list[SamplingParams],
+                   lora_request: LoRARequest | Sequence[LoRARequest | None] | None) -> list[SamplingParams]:
+        """``params`` with each prompt's adapter (vLLM's ``lora_request``: one for all or one per prompt), each
+        adapter read and checked once (a ValueError naming why it is refused)."""
+        if lora_request is None:
+            return params
+        loras = [lora_request] * len(params) if isinstance(lora_request, LoRARequest) else list(lora_request)
+        if len(loras) != len(params):
+            raise ValueError(f"got {len(loras)} lora_requests for {len(params)} prompts")
+        from conveyor.models.lora_format import check_adapter
+
+        for lora in loras:
+            if lora is not None and lora not in self._checked_loras:
+                if not self.engine.args.enable_lora:
+                    raise ValueError("lora_request: this LLM serves no LoRA adapter (pass enable_lora=True)")
+                check_adapter(lora.lora_path, self.engine.model_info.lora_base, self.engine.args.max_lora_rank)
+                self._checked_loras.add(lora)
+        return [p if lora is None else replace(p, lora=lora) for p, lora in zip(params, loras)]
 
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate completions for every prompt; returns ``RequestOutput``s in input order.
 
         A prompt is a string, a list of token ids, or ``{"prompt_token_ids": [...]}``. ``sampling_params`` is
-        one for all prompts or one per prompt. A bad prompt raises ValueError before anything is queued.
+        one for all prompts or one per prompt; ``lora_request`` (with ``enable_lora=True``) the LoRA adapter,
+        one for all or one per prompt (None: the base model). A bad prompt or adapter raises ValueError before
+        anything is queued.
         """
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -44,6 +68,7 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
+        params = self._with_lora(params, lora_request)
         engine = self.engine
         tokenized = [engine.tokenize_prompt(prompt) for prompt in prompts]
         for (_, token_ids), p in zip(tokenized, params):  # validate all first: a bad one must strand no others

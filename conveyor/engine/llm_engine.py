@@ -80,9 +80,14 @@ class LLMEngine:
             self.model, self.model_info, num_blocks=num_blocks, block_size=block_size, device=self.device,
             attention_backend=args.attention_backend, seed=args.seed,  # --seed seeds sampling too, as in vLLM
             structured=self.structured, pooler=make_pooler(self.model, self.model_info, self.tokenizer),
-            null_block_id=self.kv_manager.null_block_id)
+            null_block_id=self.kv_manager.null_block_id, kv_cache_dtype=args.kv_cache_dtype)
         if draft is not None:
             runner.attach_draft(*draft, args.attention_backend)
+        if args.enable_lora:
+            if args.max_loras < 1 or args.max_lora_rank < 1:
+                raise ValueError(f"--max-loras and --max-lora-rank must be >= 1, got {args.max_loras} and "
+                                 f"{args.max_lora_rank}")
+            runner.attach_lora(args.max_loras, args.max_lora_rank)
         return runner
 
     @classmethod
@@ -130,6 +135,11 @@ class LLMEngine:
             raise ValueError(f"priority is {params.priority}, but this engine serves requests in arrival order "
                              f"(--scheduling-policy {self.scheduler.config.scheduling_policy}); send 0 or none")
         check_task(self.model_info, params.pooling)
+        if params.lora is not None and not self.args.enable_lora:
+            raise ValueError(f"lora: this engine serves no LoRA adapter (start it with --enable-lora); asked for "
+                             f"{params.lora.lora_name!r}")
+        if params.lora is not None and params.pooling is not None:
+            raise ValueError("lora: pooling requests run on the base model only")
         if params.pooling is not None:  # prefill-only: the whole context is the prompt's
             check_pooling_input(token_ids, self.max_model_len, self.model_info.vocab_size)
             return

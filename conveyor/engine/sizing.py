@@ -40,7 +40,7 @@ def num_kv_blocks(args: EngineArgs, cache: CacheConfig, model_info, draft, max_m
         budget = max(args.max_num_batched_tokens, max_model_len)
         num_blocks = num_blocks or -(-budget // cache.block_size) + args.max_num_seqs
     elif num_blocks is None:
-        per_block = sum(ModelRunner.kv_cache_bytes_per_block(info, cache.block_size)
+        per_block = sum(ModelRunner.kv_cache_bytes_per_block(info, cache.block_size, cache.kv_cache_dtype)
                         for info in (model_info, draft[1] if draft else None) if info is not None)
         num_blocks = int(cache.kv_cache_memory * (1 << 30)) // per_block
     if num_blocks * cache.block_size < max_model_len:

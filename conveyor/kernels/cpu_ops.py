@@ -19,11 +19,13 @@ import torch
 
 from conveyor.kernels.build import BuildError, build_library
 from conveyor.kernels.cpu_features import LEVEL_FLAGS, cpu_features, kernel_level
+from conveyor.kernels.lora_ops import LoraArgs, LoraKernels
 from conveyor.kernels.moe_ops import MoeArgs, MoeKernels
 
 SOURCE_DIR = os.path.join(os.path.dirname(__file__), "csrc")
-ABI_VERSION = 12  # csrc/cvk.h's CVK_ABI_VERSION
+ABI_VERSION = 14  # csrc/cvk.h's CVK_ABI_VERSION
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+KV_INT8 = 2  # csrc/cvk.h's CVK_KV_INT8: a cache of int8 rows, D values then a float32 scale (layers/attention/kv_quant)
 
 
 class KernelError(RuntimeError):
@@ -41,7 +43,7 @@ class AttnArgs(ctypes.Structure):
                 ("key_mass", _P), ("score_rows", _P), ("mass_offset", _P), ("rope_offset", _P),
                 ("q_stride", _I64), ("k_stride", _I64), ("v_stride", _I64), ("bt_stride", _I64), ("out_stride", _I64),
                 ("mass_stride", _I64), ("window", _I64), ("dtype", _I32), ("num_reqs", _I32), ("H", _I32), ("KVH", _I32), ("D", _I32), ("bs", _I32),
-                ("num_threads", _I32), ("scale", _F32)]
+                ("num_threads", _I32), ("scale", _F32), ("kv_dtype", _I32)]
 
 
 class LayerStackArgs(ctypes.Structure):
@@ -68,7 +70,8 @@ class QuantGemmArgs(ctypes.Structure):
                 ("y_stride", _I64), ("scratch_bytes", _I64), ("dtype", _I32), ("num_threads", _I32)]
 
 
-_STRUCTS = {0: AttnArgs, 1: LayerStackArgs, 2: QuantWeight, 3: QuantGemmArgs, 4: MoeArgs}  # cvk.h's CVK_STRUCT_*
+_STRUCTS = {0: AttnArgs, 1: LayerStackArgs, 2: QuantWeight, 3: QuantGemmArgs, 4: MoeArgs,
+            5: LoraArgs}  # cvk.h's CVK_STRUCT_*
 _ERRORS = {-1: "out of memory", -2: "unsupported by this build (head size, group size or dtype)",
            -3: "bad argument (dtype, shape, or a plan built for other arguments)"}
 
@@ -122,6 +125,15 @@ def _step_args(block_table: torch.Tensor, query_start: torch.Tensor, seq_lens: t
                     num_threads=torch.get_num_threads(), scale=scale, **(key_mass.fields() if key_mass else {}))
 
 
+def kv_dtype_code(cache: torch.Tensor, head_dim: int) -> int:
+    """The kernels' kv_dtype for a cache tensor: int8 rows of head_dim + 4 (KV_INT8), or the step's dtype (0)."""
+    if cache.dtype != torch.int8:
+        return 0
+    if cache.shape[-1] != head_dim + 4:
+        raise KernelError(f"an int8 KV cache holds rows of head_dim + 4 = {head_dim + 4} bytes, got {cache.shape[-1]}")
+    return KV_INT8
+
+
 def _c_function(lib: ctypes.CDLL, name: str, restype, argtypes: list):
     """The library's C function ``name``, typed."""
     fn = lib[name]
@@ -159,6 +171,7 @@ class CpuKernels:
         self._quant_scratch = _c_function(lib, "cvk_quant_scratch_bytes", i64, [i64, i64])
         self.vnni = lib.cvk_quant_vnni() == 1  # the quantized GEMM's dot products on VPDPBUSD
         self.moe = MoeKernels(lib, self._check)  # a mixture's routed MLP (moe_ops)
+        self.lora = LoraKernels(lib, self._check)  # many LoRA adapters' low-rank products in one step (lora_ops)
         self.vector_width = lib.cvk_vector_width()
         self.max_head_dim = lib.cvk_max_head_dim()
 
@@ -193,7 +206,7 @@ class CpuKernels:
         q [T, H, D], k and v [T, KVH, D], each with unit strides inside a token's row (views of one fused qkv
         buffer are fine); q and k are rotated in place. k_cache and v_cache [num_blocks, KVH, block_size, D]
         contiguous (head-major blocks: one head's rows of a block contiguous, so a request's context streams in
-        order; ``layers.attention.kv_layout.HEAD_MAJOR``); block_table [R, max_blocks] int64 (row-major);
+        order; ``layers.attention.kv_layout.HEAD_MAJOR``), in q's dtype or int8 rows of D + 4 (``kv_quant``); block_table [R, max_blocks] int64 (row-major);
         query_start [R + 1] and seq_lens [R] int64 (request r's tokens sit at positions seq_lens[r] - n_r ...);
         cos_sin [positions, D] float32 (cos halves then sin halves); out [T, H, D], written (unit strides inside a
         row). ``plan``: the step's ``attention_plan`` (else the call plans for itself). ``key_mass``: add the scored
@@ -210,6 +223,7 @@ class CpuKernels:
                        k_cache.shape[2], scale, plan, key_mass, rope_offset)
         a.q, a.k, a.v, a.out = q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr()
         a.k_cache, a.v_cache, a.window = k_cache.data_ptr(), v_cache.data_ptr(), window
+        a.kv_dtype = kv_dtype_code(k_cache, head_dim)
         a.q_stride, a.k_stride, a.v_stride, a.out_stride = q.stride(0), k.stride(0), v.stride(0), out.stride(0)
         self._check(f"cvk_attention (H={num_heads} KVH={num_kv_heads} D={head_dim})",
                     self._attention(ctypes.byref(a)))
@@ -264,7 +278,7 @@ class CpuKernels:
                      num_kv_heads: int, head_dim: int, block_size: int, scale: float, eps: float,
                      plan: torch.Tensor | None = None, quant_scratch: torch.Tensor | None = None,
                      key_mass: KeyMass | None = None, rope_offset: torch.Tensor | None = None,
-                     moe: dict | None = None) -> None:
+                     moe: dict | None = None, kv_int8: bool = False) -> None:
         """A Llama-family decoder-layer stack in one call (cvk_llama_layers: layer_stack.cpp gives the layout of
         ``fields``, the per-layer pointers, and of the ``scratch`` buffers h, qkv, attn, gate_up, act). ``residual``
         holds the embeddings on entry; on return ``x`` holds the last layer's output, ``residual`` the stream.
@@ -272,10 +286,12 @@ class CpuKernels:
         given when the linear fields point at ``QuantWeight`` descriptors (``quant_scratch_bytes`` for x's rows and
         the largest in_features). ``key_mass``, ``rope_offset``: as ``attention`` takes them (the mass then sums
         every layer's). ``moe``: a mixture's LayerStackArgs fields (moe_scratch, moe_scratch_bytes, moe_inter, E,
-        top_k, norm_topk_prob; ``models.native_stack``), and qk_norm_across_heads."""
+        top_k, norm_topk_prob; ``models.native_stack``), and qk_norm_across_heads. ``kv_int8``: the caches hold
+        int8 rows (``kv_quant``)."""
         h, qkv, attn, gu, act = scratch
         step = _step_args(block_table, query_start, seq_lens, cos_sin, x.dtype, num_heads, num_kv_heads, head_dim,
                           block_size, scale, plan, key_mass, rope_offset)
+        step.kv_dtype = KV_INT8 if kv_int8 else 0
         s = LayerStackArgs(step=step, fields=fields.data_ptr(), x=x.data_ptr(), residual=residual.data_ptr(),
                            h=h.data_ptr(), qkv=qkv.data_ptr(), attn=attn.data_ptr(), gu=gu.data_ptr(),
                            act=act.data_ptr(), T=x.shape[0], hidden=hidden, inter=inter, use_amx=int(self.amx),

@@ -113,6 +113,28 @@ class PackedLinear(nn.Module):
         return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}, {kind}"
 
 
+def linear_gelu(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``gelu(linear(x))`` (exact erf GELU), in the GEMM's epilogue where oneDNN runs it (one pass over the
+    output instead of two). ``x``'s rows should be a ``padded_rows`` count: the fused calls do not pad."""
+    if _fusable(linear, x):
+        return torch.ops.mkldnn._linear_pointwise(x, linear.packed, linear.bias, "gelu", [], "none")
+    return F.gelu(linear(x))
+
+
+def linear_add(linear: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """``linear(x) + residual``, the add in the GEMM's epilogue where oneDNN runs it (as ``linear_gelu``)."""
+    if _fusable(linear, x) and residual.shape == (x.shape[0], linear.out_features) and residual.is_contiguous():
+        return torch.ops.mkldnn._linear_pointwise.binary(x, residual, linear.packed, linear.bias, "add")
+    return linear(x) + residual
+
+
+def _fusable(linear: nn.Module, x: torch.Tensor) -> bool:
+    """Whether ``x`` would go to oneDNN's prepacked GEMM as it is (no native skinny kernel, no padding)."""
+    m = x.shape[0]
+    return (isinstance(linear, PackedLinear) and linear.use_onednn and m > linear.max_rows and x.dim() == 2
+            and padded_rows(m) == m and x.is_contiguous())
+
+
 def pack_linear(weight: torch.Tensor, bias: torch.Tensor | None = None, kernels=None) -> PackedLinear:
     use = weight.device.type == "cpu" and weight.dtype in ONEDNN_DTYPES and onednn_available()
     return PackedLinear(weight, bias, use, kernels)

@@ -8,7 +8,12 @@ An encoder holds no KV cache: a request's whole sequence runs in one step (its k
 cannot be computed before the tokens after it exist). A step's sequences are packed back to back on one token axis
 without padding (``seq_starts``: where each begins, as flash-attention's ``cu_seqlens``): the embeddings, every
 linear layer, GELU and LayerNorm run on the packed [T, hidden] rows at once; only attention is taken per sequence
-(one SDPA call over its own rows, no mask). No pad row is computed anywhere.
+(one SDPA call over its own rows, no mask), reading q, k and v as views of the fused qkv output and writing its
+result straight into the [T, heads, head_dim] rows the output projection reads. No pad token of any sequence is
+computed; the token axis is rounded up once to the row count the prepacked GEMMs run (``padded_rows``, at most
+1/16 more rows), so no layer copies its input to pad it, and GELU and the residual adds run in the GEMMs' epilogue
+(``layers.linear.linear_gelu`` / ``linear_add``). Batching sequences of similar length into one padded SDPA call
+with a key-padding mask was measured slower (torch's CPU flash kernel computes the padding): docs/embeddings.md.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from conveyor.layers.embedding import Embedding
+from conveyor.layers.linear import linear_add, linear_gelu, padded_rows
 from conveyor.models import gguf_config
 from conveyor.models.config import ModelConfig
 from conveyor.models.family import ModelFamily
@@ -37,14 +43,15 @@ class BertSelfAttention(nn.Module):
         self.norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps)
 
     def forward(self, x: torch.Tensor, seq_starts: list[int]) -> torch.Tensor:
-        qkv = self.qkv(x).view(x.shape[0], 3, self.num_heads, self.head_dim).transpose(0, 2)  # [H, 3, T, d]
-        out = torch.empty(self.num_heads, x.shape[0], self.head_dim, dtype=x.dtype, device=x.device)
+        rows = x.shape[0]  # seq_starts[-1] real rows, then the encoder's padding rows
+        qkv = self.qkv(x).view(rows, 3, self.num_heads, self.head_dim)
+        out = torch.empty(rows, self.num_heads, self.head_dim, dtype=x.dtype, device=x.device)
+        out[seq_starts[-1]:].zero_()  # padding rows: finite, whatever they hold (every later op is row by row)
         for start, end in zip(seq_starts[:-1], seq_starts[1:]):
-            q, k, v = qkv[None, :, :, start:end].unbind(2)  # each [1, H, L, d]: this sequence's rows only
+            q, k, v = qkv[start:end].permute(1, 2, 0, 3)[:, None].unbind(0)  # each [1, H, L, d], views of qkv
             # 4-D: torch's fused CPU kernel (flash) takes it; 3-D falls back to the math path, 5x the time
-            out[:, start:end] = F.scaled_dot_product_attention(q, k, v)[0]
-        out = out.transpose(0, 1).reshape(x.shape[0], -1)
-        return self.norm(self.dense(out) + x)  # post-norm: residual, then LayerNorm
+            out[start:end] = F.scaled_dot_product_attention(q, k, v)[0].transpose(0, 1)
+        return self.norm(linear_add(self.dense, out.view(rows, -1), x))  # post-norm: residual, then LayerNorm
 
 
 class BertLayer(nn.Module):
@@ -57,7 +64,7 @@ class BertLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, seq_starts: list[int]) -> torch.Tensor:
         h = self.attention(x, seq_starts)
-        return self.output_norm(self.output(F.gelu(self.intermediate(h))) + h)
+        return self.output_norm(linear_add(self.output, linear_gelu(self.intermediate, h), h))
 
 
 class BertEncoder(nn.Module):
@@ -78,12 +85,16 @@ class BertEncoder(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, token_type_ids: torch.Tensor,
                 seq_starts: list[int]) -> torch.Tensor:
+        tokens = input_ids.shape[0]
+        pad = padded_rows(tokens) - tokens  # rows the prepacked GEMMs run anyway: padded once here, not per layer
+        if pad:
+            input_ids, positions, token_type_ids = (F.pad(t, (0, pad)) for t in (input_ids, positions, token_type_ids))
         x = (self.word_embeddings(input_ids) + self.token_type_embeddings(token_type_ids)
              + self.position_embeddings(positions + self.config.position_offset))
         x = self.embeddings_norm(x)
         for layer in self.layers:
             x = layer(x, seq_starts)
-        return x
+        return x[:tokens]
 
     def classify(self, cls_hidden: torch.Tensor) -> torch.Tensor:
         """BERT's pooler (dense + tanh of the [CLS] row) and the classifier: the logits of a cross-encoder."""

@@ -8,6 +8,7 @@ import torch
 
 from conveyor.models import registry
 from conveyor.models.config import ModelConfig
+from conveyor.models.lora_format import LoRABase, lora_base_of
 from conveyor.models.pooling_config import PoolingConfig
 from conveyor.sim.model_specs import ModelSpec
 
@@ -42,6 +43,8 @@ class ModelInfo:
     pooling: PoolingConfig | None = None
     causal: bool = True  # False: a bidirectional encoder (no KV cache, a sequence runs whole)
     type_vocab_size: int = 0  # token types (segments) the model embeds: 2 for BERT, pairs as two segments
+    # What a LoRA adapter of this model must fit (models.lora_format), checked wherever an adapter is named
+    lora_base: LoRABase | None = None
 
     @property
     def embedding_size(self) -> int:
@@ -125,4 +128,4 @@ def make_info(name: str, cfg: ModelConfig, model: torch.nn.Module, dtype: torch.
         eos_token_ids=list(cfg.eos_token_ids), bos_token_id=cfg.bos_token_id,
         dtype=str(dtype).removeprefix("torch."), num_params=sum(p.numel() for p in model.parameters()),
         dtype_reason=dtype_reason, layer_windows=tuple(cfg.layer_windows), spec=cfg.spec(name), causal=cfg.causal,
-        type_vocab_size=cfg.type_vocab_size)
+        type_vocab_size=cfg.type_vocab_size, lora_base=lora_base_of(cfg))

@@ -179,19 +179,21 @@ class NativeLayerStack:
                                   self.num_kv_heads, self.head_dim, kv_caches[0].shape[3], self.scale, self.eps,
                                   plan=plan, quant_scratch=quant_scratch,
                                   key_mass=attn.mass_buffer(self.num_kv_heads), rope_offset=attn.rope_offset,
-                                  moe=moe)
+                                  moe=moe, kv_int8=kv_caches[0].dtype == torch.int8)
         return x, residual
 
     def _bind_kv(self, kv_caches: list[torch.Tensor]) -> None:
-        """Point the per-layer cache fields at ``kv_caches`` ([2, blocks, KVH, block_size, D] per layer)."""
+        """Point the per-layer cache fields at ``kv_caches`` ([2, blocks, KVH, block_size, D] per layer, or int8
+        rows of D + 4: ``layers.attention.kv_quant``)."""
         key = tuple(cache.data_ptr() for cache in kv_caches)
         if key == self._kv_key:
             return
         if len(kv_caches) != self.num_layers:
             raise ValueError(f"{len(kv_caches)} KV caches for {self.num_layers} layers")
         for i, cache in enumerate(kv_caches):
-            if cache.dtype != self.dtype or not cache.is_contiguous():
-                raise ValueError("the native layer stack needs contiguous KV caches in the model's dtype")
+            int8 = cache.dtype == torch.int8 and cache.shape[-1] == self.head_dim + 4
+            if (cache.dtype != self.dtype and not int8) or not cache.is_contiguous():
+                raise ValueError("the native layer stack needs contiguous KV caches in the model's dtype or int8")
             self._fields[len(_FIELDS) - _KV_FIELDS, i] = cache[0].data_ptr()
             self._fields[len(_FIELDS) - 1, i] = cache[1].data_ptr()
         self._kv_key = key

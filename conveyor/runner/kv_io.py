@@ -33,6 +33,9 @@ def scatter_kv(kv_caches: list[torch.Tensor], block_ids: list[int], kv: torch.Te
     and device. Tokens whose entry is ``skip_block`` (the null block of entries outside every sliding window,
     which must stay zero) are not written. Raises ValueError when the shapes say another model."""
     cache0 = kv_caches[0]
+    if (kv.dtype == torch.int8) != (cache0.dtype == torch.int8):  # int8 rows carry their scales: no conversion
+        raise ValueError(f"handed-over KV is {kv.dtype}, this cache {cache0.dtype}: the prefill and decode engines "
+                         "need the same --kv-cache-dtype")
     heads, dim = layout.heads_and_dim(cache0)
     if kv.dim() != 5 or kv.shape[0] != len(kv_caches) or kv.shape[1] != 2 or tuple(kv.shape[3:]) != (heads, dim):
         raise ValueError(f"handed-over KV of shape {tuple(kv.shape)} does not fit this model's cache "

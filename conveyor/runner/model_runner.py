@@ -8,6 +8,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from conveyor.core.outputs import ModelOutput, PromptLogprobs, SchedulerOutput
 from conveyor.layers.attention import allocate_kv_caches, backend_class, make_attention, resolve_backend
+from conveyor.layers.attention.kv_quant import row_bytes as kv_row_bytes
 from conveyor.models.build import ModelInfo, resolve_dtype
 from conveyor.runner.input_batch import InputBatch, PromptRows, StepInputs
 from conveyor.runner.kv_io import gather_kv, scatter_kv
@@ -29,10 +30,13 @@ class ModelRunner:
 
     def __init__(self, model: torch.nn.Module, info: ModelInfo, num_blocks: int, block_size: int,
                  device: str | torch.device = "cpu", attention_backend: str = "auto", seed: int = 0,
-                 structured=None, pooler: Pooler | None = None, null_block_id: int | None = None) -> None:
+                 structured=None, pooler: Pooler | None = None, null_block_id: int | None = None,
+                 kv_cache_dtype: str = "auto") -> None:
         """``null_block_id`` (the KV manager's, when it gives back blocks outside a sliding window): one more block
-        is allocated for it, zeroed, and the table entries of given-back blocks point at it."""
+        is allocated for it, zeroed, and the table entries of given-back blocks point at it. ``kv_cache_dtype``:
+        "auto" (the model's dtype) or "int8" (``layers.attention.kv_quant``; the backend must read it)."""
         self.model, self.info = model, info
+        self.kv_cache_dtype = kv_cache_dtype
         self.device = torch.device(device)
         self.num_blocks, self.block_size = num_blocks, block_size
         self.null_block_id = null_block_id
@@ -56,6 +60,7 @@ class ModelRunner:
         self._imported_generators: dict[str, torch.Tensor] = {}
         self._scored_attention = None  # the step's scoring attention (block_scores) while its scores wait to be returned
         self.draft = None  # runner.draft_model.DraftModel (attach_draft): fills the scheduler's placeholders
+        self.lora = None  # runner.lora_slots.LoRASlots (attach_lora): each step's rows of each LoRA adapter
 
     def attach_draft(self, model: torch.nn.Module, info: ModelInfo, attention_backend: str = "auto") -> None:
         """Propose with ``model`` (speculative decoding's draft model), on this runner's blocks."""
@@ -63,25 +68,38 @@ class ModelRunner:
 
         self.draft = DraftModel(model, info, self.block_size, self.device, attention_backend, self._allocate_kv)
 
+    def attach_lora(self, max_loras: int, max_rank: int, segmented: bool = True) -> None:
+        """Serve LoRA adapters: ``max_loras`` adapter slots of rank up to ``max_rank`` on this runner's model
+        (``models.lora_model``; ``segmented=False``: the torch per-adapter loop instead of the native kernel)."""
+        from conveyor.models.lora_model import LoRAModel
+        from conveyor.runner.lora_slots import LoRASlots
+
+        kernels = None
+        if self.device.type == "cpu":
+            from conveyor.kernels import load_cpu_kernels
+
+            kernels = load_cpu_kernels()
+        self.lora = LoRASlots(LoRAModel(self.model, max_loras, max_rank, self.device, kernels, segmented))
+
     def _allocate_kv(self, backend: str, info: ModelInfo) -> list[torch.Tensor]:
         """A model's per-layer caches over this runner's blocks, the null block (zeroed: a masked key's weight
         times its V must stay 0, which uninitialised memory's NaN would break) included."""
         num_blocks = self.num_blocks if self.null_block_id is None else max(self.num_blocks, self.null_block_id + 1)
         caches = allocate_kv_caches(backend, info.num_layers, num_blocks, self.block_size, info.num_kv_heads,
-                                    info.head_dim, resolve_dtype(info.dtype), self.device)
+                                    info.head_dim, resolve_dtype(info.dtype), self.device, self.kv_cache_dtype)
         if self.null_block_id is not None:
             for cache in caches:  # [2, num_blocks, ...] in every backend's layout
                 cache[:, self.null_block_id].zero_()
         return caches
 
     @staticmethod
-    def kv_cache_bytes_per_block(info: ModelInfo, block_size: int) -> int:
+    def kv_cache_bytes_per_block(info: ModelInfo, block_size: int, kv_cache_dtype: str = "auto") -> int:
         """Bytes one KV block takes over all layers (K and V), to size num_blocks from a memory budget (0 for an
-        encoder, which keeps none)."""
+        encoder, which keeps none); an int8 cache's rows hold their scales too (``kv_quant``)."""
         if not info.causal:
             return 0
-        element = torch.empty(0, dtype=resolve_dtype(info.dtype)).element_size()
-        return 2 * info.num_layers * block_size * info.num_kv_heads * info.head_dim * element
+        row = kv_row_bytes(info.head_dim, kv_cache_dtype, resolve_dtype(info.dtype))
+        return 2 * info.num_layers * block_size * info.num_kv_heads * row
 
     def _failed(self, so: SchedulerOutput) -> dict[str, str]:
         """This step's new requests whose per-request setup failed (they are failed once, when first seen)."""
@@ -156,7 +174,13 @@ class ModelRunner:
         else:
             attn = make_attention(self.backend, step.attn_meta, self.dtype, step.padding, step.scored)
             self._scored_attention = attn if step.scored else None
-            hidden = self.model(step.input_ids, step.positions, self.kv_caches, attn)
+            if self.lora is not None:
+                self.lora.prepare(step, self.batch.requests)
+            try:
+                hidden = self.model(step.input_ids, step.positions, self.kv_caches, attn)
+            finally:
+                if self.lora is not None:
+                    self.lora.done()
         if step.pool_rows:
             self._pooled = self.pooler.pool(hidden, step.pool_rows)
         prompt_lps = {rows.state.req_id: self._prompt_logprobs(hidden, rows) for rows in step.prompt_rows

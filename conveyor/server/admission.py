@@ -21,7 +21,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
 from conveyor.core.admission import (
@@ -38,10 +38,12 @@ from conveyor.server.errors import APIError, bad_request
 logger = logging.getLogger("conveyor.server")
 
 RECHECK_EVERY_S = 0.05  # how often waiting requests are judged again (at most; on the engine's steps)
-ERROR_WINDOW = 2000  # the last finished requests the prediction error is reported over
-# The prediction's TTFT is scaled by the median measured / predicted ratio of the last CALIBRATION_WINDOW finished
-# requests (once CALIBRATION_MIN have finished), within CALIBRATION_BOUNDS: what the first-order model leaves out
-# (attention over long contexts, prefix hits, the server's own time) is this deployment's, and mostly a factor.
+ERROR_WINDOW = 2000  # the last finished requests the prediction errors are reported over
+# The prediction's TTFT and TPOT are each scaled by the median measured / predicted ratio of the last
+# CALIBRATION_WINDOW finished requests (once CALIBRATION_MIN have finished), within CALIBRATION_BOUNDS: what the
+# first-order model leaves out (attention over long contexts, prefix hits, the server's own time, the time between
+# steps, the prompts that arrive after a request and share its decode steps) is this deployment's, and mostly a
+# factor.
 CALIBRATION_WINDOW, CALIBRATION_MIN, CALIBRATION_BOUNDS = 200, 20, (0.5, 4.0)
 
 
@@ -112,6 +114,7 @@ class _Tracked:
     service: ServiceClass
     max_tokens: int
     predicted_ttft: tuple[float, float] | None  # (the model's, calibrated) at admission
+    predicted_tpot: tuple[float, float] | None = None  # (the model's, calibrated); None: one token, no TPOT
 
 
 class AdmissionController:
@@ -124,7 +127,9 @@ class AdmissionController:
         self._lock = threading.Lock()
         self._tracked: dict[str, _Tracked] = {}
         self._errors: deque[tuple[float, float]] = deque(maxlen=ERROR_WINDOW)  # (predicted, measured) TTFT
-        self._raw: deque[tuple[float, float]] = deque(maxlen=CALIBRATION_WINDOW)  # (the model's, measured)
+        self._tpot_errors: deque[tuple[float, float]] = deque(maxlen=ERROR_WINDOW)  # (predicted, measured) TPOT
+        self._raw: deque[tuple[float, float]] = deque(maxlen=CALIBRATION_WINDOW)  # (the model's, measured) TTFT
+        self._raw_tpot: deque[tuple[float, float]] = deque(maxlen=CALIBRATION_WINDOW)  # (the model's, measured)
         self._last_recheck = 0.0
         self._engine: ServedEngine | None = None
         self._loop: asyncio.AbstractEventLoop | None = None  # the server's, where a refusal is delivered
@@ -133,6 +138,10 @@ class AdmissionController:
                                  ["service_class", "decision"], registry=registry)
         self.outcomes = Counter("conveyor:slo_finished_requests", "Finished requests of classes with targets, by "
                                 "whether they met them.", ["service_class", "slo"], registry=registry)
+        self.decision_time = Histogram("conveyor:slo_admission_decision_seconds", "Time from a request's admission "
+                                       "check starting (before its prompt is tokenized) to its decision, by decision "
+                                       "(admitted, refused).", ["decision"], registry=registry,
+                                       buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0))
         registry.register(_PredictionError(self))
 
     def attach(self, engine: ServedEngine) -> None:
@@ -170,7 +179,8 @@ class AdmissionController:
             for i, length in enumerate(prompt_lengths):
                 self._tracked[f"{request_id}-{i}"] = _Tracked(
                     InFlight(runs_at, now, length, max_tokens), service, max_tokens,
-                    (raw.ttft_s, prediction.ttft_s) if prediction else None)
+                    (raw.ttft_s, prediction.ttft_s) if prediction else None,
+                    (raw.tpot_s, prediction.tpot_s) if prediction and prediction.tpot_s is not None else None)
         self.decisions.labels(service.name, "admitted").inc()
         return Admitted(service, runs_at, prediction)
 
@@ -179,11 +189,17 @@ class AdmissionController:
         """``admit`` a request about to be submitted: its prompts made and tokenized first (off the event loop,
         by ``tokenizer_call``, as its add would), so that the decision knows their lengths and needs no engine
         round trip; the prompts as made, and the params at the priority it runs at. Raises SLORefusedError."""
+        start = time.monotonic()
         prepared = await tokenizer_call(lambda info: [_prepared(p, info) for p in prompts])
         lengths = [len(p["prompt_token_ids"]) for p in prepared]
         first = each[0]
         max_tokens = first.max_tokens or max(max_model_len - max(lengths), 1)
-        admitted = self.admit(request_id, lengths, max_tokens, first.priority, tier)
+        try:
+            admitted = self.admit(request_id, lengths, max_tokens, first.priority, tier)
+        except SLORefusedError:
+            self.decision_time.labels("refused").observe(time.monotonic() - start)
+            raise
+        self.decision_time.labels("admitted").observe(time.monotonic() - start)
         if admitted.priority != first.priority:
             each = [dataclasses.replace(p, priority=admitted.priority) for p in each]
         return [lambda _, p=p: p for p in prepared], each
@@ -217,14 +233,18 @@ class AdmissionController:
         ttft = out.metrics.ttft
         if ttft is None or any(c.finish_reason == "abort" for c in out.outputs):
             return
+        times = out.outputs[0].token_times
+        tpot = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None
         if tracked.predicted_ttft is not None:
             raw, calibrated = tracked.predicted_ttft
             with self._lock:
                 self._errors.append((calibrated, ttft))
                 self._raw.append((raw, ttft))
+                if tracked.predicted_tpot is not None and tpot is not None:
+                    raw_tpot, calibrated_tpot = tracked.predicted_tpot
+                    self._tpot_errors.append((calibrated_tpot, tpot))
+                    self._raw_tpot.append((raw_tpot, tpot))
         if tracked.service.has_targets:
-            times = out.outputs[0].token_times
-            tpot = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None
             self.outcomes.labels(tracked.service.name, "met" if tracked.service.meets(ttft, tpot) else "missed").inc()
 
     def _recheck_waiting(self, now: float) -> None:
@@ -260,21 +280,32 @@ class AdmissionController:
         return refused
 
     def _calibrated(self, p: Prediction | None, waited: float = 0.0) -> Prediction | None:
-        """``p`` (a TTFT from now) with its TTFT scaled by the measured / predicted ratio this server has seen,
-        plus what the request already ``waited``."""
+        """``p`` (a TTFT from now) with its TTFT and TPOT each scaled by the measured / predicted ratio this
+        server has seen, plus what the request already ``waited``."""
         if p is None:
             return None
         with self._lock:
-            ratios = sorted(m / q for q, m in self._raw if q > 0)
-        scale = 1.0
-        if len(ratios) >= CALIBRATION_MIN:
-            low, high = CALIBRATION_BOUNDS
-            scale = min(max(ratios[len(ratios) // 2], low), high)
-        return Prediction(waited + p.ttft_s * scale, p.tpot_s)
+            ttft_scale, tpot_scale = _scale(self._raw), _scale(self._raw_tpot)
+        return Prediction(waited + p.ttft_s * ttft_scale, None if p.tpot_s is None else p.tpot_s * tpot_scale)
 
     def prediction_errors(self) -> list[tuple[float, float]]:
+        """(predicted, measured) TTFT of the last finished requests that were predicted."""
         with self._lock:
             return list(self._errors)
+
+    def tpot_prediction_errors(self) -> list[tuple[float, float]]:
+        """(predicted, measured) TPOT of the last finished requests that were predicted and wrote two tokens."""
+        with self._lock:
+            return list(self._tpot_errors)
+
+
+def _scale(pairs: deque[tuple[float, float]]) -> float:
+    """The median measured / predicted ratio of ``pairs`` within CALIBRATION_BOUNDS; 1 until CALIBRATION_MIN."""
+    ratios = sorted(m / q for q, m in pairs if q > 0)
+    if len(ratios) < CALIBRATION_MIN:
+        return 1.0
+    low, high = CALIBRATION_BOUNDS
+    return min(max(ratios[len(ratios) // 2], low), high)
 
 
 def _prepared(prompt, info: EngineInfo) -> dict:
@@ -305,28 +336,30 @@ def _refusal(service: ServiceClass, p: Prediction, waited: float | None = None) 
 
 
 class _PredictionError:
-    """Quantiles of the TTFT prediction's error over the last finished requests: the absolute error in seconds and
-    the measured / predicted ratio."""
+    """Quantiles of the TTFT and TPOT predictions' errors over the last finished requests: the absolute error in
+    seconds and the measured / predicted ratio."""
 
     def __init__(self, controller: AdmissionController) -> None:
         self.controller = controller
 
     def collect(self):
-        pairs = self.controller.prediction_errors()
-        absolute = GaugeMetricFamily("conveyor:slo_ttft_prediction_abs_error_seconds",
-                                     "|measured - predicted| TTFT over the last finished requests, by quantile.",
-                                     labels=["quantile"])
-        ratio = GaugeMetricFamily("conveyor:slo_ttft_prediction_ratio", "measured / predicted TTFT over the last "
-                                  "finished requests, by quantile.", labels=["quantile"])
-        if pairs:
-            errors = sorted(abs(m - p) for p, m in pairs)
-            ratios = sorted(m / p for p, m in pairs if p > 0)
-            for q in (0.5, 0.9):
-                absolute.add_metric([str(q)], _quantile(errors, q))
-                if ratios:
-                    ratio.add_metric([str(q)], _quantile(ratios, q))
-        yield absolute
-        yield ratio
+        for what, pairs in (("ttft", self.controller.prediction_errors()),
+                            ("tpot", self.controller.tpot_prediction_errors())):
+            absolute = GaugeMetricFamily(f"conveyor:slo_{what}_prediction_abs_error_seconds",
+                                         f"|measured - predicted| {what.upper()} over the last finished requests, "
+                                         "by quantile.", labels=["quantile"])
+            ratio = GaugeMetricFamily(f"conveyor:slo_{what}_prediction_ratio", f"measured / predicted "
+                                      f"{what.upper()} over the last finished requests, by quantile.",
+                                      labels=["quantile"])
+            if pairs:
+                errors = sorted(abs(m - p) for p, m in pairs)
+                ratios = sorted(m / p for p, m in pairs if p > 0)
+                for q in (0.5, 0.9):
+                    absolute.add_metric([str(q)], _quantile(errors, q))
+                    if ratios:
+                        ratio.add_metric([str(q)], _quantile(ratios, q))
+            yield absolute
+            yield ratio
 
 
 def _quantile(ordered: list[float], q: float) -> float:

@@ -34,6 +34,7 @@ from conveyor.server.ollama.routes import install_ollama_routes
 from conveyor.server.protocol import ChatCompletionRequest, CompletionRequest
 from conveyor.server.responses.serving import install_responses_routes
 from conveyor.server.responses.store import ResponseStore
+from conveyor.server.lora_adapters import LoRAAdapters, install_lora_routes
 from conveyor.server.served_models import ModelEntry, ModelRouter, ServedModels, not_found
 from conveyor.server.serving_chat import create_chat_completion
 from conveyor.server.serving_common import ServingContext
@@ -53,7 +54,7 @@ def build_app(engine: ServedEngine | LLMEngine, served_model_name: str | None = 
               responses_store: ResponseStore | None = None,
               also_serve: list[tuple[ServedEngine | LLMEngine, str | None]] = (),
               grammar_check_timeout_s: float = CHECK_TIMEOUT_S, batches: BatchAPIConfig | None = None,
-              service_classes: ServiceClasses | None = None) -> FastAPI:
+              service_classes: ServiceClasses | None = None, lora_modules: list[tuple[str, str]] = ()) -> FastAPI:
     """An OpenAI-compatible app serving ``engine``'s model: a ``ServedEngine`` (``EngineCoreClient``, the engine
     in its own process; ``AsyncEngine``; ``distributed.ReplicaPool``), or an ``LLMEngine``, stepped in a thread of
     this process (``AsyncEngine``). The engine runs for the app's lifespan. ``max_n`` bounds ``n`` (and
@@ -79,7 +80,11 @@ def build_app(engine: ServedEngine | LLMEngine, served_model_name: str | None = 
     (None: not served); its lines go through this app's own completion, chat and embedding handlers.
 
     ``service_classes``: SLO-aware admission for the first engine's requests (``admission.py``; None: every
-    request is admitted)."""
+    request is admitted).
+
+    An engine started with ``enable_lora`` serves LoRA adapters of its model by name (``lora_adapters.py``):
+    ``lora_modules`` (name, path) at once (ValueError naming a refused one), more through
+    ``/v1/load_lora_adapter``."""
     if max_request_body_bytes < 1 or max_seqs_per_request < 1:
         raise ValueError(f"max_request_body_bytes and max_seqs_per_request must be >= 1, got "
                          f"{max_request_body_bytes} and {max_seqs_per_request}")
@@ -108,6 +113,17 @@ def build_app(engine: ServedEngine | LLMEngine, served_model_name: str | None = 
         engines.append(other)
         served.add(ServingContext(other, name or other.info.model_info.name, max_n, max_seqs_per_request,
                                   max_token_chars(other.info.tokenizer), tool_call_parser, reasoning_parser))
+
+    router: ModelRouter = served
+    if info.args.enable_lora:
+        router = LoRAAdapters(served, ctx)
+        for name, path in lora_modules:
+            try:
+                router.add(name, path)
+            except APIError as exc:
+                raise ValueError(f"--lora-modules {name}={path}: {exc.message}") from None
+    elif lora_modules:
+        raise ValueError("--lora-modules needs --enable-lora")
 
     batch_runner = None
 
@@ -141,7 +157,9 @@ def build_app(engine: ServedEngine | LLMEngine, served_model_name: str | None = 
     larger = {"/v1/files": (batches.limits.max_file_bytes + UPLOAD_OVERHEAD_BYTES, "--batch-max-file-bytes")} \
         if batches is not None else {}
     install_middleware(app, api_key, max_request_body_bytes, cors, larger)
-    internal_routes = install_routes(app, served, responses_store, created)
+    internal_routes = install_routes(app, router, responses_store, created)
+    if isinstance(router, LoRAAdapters):
+        install_lora_routes(app, router)
     if batches is not None:
         batch_runner = install_batch_api(app, batches, internal_routes)
 
@@ -177,7 +195,8 @@ def model_card(entry: ModelEntry, created: int, with_state: bool = False) -> dic
     server that loads models on demand (an unloaded model's context length is not known yet)."""
     info = entry.ctx.engine.info if entry.ctx is not None else None
     card = {"id": entry.name, "object": "model", "created": created, "owned_by": "conveyor",
-            "root": (info.args.model or info.model_info.name) if info is not None else entry.path, "parent": None,
+            "root": entry.path if entry.parent is not None or info is None else (info.args.model or info.model_info.name),
+            "parent": entry.parent,
             "max_model_len": info.max_model_len if info is not None else None}
     if with_state:
         card["status"] = {"value": entry.state}

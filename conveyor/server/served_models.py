@@ -20,7 +20,8 @@ TASK_WORDS = {"generate": "text generation", "embed": "embeddings", "score": "sc
 class ModelEntry:
     """One servable model as the listings show it (``/v1/models``, ``/api/tags``, ``/api/ps``, ``/health``).
     ``state``: "loaded", "loading", "unloaded" or "failed" (its last load failed); ``ctx`` while loaded;
-    ``expires_at``: the Unix time an idle loaded model unloads (None: it stays loaded)."""
+    ``expires_at``: the Unix time an idle loaded model unloads (None: it stays loaded); ``parent``: a LoRA
+    adapter's base model (None: a model of its own)."""
 
     name: str
     state: str
@@ -28,6 +29,7 @@ class ModelEntry:
     path: str | None = None
     expires_at: float | None = None
     in_flight: int = 0
+    parent: str | None = None
 
 
 class ModelRouter(Protocol):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import dataclasses
 import json
 import logging
@@ -14,6 +15,7 @@ from typing import TypeVar
 
 from fastapi import Request
 
+from conveyor.core.lora_request import LoRARequest
 from conveyor.core.sampling_params import RequestOutputKind, SamplingParams
 from conveyor.engine.engine_client import EngineInfo, Prepare, RequestStream, ServedEngine
 from conveyor.engine.outputs import RequestOutput
@@ -115,6 +117,13 @@ class ServingContext:
         self.task = engine.info.model_info.task  # "generate", or a pooling model's "embed" / "score"
         self.max_token_chars = max_token_chars
         self.admission: AdmissionController | None = None  # SLO-aware admission (--service-class), when on
+        self.lora: LoRARequest | None = None  # the LoRA adapter every request of this context runs with
+
+    def for_adapter(self, name: str, lora: LoRARequest) -> ServingContext:
+        """This context serving LoRA adapter ``lora`` as model ``name`` (server.lora_adapters)."""
+        ctx = copy.copy(self)
+        ctx.model_name, ctx.lora = name, lora
+        return ctx
 
     async def tokenizer_call(self, fn: Callable[[EngineInfo], T]) -> T:
         """``fn(info)`` off the event loop with the server's tokenizer (``ServedEngine.tokenizer_call``); its
@@ -208,6 +217,8 @@ class ServingContext:
         of it is submitted. With SLO-aware admission the prompts are prepared first and the request admitted in
         ``service_tier``'s class at its priority, or refused (429) before anything is queued."""
         each = params if isinstance(params, list) else [params] * len(prompts)
+        if self.lora is not None:
+            each = [dataclasses.replace(p, lora=self.lora) for p in each]
         if self.admission is not None:
             prompts, each = await self.admission.admit_prompts(request_id, prompts, each, service_tier,
                                                                self.tokenizer_call, self.max_model_len)

@@ -55,8 +55,9 @@ def test_simulated_admission_refuses_what_would_miss_and_reports_its_error(tmp_p
     with_admission = run(tmp_path, *tight, "--service-class", "interactive:ttft=150,tpot=100")["alone"]
     assert without["refused"] == 0 and with_admission["refused"] > 0
     assert with_admission["interactive"]["goodput"] > 1.2 * without["interactive"]["goodput"]
-    assert set(with_admission["prediction"]) == {"abs_error_s_p50", "abs_error_s_p90", "measured_over_predicted_p50",
-                                                 "measured_over_predicted_p90"}
+    keys = {f"{what}_{key}_p{q}" for what in ("ttft", "tpot") for key in ("abs_error_s", "measured_over_predicted")
+            for q in (50, 90)}
+    assert set(with_admission["prediction"]) == keys
 
 
 @pytest.mark.slow
@@ -79,3 +80,5 @@ def test_every_mode_over_http_against_a_real_server(tiny_chat_dir, tmp_path):
     for mode in ("alone", "batch-api", "fcfs", "low-priority"):
         assert results[mode]["interactive"]["num_completed"] == 6, results[mode]
         assert results[mode]["interactive"]["goodput"] > 0
+        sent, ttfts = zip(*results[mode]["ttfts"])  # per request, in sending order
+        assert len(ttfts) == 6 and list(sent) == sorted(sent) and all(t is not None and t > 0 for t in ttfts)

@@ -15,7 +15,8 @@ import torch.nn.functional as F
 import conveyor.kernels.cpu_features as cf
 from conveyor.kernels.build import library_path
 from conveyor.kernels.cpu_ops import build_and_load
-from conveyor.layers.linear import PackedLinear, onednn_available, pack_linear, padded_rows
+from conveyor.layers.linear import (PackedLinear, linear_add, linear_gelu, onednn_available, pack_linear,
+                                   padded_rows)
 from conveyor.models.build import choose_dtype
 from tests.helpers.checkpoints import save_tiny_llama
 
@@ -165,6 +166,24 @@ def test_packed_linear_matches_f_linear(dtype, rows, bias):
     tol = dict(atol=1e-4, rtol=1e-4) if dtype != torch.bfloat16 else dict(atol=0.1, rtol=2e-2)
     assert got.shape == (rows, 96) and got.dtype == dtype
     torch.testing.assert_close(got.double(), want, **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("rows", [7, 200, 208])  # 208 = padded_rows(200): oneDNN's fused epilogue; 200 pads, unfused
+def test_fused_gelu_and_residual_add_match_the_unfused_ops(dtype, rows):
+    gen = torch.Generator().manual_seed(rows)
+    w1, b1 = torch.randn(160, 64, generator=gen).to(dtype), torch.randn(160, generator=gen).to(dtype)
+    w2, b2 = torch.randn(64, 160, generator=gen).to(dtype), torch.randn(64, generator=gen).to(dtype)
+    x = torch.randn(rows, 64, generator=gen).to(dtype)
+    up, down = pack_linear(w1, b1), pack_linear(w2, b2)
+    h = linear_gelu(up, x)
+    y = linear_add(down, h, x)
+    want_h = F.gelu(F.linear(x.double(), w1.double(), b1.double()))
+    want_y = F.linear(h.double(), w2.double(), b2.double()) + x.double()
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype != torch.bfloat16 else dict(atol=0.25, rtol=2e-2)
+    assert h.dtype == y.dtype == dtype and y.shape == (rows, 64)
+    torch.testing.assert_close(h.double(), want_h, **tol)
+    torch.testing.assert_close(y.double(), want_y, **tol)
 
 
 def test_packed_linear_torch_fallback_is_the_same_layer():

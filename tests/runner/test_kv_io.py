@@ -49,3 +49,20 @@ def test_entries_outside_the_window_are_not_written():
     scatter_kv(dst, [5, 5, 1], kv, 4, TOKEN_MAJOR, skip_block=5)
     assert all(float(c[:, 5].abs().sum()) == 0.0 for c in dst)
     assert torch.equal(gather_kv(dst, [5, 5, 1], 10, 4, TOKEN_MAJOR)[:, :, 8:], kv[:, :, 8:])
+
+
+def test_int8_rows_travel_whole_and_never_into_a_float_cache():
+    """An int8 cache's rows (values and scale bytes: ``kv_quant``) are handed over as they are stored; a float
+    engine cannot take them, nor an int8 engine float K/V (the two need the same --kv-cache-dtype)."""
+    from conveyor.layers.attention.kv_quant import dequantize_rows, quantize_rows
+
+    torch.manual_seed(0)
+    kv = quantize_rows(torch.randn(LAYERS, 2, 9, HEADS, DIM))  # [..., DIM + 4] int8
+    int8 = [torch.zeros(2, 6, HEADS, 4, DIM + 4, dtype=torch.int8) for _ in range(LAYERS)]
+    scatter_kv(int8, [3, 0, 5], kv, 4, HEAD_MAJOR)
+    out = gather_kv(int8, [3, 0, 5], 9, 4, HEAD_MAJOR)
+    assert torch.equal(out, kv) and torch.equal(dequantize_rows(out), dequantize_rows(kv))
+    with pytest.raises(ValueError, match="same --kv-cache-dtype"):
+        scatter_kv(cache(6, 4, HEAD_MAJOR), [0, 1, 2], out, 4, HEAD_MAJOR)
+    with pytest.raises(ValueError, match="same --kv-cache-dtype"):
+        scatter_kv(int8, [0, 1, 2], torch.zeros(LAYERS, 2, 9, HEADS, DIM + 4), 4, HEAD_MAJOR)

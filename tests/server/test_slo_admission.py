@@ -14,6 +14,7 @@ import pytest
 
 from prometheus_client import CollectorRegistry
 
+from conveyor.bench.mixed_http import scrape, server_refusal_time
 from conveyor.core.admission import EngineShape, OnlineStepTime, ServiceClass
 from conveyor.server.admission import AdmissionController, ServiceClasses, SLORefusedError
 from conveyor.server.app import build_app
@@ -70,6 +71,17 @@ def test_refused_at_once_demoted_when_allowed_and_counted_per_class(server):
     assert counter(server, "conveyor:slo_finished_requests_total", service_class="loose", slo="met") == 2
     text = httpx.get(server + "/metrics").text
     assert 'conveyor:slo_ttft_prediction_abs_error_seconds{quantile="0.9"}' in text
+    # the server's own time to each decision, as `bench mixed` reads it
+    assert counter(server, "conveyor:slo_admission_decision_seconds_count", decision="admitted") == 3
+    samples = asyncio.run(_scrape(server))
+    refusals = server_refusal_time({}, samples)
+    assert refusals["server_refused"] == 4 and 0 <= refusals["server_refused_within_50ms"] <= 4
+    assert 0 < refusals["server_refusal_s_p50_at_most"] <= refusals["server_refusal_s_p99_at_most"]
+
+
+async def _scrape(url: str) -> dict[str, float]:
+    async with httpx.AsyncClient(base_url=url) as client:
+        return await scrape(client)
 
 
 def test_a_waiting_request_that_can_no_longer_meet_its_target_is_refused(tiny_chat_dir):
@@ -95,18 +107,25 @@ def test_the_prediction_is_scaled_by_what_this_server_measured():
     step = OnlineStepTime()
     for tokens in (1, 8, 64):
         step.observe(tokens, 0.01 + 0.001 * tokens, False)
+    registry = CollectorRegistry()
     controller = AdmissionController(ServiceClasses([ServiceClass.parse("interactive:ttft=60000")]),
-                                     EngineShape(64, 8), CollectorRegistry(), step)
+                                     EngineShape(64, 8), registry, step)
 
     async def admit(rid: str):
         return controller.admit(rid, [20], 2, 0, None)
 
     first = None
-    for i in range(20):  # every request took three times the model's TTFT
-        predicted = asyncio.run(admit(f"r{i}")).prediction.ttft_s
-        first = first or predicted
-        assert predicted == pytest.approx(first), "until 20 finished, the model's own"
-        metrics = RequestMetrics(arrival_time=0.0, first_token_time=3 * predicted, finished_time=3 * predicted)
+    for i in range(20):  # every request took three times the model's TTFT, and twice its TPOT
+        prediction = asyncio.run(admit(f"r{i}")).prediction
+        first = first or prediction
+        assert prediction == first, "until 20 finished, the model's own"
+        metrics = RequestMetrics(arrival_time=0.0, first_token_time=3 * first.ttft_s, finished_time=3 * first.ttft_s)
         controller.on_output(RequestOutput(f"r{i}-0", None, [1] * 20, [CompletionOutput(
-            0, "x", [5, 6], "length", token_times=[0.1, 0.2])], metrics, finished=True))
-    assert asyncio.run(admit("later")).prediction.ttft_s == pytest.approx(3 * first, rel=0.01)
+            0, "x", [5, 6], "length", token_times=[0.1, 0.1 + 2 * first.tpot_s])], metrics, finished=True))
+    later = asyncio.run(admit("later")).prediction
+    assert later.ttft_s == pytest.approx(3 * first.ttft_s, rel=0.01)
+    assert later.tpot_s == pytest.approx(2 * first.tpot_s, rel=0.01)
+    # the errors, predicted (as admission used it) against measured
+    assert controller.tpot_prediction_errors() == [(first.tpot_s, pytest.approx(2 * first.tpot_s))] * 20
+    assert registry.get_sample_value("conveyor:slo_tpot_prediction_ratio", {"quantile": "0.5"}) == pytest.approx(2)
+    assert registry.get_sample_value("conveyor:slo_ttft_prediction_ratio", {"quantile": "0.9"}) == pytest.approx(3)

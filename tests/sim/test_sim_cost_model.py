@@ -58,6 +58,19 @@ def test_roofline_on_a_hand_computed_step():
     assert c.flops == 9216 + 384 + 384 + 320 and c.bytes == 2304 + 96 + 192 + 160
 
 
+def test_an_int8_kv_cache_is_a_byte_a_value_plus_a_scale_per_row():
+    """``--kv-cache-dtype int8``: each (token, head) row is head_dim bytes and a float32 scale, in the cache's size
+    and in what decode attention reads."""
+    shape = StepShape(rows=[(1, 5)], num_sampled=1)
+    int8 = RooflineCostModel(TOY, UNIT, kv_cache_dtype="int8")
+    assert int8.kv_bytes_per_token() == 2 * 2 * 1 * (4 + 4)  # K and V, 2 layers, 1 KV head: 4 values + scale
+    assert int8.op_counts(shape).decode_attn.bytes == 6 * int8.kv_bytes_per_token()
+    llama = get_model_spec("llama-3-8b")  # head_dim 128: 132 bytes a row against bfloat16's 256
+    ratio = RooflineCostModel(llama, UNIT).kv_bytes_per_token() / \
+        RooflineCostModel(llama, UNIT, kv_cache_dtype="int8").kv_bytes_per_token()
+    assert ratio == pytest.approx(256 / 132)
+
+
 def test_compute_bound_prefill_and_overheads():
     hw = UNIT.with_overrides(peak_flops=10.0, step_overhead_s=1.0, per_request_overhead_s=0.5,
                              per_token_overhead_s=0.25)

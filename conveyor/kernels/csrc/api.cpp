@@ -58,7 +58,7 @@ const char* cvk_struct_layout(int which) {
       CVK_FIELD(CvkAttnArgs, window),
       CVK_FIELD(CvkAttnArgs, dtype), CVK_FIELD(CvkAttnArgs, num_reqs),
       CVK_FIELD(CvkAttnArgs, H), CVK_FIELD(CvkAttnArgs, KVH), CVK_FIELD(CvkAttnArgs, D), CVK_FIELD(CvkAttnArgs, bs),
-      CVK_FIELD(CvkAttnArgs, num_threads), CVK_FIELD(CvkAttnArgs, scale)});
+      CVK_FIELD(CvkAttnArgs, num_threads), CVK_FIELD(CvkAttnArgs, scale), CVK_FIELD(CvkAttnArgs, kv_dtype)});
   static const std::string stack = layout<CvkLayerStackArgs>({
       CVK_FIELD(CvkLayerStackArgs, step), CVK_FIELD(CvkLayerStackArgs, fields), CVK_FIELD(CvkLayerStackArgs, x),
       CVK_FIELD(CvkLayerStackArgs, residual), CVK_FIELD(CvkLayerStackArgs, h), CVK_FIELD(CvkLayerStackArgs, qkv),
@@ -86,7 +86,15 @@ const char* cvk_struct_layout(int which) {
       CVK_FIELD(CvkMoeArgs, x_stride), CVK_FIELD(CvkMoeArgs, hidden), CVK_FIELD(CvkMoeArgs, inter),
       CVK_FIELD(CvkMoeArgs, scratch_bytes), CVK_FIELD(CvkMoeArgs, dtype), CVK_FIELD(CvkMoeArgs, E),
       CVK_FIELD(CvkMoeArgs, top_k), CVK_FIELD(CvkMoeArgs, norm_topk_prob), CVK_FIELD(CvkMoeArgs, num_threads)});
+  static const std::string lora = layout<CvkLoraArgs>({
+      CVK_FIELD(CvkLoraArgs, x), CVK_FIELD(CvkLoraArgs, y), CVK_FIELD(CvkLoraArgs, a), CVK_FIELD(CvkLoraArgs, b),
+      CVK_FIELD(CvkLoraArgs, rows), CVK_FIELD(CvkLoraArgs, seg_start), CVK_FIELD(CvkLoraArgs, seg_slot),
+      CVK_FIELD(CvkLoraArgs, sub_cols), CVK_FIELD(CvkLoraArgs, scratch), CVK_FIELD(CvkLoraArgs, x_stride),
+      CVK_FIELD(CvkLoraArgs, y_stride), CVK_FIELD(CvkLoraArgs, K), CVK_FIELD(CvkLoraArgs, N),
+      CVK_FIELD(CvkLoraArgs, SR), CVK_FIELD(CvkLoraArgs, R), CVK_FIELD(CvkLoraArgs, num_segs),
+      CVK_FIELD(CvkLoraArgs, num_subs), CVK_FIELD(CvkLoraArgs, dtype), CVK_FIELD(CvkLoraArgs, num_threads)});
   if (which == CVK_STRUCT_ATTN_ARGS) return attn.c_str();
+  if (which == CVK_STRUCT_LORA_ARGS) return lora.c_str();
   if (which == CVK_STRUCT_LAYER_STACK_ARGS) return stack.c_str();
   if (which == CVK_STRUCT_QUANT_WEIGHT) return qweight.c_str();
   if (which == CVK_STRUCT_QUANT_GEMM_ARGS) return qgemm.c_str();
@@ -229,6 +237,9 @@ int64_t cvk_moe_scratch_bytes(int64_t T, int64_t hidden, int64_t inter, int E, i
 
 // A mixture's routed MLP for one step (CvkMoeArgs, cvk.h; moe.cpp). Returns a CVK_* code.
 int cvk_moe(const CvkMoeArgs* a) { return cvk::moe(*a); }
+
+// Each row's LoRA adapter's low-rank product added to y (CvkLoraArgs, cvk.h; lora.cpp). Returns a CVK_* code.
+int cvk_lora_apply(const CvkLoraArgs* a) { return cvk::lora_apply(*a); }
 
 // The decoder-layer stack of a Llama-family model for one step (layer_stack.cpp). Returns a CVK_* code.
 int cvk_llama_layers(const CvkLayerStackArgs* s) { return cvk::llama_layers(*s); }

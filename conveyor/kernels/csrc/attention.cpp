@@ -14,10 +14,10 @@
 namespace cvk {
 namespace {
 
-template <typename T, int DV>
+template <typename T, int DV, typename C>
 inline void attend_item(const AttnArgs& a, const Item& it) {
-  if (it.q1 - it.q0 == 1) attend_one_query<T, DV>(a, it);
-  else attend_tile<T, DV>(a, it);
+  if (it.q1 - it.q0 == 1) attend_one_query<T, DV, C>(a, it);
+  else attend_tile<T, DV, C>(a, it);
 }
 
 // Rotate (rotate-half layout) one head of D values in place by the angles of one position.
@@ -40,8 +40,9 @@ inline void rope_head(T* x, const float* cs, int D) {
 
 // Token t of request r at KV slot `pos`: rotate its q and k heads in place (when cos_sin is given) by the angles
 // of its position (the slot, plus the request's rope_offset when KV eviction shifted its slots), store its k and
-// v in the cache; for kv heads [h0, h1) and their query heads (default: all).
-template <typename T>
+// v in the cache (cache elements C: T, or int8 rows quantized here); for kv heads [h0, h1) and their query heads
+// (default: all).
+template <typename T, typename C>
 void rope_and_store(const AttnArgs& a, int r, int64_t t, int64_t pos, const float* cos_sin, int h0 = 0,
                     int h1 = -1) {
   const int64_t* table = a.block_table + r * a.bt_stride;
@@ -56,16 +57,16 @@ void rope_and_store(const AttnArgs& a, int r, int64_t t, int64_t pos, const floa
     for (int h = h0 * G; h < h1 * G; h++) rope_head(q + int64_t(h) * D, cs, D);
     for (int h = h0; h < h1; h++) rope_head(k + int64_t(h) * D, cs, D);
   }
-  T* kc = static_cast<T*>(const_cast<void*>(a.k_cache));
-  T* vc = static_cast<T*>(const_cast<void*>(a.v_cache));
+  C* kc = static_cast<C*>(a.k_cache);
+  C* vc = static_cast<C*>(a.v_cache);
   for (int h = h0; h < h1; h++) {
     const int64_t off = kv_offset(a, table, pos, h);
-    memcpy(kc + off, k + int64_t(h) * D, sizeof(T) * D);
-    memcpy(vc + off, v + int64_t(h) * D, sizeof(T) * D);
+    store_kv_row(k + int64_t(h) * D, D / W, kc + off);
+    store_kv_row(v + int64_t(h) * D, D / W, vc + off);
   }
 }
 
-template <typename T, int DV>
+template <typename T, int DV, typename C>
 void attention_impl(const AttnArgs& a, const PlanHeader* plan) {
   const Item* items = plan_items(plan);
   const int32_t* req_of_token = plan_req_of_token(plan);
@@ -82,7 +83,7 @@ void attention_impl(const AttnArgs& a, const PlanHeader* plan) {
         const int r = req_of_token[t];
         const int64_t n = a.query_start[r + 1] - a.query_start[r];
         const int64_t pos = a.seq_lens[r] - n + (t - a.query_start[r]);
-        rope_and_store<T>(a, r, t, pos, a.cos_sin);
+        rope_and_store<T, C>(a, r, t, pos, a.cos_sin);
       }
       // the implicit barrier above: every new K/V row is in the cache before any item reads it
     }
@@ -90,8 +91,9 @@ void attention_impl(const AttnArgs& a, const PlanHeader* plan) {
     for (int i = 0; i < n_items; i++) {
       const Item& it = items[i];
       if (item_ropes)
-        rope_and_store<T>(a, it.req, a.query_start[it.req], a.seq_lens[it.req] - 1, a.cos_sin, it.kvh, it.kvh_end);
-      attend_item<T, DV>(a, it);
+        rope_and_store<T, C>(a, it.req, a.query_start[it.req], a.seq_lens[it.req] - 1, a.cos_sin, it.kvh,
+                             it.kvh_end);
+      attend_item<T, DV, C>(a, it);
     }
     // scored prompt chunks: their rows' exact softmax, once every item is done (the barrier above)
     if (scores_tiles) {
@@ -99,19 +101,25 @@ void attention_impl(const AttnArgs& a, const PlanHeader* plan) {
       for (int64_t x = 0; x < int64_t(a.num_reqs) * a.KVH; x++) {
         const int r = int(x / a.KVH);
         if (mass_of(a, r) != nullptr && a.query_start[r + 1] - a.query_start[r] > 1)
-          mass_rows<T, DV>(a, r, int(x % a.KVH));
+          mass_rows<T, DV, C>(a, r, int(x % a.KVH));
       }
     }
   });
 }
 
-template <typename T>
+template <typename T, typename C>
 int attention_dispatch(const AttnArgs& a, const PlanHeader* plan) {
   // The models' common head sizes compiled in (each variant costs build time); every other multiple of W up to
   // MAX_D takes the generic path (DV = 0: attention_common.h).
-  if (a.D == 64) return attention_impl<T, 64 / W>(a, plan), CVK_OK;
-  if (a.D == 128) return attention_impl<T, 128 / W>(a, plan), CVK_OK;
-  return attention_impl<T, 0>(a, plan), CVK_OK;
+  if (a.D == 64) return attention_impl<T, 64 / W, C>(a, plan), CVK_OK;
+  if (a.D == 128) return attention_impl<T, 128 / W, C>(a, plan), CVK_OK;
+  return attention_impl<T, 0, C>(a, plan), CVK_OK;
+}
+
+// The cache's elements: the step's dtype, or int8 rows with their scales (cvk.h's kv_dtype).
+template <typename T>
+int attention_dispatch(const AttnArgs& a, const PlanHeader* plan) {
+  return a.kv_dtype == CVK_KV_INT8 ? attention_dispatch<T, int8_t>(a, plan) : attention_dispatch<T, T>(a, plan);
 }
 
 // The key mass's buffer must hold each scored request's keys, rounded up to the decode loop's chunks.
@@ -148,6 +156,7 @@ int attention_plan(const AttnArgs& a, void* buf, int64_t bytes) {
 int attention(const AttnArgs& a) {
   if (a.num_reqs <= 0) return CVK_OK;
   if (a.dtype != CVK_F32 && a.dtype != CVK_BF16) return CVK_ERR_BADARG;
+  if (a.kv_dtype != CVK_KV_SAME && a.kv_dtype != CVK_KV_INT8) return CVK_ERR_BADARG;
   if (!attention_supports(a.H, a.KVH, a.D)) return CVK_ERR_UNSUPPORTED;
   if (!mass_fits(a)) return CVK_ERR_BADARG;
   if (a.window < 0 || (a.window > 0 && (a.key_mass != nullptr || a.rope_offset != nullptr))) return CVK_ERR_BADARG;

@@ -44,11 +44,15 @@ struct Item {
   int64_t cost;
 };
 
-// The cache layout is head-major inside a block, [num_blocks, KVH, bs, D] (as vLLM's CPU backend keeps it): one
+// The cache layout is head-major inside a block, [num_blocks, KVH, bs, row] (as vLLM's CPU backend keeps it): one
 // head's keys of a block are contiguous, so reading a request's context for a head streams whole pages in order.
+// A row is D elements of the cache's type C, or, in an int8 cache (kv_dtype CVK_KV_INT8, C = int8_t), D int8
+// values and their float32 scale: D + 4 bytes (cvk.h).
+inline int64_t kv_row(const AttnArgs& a) { return a.kv_dtype == CVK_KV_INT8 ? a.D + 4 : a.D; }
+
 // Element offset of the row of position `pos`, head h:
 inline int64_t kv_offset(const AttnArgs& a, const int64_t* table, int64_t pos, int h) {
-  return ((table[pos / a.bs] * a.KVH + h) * a.bs + pos % a.bs) * int64_t(a.D);
+  return ((table[pos / a.bs] * a.KVH + h) * a.bs + pos % a.bs) * kv_row(a);
 }
 
 // Offsets (head 0) of the rows of positions [j0, j0 + n): one division, then block by block (a division per key
@@ -56,9 +60,10 @@ inline int64_t kv_offset(const AttnArgs& a, const int64_t* table, int64_t pos, i
 inline void kv_offsets(const AttnArgs& a, const int64_t* table, int64_t j0, int n, int64_t* offs) {
   int64_t b = j0 / a.bs;
   int off = int(j0 - b * a.bs);
-  const int64_t block_elems = int64_t(a.KVH) * a.bs * a.D;
+  const int64_t row = kv_row(a);
+  const int64_t block_elems = int64_t(a.KVH) * a.bs * row;
   for (int j = 0; j < n; j++) {
-    offs[j] = table[b] * block_elems + int64_t(off) * a.D;
+    offs[j] = table[b] * block_elems + int64_t(off) * row;
     if (++off == a.bs) {
       off = 0;
       b++;
@@ -66,21 +71,84 @@ inline void kv_offsets(const AttnArgs& a, const int64_t* table, int64_t j0, int 
   }
 }
 
+// One cache row of D = dv * W values as float32 into dst: bfloat16 widened, int8 times its row's scale.
+template <typename C>
+inline void load_kv_row(const C* src, int dv, float* dst) {
+  if constexpr (sizeof(C) == 1) {
+    float scale;
+    memcpy(&scale, src + dv * W, sizeof(float));
+    const V s = V::set1(scale);
+    for (int d = 0; d < dv; d++) (V::load(src + d * W) * s).store(dst + d * W);
+  } else {
+    for (int d = 0; d < dv; d++) V::load(src + d * W).store(dst + d * W);
+  }
+}
+
+// An int8 row's values as float32, unscaled, and its scale: the decode loop multiplies the scale into each key's
+// score and each value's probability instead of into every element.
+inline void load_kv_values(const int8_t* src, int dv, float* dst) {
+  for (int d = 0; d < dv; d++) V::load(src + d * W).store(dst + d * W);
+}
+inline float kv_row_scale(const int8_t* src, int dv) {
+  float scale;
+  memcpy(&scale, src + dv * W, sizeof(float));
+  return scale;
+}
+
+// Cache row src of a decode chunk as float32 for its dot products: a pointer into a float32 cache, or the row
+// widened into buf (bfloat16), or an int8 row's values into buf with its scale in *scale (the caller folds it in).
+template <typename C>
+inline const float* decode_row(const C* src, int dv, float* buf, float* scale) {
+  if constexpr (sizeof(C) == 4) {
+    return reinterpret_cast<const float*>(src);
+  } else if constexpr (sizeof(C) == 1) {
+    load_kv_values(src, dv, buf);
+    *scale = kv_row_scale(src, dv);
+    return buf;
+  } else {
+    load_kv_row(src, dv, buf);
+    return buf;
+  }
+}
+
+// One head's row x of D = dv * W values (the step's dtype T) into a cache row of type C: copied, or quantized to
+// int8 with its scale (cvk.h's CVK_KV_INT8: scale = max |x| / 127, q = round-half-even(x / scale), a division so
+// that a torch reference computes the same integers).
+template <typename T, typename C>
+inline void store_kv_row(const T* x, int dv, C* dst) {
+  if constexpr (sizeof(C) == 1) {
+    V amax = V::zero();
+    for (int d = 0; d < dv; d++) {
+      const V v = V::load(x + d * W);
+      amax = V::max(amax, V::max(v, V::zero() - v));
+    }
+    const float scale = amax.hmax() / 127.f;
+    const V s = V::set1(scale);
+    for (int d = 0; d < dv; d++) {
+      if (scale > 0.f) (V::load(x + d * W) / s).store_i8(dst + d * W);
+      else V::zero().store_i8(dst + d * W);
+    }
+    memcpy(dst + dv * W, &scale, sizeof(float));
+  } else {
+    memcpy(dst, x, sizeof(T) * dv * W);
+  }
+}
+
 // Float32 rows of keys [j0, j0 + n) of kv head h, padded to `pad` rows with zeros: pointers straight into the
-// cache (T = float) or into `buf` after conversion (T = bfloat16).
-template <typename T, int DV>
-inline void chunk_rows(const AttnArgs& a, const int64_t* table, const T* base, int h, int64_t j0, int n, int pad,
+// cache (C = float) or into `buf` after conversion (bfloat16, int8).
+template <typename C, int DV>
+inline void chunk_rows(const AttnArgs& a, const int64_t* table, const C* base, int h, int64_t j0, int n, int pad,
                        const float** rows, float* buf) {
   const int dv = head_dv<DV>(a), D = dv * W;
   int64_t offs[KC];
   kv_offsets(a, table, j0, n, offs);
-  const int64_t head = int64_t(h) * a.bs * D;
+  const int64_t head = int64_t(h) * a.bs * kv_row(a);
   for (int j = 0; j < n; j++) {
-    const T* src = base + offs[j] + head;
-    if constexpr (sizeof(T) == 4) {
+    const C* src = base + offs[j] + head;
+    if constexpr (sizeof(C) == 4) {
       rows[j] = reinterpret_cast<const float*>(src);
     } else {
-      for (int d = 0; d < dv; d++) V::load(src + d * W).store(buf + j * D + d * W);
+      load_kv_row(src, dv, buf + j * D);
       rows[j] = buf + j * D;
     }
   }

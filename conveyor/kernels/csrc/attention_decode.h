@@ -9,13 +9,15 @@ namespace cvk {
 
 // One query over kv heads [kvh, kvh_end): rows r = query heads kvh * G .. kvh_end * G. Per chunk of keys, every
 // head of the item reads its slice of the same K/V rows, so a chunk streams from memory once, in order.
-template <typename T, int DV>
+// C: the cache's elements (T, or int8 rows dequantized chunk by chunk into kbuf / vbuf).
+template <typename T, int DV, typename C>
 void attend_one_query(const AttnArgs& a, const Item& it) {
   constexpr int DM = max_dv<DV>() * W;  // a row's room: D itself for a compiled head size
   const int dv = head_dv<DV>(a), D = dv * W;
   constexpr int KP = (KC + W - 1) / W * W;  // chunk padded to whole score vectors
   // bfloat16 dot products in hardware (attention_bf16.h), for the compiled head sizes (whole 32-value vectors)
-  constexpr bool kDpbf16 = kBf16Dot && sizeof(T) == 2 && DV > 0 && DV % 2 == 0;
+  constexpr bool kDpbf16 = kBf16Dot && sizeof(T) == 2 && sizeof(C) == 2 && DV > 0 && DV % 2 == 0;
+  constexpr bool kConvert = sizeof(C) != 4 && !kDpbf16;  // rows widened into kbuf / vbuf
   const int G = a.H / a.KVH;
   const int rows = (it.kvh_end - it.kvh) * G;
   const int64_t qs = a.query_start[it.req];
@@ -23,18 +25,24 @@ void attend_one_query(const AttnArgs& a, const Item& it) {
   const int64_t end = ctx0 + it.q0 + 1;  // keys [start, end): all earlier ones, or the layer's window
   const int64_t start = a.window > 0 ? std::max<int64_t>(0, end - a.window) : 0;
   const int64_t* table = a.block_table + int64_t(it.req) * a.bt_stride;
-  const int64_t hstride = int64_t(a.bs) * D;  // from one head's rows of a block to the next head's
+  const int64_t hstride = int64_t(a.bs) * kv_row(a);  // from one head's rows of a block to the next head's
+  const int row_bytes = int(kv_row(a) * sizeof(C));
   const T* qrow = static_cast<const T*>(a.q) + (qs + it.q0) * a.q_stride + int64_t(it.kvh) * G * D;
 
   alignas(64) float q[kDpbf16 ? 1 : MAX_QROWS * DM];
   alignas(64) float O[MAX_QROWS * DM];
   alignas(64) float S[MAX_QROWS * KP];
   alignas(64) uint16_t Pb[kDpbf16 ? MAX_QROWS * KP : 1];
-  alignas(64) float kbuf[sizeof(T) == 2 && !kDpbf16 ? KC * DM : 1];
-  alignas(64) float vbuf[sizeof(T) == 2 && !kDpbf16 ? KC * DM : 1];
+  alignas(64) float kbuf[kConvert ? KC * DM : 1];
+  // int8 rows: the chunk's key and value scales (0 past the chunk's keys), folded into the scores and the
+  // probabilities (q.k * ks_j, p_j * vs_j) rather than into every element
+  constexpr bool kInt8 = sizeof(C) == 1;
+  alignas(64) float ks[kInt8 ? KP : 1];
+  alignas(64) float vs[kInt8 ? KP : 1];
+  alignas(64) float vbuf[kConvert ? KC * DM : 1];
   float m[MAX_QROWS], l[MAX_QROWS];
-  const T* kbase[KP];
-  const T* vbase[KP];
+  const C* kbase[KP];
+  const C* vbase[KP];
   const float* krow[KP];
   const float* vrow[KP];
 
@@ -61,10 +69,10 @@ void attend_one_query(const AttnArgs& a, const Item& it) {
     kv_offsets(a, table, j0 + KC, nk_next, next_offs);
     for (int j = 0; j < KP; j++) {
       if (j < nk) {
-        kbase[j] = static_cast<const T*>(a.k_cache) + offs[j];
-        vbase[j] = static_cast<const T*>(a.v_cache) + offs[j];
+        kbase[j] = static_cast<const C*>(a.k_cache) + offs[j];
+        vbase[j] = static_cast<const C*>(a.v_cache) + offs[j];
       } else {
-        kbase[j] = vbase[j] = reinterpret_cast<const T*>(kZeros);  // zero rows; their scores are masked
+        kbase[j] = vbase[j] = reinterpret_cast<const C*>(kZeros);  // zero rows; their scores are masked
       }
     }
     for (int h = it.kvh; h < it.kvh_end; h++) {
@@ -73,8 +81,8 @@ void attend_one_query(const AttnArgs& a, const Item& it) {
       // this head's K and V rows of the next chunk, asked for over this chunk's work (LineCursor)
       LineCursor pfc;
       for (int j = 0; j < nk_next; j++) {
-        pfc.add_row(static_cast<const T*>(a.k_cache) + next_offs[j] + h * hstride, int(D * sizeof(T)));
-        pfc.add_row(static_cast<const T*>(a.v_cache) + next_offs[j] + h * hstride, int(D * sizeof(T)));
+        pfc.add_row(static_cast<const C*>(a.k_cache) + next_offs[j] + h * hstride, row_bytes);
+        pfc.add_row(static_cast<const C*>(a.v_cache) + next_offs[j] + h * hstride, row_bytes);
       }
       {
         // cursor steps: the scores' keys x rows (float32) or keys (bfloat16: stepping once per (row, key) cost
@@ -89,11 +97,11 @@ void attend_one_query(const AttnArgs& a, const Item& it) {
         scores_bf16<DV>(reinterpret_cast<const uint16_t*>(qrow) + r0 * D, D, G, kh, KP, a.scale, s0, KP, pfc);
       } else {
         for (int j = 0; j < KP; j++) {
-          if (j >= nk) krow[j] = kZeros;
-          else if constexpr (sizeof(T) == 4) krow[j] = reinterpret_cast<const float*>(kbase[j] + h * hstride);
-          else {
-            for (int d = 0; d < dv; d++) V::load(kbase[j] + h * hstride + d * W).store(kbuf + j * D + d * W);
-            krow[j] = kbuf + j * D;
+          if (j >= nk) {
+            krow[j] = kZeros;
+            if constexpr (kInt8) ks[j] = 0.f;
+          } else {
+            krow[j] = decode_row(kbase[j] + h * hstride, dv, kbuf + j * D, ks + (kInt8 ? j : 0));
           }
         }
         for (int r = r0; r < r0 + G; r++) {
@@ -106,7 +114,8 @@ void attend_one_query(const AttnArgs& a, const Item& it) {
               for (int d = 0; d < dv; d++) acc[u] = V::fma(qr[d], V::load(krow[jg + u] + d * W), acc[u]);
               pfc.step();
             }
-            V::hsum_lanes(acc).store(S + r * KP + jg);
+            if constexpr (kInt8) (V::hsum_lanes(acc) * V::load(ks + jg)).store(S + r * KP + jg);
+            else V::hsum_lanes(acc).store(S + r * KP + jg);
           }
         }
       }
@@ -140,12 +149,12 @@ void attend_one_query(const AttnArgs& a, const Item& it) {
         pv_bf16<DV>(Pb + r0 * KP, KP, G, vh, (nk + 1) & ~1, O + r0 * D, pfc);
         pfc.flush();
       } else {
-        for (int j = 0; j < nk; j++) {
-          if constexpr (sizeof(T) == 4) vrow[j] = reinterpret_cast<const float*>(vbase[j] + h * hstride);
-          else {
-            for (int d = 0; d < dv; d++) V::load(vbase[j] + h * hstride + d * W).store(vbuf + j * D + d * W);
-            vrow[j] = vbuf + j * D;
-          }
+        for (int j = 0; j < nk; j++)
+          vrow[j] = decode_row(vbase[j] + h * hstride, dv, vbuf + j * D, vs + (kInt8 ? j : 0));
+        if constexpr (kInt8) {  // p_j * vs_j: the probabilities were kept (mass) and summed (l) above
+          for (int j = nk; j < KP; j++) vs[j] = 0.f;
+          for (int r = r0; r < r0 + G; r++)
+            for (int j = 0; j < KP; j += W) (V::load(S + r * KP + j) * V::load(vs + j)).store(S + r * KP + j);
         }
         pv_all<DV>(s0, 1, KP, G, vrow, nk, O + r0 * D, dv, &pfc);
         pfc.flush();

@@ -65,7 +65,7 @@ struct MassCapture {
 // keys each sees, added into its mass. Two passes over the row's scores (scores, then exp and sum), in float32,
 // vector-wide: the scores W keys at a time with one transpose-add tree (as the decode loop), the softmax and
 // the accumulation over whole vectors with the row's unseen keys at -inf (the buffer is padded to whole chunks).
-template <typename T, int DV>
+template <typename T, int DV, typename C>
 void mass_rows(const AttnArgs& a, int r, int h) {
   const int dv = head_dv<DV>(a), D = dv * W;
   constexpr int KP = (KC + W - 1) / W * W;
@@ -89,11 +89,11 @@ void mass_rows(const AttnArgs& a, int r, int h) {
       const T* src = static_cast<const T*>(a.q) + (qs + first + i) * a.q_stride + int64_t(h * G + g) * D;
       for (int d = 0; d < dv; d++) (V::load(src + d * W) * sc).store(q + (size_t(i) * G + g) * D + d * W);
     }
-  alignas(64) float kbuf[sizeof(T) == 2 ? KP * max_dv<DV>() * W : 1];
+  alignas(64) float kbuf[sizeof(C) != 4 ? KP * max_dv<DV>() * W : 1];
   const float* krow[KP];
   for (int64_t j0 = 0; j0 < end; j0 += KC) {
     const int nk = int(std::min<int64_t>(KC, end - j0));
-    chunk_rows<T, DV>(a, table, static_cast<const T*>(a.k_cache), h, j0, nk, KP, krow, kbuf);
+    chunk_rows<C, DV>(a, table, static_cast<const C*>(a.k_cache), h, j0, nk, KP, krow, kbuf);
     for (int x = 0; x < rows * G; x++) {
       V qx[max_dv<DV>()];
       for (int d = 0; d < dv; d++) qx[d] = V::load(q + size_t(x) * D + d * W);

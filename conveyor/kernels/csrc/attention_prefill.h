@@ -45,7 +45,8 @@ __attribute__((noinline)) inline bool chunk_softmax(float* ST, int nkp, int rv_n
 // A tile of queries: rows r = (query q0 + r / G, head kvh * G + r % G) in vector lanes. Prefetch: a tile of one
 // row vector off the AMX path asks for the next chunk's K/V while it computes (below); a separate instantiation,
 // so the wider tiles' loops stay as they were (with the cursor in them a 128-query chunk ran 15-25% slower).
-template <typename T, int DV, bool Prefetch = false>
+// C: the cache's elements (T, or int8 rows dequantized into kbuf / vbuf, never on the AMX tiles).
+template <typename T, int DV, typename C, bool Prefetch = false>
 void attend_tile(const AttnArgs& a, const Item& it) {
   constexpr int DM = max_dv<DV>() * W;  // a row's room: D itself for a compiled head size
   const int dv = head_dv<DV>(a), D = dv * W;
@@ -62,16 +63,16 @@ void attend_tile(const AttnArgs& a, const Item& it) {
   const int64_t start = a.window > 0 ? std::max<int64_t>(0, diag - a.window + 1) : 0;
   const int64_t late_first = a.window > 0 ? ctx0 + it.q1 - a.window : 0;  // the last row's first key
   const int64_t* table = a.block_table + int64_t(it.req) * a.bt_stride;
-  const T* kc = static_cast<const T*>(a.k_cache);
-  const T* vc = static_cast<const T*>(a.v_cache);
+  const C* kc = static_cast<const C*>(a.k_cache);
+  const C* vc = static_cast<const C*>(a.v_cache);
   // (a constant false below the avx512bf16 level: the amx branches below are then dead code)
   // (and for the compiled head sizes only: the AMX helpers take D as a template argument, DM below)
   // (windowed layers take the vector path: the tiles read keys in block-aligned groups from chunk starts at
   // multiples of KC, which a window's first key is not)
-  const bool amx = kAmx && sizeof(T) == 2 && DV > 0 && g_amx_attention && a.bs % TILE_KEYS == 0 && D % 32 == 0 &&
+  const bool amx = kAmx && sizeof(T) == 2 && sizeof(C) == 2 && DV > 0 && g_amx_attention && a.bs % TILE_KEYS == 0 && D % 32 == 0 &&
                    a.window == 0;
   if constexpr (!Prefetch)
-    if (!amx && rv_n == 1) return attend_tile<T, DV, true>(a, it);
+    if (!amx && rv_n == 1) return attend_tile<T, DV, C, true>(a, it);
 
   alignas(64) float QT[DM * MAX_ROWS];   // [d][row], scaled (the vector path)
   alignas(64) uint32_t QT2[sizeof(T) == 2 ? DM / 2 * MAX_ROWS : 1];  // [d pair][row], unscaled (the AMX path)
@@ -81,8 +82,8 @@ void attend_tile(const AttnArgs& a, const Item& it) {
   alignas(64) float ST[KP * MAX_ROWS];  // scores, then probabilities: [key][row]
   alignas(64) float last[MAX_ROWS];     // row r sees keys 0 .. last[r]
   alignas(64) float first[MAX_ROWS];    // with a window, from first[r] on
-  alignas(64) float kbuf[sizeof(T) == 2 ? KC * DM : 1];
-  alignas(64) float vbuf[sizeof(T) == 2 ? KC * DM : 1];
+  alignas(64) float kbuf[sizeof(C) != 4 ? KC * DM : 1];
+  alignas(64) float vbuf[sizeof(C) != 4 ? KC * DM : 1];
   alignas(64) float mrow[MAX_ROWS], lrow[MAX_ROWS], alpha[MAX_ROWS];
   const float* krow[KP];
   const float* vrow[KP];
@@ -118,7 +119,7 @@ void attend_tile(const AttnArgs& a, const Item& it) {
   for (int64_t j0 = start; j0 < end; j0 += KC) {
     const int nk = int(std::min<int64_t>(KC, end - j0));
     const int nkp = (nk + KB - 1) / KB * KB;
-    if (!amx) chunk_rows<T, DV>(a, table, vc, it.kvh, j0, nk, 0, vrow, vbuf);
+    if (!amx) chunk_rows<C, DV>(a, table, vc, it.kvh, j0, nk, 0, vrow, vbuf);
     if (amx) {
       const uint16_t* kgrp[2] = {nullptr, nullptr};
       for (int g = 0; g < 2; g++) {
@@ -128,7 +129,7 @@ void attend_tile(const AttnArgs& a, const Item& it) {
       }
       amx_chunk_scores(QT2, kgrp[0], kgrp[1], D, rv_n > 1, ST);  // unscaled: the softmax applies the scale
     }
-    if (!amx) chunk_rows<T, DV>(a, table, kc, it.kvh, j0, nk, nkp, krow, kbuf);
+    if (!amx) chunk_rows<C, DV>(a, table, kc, it.kvh, j0, nk, nkp, krow, kbuf);
     // The next chunk's K and V rows, asked for over this chunk's QK^T and PV (as decode items do: LineCursor).
     // A tile of few queries (a step verifying speculative tokens: 1 + k queries x G heads) reads as many bytes
     // as it computes with, so without this its time was the reads' plus the arithmetic's. Tiles of two row
@@ -138,10 +139,10 @@ void attend_tile(const AttnArgs& a, const Item& it) {
       const int nk_next = int(std::max<int64_t>(0, std::min<int64_t>(KC, end - j0 - KC)));
       int64_t next_offs[KC];
       kv_offsets(a, table, j0 + KC, nk_next, next_offs);
-      const int64_t head = int64_t(it.kvh) * a.bs * D;
+      const int64_t head = int64_t(it.kvh) * a.bs * kv_row(a);
       for (int j = 0; j < nk_next; j++) {
-        pfc.add_row(kc + next_offs[j] + head, int(D * sizeof(T)));
-        pfc.add_row(vc + next_offs[j] + head, int(D * sizeof(T)));
+        pfc.add_row(kc + next_offs[j] + head, int(kv_row(a) * sizeof(C)));
+        pfc.add_row(vc + next_offs[j] + head, int(kv_row(a) * sizeof(C)));
       }
       const int steps = nkp / KB * D + (nrows + 3) / 4 * nk;  // QK^T's d steps, then PV's keys per row block
       pfc.per = std::max(1, (pfc.n + steps - 1) / steps);

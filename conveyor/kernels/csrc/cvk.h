@@ -9,7 +9,7 @@
 
 #include <stdint.h>
 
-#define CVK_ABI_VERSION 12
+#define CVK_ABI_VERSION 14
 
 enum {
   CVK_OK = 0,
@@ -20,12 +20,19 @@ enum {
 
 enum { CVK_F32 = 0, CVK_BF16 = 1 }; /* dtype codes; bfloat16 is stored as uint16_t, all arithmetic is float32 */
 
+/* KV-cache element codes (kv_dtype): CVK_KV_SAME, the cache holds the step's dtype; CVK_KV_INT8, each head's row of
+ * a token holds D int8 values then its float32 scale (4 bytes): row = D + 4 bytes, value = scale * q, scale =
+ * max |x| / 127 of the row, q = round-half-even(x / scale) (0 for a row of zeros). The kernels quantize when they
+ * write a row and dequantize (q * scale, float32) when they read one. */
+enum { CVK_KV_SAME = 0, CVK_KV_INT8 = 2 };
+
 /* Rope (when cos_sin is not NULL) + KV-cache write + causal attention for every request of a step.
  *   q [T, q_stride] holds H heads of D values per token, k [T, k_stride] and v [T, v_stride] KVH heads each
  *     (they may be views of one fused qkv buffer); q and k are rotated in place. Request r owns tokens
  *     [query_start[r], query_start[r+1]) at positions seq_lens[r] - n_r ... seq_lens[r] - 1, and their K/V go
  *     to the slots its block table gives.
- *   k_cache, v_cache [num_blocks, KVH, bs, D] (head-major blocks); block_table [num_reqs, bt_stride]; cos_sin
+ *   k_cache, v_cache [num_blocks, KVH, bs, D] (head-major blocks), elements of the step's dtype; with kv_dtype
+ *     CVK_KV_INT8 [num_blocks, KVH, bs, D + 4] bytes (the rows above); block_table [num_reqs, bt_stride]; cos_sin
  *     [positions, D] float32 (cos in the first half of a row, sin in the second); out [T, out_stride] gets H * D
  *     per token.
  *   plan: the step's work plan from cvk_attention_plan (the same for every layer), or NULL to plan in the call.
@@ -57,6 +64,7 @@ typedef struct CvkAttnArgs {
   int64_t q_stride, k_stride, v_stride, bt_stride, out_stride, mass_stride, window;
   int32_t dtype, num_reqs, H, KVH, D, bs, num_threads;
   float scale;
+  int32_t kv_dtype; /* CVK_KV_SAME or CVK_KV_INT8 */
 } CvkAttnArgs;
 
 /* The decoder-layer stack of a Llama-family model for one decode-sized step (cvk_llama_layers; see
@@ -92,7 +100,7 @@ typedef struct CvkLayerStackArgs {
 
 #ifdef __cplusplus
 static_assert(sizeof(void*) == 8, "the Python mirrors assume 64-bit pointers");
-static_assert(sizeof(CvkAttnArgs) == 15 * 8 + 7 * 8 + 8 * 4, "CvkAttnArgs changed: bump CVK_ABI_VERSION");
+static_assert(sizeof(CvkAttnArgs) == 15 * 8 + 7 * 8 + 10 * 4, "CvkAttnArgs changed: bump CVK_ABI_VERSION");
 static_assert(sizeof(CvkLayerStackArgs) == sizeof(CvkAttnArgs) + 9 * 8 + 3 * 8 + 4 * 4 + 3 * 8 + 4 * 4,
               "CvkLayerStackArgs changed: bump CVK_ABI_VERSION");
 #endif
@@ -149,12 +157,33 @@ typedef struct CvkMoeArgs {
   int32_t dtype, E, top_k, norm_topk_prob, num_threads;
 } CvkMoeArgs;
 
+/* Many LoRA adapters in one step (cvk_lora_apply, lora.cpp): for each segment s (rows[seg_start[s] ..
+ * seg_start[s + 1]), all of adapter slot seg_slot[s]) y[row] += (x[row] A[slot]) B[slot], with A float32
+ * [slots][K][SR] and B float32 [slots][SR][N] (the adapter's scaling folded in), SR = num_subs x R: the columns
+ * [sub_cols[p], sub_cols[p + 1]) of y (one part of a fused projection) read rank slice p of the shrink only.
+ * x and y are dtype, rows x_stride / y_stride elements apart; scratch float32 [M][SR], M = seg_start[num_segs]. */
+typedef struct CvkLoraArgs {
+  const void* x;
+  void* y;
+  const float* a;
+  const float* b;
+  const int64_t* rows;
+  const int64_t* seg_start;
+  const int64_t* seg_slot;
+  const int64_t* sub_cols;
+  float* scratch;
+  int64_t x_stride, y_stride, K, N, SR, R, num_segs, num_subs;
+  int32_t dtype, num_threads;
+} CvkLoraArgs;
+
 enum { CVK_STRUCT_ATTN_ARGS = 0, CVK_STRUCT_LAYER_STACK_ARGS = 1, CVK_STRUCT_QUANT_WEIGHT = 2,
-       CVK_STRUCT_QUANT_GEMM_ARGS = 3, CVK_STRUCT_MOE_ARGS = 4 }; /* cvk_struct_layout's `which` */
+       CVK_STRUCT_QUANT_GEMM_ARGS = 3, CVK_STRUCT_MOE_ARGS = 4,
+       CVK_STRUCT_LORA_ARGS = 5 }; /* cvk_struct_layout's `which` */
 
 #ifdef __cplusplus
 static_assert(sizeof(CvkQuantWeight) == 3 * 8 + 3 * 8 + 2 * 4, "CvkQuantWeight changed: bump CVK_ABI_VERSION");
 static_assert(sizeof(CvkQuantGemmArgs) == 5 * 8 + 4 * 8 + 2 * 4, "CvkQuantGemmArgs changed: bump CVK_ABI_VERSION");
+static_assert(sizeof(CvkLoraArgs) == 9 * 8 + 8 * 8 + 2 * 4, "CvkLoraArgs changed: bump CVK_ABI_VERSION");
 static_assert(sizeof(CvkMoeArgs) == 5 * 8 + 5 * 8 + 5 * 4 + 4, "CvkMoeArgs changed: bump CVK_ABI_VERSION");
 #endif
 

@@ -68,6 +68,8 @@ int64_t moe_scratch_bytes(int64_t T, int64_t hidden, int64_t inter, int E, int t
 int moe(const CvkMoeArgs& a);
 // The router logits' share at the start of the layer stack's moe_scratch: T * E floats, 64-byte aligned.
 inline int64_t moe_logits_bytes(int64_t T, int E) { return (T * E * 4 + 63) / 64 * 64; }
+// lora.cpp: many LoRA adapters' low-rank products added to a step's rows (cvk_lora_apply)
+int lora_apply(const CvkLoraArgs& a);
 // layer_stack.cpp: cvk_llama_layers
 int llama_layers(const CvkLayerStackArgs& s);
 }  // namespace cvk

@@ -13,6 +13,16 @@ struct V {
     __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
     return {_mm256_castsi256_ps(_mm256_slli_epi32(w, 16))};
   }
+  // W int8 values as floats (the int8 KV cache's rows)
+  static V load(const int8_t* p) {
+    return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))))};
+  }
+  // lanes rounded half-to-even (the default MXCSR mode) to int32, saturated to int8
+  void store_i8(int8_t* p) const {
+    const __m256i i = _mm256_cvtps_epi32(v);
+    const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(i), _mm256_extracti128_si256(i, 1));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm_packs_epi16(w, w));
+  }
   void store(float* p) const { _mm256_storeu_ps(p, v); }
   void store(uint16_t* p) const {
     __m256i x = _mm256_castps_si256(v);

@@ -13,6 +13,14 @@ struct V {
     __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
     return {_mm512_castsi512_ps(_mm512_slli_epi32(w, 16))};
   }
+  // W int8 values as floats (the int8 KV cache's rows)
+  static V load(const int8_t* p) {
+    return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))))};
+  }
+  // lanes rounded half-to-even (the default MXCSR mode) to int32, saturated to int8
+  void store_i8(int8_t* p) const {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(v)));
+  }
   void store(float* p) const { _mm512_storeu_ps(p, v); }
   void store(uint16_t* p) const {
 #if defined(CVK_AVX512BF16)

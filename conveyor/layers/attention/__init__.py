@@ -25,6 +25,7 @@ from conveyor.layers.attention.cpu import CpuAttention
 from conveyor.layers.attention.cuda import FlashAttention, flash_attention_serves
 from conveyor.layers.attention.key_mass import KeyMassAttention
 from conveyor.layers.attention.kv_layout import KVLayout
+from conveyor.layers.attention.kv_quant import cache_dtype, row_width
 from conveyor.layers.attention.metadata import AttentionMetadata
 from conveyor.layers.attention.native_cpu import NativeCpuAttention
 from conveyor.layers.attention.padded import PaddedAttention, Padding
@@ -69,12 +70,19 @@ def backend_class(backend: str) -> AttentionBackendType:
 
 
 def allocate_kv_caches(backend: str, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
-                       head_dim: int, dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
-    """One cache tensor per layer in the resolved backend's layout, zeroed only where the backend needs it."""
+                       head_dim: int, dtype: torch.dtype, device: torch.device,
+                       kv_cache_dtype: str = "auto") -> list[torch.Tensor]:
+    """One cache tensor per layer in the resolved backend's layout, zeroed only where the backend needs it; with
+    ``kv_cache_dtype`` "int8", int8 rows of head_dim + 4 (``kv_quant``), refused where the backend cannot read them."""
     cls = backend_class(backend)
-    shape = cls.kv_layout.shape(num_blocks, block_size, num_kv_heads, head_dim)
+    if kv_cache_dtype not in cls.kv_cache_dtypes:
+        raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} is read only by the native CPU attention kernels "
+                         f"(cpu-native); attention backend {backend!r} keeps K/V in the model's dtype. Use "
+                         "--attention-backend cpu on a CPU where the native kernels load (AVX2 or better, not "
+                         "CONVEYOR_CPU_ISA=none), or --kv-cache-dtype auto")
+    shape = cls.kv_layout.shape(num_blocks, block_size, num_kv_heads, row_width(head_dim, kv_cache_dtype))
     alloc = torch.zeros if cls.cache_needs_zeroing else torch.empty
-    return [alloc(*shape, dtype=dtype, device=device) for _ in range(num_layers)]
+    return [alloc(*shape, dtype=cache_dtype(dtype, kv_cache_dtype), device=device) for _ in range(num_layers)]
 
 
 def make_attention(backend: str, meta: AttentionMetadata, dtype: torch.dtype,

@@ -65,11 +65,13 @@ class AttentionBackendType(Protocol):
     ``kv_layout`` says how each layer's cache is shaped and read (the runner allocates through it, the hand-over
     and the key-mass pass read through it); ``cache_needs_zeroing``, whether the runner must zero the caches;
     ``evicts_in_kernel``, whether its kernels score keys and rotate eviction's shifted slots themselves (else a
-    step under KV eviction is wrapped in ``KeyMassAttention`` and the model rotates by position).
+    step under KV eviction is wrapped in ``KeyMassAttention`` and the model rotates by position);
+    ``kv_cache_dtypes``, the ``--kv-cache-dtype`` values its kernels read (``kv_quant``: int8 rows with scales).
     """
 
     name: str
     kv_layout: KVLayout
+    kv_cache_dtypes: tuple[str, ...]
     cache_needs_zeroing: bool
     fuses_rope: bool
     supports_layer_stack: bool

@@ -69,6 +69,7 @@ class TorchAttention:
 
     name: str
     kv_layout = TOKEN_MAJOR
+    kv_cache_dtypes = ("auto",)  # K/V in the model's dtype: the int8 cache is read by the native kernels only
     cache_needs_zeroing = False  # reads only the slots of each request's context (a subclass may say otherwise)
     fuses_rope = False
     supports_layer_stack = False

@@ -35,6 +35,8 @@ class NativeCpuAttention:
     # Head-major blocks, [2, num_blocks, num_kv_heads, block_size, head_dim]: one head's keys of a block are
     # contiguous, the rows the kernel's dot products stream.
     kv_layout = HEAD_MAJOR
+    # int8: the kernels quantize each (token, head) row as they write it and dequantize as they read (kv_quant)
+    kv_cache_dtypes = ("auto", "int8")
 
     @classmethod
     def for_step(cls, meta: AttentionMetadata, dtype: torch.dtype,
@@ -94,8 +96,9 @@ class NativeCpuAttention:
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, scale: float,
                 rope: torch.Tensor | None = None, window: int = 0) -> torch.Tensor:
         """q [T, H, d], k/v [T, KVH, d] (views into the fused qkv rows are fine; q and k are rotated in place
-        when ``rope`` is given; ``window``: the layer's sliding window, 0 for none); writes the new K/V into ``kv_cache`` ([2, num_blocks, KVH, block_size, d]:
-        head-major blocks) and returns [T, H, d]."""
+        when ``rope`` is given; ``window``: the layer's sliding window, 0 for none); writes the new K/V into
+        ``kv_cache`` ([2, num_blocks, KVH, block_size, d]: head-major blocks; an int8 cache's rows are d + 4
+        bytes, ``kv_quant``) and returns [T, H, d]."""
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if self.meta.num_reqs:
             plan = self.plan(q.shape[1], k.shape[1], q.shape[2])
