@@ -37,8 +37,9 @@ def main() -> int:
     from gguf import quants as gq
 
     from conveyor.kernels import load_cpu_kernels
+    from conveyor.layers.gguf_blocks import from_gguf
     from conveyor.layers.linear import pack_linear
-    from conveyor.layers.quantized import QuantLinear, from_gguf, quantize_int8
+    from conveyor.layers.quantized import QuantLinear, quantize_int8
 
     kernels = load_cpu_kernels()
     if kernels is None:

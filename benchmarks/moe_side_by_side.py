@@ -245,8 +245,9 @@ def streamed_bytes(net, gguf: str) -> dict[str, tuple[dict[str, float], dict[str
         forms[form] = forms.get(form, 0.0) + nbytes / 2**20
 
     for name, m in net.named_modules():
-        if isinstance(m, QuantLinear):
-            add(name, 0, m.quant.source, m.quant.nbytes)
+        if isinstance(m, QuantLinear):  # each part of a stack (Q4_K q/k beside a Q6_K v) in its own form
+            for part in m.quant.chain():
+                add(name, 0, part.source, part.part_nbytes)
         elif isinstance(m, PackedLinear):  # decode steps stream the skinny copy where there is one
             w = m.skinny if m.skinny is not None else m.weight
             add(name, 0, str(m.weight.dtype).replace("torch.", ""), w.numel() * m.weight.element_size())

@@ -90,7 +90,10 @@ def run_conveyor(ns) -> dict:
         cpus.append(time.process_time() - c)
         print(f"ROUND {res.wall_s:.3f} {cpus[-1]:.3f}", flush=True)
     eng = llm.engine
-    flops = model_flops(eng.model, eng.model_info, res.prompt_tokens, res.output_tokens, res.num_requests)
+    try:
+        flops = model_flops(eng.model_info, res.prompt_tokens, res.output_tokens, res.num_requests)
+    except TypeError:  # a --before checkout from before 571d8d5, whose model_flops takes the model first
+        flops = model_flops(eng.model, eng.model_info, res.prompt_tokens, res.output_tokens, res.num_requests)
     floor = matmul_floor(eng.model, eng.model_info, res.prompt_tokens, res.output_tokens, res.num_requests,
                          ns.dtype if ns.dtype != "auto" else eng.model_info.dtype)
     return dict(engine="conveyor", wall_s=min(walls), walls=walls, cpu_s=cpus, startup_s=startup, rss_mib=rss_mib(),

@@ -23,7 +23,7 @@ from conveyor.kernels.lora_ops import LoraArgs, LoraKernels
 from conveyor.kernels.moe_ops import MoeArgs, MoeKernels
 
 SOURCE_DIR = os.path.join(os.path.dirname(__file__), "csrc")
-ABI_VERSION = 14  # csrc/cvk.h's CVK_ABI_VERSION
+ABI_VERSION = 15  # csrc/cvk.h's CVK_ABI_VERSION
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 KV_INT8 = 2  # csrc/cvk.h's CVK_KV_INT8: a cache of int8 rows, D values then a float32 scale (layers/attention/kv_quant)
 
@@ -59,8 +59,8 @@ class LayerStackArgs(ctypes.Structure):
 class QuantWeight(ctypes.Structure):
     """csrc/cvk.h's CvkQuantWeight (the layout of a quantized weight); checked against the library on load."""
 
-    _fields_ = [("qs", _P), ("scale", _P), ("offset", _P), ("N", _I64), ("K", _I64), ("KP", _I64), ("kind", _I32),
-                ("scale_f16", _I32)]
+    _fields_ = [("qs", _P), ("scale", _P), ("offset", _P), ("super_scale", _P), ("next", _P), ("N", _I64),
+                ("K", _I64), ("KP", _I64), ("kind", _I32), ("scale_format", _I32)]
 
 
 class QuantGemmArgs(ctypes.Structure):

@@ -1,5 +1,5 @@
 """Linear layers on quantized weights: GGUF blocks kept as they are stored (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K,
-Q5_K) and int8 computed at load from a float checkpoint, run by the native integer-dot-product GEMM
+Q5_K, Q6_K) and int8 computed at load from a float checkpoint, run by the native integer-dot-product GEMM
 (kernels/csrc/gemm_quant.cpp).
 
 Every supported format is one of two layouts (csrc/cvk.h's ``CvkQuantWeight``): per block of 32 values along
@@ -10,8 +10,14 @@ every one is exactly an f16 (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1: one f16 scale, and a 
 scale, per block), and as float32 otherwise (K-quants' f16 x 6-bit products and int8's max / 127 are exact only
 there). Where every offset is q's middle times the scale (-128 x for 8-bit q, -8 x for 4-bit: Q8_0, Q4_0, int8)
 no offsets are stored and the kernels compute them. So a decode step streams the file's bytes (Q4_1 0.625 a value,
-Q8_0 1.0625, Q4_0 0.5625) or close (Q4_K 0.75 against the file's 0.5625; int8 1.125).
-Q6_K (scales per 16 values) and the IQ types have no such form: they are dequantized at load as before.
+Q8_0 1.0625, Q4_0 0.5625) or close (int8 1.125). Q4_K and Q5_K keep the file's f16 d and dmin per 256 values and a
+byte per 6-bit sub-scale and minimum (``layers.kquants``; 0.578 bytes a value for Q4_K against the file's 0.5625),
+from which the kernels form the same float32 scales and offsets.
+Q6_K, whose scales are per 16 values, has a layout of its own (``q6``, csrc/cvk.h's CVK_Q6, ``layers.kquants``): its
+6-bit q, int8 sub-scales and f16 super-scales as the file holds them (0.8203 bytes a value). A linear whose fused
+row parts came in layouts that cannot share one packed form (llama.cpp's Q4_K_M: Q4_K q and k, a Q6_K v) is a
+``QuantizedStack``: its parts packed apart, chained in one descriptor, one kernel call. The IQ types have no
+kernel: they are dequantized at load.
 
 ``QuantLinear`` picks per call: up to ``QUANT_INT_MAX_ROWS[dtype]`` rows the integer kernel (activations
 quantized per block to 15-bit integers, csrc/qdot.h); above, the weight is dequantized into a transient float
@@ -34,12 +40,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from conveyor.layers import kquants
+
 BLOCK = 32  # values per block along K
 GROUP = 16  # output columns per group in the packed layout
-KINDS = {"q4": 1, "q8": 2}  # csrc/cvk.h's CVK_Q4, CVK_Q8
+KINDS = {"q4": 1, "q8": 2, "q6": 3}  # csrc/cvk.h's CVK_Q4, CVK_Q8, CVK_Q6
+# csrc/cvk.h's CVK_SCALE_F32 / F16 / KQUANT, by the packed scales' dtype (Q6_K's int8 sub-scales: its own kind)
+SCALE_FORMATS = {torch.float32: 0, torch.float16: 1, torch.uint8: 2}
 # Rows up to which the integer kernel runs, per activation dtype; above, dequantize + float GEMM (module doc).
 QUANT_INT_MAX_ROWS = {torch.float32: 1 << 30, torch.bfloat16: 128}
-GGUF_KERNEL_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K")
 
 
 @dataclass
@@ -47,14 +56,22 @@ class QuantizedTensor:
     """A [N, K] weight quantized per block of 32 along K, in natural order: ``q`` uint8 [N, K] (unsigned: signed
     formats are stored as q + 128, their offset taking -128 * scale), ``scale`` and ``offset`` float32 [N, K / 32]
     (K rounded up), value = scale * q + offset. ``kind``: "q4" when every q fits 4 bits (packed two per byte),
-    else "q8". ``source``: the format it came from (Q4_1, int8, ...), for logs. ``pack()`` gives the kernels'
-    layout."""
+    "q8", or "q6" (Q6_K: blocks of 16, q in 0..63, offset -32 x scale, and ``super_scale`` [N, K / 256], of which
+    every scale is an int8 multiple). Q4_K / Q5_K carry ``super_scale`` [N, K / 256, 2] (d, dmin: every scale is
+    d times a byte, every offset -dmin times one). ``source``: the format it came from (Q4_1, int8, ...), for
+    logs. ``pack()`` gives the kernels' layout."""
 
     kind: str
     q: torch.Tensor
     scale: torch.Tensor
     offset: torch.Tensor
     source: str
+    super_scale: torch.Tensor | None = None
+
+    @property
+    def block(self) -> int:
+        """Values per scale along K."""
+        return kquants.SUB if self.kind == "q6" else BLOCK
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -64,42 +81,58 @@ class QuantizedTensor:
         """The float weight [N, K], in torch: scale * q + offset per block."""
         n, k = self.shape
         nb = self.scale.shape[1]
-        q = torch.nn.functional.pad(self.q, (0, nb * BLOCK - k)).view(n, nb, BLOCK).to(torch.float32)
+        q = torch.nn.functional.pad(self.q, (0, nb * self.block - k)).view(n, nb, self.block).to(torch.float32)
         w = q * self.scale.unsqueeze(-1) + self.offset.unsqueeze(-1)
         return w.reshape(n, -1)[:, :k].to(dtype)
 
     def take_rows(self, index: torch.Tensor) -> QuantizedTensor:
         """Rows ``index`` (a permutation or a selection) as a new tensor."""
+        sup = None if self.super_scale is None else self.super_scale.index_select(0, index)
         return QuantizedTensor(self.kind, self.q.index_select(0, index), self.scale.index_select(0, index),
-                               self.offset.index_select(0, index), self.source)
+                               self.offset.index_select(0, index), self.source, sup)
 
     @staticmethod
-    def cat(parts: list[QuantizedTensor]) -> QuantizedTensor:
+    def cat(parts: list[QuantizedTensor]) -> QuantizedTensor | QuantizedStack:
         """The rows of ``parts`` stacked (the fused qkv / gate_up weights); all of one K. A 4-bit part fused with
-        an 8-bit one is held as 8-bit (its values unchanged)."""
+        an 8-bit one is held as 8-bit (its values unchanged); Q6_K parts beside others stay apart, in a
+        ``QuantizedStack`` (consecutive parts of one layout fused)."""
         first = parts[0]
         if any(p.shape[1] != first.shape[1] for p in parts):
             raise ValueError("cannot fuse quantized weights of different in_features")
+        runs: list[list[QuantizedTensor]] = []
+        for p in parts:
+            if runs and (runs[-1][0].kind == "q6") == (p.kind == "q6"):
+                runs[-1].append(p)
+            else:
+                runs.append([p])
+        if len(runs) > 1:
+            return QuantizedStack([QuantizedTensor.cat(run) for run in runs])
         if len(parts) == 1:
             return first
-        kind = "q4" if all(p.kind == "q4" for p in parts) else "q8"
+        kind = "q6" if first.kind == "q6" else "q4" if all(p.kind == "q4" for p in parts) else "q8"
         sources = "+".join(sorted({p.source for p in parts}))
+        supers = [p.super_scale for p in parts]
+        sup = torch.cat(supers) if all(t is not None and t.dim() == supers[0].dim() for t in supers) else None
         return QuantizedTensor(kind, torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]),
-                               torch.cat([p.offset for p in parts]), sources)
+                               torch.cat([p.offset for p in parts]), sources, sup)
 
     @property
     def nbytes(self) -> int:
         """Bytes of the packed form (what the model holds)."""
         n, k = self.shape
         np_, kp = -(-n // GROUP) * GROUP, -(-k // BLOCK) * BLOCK
+        if self.kind == "q6":  # 6-bit q, an int8 per 16 values, an f16 per 256
+            return np_ * kp * 3 // 4 + np_ * kp // kquants.SUB + 2 * np_ * kp // kquants.SUPER
+        if self.super_scale is not None:  # Q4_K / Q5_K: a byte per sub-scale and minimum, d and dmin per 256
+            return np_ * kp // (2 if self.kind == "q4" else 1) + 2 * np_ * kp // BLOCK + 4 * np_ * kp // kquants.SUPER
         scale_bytes = 2 if self.scales_fit_f16() else 4
         arrays = 1 if self.offset_is_mid() else 2
         return np_ * kp // (2 if self.kind == "q4" else 1) + arrays * scale_bytes * np_ * kp // BLOCK
 
     @property
     def mid(self) -> float:
-        """q's middle for this layout (csrc/qdot.h's kMidOffset): -8 for 4-bit q, -128 for 8-bit."""
-        return -8.0 if self.kind == "q4" else -128.0
+        """q's middle for this layout (csrc/qdot.h's kMidOffset): -8 for 4-bit q, -128 for 8-bit, -32 for Q6_K."""
+        return {"q4": -8.0, "q8": -128.0, "q6": -float(kquants.MID)}[self.kind]
 
     def offset_is_mid(self) -> bool:
         """Whether every offset is ``mid`` x its scale (symmetric formats: Q8_0, Q4_0, int8), so that the packed
@@ -119,14 +152,23 @@ class QuantizedTensor:
         """The kernels' layout (csrc/cvk.h's CvkQuantWeight): columns in groups of 16, 16 columns x 4 k per 64 bytes.
         ``scale_dtype``: torch.float16 or torch.float32 for the scales and offsets; None picks float16 where it is
         exact (``scales_fit_f16``). Either gives the same numbers. ``store_offsets``: False leaves out offsets
-        that are ``mid`` x the scale (``offset_is_mid``; None does where they are), True always stores them."""
+        that are ``mid`` x the scale (``offset_is_mid``; None does where they are), True always stores them.
+        A "q6" weight has one packing (``layers.kquants``): int8 sub-scales, f16 super-scales, no offsets. Q4_K
+        and Q5_K pack their scales as the file holds them (``super_scale``: byte sub-scales and minimums, f16 d
+        and dmin, the same float32 numbers) unless ``scale_dtype`` asks for float32 or halves."""
+        if self.kind == "q6":
+            if scale_dtype is not None or store_offsets:
+                raise ValueError("a Q6_K weight packs as int8 sub-scales and f16 super-scales, without offsets")
+            qs, sub, sup = kquants.pack(self.q, self.scale, self.super_scale, GROUP, BLOCK)
+            return PackedQuantWeight(self.kind, qs, sub, None, self.shape, self.source, super_scale=sup)
+        kquant = self.super_scale is not None and scale_dtype is None and store_offsets is not False
         if store_offsets is None:
-            store_offsets = not self.offset_is_mid()
+            store_offsets = kquant or not self.offset_is_mid()
         elif not store_offsets and not self.offset_is_mid():
             raise ValueError(f"the offsets of this {self.source} weight are not {self.mid} x its scales")
-        if scale_dtype is None:
+        if scale_dtype is None and not kquant:
             scale_dtype = torch.float16 if self.scales_fit_f16(store_offsets) else torch.float32
-        if scale_dtype not in (torch.float16, torch.float32):
+        if not kquant and scale_dtype not in (torch.float16, torch.float32):
             raise ValueError(f"scales are stored as float16 or float32, not {scale_dtype}")
         n, k = self.shape
         nb = self.scale.shape[1]
@@ -144,15 +186,50 @@ class QuantizedTensor:
             t = torch.nn.functional.pad(t, (0, 0, 0, np_ - n))
             return t.view(groups, GROUP, nb).transpose(1, 2).to(scale_dtype).contiguous()
 
+        if kquant:
+            sc, m, sup = kquants.pack_scales(self.scale, self.offset, self.super_scale, GROUP, BLOCK)
+            return PackedQuantWeight(self.kind, qs.view(-1), sc, m, (n, k), self.source, super_scale=sup)
         offset = grouped(self.offset) if store_offsets else None
         return PackedQuantWeight(self.kind, qs.view(-1), grouped(self.scale), offset, (n, k), self.source)
+
+
+@dataclass
+class QuantizedStack:
+    """A weight's row parts held apart because their layouts cannot share one packed form (``QuantizedTensor.cat``:
+    a Q6_K attn_v after Q4_K q and k); packed as a chain (csrc/cvk.h's ``next``) that one kernel call computes."""
+
+    parts: list[QuantizedTensor]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return sum(p.shape[0] for p in self.parts), self.parts[0].shape[1]
+
+    @property
+    def source(self) -> str:
+        return "+".join(p.source for p in self.parts)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.cat([p.dequantize(dtype) for p in self.parts])
+
+    def pack(self) -> PackedQuantWeight:
+        packed = [p.pack() for p in self.parts]
+        for part, after in zip(packed, packed[1:]):
+            part.next = after
+        return packed[0]
 
 
 @dataclass
 class PackedQuantWeight:
     """A ``QuantizedTensor`` in the kernels' layout, with its ``QuantWeight`` descriptor (pointers into these
     tensors, which it keeps alive). ``scale`` and ``offset`` are float16 or float32 (``QuantizedTensor.pack``);
-    ``offset`` None: every offset is q's middle times the scale, computed by the kernels."""
+    ``offset`` None: every offset is q's middle times the scale, computed by the kernels. A "q6" weight's
+    ``scale`` holds its int8 sub-scales and ``super_scale`` its f16 ones. ``shape`` and ``source`` are this
+    part's; ``next`` the packed part holding the rows after it (a ``QuantizedStack``), whose outputs follow this
+    one's (``full_shape``, ``sources``, ``nbytes``: all parts')."""
 
     kind: str
     qs: torch.Tensor
@@ -160,29 +237,53 @@ class PackedQuantWeight:
     offset: torch.Tensor | None
     shape: tuple[int, int]
     source: str
+    super_scale: torch.Tensor | None = None
+    next: PackedQuantWeight | None = None
     _desc: object = field(default=None, repr=False, compare=False)
+
+    def chain(self) -> list[PackedQuantWeight]:
+        parts, p = [], self
+        while p is not None:
+            parts.append(p)
+            p = p.next
+        return parts
+
+    @property
+    def full_shape(self) -> tuple[int, int]:
+        return sum(p.shape[0] for p in self.chain()), self.shape[1]
+
+    @property
+    def sources(self) -> str:
+        return "+".join(p.source for p in self.chain())
 
     @property
     def padded_in(self) -> int:
-        return self.scale.shape[1] * BLOCK
+        return self.scale.shape[1] * (kquants.SUB if self.kind == "q6" else BLOCK)
+
+    @property
+    def part_nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.qs, self.scale, self.offset, self.super_scale)
+                   if t is not None)
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.qs, self.scale, self.offset) if t is not None)
+        return sum(p.part_nbytes for p in self.chain())
 
     def descriptor(self):
         if self._desc is None:
             from conveyor.kernels.cpu_ops import QuantWeight
 
+            after = 0 if self.next is None else ctypes.addressof(self.next.descriptor())
             self._desc = QuantWeight(qs=self.qs.data_ptr(), scale=self.scale.data_ptr(),
                                      offset=0 if self.offset is None else self.offset.data_ptr(),
-                                     N=self.shape[0], K=self.shape[1],
+                                     super_scale=0 if self.super_scale is None else self.super_scale.data_ptr(),
+                                     next=after, N=self.shape[0], K=self.shape[1],
                                      KP=self.padded_in, kind=KINDS[self.kind],
-                                     scale_f16=int(self.scale.dtype == torch.float16))
+                                     scale_format=SCALE_FORMATS.get(self.scale.dtype, 0))
         return self._desc
 
 
-def _natural(q: np.ndarray, scale: np.ndarray, offset: np.ndarray | None, signed: bool, kind: str,
+def natural(q: np.ndarray, scale: np.ndarray, offset: np.ndarray | None, signed: bool, kind: str,
              source: str) -> QuantizedTensor:
     """q [N, K] (int8 when ``signed``, else uint8), scale / offset [N, K / 32] -> a QuantizedTensor."""
     scale = scale.astype(np.float32)
@@ -194,67 +295,6 @@ def _natural(q: np.ndarray, scale: np.ndarray, offset: np.ndarray | None, signed
         return torch.from_numpy(np.ascontiguousarray(a, dtype=dtype))
 
     return QuantizedTensor(kind, tensor(q, np.uint8), tensor(scale), tensor(offset), source)
-
-
-def _f16(blocks: np.ndarray, at: int) -> np.ndarray:
-    """The f16 at byte ``at`` of every block, as float32 [n_blocks]."""
-    return blocks[:, at:at + 2].copy().view(np.float16).astype(np.float32)[:, 0]
-
-
-def _nibbles(qs: np.ndarray) -> np.ndarray:
-    """16 bytes per 32-value block (low nibbles: values 0-15, high: 16-31) -> [n, 32] uint8."""
-    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
-
-
-def _high_bits(qh: np.ndarray) -> np.ndarray:
-    """4 bytes per block, bit i = the 5th bit of value i -> [n, 32] uint8 (0 or 16)."""
-    return (np.unpackbits(qh, axis=-1, bitorder="little") << 4).astype(np.uint8)
-
-
-def from_gguf(raw: np.ndarray, qtype_name: str, shape: tuple[int, int]) -> QuantizedTensor | None:
-    """A GGUF tensor's stored bytes -> its ``QuantizedTensor``, or None for a type without a kernel (the caller
-    dequantizes those). ``shape`` is [rows, cols] (numpy order)."""
-    if qtype_name not in GGUF_KERNEL_TYPES or len(shape) != 2:
-        return None
-    n, k = shape
-    if qtype_name in ("Q4_K", "Q5_K"):
-        return _from_kquant(raw, qtype_name, n, k)
-    size = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24}[qtype_name]
-    blocks = raw.reshape(-1, size)
-    d = _f16(blocks, 0).reshape(n, -1)
-    if qtype_name == "Q8_0":
-        return _natural(blocks[:, 2:].view(np.int8).reshape(n, k), d, None, True, "q8", qtype_name)
-    if qtype_name == "Q4_0":  # d * (q - 8)
-        return _natural(_nibbles(blocks[:, 2:]).reshape(n, k), d, -8 * d, False, "q4", qtype_name)
-    if qtype_name == "Q4_1":  # d * q + m
-        return _natural(_nibbles(blocks[:, 4:]).reshape(n, k), d, _f16(blocks, 2).reshape(n, -1), False, "q4",
-                        qtype_name)
-    if qtype_name == "Q5_0":  # d * (q - 16), q 5-bit
-        q = _nibbles(blocks[:, 6:]) | _high_bits(blocks[:, 2:6])
-        return _natural(q.reshape(n, k), d, -16 * d, False, "q8", qtype_name)
-    q = _nibbles(blocks[:, 8:]) | _high_bits(blocks[:, 4:8])  # Q5_1: d * q + m
-    return _natural(q.reshape(n, k), d, _f16(blocks, 2).reshape(n, -1), False, "q8", qtype_name)
-
-
-def _from_kquant(raw: np.ndarray, qtype_name: str, n: int, k: int) -> QuantizedTensor:
-    """Q4_K / Q5_K super-blocks of 256: value = d * sc_j * q - dmin * m_j for sub-block j of 32 (the 6-bit scales
-    and minimums unpacked by the gguf package's own ``Q4_K.get_scale_min``)."""
-    from gguf.quants import Q4_K
-
-    size = 144 if qtype_name == "Q4_K" else 176
-    blocks = raw.reshape(-1, size)
-    nsb = blocks.shape[0]
-    d, dmin = _f16(blocks, 0), _f16(blocks, 2)
-    sc, m = Q4_K.get_scale_min(blocks[:, 4:16])
-    scale = (d[:, None] * sc.astype(np.float32)).reshape(n, -1)
-    offset = (-dmin[:, None] * m.astype(np.float32)).reshape(n, -1)
-    qs = blocks[:, size - 128:].reshape(nsb, 4, 1, 32)
-    low = np.concatenate([qs & 0x0F, qs >> 4], axis=2).reshape(nsb, 256)  # sub-blocks 2i, 2i + 1 per 32 bytes
-    if qtype_name == "Q4_K":
-        return _natural(low.reshape(n, k), scale, offset, False, "q4", qtype_name)
-    qh = blocks[:, 16:48].reshape(nsb, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)
-    q = low | ((qh & 1) << 4).reshape(nsb, 256)
-    return _natural(q.reshape(n, k), scale, offset, False, "q8", qtype_name)
 
 
 def int8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -272,20 +312,21 @@ def quantize_int8(weight: torch.Tensor) -> QuantizedTensor:
     q, s = int8_per_channel(weight)
     n, k = q.shape
     nb = -(-k // BLOCK)
-    return _natural(q.numpy(), s.expand(n, nb).numpy(), None, True, "q8", "int8")
+    return natural(q.numpy(), s.expand(n, nb).numpy(), None, True, "q8", "int8")
 
 
 class QuantLinear(nn.Module):
     """y = x @ W.T + b for a quantized W (module doc). ``weight`` is a meta parameter of the float shape (for
     parameter and FLOP counts); the data is ``quant``."""
 
-    def __init__(self, quant: QuantizedTensor | PackedQuantWeight, bias: torch.Tensor | None, kernels,
-                 dtype: torch.dtype) -> None:
+    def __init__(self, quant: QuantizedTensor | QuantizedStack | PackedQuantWeight, bias: torch.Tensor | None,
+                 kernels, dtype: torch.dtype) -> None:
         super().__init__()
-        self.out_features, self.in_features = quant.shape
-        self.quant = quant.pack() if isinstance(quant, QuantizedTensor) else quant
+        self.quant = quant if isinstance(quant, PackedQuantWeight) else quant.pack()
+        self.out_features, self.in_features = self.quant.full_shape
         self.kernels = kernels
-        self.weight = nn.Parameter(torch.empty(quant.shape, dtype=dtype, device="meta"), requires_grad=False)
+        self.weight = nn.Parameter(torch.empty(self.quant.full_shape, dtype=dtype, device="meta"),
+                                   requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias.detach().to(dtype).clone(), requires_grad=False)
         self.desc = self.quant.descriptor()
         self.max_rows = QUANT_INT_MAX_ROWS[dtype]
@@ -300,13 +341,14 @@ class QuantLinear(nn.Module):
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         """A transient float copy of the weight [N, K] (the compute-bound path's operand)."""
-        out = torch.empty(self.quant.shape, dtype=dtype)
+        out = torch.empty(self.quant.full_shape, dtype=dtype)
         self.kernels.quant_dequantize(self.desc, None, out)
         return out
 
     def extra_repr(self) -> str:
+        kinds = "+".join(p.kind for p in self.quant.chain())
         return (f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}, "
-                f"{self.quant.source} ({self.quant.kind})")
+                f"{self.quant.sources} ({kinds})")
 
 
 class QuantEmbedding(nn.Module):

@@ -84,7 +84,8 @@ def gguf_quantized(f: GGUFFile, cfg: ModelConfig, family: ModelFamily,
     .plan_gguf: the GGUF parts that fill each, as (tensor, expert slice or None)): each part read in its blocks,
     q/k rows unpermuted and put in the order the model computes in (``map_weight``'s ``row_order``), fused parts
     stacked in row order."""
-    from conveyor.layers.quantized import QuantizedTensor, from_gguf
+    from conveyor.layers.gguf_blocks import from_gguf
+    from conveyor.layers.quantized import QuantizedTensor
 
     out = {}
     for param, names in plan.items():

@@ -10,8 +10,8 @@ layer, so its results are bit-identical to the per-layer path (tests/models/test
 
 With quantized linears (``layers.quantized.QuantLinear``) the linear fields hold their ``QuantWeight`` descriptors
 instead and those GEMMs are the integer kernel's, in float32 or bfloat16, with or without AMX, up to
-``QUANT_STACK_MAX_ROWS`` rows; a file that mixes types (llama.cpp's Q4_K_M keeps some layers in Q6_K, held in float)
-mixes the two per linear (a per-layer field says which is which).
+``QUANT_STACK_MAX_ROWS`` rows; a file with a tensor in a type without a kernel (IQ*, held in float) mixes the two
+per linear (a per-layer field says which is which).
 
 Which models it runs is declared, not probed: ``unsupported_reason(cfg)`` names what a model's config has that
 the native stack does not compute (Gemma's four norms, tanh-GELU, a second RoPE table, scaled embeddings; GPT-2's

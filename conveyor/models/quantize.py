@@ -1,7 +1,7 @@
 """Quantized weights in a model: which parameters stay quantized, and the modules that run them.
 
 A GGUF file's linear weights (and its token embedding) stay in their blocks when the CPU kernels built and the
-type has a kernel (``layers.quantized.GGUF_KERNEL_TYPES``); ``--quantization int8`` turns a float checkpoint's
+type has a kernel (``layers.gguf_blocks.GGUF_KERNEL_TYPES``); ``--quantization int8`` turns a float checkpoint's
 decoder linears into int8 at load. Everything else (norms, biases, a tensor in a type without a kernel, a fused
 parameter any of whose parts is such a tensor) is loaded in the engine's float dtype as before.
 
@@ -19,7 +19,8 @@ import torch
 from torch import nn
 
 from conveyor.core.config import QUANTIZATION_CHOICES
-from conveyor.layers.quantized import GGUF_KERNEL_TYPES, QuantEmbedding, QuantizedTensor, QuantLinear, quantize_int8
+from conveyor.layers.gguf_blocks import GGUF_KERNEL_TYPES
+from conveyor.layers.quantized import QuantEmbedding, QuantizedStack, QuantizedTensor, QuantLinear, quantize_int8
 from conveyor.models.moe import RouterLinear
 
 logger = logging.getLogger("conveyor.models")
@@ -51,9 +52,11 @@ def _quantizable(model: nn.Module, param: str) -> bool:
     return leaf == "weight" and (linear or module is model.get_input_embeddings())
 
 
-def install(model: nn.Module, weights: dict[str, QuantizedTensor], kernels, dtype: torch.dtype) -> list[str]:
-    """Replace the module of each parameter in ``weights`` (name -> its whole QuantizedTensor) with its quantized
-    form; returns the parameters made quantized (the tied lm_head included), for the start-up log."""
+def install(model: nn.Module, weights: dict[str, QuantizedTensor | QuantizedStack], kernels,
+            dtype: torch.dtype) -> list[str]:
+    """Replace the module of each parameter in ``weights`` (name -> its whole QuantizedTensor, or the stack of its
+    parts in layouts that stay apart) with its quantized form; returns the parameters made quantized (the tied
+    lm_head included), for the start-up log."""
     done = []
     embed = model.get_input_embeddings()
     for param, quant in weights.items():
@@ -98,7 +101,7 @@ def describe(done: list[str], model: nn.Module) -> str:
     float_linears = 0
     for module in model.modules():
         if isinstance(module, (QuantLinear, QuantEmbedding)):
-            sources[module.quant.source] += 1
+            sources[module.quant.sources] += 1
             packed[id(module.quant)] = module.quant.nbytes
         elif isinstance(module, nn.Linear) or type(module).__name__ == "PackedLinear":
             float_linears += 1

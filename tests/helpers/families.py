@@ -252,8 +252,9 @@ def convert_tinies(root: Path, names: list[str], outtypes: tuple[str, ...] = ("f
 def requantize_gguf(src: Path, dst: Path, types: dict[str, str]) -> Path:
     """A copy of the GGUF ``src`` (llama.cpp's converter's F32 output) with the tensors ``types`` names stored in
     the type given (as llama-quantize would store them): the gguf package's own quantizer for the types it
-    writes (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1), random blocks with sane scales for the K-quants it cannot write (the
-    weights then differ from the source's: the tests compare against the file's own dequantization)."""
+    writes (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1), random blocks with sane scales for the K-quants it cannot write (Q4_K,
+    Q5_K, Q6_K; the weights then differ from the source's: the tests compare against the file's own
+    dequantization)."""
     import gguf
     import numpy as np
     from gguf import quants
@@ -272,7 +273,14 @@ def requantize_gguf(src: Path, dst: Path, types: dict[str, str]) -> Path:
         if tensor.name in types:
             qtype = gguf.GGMLQuantizationType[types[tensor.name]]
             shape = data.shape
-            if qtype.name in ("Q4_K", "Q5_K"):
+            if qtype.name == "Q6_K":  # random 6-bit q and int8 sub-scales in [-20, 20], d at the block's end
+                block, size = gguf.GGML_QUANT_SIZES[qtype]
+                blocks = rng.integers(0, 256, size=(data.size // block, size), dtype=np.uint8)
+                blocks[:, 192:208] = rng.integers(-20, 21, (len(blocks), 16), dtype=np.int8).view(np.uint8)
+                d = rng.uniform(0.0005, 0.002, (len(blocks), 1)).astype(np.float16)
+                blocks[:, 208:210] = d.view(np.uint8).reshape(len(blocks), 2)
+                data = blocks.reshape(*shape[:-1], shape[-1] // block * size)
+            elif qtype.name in ("Q4_K", "Q5_K"):
                 block, size = gguf.GGML_QUANT_SIZES[qtype]
                 blocks = rng.integers(0, 256, size=(data.size // block, size), dtype=np.uint8)
                 scales = rng.uniform(0.001, 0.01, (len(blocks), 2)).astype(np.float16)  # d, dmin

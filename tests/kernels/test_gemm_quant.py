@@ -10,17 +10,11 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf import quants as gq
 
-from conveyor.layers.quantized import (
-    GGUF_KERNEL_TYPES,
-    QuantEmbedding,
-    QuantizedTensor,
-    QuantLinear,
-    from_gguf,
-    quantize_int8,
-)
+from conveyor.layers.gguf_blocks import GGUF_KERNEL_TYPES, from_gguf
+from conveyor.layers.quantized import QuantEmbedding, QuantizedStack, QuantizedTensor, QuantLinear, quantize_int8
 
 QUANTIZABLE = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")  # the gguf package writes these itself
-KQUANTS = ("Q4_K", "Q5_K")  # written here as random blocks with sane scales
+KQUANTS = ("Q4_K", "Q5_K", "Q6_K")  # written here as random blocks with sane scales
 
 
 def gguf_bytes(qtype: str, n: int, k: int, seed: int = 0) -> np.ndarray:
@@ -32,6 +26,9 @@ def gguf_bytes(qtype: str, n: int, k: int, seed: int = 0) -> np.ndarray:
     block, size = GGML_QUANT_SIZES[qt]
     blocks = rng.integers(0, 256, size=(n * k // block, size), dtype=np.uint8)
     nblocks = blocks.shape[0]
+    if qtype == "Q6_K":  # ql, qh, 16 int8 sub-scales (any), then d
+        blocks[:, 208:210] = rng.uniform(0.0001, 0.001, nblocks).astype(np.float16).view(np.uint8).reshape(nblocks, 2)
+        return blocks.reshape(-1)
     blocks[:, 0:2] = rng.uniform(0.001, 0.01, nblocks).astype(np.float16).view(np.uint8).reshape(nblocks, 2)  # d
     blocks[:, 2:4] = rng.uniform(0.001, 0.01, nblocks).astype(np.float16).view(np.uint8).reshape(nblocks, 2)  # dmin
     return blocks.reshape(-1)
@@ -45,32 +42,36 @@ def reference_dequant(raw: np.ndarray, qtype: str, n: int, k: int) -> torch.Tens
 @pytest.mark.parametrize("k", [256, 576, 1536])
 def test_repacked_gguf_dequantizes_as_the_gguf_package(qtype, k):
     n = 24
+    if qtype == "Q6_K" and k % 256:
+        pytest.skip("Q6_K rows hold whole super-blocks of 256")
     raw = gguf_bytes(qtype, n, k, seed=k)
     qt = from_gguf(raw, qtype, (n, k))
     assert qt is not None and qt.shape == (n, k) and qt.source == qtype
-    assert qt.kind == ("q4" if qtype in ("Q4_0", "Q4_1", "Q4_K") else "q8")
+    assert qt.kind == ("q4" if qtype in ("Q4_0", "Q4_1", "Q4_K") else "q6" if qtype == "Q6_K" else "q8")
     torch.testing.assert_close(qt.dequantize(), reference_dequant(raw, qtype, n, k), atol=1e-6, rtol=1e-6)
 
 
 def test_types_without_a_kernel_are_left_to_dequantization():
-    assert from_gguf(np.zeros(210, np.uint8), "Q6_K", (1, 256)) is None
+    assert from_gguf(np.zeros(136, np.uint8), "IQ4_XS", (1, 256)) is None
     assert from_gguf(np.zeros(64, np.uint8), "F32", (4, 4)) is None
 
 
-def emulate(x: torch.Tensor, qt: QuantizedTensor) -> torch.Tensor:
+def emulate(x: torch.Tensor, qt: QuantizedTensor | QuantizedStack) -> torch.Tensor:
     """What the kernel computes, in float64: x quantized per block of 32 to integers of 15 bits (unit max |x| /
-    32385, round half to even, in float32 as the kernel rounds), integer dot products per block, scaled by both
-    scales, plus the offsets against d * sum(n)."""
+    32385, round half to even, in float32 as the kernel rounds), integer dot products per weight block (32
+    values, or Q6_K's 16), scaled by both scales, plus the offsets against d * sum(n) over the block."""
+    if isinstance(qt, QuantizedStack):
+        return torch.cat([emulate(x, p) for p in qt.parts], dim=1)
     m, k = x.shape
-    kp = qt.scale.shape[1] * 32
+    kp = -(-k // 32) * 32
     xp = torch.nn.functional.pad(x.to(torch.float32), (0, kp - k)).view(m, -1, 32)
     amax = xp.abs().amax(-1, keepdim=True)
-    d = amax / 32385
-    q = torch.round(xp * torch.where(amax > 0, 32385 / amax, 0.0)).to(torch.float64)
-    wq = torch.nn.functional.pad(qt.q, (0, kp - k)).view(qt.shape[0], -1, 32).to(torch.float64)
+    d = (amax / 32385).double().expand(m, kp // 32, 32 // qt.block).reshape(m, -1)
+    q = torch.round(xp * torch.where(amax > 0, 32385 / amax, 0.0)).to(torch.float64).view(m, -1, qt.block)
+    wq = torch.nn.functional.pad(qt.q, (0, kp - k)).view(qt.shape[0], -1, qt.block).to(torch.float64)
     dots = torch.einsum("mjc,njc->mnj", q, wq)
-    y = (dots * d.squeeze(-1).double()[:, None, :] * qt.scale.double()[None]).sum(-1)
-    return y + ((d.squeeze(-1).double() * q.sum(-1))[:, None, :] * qt.offset.double()[None]).sum(-1)
+    y = (dots * d[:, None, :] * qt.scale.double()[None]).sum(-1)
+    return y + ((d * q.sum(-1))[:, None, :] * qt.offset.double()[None]).sum(-1)
 
 
 def weights_of_every_kind(n: int, k: int):
@@ -263,16 +264,27 @@ SYMMETRIC = ("Q8_0", "Q4_0")  # offset = q's middle x scale: packed without offs
 
 def test_packed_scales_are_halves_where_the_file_has_them():
     """The one-f16-per-block formats pack their scales and offsets as halves, and the symmetric ones no offsets
-    at all (Q4_1's, Q8_0's and Q4_0's packed weights are then the file's own size); K-quants and int8, whose scales
-    an f16 cannot hold exactly, keep float32 (int8 without offsets)."""
+    at all (Q4_1's, Q8_0's and Q4_0's packed weights are then the file's own size); Q4_K and Q5_K keep the file's
+    f16 d and dmin with a byte per 6-bit sub-scale and minimum (0.578 bytes a value for Q4_K, the file's 0.5625);
+    int8, whose scales an f16 cannot hold exactly, keeps float32 (without offsets); Q6_K packs as the file holds
+    it."""
     n, k = 32, 256
     for qtype in GGUF_KERNEL_TYPES:
         raw = gguf_bytes(qtype, n, k, seed=5)
         qt = from_gguf(raw, qtype, (n, k))
         packed = qt.pack()
+        if qtype == "Q6_K":  # 6-bit q, int8 sub-scales, f16 super-scales: the file's bytes, no offsets
+            assert packed.offset is None and qt.offset_is_mid()
+            assert packed.scale.dtype == torch.int8 and packed.super_scale.dtype == torch.float16
+            assert packed.nbytes == qt.nbytes == raw.nbytes
+            continue
         assert (packed.offset is None) == (qtype in SYMMETRIC) == qt.offset_is_mid(), qtype
-        if qtype in KQUANTS:
-            assert packed.scale.dtype == torch.float32 and not qt.scales_fit_f16(), qtype
+        if qtype in KQUANTS:  # a byte per sub-scale and minimum, f16 d and dmin per 256 values
+            assert packed.scale.dtype == packed.offset.dtype == torch.uint8, qtype
+            assert packed.super_scale.dtype == torch.float16 and not qt.scales_fit_f16(), qtype
+            per_block = (16 if qt.kind == "q4" else 32) + 2 + 4 * 32 / 256
+            assert packed.nbytes == qt.nbytes == per_block * n * k // 32, qtype
+            assert qt.pack(torch.float32).scale.dtype == torch.float32, qtype
             continue
         assert packed.scale.dtype == torch.float16, qtype
         if packed.offset is not None:
@@ -285,7 +297,9 @@ def test_packed_scales_are_halves_where_the_file_has_them():
     int8 = quantize_int8(torch.randn(n, k)).pack()
     assert int8.scale.dtype == torch.float32 and int8.offset is None
     with pytest.raises(ValueError, match="float16 or float32"):
-        qt.pack(torch.bfloat16)
+        from_gguf(gguf_bytes("Q4_K", n, k), "Q4_K", (n, k)).pack(torch.bfloat16)
+    with pytest.raises(ValueError, match="int8 sub-scales"):
+        qt.pack(torch.float32)  # the Q6_K one: one packing only
     with pytest.raises(ValueError, match="not -8.0 x its scales"):
         from_gguf(gguf_bytes("Q4_1", n, k), "Q4_1", (n, k)).pack(store_offsets=False)
 
@@ -351,3 +365,68 @@ def test_stored_offsets_beyond_a_half_keep_float32_scales(kernels):
     assert stored.scale.dtype == stored.offset.dtype == torch.float32
     torch.testing.assert_close(qt.dequantize(), reference_dequant(blocks.reshape(-1), "Q8_0", n, k))
     assert_packings_agree(kernels, qt, (computed, stored), torch.float32, torch.Generator().manual_seed(3), "big")
+
+
+def q6k_beside_q4k(n_q: int = 40, n_v: int = 24, k: int = 512) -> QuantizedStack:
+    """A llama.cpp Q4_K_M layer's fused q/k/v: Q4_K q and k, a Q6_K v."""
+    parts = [from_gguf(gguf_bytes(t, n, k, seed=i), t, (n, k))
+             for i, (t, n) in enumerate([("Q4_K", n_q), ("Q4_K", 16), ("Q6_K", n_v)])]
+    fused = QuantizedTensor.cat(parts)
+    assert isinstance(fused, QuantizedStack) and [p.kind for p in fused.parts] == ["q4", "q6"]
+    assert fused.shape == (n_q + 16 + n_v, k) and fused.source == "Q4_K+Q6_K"
+    return fused
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_stack_of_parts_in_different_layouts_is_one_linear(kernels, dtype):
+    """Q4_K rows and Q6_K rows kept apart (not pulled to float32 together) and chained in one descriptor: one call
+    writes every part's columns, bias included, as the parts alone would; dequantization follows the parts."""
+    fused = q6k_beside_q4k()
+    n, k = fused.shape
+    gen = torch.Generator().manual_seed(5)
+    bias = torch.randn(n, generator=gen).to(dtype)
+    layer = QuantLinear(fused, bias, kernels, dtype)
+    assert (layer.out_features, layer.in_features) == (n, k) and layer.quant.nbytes == fused.nbytes
+    for rows in (1, 3, 9):
+        x = torch.randn(rows, k, generator=gen).to(dtype)
+        out = layer(x)
+        want = emulate(x.float(), fused) + bias.double()
+        tol = 2e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(out.double(), want, atol=tol * want.abs().max().item(), rtol=tol, msg=kernels.level)
+    full = layer.dequantized(torch.float32)
+    torch.testing.assert_close(full, fused.dequantize(), atol=1e-6, rtol=0)
+    picked = torch.empty(3, k)
+    kernels.quant_dequantize(layer.desc, torch.tensor([n - 1, 0, 41]), picked)
+    torch.testing.assert_close(picked, full[[n - 1, 0, 41]], atol=0, rtol=0)
+
+
+def test_q6k_matches_the_gguf_packages_matmul(kernels):
+    """Q6_K on its integer kernel against the gguf package's dequantization and a float64 matmul: within the
+    activations' 15-bit quantization error, at every instruction-set level."""
+    n, k = 48, 768
+    raw = gguf_bytes("Q6_K", n, k, seed=3)
+    layer = QuantLinear(from_gguf(raw, "Q6_K", (n, k)), None, kernels, torch.float32)
+    x = torch.randn(5, k, generator=torch.Generator().manual_seed(2))
+    exact = x.double() @ reference_dequant(raw, "Q6_K", n, k).double().t()
+    err = (layer(x).double() - exact).norm() / exact.norm()
+    assert err < 1e-4, f"relative error {err:.2e} at {kernels.level}"
+
+
+def test_q6k_scales_that_are_not_int8_multiples_are_refused():
+    qt = from_gguf(gguf_bytes("Q6_K", 16, 256), "Q6_K", (16, 256))
+    qt.scale[0, 0] *= 1.5
+    with pytest.raises(ValueError, match="not an f16 super-scale times int8"):
+        qt.pack()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_k_quant_sub_scales_give_the_float32_scales_outputs(kernels, dtype):
+    """Q4_K / Q5_K packed with byte sub-scales and f16 super-scales (the file's form) compute bit for bit what their
+    float32 scales and offsets compute: d * sc and -dmin * m are exact in float32."""
+    gen = torch.Generator().manual_seed(13)
+    for qtype in ("Q4_K", "Q5_K"):
+        qt = from_gguf(gguf_bytes(qtype, 40, 768, seed=4), qtype, (40, 768))
+        kquant, floats = qt.pack(), qt.pack(torch.float32)
+        assert kquant.scale.dtype == torch.uint8 and floats.scale.dtype == torch.float32
+        assert kquant.nbytes < (0.8 if qtype == "Q4_K" else 0.9) * floats.nbytes
+        assert_packings_agree(kernels, qt, (kquant, floats), dtype, gen, qtype)

@@ -18,6 +18,7 @@ from conveyor.models.gguf_model import gguf_weights
 from conveyor.models.registry import config_from_gguf
 from conveyor.models.native_stack import NativeLayerStack
 from tests.helpers.checkpoints import write_word_tokenizer
+from tests.helpers.families import requantize_gguf
 from tests.helpers.gguf import write_llama_gguf
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(load_cpu_kernels() is None, reason="no native kernels here")]
@@ -222,3 +223,43 @@ def test_auto_dtype_is_float32_when_the_weights_run_quantized(untied, tmp_path):
     assert plain.dtype == str(choose_dtype("auto", "cpu")[0]).removeprefix("torch.")
     _, asked = load_model(str(path), dtype="bfloat16")
     assert asked.dtype == "bfloat16"
+
+
+def test_a_q4_k_m_mix_runs_q6_k_on_its_kernel_and_keeps_q_k_v_apart(tmp_path):
+    """llama.cpp's Q4_K_M mixes Q4_K with Q6_K (output, and attn_v and ffn_down in some layers): every linear stays
+    in its blocks, a layer's Q4_K q/k and Q6_K v in one stacked linear (not pulled to float32 together), and the
+    logprobs match the file dequantized by the gguf package (llama.cpp's reference) to the activations' rounding;
+    the native stack is bit-identical to the per-layer path."""
+    torch.manual_seed(4)
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                                   rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+    f32 = write_llama_gguf(tmp_path / "f32.gguf", transformers.LlamaForCausalLM(cfg).eval())
+    types = {f"blk.{i}.{t}.weight": "Q4_K" if t in ("attn_q", "attn_k") else "Q8_0"
+             for i in range(2) for t in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up",
+                                         "ffn_down")}
+    types.update({"blk.0.attn_v.weight": "Q6_K", "blk.1.ffn_down.weight": "Q6_K", "output.weight": "Q6_K",
+                  "token_embd.weight": "Q4_K"})
+    path = requantize_gguf(f32, tmp_path / "q4_k_m.gguf", types)
+    llm = LLM(str(path), dtype="float32", num_kv_blocks=256, block_size=16, enable_prefix_caching=False)
+    model = llm.engine.model
+    sources = {name: m.quant.sources for name, m in model.named_modules()
+               if isinstance(m, (QuantLinear, QuantEmbedding))}
+    assert sources["layers.0.self_attn.qkv_proj"] == "Q4_K+Q6_K"
+    assert sources["layers.1.self_attn.qkv_proj"] == "Q4_K+Q8_0"  # 4-bit and 8-bit share the 8-bit form
+    assert sources["layers.1.mlp.down_proj"] == sources["lm_head"] == "Q6_K"
+    assert sources["embed_tokens"] == "Q4_K" and len(sources) == 2 * 4 + 2
+    with GGUFFile(str(path)) as f:
+        ref = dict(gguf_weights(f, *config_from_gguf(f), torch.float32))
+    qkv = torch.cat([ref[f"model.layers.0.self_attn.{p}_proj.weight"] for p in "qkv"])
+    for module, want in ((model.layers[0].self_attn.qkv_proj, qkv), (model.lm_head, ref["lm_head.weight"])):
+        torch.testing.assert_close(module.dequantized(torch.float32), want, atol=1e-6, rtol=1e-6)
+    assert model.native_stack is not None and model.native_stack.quantized
+    assert run(llm, with_stack=True) == run(llm, with_stack=False)
+    dense = LLM(str(path), dtype="float32", num_kv_blocks=256, block_size=16, quantization="none")
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, prompt_logprobs=0)
+    for prompt in PROMPTS[4:7]:
+        got, want = (torch.tensor([e.logprob for e in engine.generate({"prompt_token_ids": prompt}, params,
+                                                                      use_tqdm=False)[0].prompt_logprobs[1:]])
+                     for engine in (llm, dense))
+        torch.testing.assert_close(got, want, atol=0.05, rtol=0)

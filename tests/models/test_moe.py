@@ -186,7 +186,7 @@ def test_a_step_runs_each_chosen_expert_once_on_its_rows():
 
 # --- GGUF expert stacks in every kernel type, and the native routed MLP (real models and engines) ---
 
-KERNEL_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K")
+KERNEL_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 
 
 @pytest.fixture
@@ -208,8 +208,10 @@ def test_expert_stacks_stay_in_their_blocks_in_every_kernel_type(wide):
     # each layer's gate, up and down stacks in a different type: every type the kernels run, once at least
     types = {"blk.0.ffn_gate_exps.weight": "Q4_K", "blk.0.ffn_up_exps.weight": "Q5_K",
              "blk.0.ffn_down_exps.weight": "Q8_0", "blk.1.ffn_gate_exps.weight": "Q4_0",
-             "blk.1.ffn_up_exps.weight": "Q4_1", "blk.1.ffn_down_exps.weight": "Q5_0",
-             **{f"blk.{i}.attn_{p}.weight": "Q5_1" for i in range(2) for p in ("q", "k", "v", "output")}}
+             "blk.1.ffn_up_exps.weight": "Q4_1", "blk.1.ffn_down_exps.weight": "Q6_K",
+             **{f"blk.{i}.attn_{p}.weight": "Q5_1" for i in range(2) for p in ("q", "k", "v", "output")},
+             "blk.0.attn_v.weight": "Q6_K", "blk.1.attn_output.weight": "Q5_0"}  # Q6_K v: q/k/v kept apart
+    assert set(types.values()) == set(KERNEL_TYPES)
     path = requantize_gguf(f32, root / "mixed.gguf", types)
     llm = LLM(str(path), dtype="float32", num_kv_blocks=64)
     model = llm.engine.model
@@ -288,8 +290,9 @@ def test_native_routed_mlp_matches_the_torch_loop_and_the_stack_is_bit_identical
 @pytest.mark.skipif(KERNELS is None, reason="the integer kernels need the native CPU kernels")
 def test_the_moe_benchmark_counts_the_bytes_a_token_streams(wide):
     """benchmarks/moe_side_by_side.py profile: per part, conveyor's held bytes beside the file's. Q8_0 is held as
-    stored (its bytes equal the file's), Q4_K with a float32 scale and offset per 32 values (0.75 bytes a value
-    against the file's 0.5625), a float32 tensor as it is; experts count top_k / E of each stack."""
+    stored (its bytes equal the file's), Q4_K with a byte per sub-scale and minimum and the file's f16 d and dmin
+    (0.578 bytes a value against the file's 0.5625, whose sub-scales take 6 bits), a float32 tensor as it is;
+    experts count top_k / E of each stack."""
     import importlib.util
     from pathlib import Path
 
@@ -308,7 +311,7 @@ def test_the_moe_benchmark_counts_the_bytes_a_token_streams(wide):
     parts = msb.streamed_bytes(model, str(path))
     assert set(parts) == {"attention+router", "experts", "lm_head"}
     held, stored = parts["experts"]
-    assert held == pytest.approx({"Q4_K": stored["Q4_K"] * 0.75 / 0.5625, "Q8_0": stored["Q8_0"]})
+    assert held == pytest.approx({"Q4_K": stored["Q4_K"] * 0.578125 / 0.5625, "Q8_0": stored["Q8_0"]})
     cfg = model.config
     expert_values = 3 * cfg.hidden_size * cfg.moe.intermediate_size * cfg.num_layers * cfg.moe.top_k
     assert stored["Q4_K"] + stored["Q8_0"] == pytest.approx(expert_values * (2 * 0.5625 + 1.0625) / 3 / 2**20)

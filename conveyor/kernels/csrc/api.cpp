@@ -72,8 +72,9 @@ const char* cvk_struct_layout(int which) {
       CVK_FIELD(CvkLayerStackArgs, norm_topk_prob), CVK_FIELD(CvkLayerStackArgs, qk_norm_across_heads)});
   static const std::string qweight = layout<CvkQuantWeight>({
       CVK_FIELD(CvkQuantWeight, qs), CVK_FIELD(CvkQuantWeight, scale), CVK_FIELD(CvkQuantWeight, offset),
-      CVK_FIELD(CvkQuantWeight, N), CVK_FIELD(CvkQuantWeight, K), CVK_FIELD(CvkQuantWeight, KP),
-      CVK_FIELD(CvkQuantWeight, kind), CVK_FIELD(CvkQuantWeight, scale_f16)});
+      CVK_FIELD(CvkQuantWeight, super_scale), CVK_FIELD(CvkQuantWeight, next), CVK_FIELD(CvkQuantWeight, N),
+      CVK_FIELD(CvkQuantWeight, K), CVK_FIELD(CvkQuantWeight, KP),
+      CVK_FIELD(CvkQuantWeight, kind), CVK_FIELD(CvkQuantWeight, scale_format)});
   static const std::string qgemm = layout<CvkQuantGemmArgs>({
       CVK_FIELD(CvkQuantGemmArgs, w), CVK_FIELD(CvkQuantGemmArgs, x), CVK_FIELD(CvkQuantGemmArgs, bias),
       CVK_FIELD(CvkQuantGemmArgs, y), CVK_FIELD(CvkQuantGemmArgs, scratch), CVK_FIELD(CvkQuantGemmArgs, M),

@@ -9,7 +9,7 @@
 
 #include <stdint.h>
 
-#define CVK_ABI_VERSION 14
+#define CVK_ABI_VERSION 15
 
 enum {
   CVK_OK = 0,
@@ -111,20 +111,37 @@ static_assert(sizeof(CvkLayerStackArgs) == sizeof(CvkAttnArgs) + 9 * 8 + 3 * 8 +
  *   kind CVK_Q8: qs uint8 [NP/16][KP/32][8][16][4]: 8 quads of k, each 16 columns x 4 consecutive k (512 bytes);
  *   kind CVK_Q4: qs uint8 [NP/16][KP/32][4][16][4]: byte (u, i, b) = q(i, 32j + 8u + b) | q(i, 32j + 8u + 4 + b) << 4
  *                (the low nibbles are quad 2u, the high ones quad 2u + 1; 256 bytes);
- *   scale, offset [NP/16][KP/32][16]: float32, or IEEE half (uint16 bits) when scale_f16 is 1; offset NULL
+ *   scale, offset [NP/16][KP/32][16]: float32 (scale_format CVK_SCALE_F32), IEEE halves (uint16 bits,
+ *                CVK_SCALE_F16), or K-quant sub-scales (CVK_SCALE_KQUANT: uint8 sc and m per block, with
+ *                super_scale f16 [NP/16][KP/256][2][16], each column's d then dmin per 256 values along K:
+ *                scale = d * sc, offset = -dmin * m, exact in float32; KP a multiple of 256); offset NULL
  *                when every block's offset is q's middle times its scale (-128 * scale for CVK_Q8, -8 * scale
  *                for CVK_Q4: Q8_0, int8, Q4_0), which the kernels compute instead of reading.
  * So one 64-byte load is 16 columns x 4 k, a VPDPBUSD against 4 broadcast activation bytes. Signed formats
  * (Q8_0, int8) are stored as q + 128 with the offset taking -128 * scale. Halves hold the formats whose scale and
  * offset are one f16 per block in the file (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1: the weight stream is then the file's
- * bytes, Q8_0 and Q4_0 storing no offsets); K-quants (f16 x 6-bit products) and int8 (max / 127) need float32. */
-enum { CVK_Q4 = 1, CVK_Q8 = 2 };
+ * bytes, Q8_0 and Q4_0 storing no offsets); Q4_K and Q5_K keep the file's f16 d and dmin per 256 values and a
+ * byte per 6-bit sub-scale (0.578 bytes a value for Q4_K, against the file's 0.5625); int8 (max / 127) needs
+ * float32.
+ *   kind CVK_Q6 (Q6_K: value = super * sub * (q - 32), q 6-bit, one int8 sub-scale per 16 values along K and one
+ *                f16 super-scale per 256; KP a multiple of 256): qs uint8 [NP/16][KP/32][384]: bytes 0..255 q's
+ *                low 4 bits as CVK_Q4 lays them, then byte 256 + 64 v + 4 i + b holds bits 2t..2t+1 = q's high 2
+ *                bits of (column i, k = 32j + 4(4v + t) + b), t = 0..3; scale int8 [NP/16][KP/16][16] the
+ *                sub-scales; super_scale f16 [NP/16][KP/256][16]; offset NULL, scale_format 0. The weight stream is
+ *                then the file's bytes (0.8203 a value).
+ * next: NULL, or the weight of the rows that follow this one's N (output columns N, N + 1, ...) with the same K
+ * and KP, in whatever kind: one linear whose row parts came in different types (a Q6_K attn_v after Q4_K q and
+ * k), computed by one call into one output. */
+enum { CVK_Q4 = 1, CVK_Q8 = 2, CVK_Q6 = 3 };
+enum { CVK_SCALE_F32 = 0, CVK_SCALE_F16 = 1, CVK_SCALE_KQUANT = 2 };
 typedef struct CvkQuantWeight {
   const void* qs;
   const void* scale;
   const void* offset;
+  const void* super_scale;
+  const struct CvkQuantWeight* next;
   int64_t N, K, KP;
-  int32_t kind, scale_f16;
+  int32_t kind, scale_format;
 } CvkQuantWeight;
 
 /* y[M, N] = x[M, K] W^T (+ bias) for a CvkQuantWeight W: x (dtype) is quantized per block of 32 to int8 into
@@ -181,7 +198,7 @@ enum { CVK_STRUCT_ATTN_ARGS = 0, CVK_STRUCT_LAYER_STACK_ARGS = 1, CVK_STRUCT_QUA
        CVK_STRUCT_LORA_ARGS = 5 }; /* cvk_struct_layout's `which` */
 
 #ifdef __cplusplus
-static_assert(sizeof(CvkQuantWeight) == 3 * 8 + 3 * 8 + 2 * 4, "CvkQuantWeight changed: bump CVK_ABI_VERSION");
+static_assert(sizeof(CvkQuantWeight) == 5 * 8 + 3 * 8 + 2 * 4, "CvkQuantWeight changed: bump CVK_ABI_VERSION");
 static_assert(sizeof(CvkQuantGemmArgs) == 5 * 8 + 4 * 8 + 2 * 4, "CvkQuantGemmArgs changed: bump CVK_ABI_VERSION");
 static_assert(sizeof(CvkLoraArgs) == 9 * 8 + 8 * 8 + 2 * 4, "CvkLoraArgs changed: bump CVK_ABI_VERSION");
 static_assert(sizeof(CvkMoeArgs) == 5 * 8 + 5 * 8 + 5 * 4 + 4, "CvkMoeArgs changed: bump CVK_ABI_VERSION");

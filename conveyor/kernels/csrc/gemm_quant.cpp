@@ -31,12 +31,18 @@ constexpr int QG = 16;  // columns per group
 inline int64_t blocks(int64_t KP) { return KP / QB; }
 // Bytes of one tile of kAmxRows activation rows packed for the AMX loop: digits (512) and units (16 floats) per block.
 inline int64_t amx_tile_bytes(int64_t KP) { return blocks(KP) * (512 + 16 * int64_t(sizeof(float))); }
-inline int64_t block_bytes(int kind) { return kind == CVK_Q4 ? 256 : 512; }
+inline int64_t block_bytes(int kind) { return kind == CVK_Q4 ? 256 : kind == CVK_Q6 ? kQ6BlockBytes : 512; }
 // Whether a step of M rows runs on the AMX-INT8 tiles for a weight of this kind (where they were switched on:
 // cvk_set_amx_qdot).
 inline bool takes_amx(int64_t M, int kind) {
+  if (kind == CVK_Q6) return false;  // its sub-blocks of 16 take the VNNI loop only
   const int64_t min_rows = kind == CVK_Q4 ? g_amx_qdot_min_rows_q4 : g_amx_qdot_min_rows_q8;
   return kAmx && min_rows > 0 && M >= min_rows;
+}
+// ... and for this weight: K-quant sub-scales (CVK_SCALE_KQUANT) take the VNNI loop only (the AMX epilogue reads
+// float or half scales).
+inline bool takes_amx(int64_t M, const CvkQuantWeight& w) {
+  return w.scale_format != CVK_SCALE_KQUANT && takes_amx(M, w.kind);
 }
 
 // One row of x (dtype) -> its QRow in `out` (quant_row_bytes bytes), blocks past K zero.
@@ -47,6 +53,7 @@ void quantize_row(const T* x, int64_t K, int64_t KP, char* out) {
   int8_t* lo = hi + KP;
   float* d = reinterpret_cast<float*>(out + 2 * KP);
   float* s = d + nb;
+  int32_t* hs = reinterpret_cast<int32_t*>(s + nb);
   alignas(64) float tmp[QB];
   for (int64_t j = 0; j < nb; j++) {
     const int64_t k0 = j * QB, n = std::min<int64_t>(QB, K - k0);
@@ -57,14 +64,14 @@ void quantize_row(const T* x, int64_t K, int64_t KP, char* out) {
     if (src == tmp) {
       for (int i = 0; i < QB; i++) tmp[i] = i < n ? to_f32(x[k0 + i]) : 0.f;
     }
-    qdot::quantize_block(src, hi + k0, lo + k0, d + j, s + j);
+    qdot::quantize_block(src, hi + k0, lo + k0, d + j, s + j, hs + 2 * j);
   }
 }
 
 inline QRow row_view(const char* base, int64_t KP) {
   const int8_t* hi = reinterpret_cast<const int8_t*>(base);
   const float* d = reinterpret_cast<const float*>(base + 2 * KP);
-  return QRow{hi, hi + KP, d, d + blocks(KP)};
+  return QRow{hi, hi + KP, d, d + blocks(KP), reinterpret_cast<const int32_t*>(d + 2 * blocks(KP))};
 }
 
 // Group g's scales (or offsets) in the weight's storage type S (float, or uint16_t halves: cvk.h); NULL for
@@ -74,22 +81,37 @@ inline const S* group_scales(const void* base, int64_t g, int64_t nb) {
   return base == nullptr ? nullptr : static_cast<const S*>(base) + g * nb * QG;
 }
 
+// Group g's K-quant super-scales (CVK_SCALE_KQUANT: [KP/256][2][16] halves a group), or NULL.
+inline const uint16_t* group_super(const CvkQuantWeight& w, int64_t g, int64_t nb) {
+  return w.super_scale == nullptr ? nullptr : static_cast<const uint16_t*>(w.super_scale) + g * (nb / 8) * 2 * QG;
+}
+
 template <int R, typename S>
 inline void group_rows_as(const CvkQuantWeight& w, int64_t g, const QRow* xr, float* out, bool prefetch) {
   const int64_t nb = blocks(w.KP);
   const uint8_t* qs = static_cast<const uint8_t*>(w.qs) + g * nb * block_bytes(w.kind);
   const S* scale = group_scales<S>(w.scale, g, nb);
   const S* offset = group_scales<S>(w.offset, g, nb);
+  const uint16_t* super = group_super(w, g, nb);
   if (w.kind == CVK_Q4)
-    qdot::group_dot<R, true>(qs, scale, offset, xr, nb, out, prefetch);
+    qdot::group_dot<R, true>(qs, scale, offset, super, xr, nb, out, prefetch);
   else
-    qdot::group_dot<R, false>(qs, scale, offset, xr, nb, out, prefetch);
+    qdot::group_dot<R, false>(qs, scale, offset, super, xr, nb, out, prefetch);
 }
 
 template <int R>
 inline void group_rows(const CvkQuantWeight& w, int64_t g, const QRow* xr, float* out, bool prefetch) {
-  if (w.scale_f16)
+  if (w.kind == CVK_Q6) {
+    const int64_t nb = blocks(w.KP);
+    qdot::group_dot_q6<R>(static_cast<const uint8_t*>(w.qs) + g * nb * kQ6BlockBytes,
+                          static_cast<const int8_t*>(w.scale) + g * nb * 2 * QG,
+                          static_cast<const uint16_t*>(w.super_scale) + g * (nb / 8) * QG, xr, nb, out, prefetch);
+    return;
+  }
+  if (w.scale_format == CVK_SCALE_F16)
     group_rows_as<R, uint16_t>(w, g, xr, out, prefetch);
+  else if (w.scale_format == CVK_SCALE_KQUANT)
+    group_rows_as<R, uint8_t>(w, g, xr, out, prefetch);
   else
     group_rows_as<R, float>(w, g, xr, out, prefetch);
 }
@@ -165,7 +187,7 @@ void amx_groups(const CvkQuantGemmArgs& a, const char* scratch, int64_t rb, char
     }
     const uint8_t* wq = static_cast<const uint8_t*>(w.qs) + g * nb * bb;
     if (q4) {
-      if (w.scale_f16)
+      if (w.scale_format == CVK_SCALE_F16)
         qdot::unpack_q4_group(wq, group_scales<uint16_t>(w.scale, g, nb), group_scales<uint16_t>(w.offset, g, nb), nb,
                               unpacked.data());
       else
@@ -181,7 +203,7 @@ void amx_groups(const CvkQuantGemmArgs& a, const char* scratch, int64_t rb, char
       const int8_t* digits = reinterpret_cast<const int8_t*>(p);
       const float* units = reinterpret_cast<const float*>(p + nb * 512);
       const bool prefetch = !q4 && t == 0;  // 4-bit weights were streamed (and prefetched) by the unpacking
-      if (w.scale_f16)
+      if (w.scale_format == CVK_SCALE_F16)
         qdot::amx_group_dot_upto<qdot::kAmxRows>(r, wq, group_scales<uint16_t>(w.scale, g, nb),
                                                  group_scales<uint16_t>(w.offset, g, nb), mid, digits, units, nb, acc,
                                                  prefetch);
@@ -196,66 +218,134 @@ void amx_groups(const CvkQuantGemmArgs& a, const char* scratch, int64_t rb, char
   if (configured) amx_release();
 }
 
+// The activations quantized once, then each part of the weight (w, w->next, ...: cvk.h) into its columns.
 template <typename T>
 void quant_gemm_impl(const CvkQuantGemmArgs& a) {
   const CvkQuantWeight& w = *a.w;
   const int64_t M = a.M, KP = w.KP, rb = quant_row_bytes(KP);
   const T* x = static_cast<const T*>(a.x);
   char* scratch = static_cast<char*>(a.scratch);
-  const bool amx = takes_amx(M, w.kind);
   on_team(a.num_threads, [&] {
 #pragma omp for schedule(static)
     for (int64_t m = 0; m < M; m++) quantize_row(x + m * a.x_stride, w.K, KP, scratch + m * rb);
-    if (amx)
-      amx_groups<T>(a, scratch, rb, scratch + M * rb);  // quant_scratch_bytes' second part
-    else
-      vector_groups<T>(a, scratch, rb);
+    int64_t n0 = 0;
+    for (const CvkQuantWeight* part = &w; part != nullptr; n0 += part->N, part = part->next) {
+      CvkQuantGemmArgs pa = a;
+      pa.w = part;
+      pa.y = static_cast<T*>(a.y) + n0;
+      pa.bias = a.bias != nullptr ? static_cast<const T*>(a.bias) + n0 : nullptr;
+      if (takes_amx(M, *part))
+        amx_groups<T>(pa, scratch, rb, scratch + M * rb);  // quant_scratch_bytes' second part
+      else
+        vector_groups<T>(pa, scratch, rb);
+    }
   });
 }
 
-// Element i of a weight's scales or offsets (`base`: w.scale or w.offset) as float32.
-inline float scale_at(const CvkQuantWeight& w, const void* base, int64_t i) {
-  return w.scale_f16 ? _cvtsh_ss(static_cast<const uint16_t*>(base)[i]) : static_cast<const float*>(base)[i];
+// Column c's scale and offset in group g's block j, as float32 (cvk.h's scale formats; offset NULL: mid x scale).
+inline void block_scale_offset(const CvkQuantWeight& w, int64_t g, int64_t j, int64_t c, float& sc, float& of) {
+  const int64_t nb = blocks(w.KP), i = (g * nb + j) * QG + c;
+  if (w.scale_format == CVK_SCALE_KQUANT) {
+    const uint16_t* super = group_super(w, g, nb) + (j / 8) * 2 * QG;
+    sc = _cvtsh_ss(super[c]) * float(static_cast<const uint8_t*>(w.scale)[i]);
+    of = -_cvtsh_ss(super[QG + c]) * float(static_cast<const uint8_t*>(w.offset)[i]);
+    return;
+  }
+  auto at = [&](const void* base) {
+    return w.scale_format == CVK_SCALE_F16 ? _cvtsh_ss(static_cast<const uint16_t*>(base)[i])
+                                           : static_cast<const float*>(base)[i];
+  };
+  sc = at(w.scale);
+  of = w.offset != nullptr ? at(w.offset) : sc * mid_offset(w.kind);
 }
 
-// Rows `rows` (or 0 .. count - 1 when rows is NULL) of W, dequantized to T: row n is column n % 16 of group n / 16.
+// Column c of a CVK_Q6 group's block j (blk, its 384 bytes), dequantized into vals (cvk.h's layout).
+inline void dequantize_q6_block(const CvkQuantWeight& w, const uint8_t* blk, int64_t g, int64_t j, int c,
+                                float* vals) {
+  const int64_t nb = blocks(w.KP);
+  const float super = _cvtsh_ss(static_cast<const uint16_t*>(w.super_scale)[(g * (nb / 8) + j / 8) * QG + c]);
+  const int8_t* sub = static_cast<const int8_t*>(w.scale) + (g * nb + j) * 2 * QG;
+  for (int t = 0; t < 8; t++)
+    for (int b = 0; b < 4; b++) {
+      const int low = (blk[(t / 2) * 64 + c * 4 + b] >> ((t % 2) * 4)) & 0x0F;
+      const int high = (blk[256 + (t / 4) * 64 + c * 4 + b] >> (2 * (t % 4))) & 0x03;
+      vals[t * 4 + b] = super * float(sub[(t / 4) * QG + c]) * float((low | high << 4) - kQ6Mid);
+    }
+}
+
+// Rows `rows` (or 0 .. count - 1 when rows is NULL) of W, dequantized to T: row n is column n % 16 of group n / 16
+// of the part of W (w, w.next, ...) that holds it.
 template <typename T>
-void dequantize_impl(const CvkQuantWeight& w, const int64_t* rows, int64_t count, T* out, int64_t out_stride,
+void dequantize_impl(const CvkQuantWeight& whole, const int64_t* rows, int64_t count, T* out, int64_t out_stride,
                      int num_threads) {
-  const int64_t nb = blocks(w.KP), bb = block_bytes(w.kind);
   on_team(num_threads, [&] {
 #pragma omp for schedule(static)
     for (int64_t i = 0; i < count; i++) {
-      const int64_t n = rows ? rows[i] : i, g = n / QG, c = n % QG;
+      int64_t n = rows ? rows[i] : i;
+      const CvkQuantWeight* part = &whole;
+      while (n >= part->N) {
+        n -= part->N;
+        part = part->next;
+      }
+      const CvkQuantWeight& w = *part;
+      const int64_t nb = blocks(w.KP), bb = block_bytes(w.kind);
+      const int64_t g = n / QG, c = n % QG;
       const uint8_t* qs = static_cast<const uint8_t*>(w.qs) + g * nb * bb;
       T* dst = out + i * out_stride;
       for (int64_t j = 0; j < nb && j * QB < w.K; j++) {
         alignas(64) float vals[QB];
         const uint8_t* blk = qs + j * bb;
+        const int lim = int(std::min<int64_t>(QB, w.K - j * QB));
+        if (w.kind == CVK_Q6) {
+          dequantize_q6_block(w, blk, g, j, int(c), vals);
+          for (int t = 0; t < lim; t++) from_f32(vals[t], dst + j * QB + t);
+          continue;
+        }
         for (int t = 0; t < 8; t++)
           for (int b = 0; b < 4; b++) {
             const int v = w.kind == CVK_Q4 ? (blk[(t / 2) * 64 + c * 4 + b] >> ((t % 2) * 4)) & 0x0F
                                            : blk[t * 64 + c * 4 + b];
             vals[t * 4 + b] = float(v);
           }
-        const float sc = scale_at(w, w.scale, (g * nb + j) * QG + c), of = w.offset != nullptr ? scale_at(w, w.offset, (g * nb + j) * QG + c)
-                                                  : sc * mid_offset(w.kind);
-        const int lim = int(std::min<int64_t>(QB, w.K - j * QB));
+        float sc, of;
+        block_scale_offset(w, g, j, c, sc, of);
         for (int t = 0; t < lim; t++) from_f32(vals[t] * sc + of, dst + j * QB + t);
       }
     }
   });
 }
 
+bool valid_part(const CvkQuantWeight* w) {
+  if (w->kind == CVK_Q6)
+    return w->scale_format == CVK_SCALE_F32 && w->offset == nullptr && w->super_scale != nullptr && w->KP % 256 == 0;
+  if (w->scale_format == CVK_SCALE_KQUANT)
+    return (w->kind == CVK_Q4 || w->kind == CVK_Q8) && w->offset != nullptr && w->super_scale != nullptr &&
+           w->KP % 256 == 0;
+  return (w->kind == CVK_Q4 || w->kind == CVK_Q8) &&
+         (w->scale_format == CVK_SCALE_F32 || w->scale_format == CVK_SCALE_F16);
+}
+
+// Every part well formed, of one K and KP (the activations are quantized once for all of them); at most 16 parts.
 bool valid(const CvkQuantWeight* w) {
-  return w != nullptr && (w->kind == CVK_Q4 || w->kind == CVK_Q8) && (w->scale_f16 == 0 || w->scale_f16 == 1) &&
-         w->KP % QB == 0 && w->K > 0 &&
-         w->K <= w->KP && w->N > 0 && w->qs != nullptr && w->scale != nullptr;
+  if (w == nullptr) return false;
+  int parts = 0;
+  for (const CvkQuantWeight* p = w; p != nullptr; p = p->next) {
+    if (++parts > 16 || !valid_part(p) || p->K != w->K || p->KP != w->KP) return false;
+    if (p->KP % QB != 0 || p->K <= 0 || p->K > p->KP || p->N <= 0 || p->qs == nullptr || p->scale == nullptr)
+      return false;
+  }
+  return true;
+}
+
+int64_t total_rows(const CvkQuantWeight& w) {
+  int64_t n = 0;
+  for (const CvkQuantWeight* p = &w; p != nullptr; p = p->next) n += p->N;
+  return n;
 }
 
 }  // namespace
 
-int64_t quant_row_bytes(int64_t KP) { return (2 * KP + 8 * blocks(KP) + 63) / 64 * 64; }
+int64_t quant_row_bytes(int64_t KP) { return (2 * KP + 16 * blocks(KP) + 63) / 64 * 64; }  // QRow's arrays
 
 // The rows (quant_row_bytes each), then, when a step of M rows takes the AMX loop, its packed tiles
 // (amx_groups): one buffer the caller owns, so that inside the layer stack's parallel region every thread reads
@@ -285,8 +375,8 @@ int quant_dequantize(const CvkQuantWeight& w, const int64_t* rows, int64_t count
   if (!valid(&w)) return CVK_ERR_BADARG;
   if (rows)
     for (int64_t i = 0; i < count; i++)
-      if (rows[i] < 0 || rows[i] >= w.N) return CVK_ERR_BADARG;
-  if (!rows && count > w.N) return CVK_ERR_BADARG;
+      if (rows[i] < 0 || rows[i] >= total_rows(w)) return CVK_ERR_BADARG;
+  if (!rows && count > total_rows(w)) return CVK_ERR_BADARG;
   if (dtype == CVK_F32)
     dequantize_impl(w, rows, count, static_cast<float*>(out), out_stride, num_threads);
   else if (dtype == CVK_BF16)

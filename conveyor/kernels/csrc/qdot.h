@@ -7,6 +7,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include <type_traits>
+
 #include "cvk.h"
 #include "level.h"
 
@@ -23,13 +25,20 @@ constexpr int kDigit = 255;
 constexpr int kActMax = 127 * kDigit;
 
 // One activation row quantized (gemm_quant.cpp's quantize_row writes it into scratch): hi [KP] and lo [KP] the
-// digits; d [KP / 32] the blocks' units; s [KP / 32] = d * sum(n) per block (for the weights' offsets).
+// digits; d [KP / 32] the blocks' units; s [KP / 32] = d * sum(n) per block (for the weights' offsets); hs
+// [KP / 16] = sum(n) per 16 values, as integers (CVK_Q6's q - 32 per sub-block of 16: <q, n> - 32 sum(n), exact).
 struct QRow {
   const int8_t* hi;
   const int8_t* lo;
   const float* d;
   const float* s;
+  const int32_t* hs;
 };
+
+// CVK_Q6 (cvk.h): bytes a block of 32 k x 16 columns takes (4-bit low parts, then 2-bit high parts), and q's
+// middle, subtracted per sub-block of 16 in integers.
+constexpr int64_t kQ6BlockBytes = 384;
+constexpr int32_t kQ6Mid = 32;
 
 // How far ahead of the block it multiplies a one-pass group_dot asks for the weights, in blocks (4 KB of 4-bit
 // weights, 8 KB of 8-bit), into L2. A decode step reads each weight once, in layers of a few hundred KB per
@@ -57,6 +66,15 @@ inline void prefetch_block(const uint8_t* qs, const S* scale, const S* offset, i
   _mm_prefetch(reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(scale) + step), _MM_HINT_T1);
   if (offset != nullptr)
     _mm_prefetch(reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(offset) + step), _MM_HINT_T1);
+}
+
+// prefetch_block for CVK_Q6: block j + kPrefetchBlocks's 384 bytes and its 32 sub-scales (the super-scales,
+// 32 bytes per 8 blocks, stay in cache).
+inline void prefetch_block_q6(const uint8_t* qs, const int8_t* sub, int64_t j) {
+  const int64_t ahead = j + kPrefetchBlocks;
+  const uintptr_t q = reinterpret_cast<uintptr_t>(qs) + uintptr_t(ahead * kQ6BlockBytes);
+  for (int64_t b = 0; b < kQ6BlockBytes; b += 64) _mm_prefetch(reinterpret_cast<const char*>(q + b), _MM_HINT_T1);
+  _mm_prefetch(reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(sub) + uintptr_t(ahead * 32)), _MM_HINT_T1);
 }
 
 }  // namespace cvk

@@ -23,8 +23,9 @@ inline void store_i8(const __m256i v[4], int8_t* out) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), p8);
 }
 
-// One block of 32 floats -> its integers n (qdot.h) as digits, its unit d (max |x| / kActMax) and d * sum(n).
-inline void quantize_block(const float* x, int8_t* hi, int8_t* lo, float* d, float* s) {
+// One block of 32 floats -> its integers n (qdot.h) as digits, its unit d (max |x| / kActMax), d * sum(n), and
+// sum(n) of each half (hs[0], hs[1]).
+inline void quantize_block(const float* x, int8_t* hi, int8_t* lo, float* d, float* s, int32_t* hs) {
   __m256 v[4];
   const __m256 sign = _mm256_set1_ps(-0.0f);
   __m256 m = _mm256_setzero_ps();
@@ -45,7 +46,9 @@ inline void quantize_block(const float* x, int8_t* hi, int8_t* lo, float* d, flo
   store_i8(h, hi);
   store_i8(l, lo);
   *d = amax / float(kActMax);
-  *s = *d * float(hsum_i32(_mm256_add_epi32(_mm256_add_epi32(n[0], n[1]), _mm256_add_epi32(n[2], n[3]))));
+  hs[0] = hsum_i32(_mm256_add_epi32(n[0], n[1]));
+  hs[1] = hsum_i32(_mm256_add_epi32(n[2], n[3]));
+  *s = *d * float(hs[0] + hs[1]);
 }
 
 // Half h (columns 8h .. 8h + 7) of the block's 8 quads, as unsigned bytes.
@@ -86,6 +89,39 @@ inline __m256i digit_dot(const __m256i w[8], const int8_t* xq) {
   return d;
 }
 
+// CVK_Q6: half h (columns 8h .. 8h + 7) of the block's 8 quads as bytes q in [0, 63]: the low 4 bits as
+// load_half<true> reads them, the high 2 from the 128 bytes after them (cvk.h).
+inline void load_half_q6(const uint8_t* qs, int h, __m256i w[8]) {
+  load_half<true>(qs, h, w);
+  const __m256i m2 = _mm256_set1_epi8(0x03);
+  for (int v = 0; v < 2; v++) {
+    const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 256 + v * 64 + h * 32));
+    for (int t = 0; t < 4; t++) {
+      const __m256i bits = _mm256_and_si256(_mm256_srli_epi16(hb, 2 * t), m2);
+      w[4 * v + t] = _mm256_or_si256(w[4 * v + t], _mm256_slli_epi16(bits, 4));
+    }
+  }
+}
+
+// Per column, the sums over the block's first 16 k (quads 0-3) and its last 16 (quads 4-7) of w x one digit of
+// x, for weights below 64 (VPMADDUBSW's pair sums cannot saturate).
+inline void digit_dot_halves(const __m256i w[8], const int8_t* xq, __m256i& d0, __m256i& d1) {
+  int32_t quads[8];
+  memcpy(quads, xq, 32);
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256i d[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+  for (int t = 0; t < 8; t++) {
+    const __m256i p = _mm256_maddubs_epi16(w[t], _mm256_set1_epi32(quads[t]));
+    d[t / 4] = _mm256_add_epi32(d[t / 4], _mm256_madd_epi16(p, ones));
+  }
+  d0 = d[0];
+  d1 = d[1];
+}
+
+inline __m256i combine_digits(__m256i h, __m256i l) {
+  return _mm256_add_epi32(_mm256_sub_epi32(_mm256_slli_epi32(h, 8), h), l);
+}
+
 // Sum over the block's 32 k of w x n per column: 255 <w, hi> + <w, lo>.
 template <bool Q4>
 inline __m256i block_dot(const __m256i w[8], const int8_t* hi, const int8_t* lo) {
@@ -108,28 +144,87 @@ inline __m256 load_offsets(const S* offset, __m256 scale, int64_t i, float mid) 
   return offset != nullptr ? load_scales(offset + i) : _mm256_mul_ps(scale, _mm256_set1_ps(mid));
 }
 
+// 8 columns' K-quant sub-scales (or minimums) of one block (CVK_SCALE_KQUANT, cvk.h), bytes, as float32.
+inline __m256 load_u8(const uint8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
+// Block j's 8 scales a and offsets b of column half h (as qdot_avx512.h's block_scales).
+template <bool Q4, typename S>
+inline void block_scales(const S* scale, const S* offset, const uint16_t* super, int64_t j, int h, __m256& ds,
+                         __m256& ms, __m256& a, __m256& b) {
+  if constexpr (std::is_same_v<S, uint8_t>) {
+    if (j % 8 == 0) {
+      ds = load_scales(super + (j / 8) * 32 + h * 8);
+      ms = _mm256_xor_ps(load_scales(super + (j / 8) * 32 + 16 + h * 8), _mm256_set1_ps(-0.f));
+    }
+    a = _mm256_mul_ps(ds, load_u8(scale + j * 16 + h * 8));
+    b = _mm256_mul_ps(ms, load_u8(offset + j * 16 + h * 8));
+  } else {
+    a = load_scales(scale + j * 16 + h * 8);
+    b = load_offsets(offset, a, j * 16 + h * 8, kMidOffset<Q4>);
+  }
+}
+
 // out[r][0..16) = sum over blocks j of scale_j * d_rj * <q_j, n_rj> + offset_j * s_rj, for one group of 16
-// columns and R rows (S: float or uint16_t halves, as the weight stores its scales). prefetch: ask for the
+// columns and R rows (S: float, uint16_t halves or uint8_t K-quant sub-scales, as the weight stores its scales;
+// super: their super-scales). prefetch: ask for the
 // weights kPrefetchBlocks ahead (qdot.h), on the first pass over a group (the first half's: the second reads
 // the same lines from cache).
 template <int R, bool Q4, typename S>
-inline void group_dot(const uint8_t* qs, const S* scale, const S* offset, const QRow* xr, int64_t nb, float* out,
-                      bool prefetch) {
+inline void group_dot(const uint8_t* qs, const S* scale, const S* offset, const uint16_t* super, const QRow* xr,
+                      int64_t nb, float* out, bool prefetch) {
   constexpr int64_t block_bytes = Q4 ? 256 : 512;
   for (int h = 0; h < 2; h++) {
     __m256 acc[R];
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    __m256 ds = _mm256_setzero_ps(), ms = _mm256_setzero_ps();
     for (int64_t j = 0; j < nb; j++) {
       if (prefetch && h == 0) prefetch_block<Q4>(qs, scale, offset, j);
       __m256i w[8];
       load_half<Q4>(qs + j * block_bytes, h, w);
-      const __m256 a = load_scales(scale + j * 16 + h * 8);
-      __m256 b = load_offsets(offset, a, j * 16 + h * 8, kMidOffset<Q4>);
+      __m256 a, b;
+      block_scales<Q4>(scale, offset, super, j, h, ds, ms, a, b);
       if constexpr (!Q4) b = _mm256_fmadd_ps(a, _mm256_set1_ps(128.f), b);
       for (int r = 0; r < R; r++) {
         const __m256i d = block_dot<Q4>(w, xr[r].hi + j * 32, xr[r].lo + j * 32);
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_mul_ps(a, _mm256_set1_ps(xr[r].d[j])), acc[r]);
         acc[r] = _mm256_fmadd_ps(b, _mm256_set1_ps(xr[r].s[j]), acc[r]);
+      }
+    }
+    for (int r = 0; r < R; r++) _mm256_storeu_ps(out + r * 16 + h * 8, acc[r]);
+  }
+}
+
+// group_dot for a CVK_Q6 weight (cvk.h): sub int8 [nb][2][16] its sub-scales, super f16 [nb / 8][16]. Per
+// sub-block of 16 k: acc += (super * sub * d_x) * (<q, n> - 32 sum(n)), the bracket in integers.
+template <int R>
+inline void group_dot_q6(const uint8_t* qs, const int8_t* sub, const uint16_t* super, const QRow* xr, int64_t nb,
+                         float* out, bool prefetch) {
+  for (int h = 0; h < 2; h++) {
+    __m256 acc[R];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    __m256 ds = _mm256_setzero_ps();
+    for (int64_t j = 0; j < nb; j++) {
+      if (prefetch && h == 0) prefetch_block_q6(qs, sub, j);
+      if (j % 8 == 0) ds = load_scales(super + (j / 8) * 16 + h * 8);
+      __m256i w[8];
+      load_half_q6(qs + j * kQ6BlockBytes, h, w);
+      const int8_t* sj = sub + j * 32 + h * 8;
+      const __m256 a0 = _mm256_mul_ps(ds, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                              _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sj)))));
+      const __m256 a1 = _mm256_mul_ps(ds, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                              _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sj + 16)))));
+      for (int r = 0; r < R; r++) {
+        __m256i h0, h1, l0, l1;
+        digit_dot_halves(w, xr[r].hi + j * 32, h0, h1);
+        digit_dot_halves(w, xr[r].lo + j * 32, l0, l1);
+        const __m256i dot0 = _mm256_sub_epi32(combine_digits(h0, l0), _mm256_set1_epi32(kQ6Mid * xr[r].hs[2 * j]));
+        const __m256i dot1 =
+            _mm256_sub_epi32(combine_digits(h1, l1), _mm256_set1_epi32(kQ6Mid * xr[r].hs[2 * j + 1]));
+        const __m256 d = _mm256_set1_ps(xr[r].d[j]);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot0), _mm256_mul_ps(a0, d), acc[r]);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot1), _mm256_mul_ps(a1, d), acc[r]);
       }
     }
     for (int r = 0; r < R; r++) _mm256_storeu_ps(out + r * 16 + h * 8, acc[r]);

@@ -16,8 +16,9 @@ inline void store_digits(__m512i n, int8_t* hi, int8_t* lo) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(lo), _mm512_cvtsepi32_epi8(l));
 }
 
-// One block of 32 floats -> its integers n (qdot.h) as digits, its unit d (max |x| / kActMax) and d * sum(n).
-inline void quantize_block(const float* x, int8_t* hi, int8_t* lo, float* d, float* s) {
+// One block of 32 floats -> its integers n (qdot.h) as digits, its unit d (max |x| / kActMax), d * sum(n), and
+// sum(n) of each half (hs[0], hs[1]).
+inline void quantize_block(const float* x, int8_t* hi, int8_t* lo, float* d, float* s, int32_t* hs) {
   const __m512 v0 = _mm512_loadu_ps(x), v1 = _mm512_loadu_ps(x + 16);
   const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
   const float id = amax > 0.f ? float(kActMax) / amax : 0.f;
@@ -26,7 +27,9 @@ inline void quantize_block(const float* x, int8_t* hi, int8_t* lo, float* d, flo
   store_digits(n0, hi, lo);
   store_digits(n1, hi + 16, lo + 16);
   *d = amax / float(kActMax);
-  *s = *d * float(_mm512_reduce_add_epi32(_mm512_add_epi32(n0, n1)));
+  hs[0] = _mm512_reduce_add_epi32(n0);
+  hs[1] = _mm512_reduce_add_epi32(n1);
+  *s = *d * float(hs[0] + hs[1]);
 }
 
 // The block's 8 quads of weights, 16 columns x 4 k each, as unsigned bytes.
@@ -70,6 +73,39 @@ inline __m512i digit_dot(const __m512i w[8], const int8_t* xq) {
   return d;
 }
 
+// CVK_Q6: the block's 8 quads as bytes q in [0, 63]: the low 4 bits as load_block<true> reads them, the high 2
+// from the 128 bytes after them (cvk.h).
+inline void load_block_q6(const uint8_t* qs, __m512i w[8]) {
+  load_block<true>(qs, w);
+  const __m512i m2 = _mm512_set1_epi8(0x03);
+  for (int v = 0; v < 2; v++) {
+    const __m512i h = _mm512_loadu_si512(qs + 256 + v * 64);
+    for (int t = 0; t < 4; t++) {  // 16-bit shifts: the byte's 2 bits never cross into its neighbour (values <= 48)
+      const __m512i bits = _mm512_and_si512(_mm512_srli_epi16(h, 2 * t), m2);
+      w[4 * v + t] = _mm512_or_si512(w[4 * v + t], _mm512_slli_epi16(bits, 4));
+    }
+  }
+}
+
+// Per column, the sums over the block's first 16 k (quads 0-3) and its last 16 (quads 4-7) of w x one digit of
+// x, for weights below 64 (VPMADDUBSW's pair sums, 2 x 63 x 127, cannot saturate).
+inline void digit_dot_halves(const __m512i w[8], const int8_t* xq, __m512i& d0, __m512i& d1) {
+  int32_t quads[8];
+  memcpy(quads, xq, 32);
+  __m512i d[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
+#if defined(CVK_VNNI)
+  for (int t = 0; t < 8; t++) d[t / 4] = _mm512_dpbusd_epi32(d[t / 4], w[t], _mm512_set1_epi32(quads[t]));
+#else
+  const __m512i ones = _mm512_set1_epi16(1);
+  for (int t = 0; t < 8; t++) {
+    const __m512i p = _mm512_maddubs_epi16(w[t], _mm512_set1_epi32(quads[t]));
+    d[t / 4] = _mm512_add_epi32(d[t / 4], _mm512_madd_epi16(p, ones));
+  }
+#endif
+  d0 = d[0];
+  d1 = d[1];
+}
+
 // 255 h + l: the two digits' dot products recombined into <w, n> (qdot.h).
 inline __m512i combine_digits(__m512i h, __m512i l) {
   return _mm512_add_epi32(_mm512_sub_epi32(_mm512_slli_epi32(h, 8), h), l);
@@ -102,6 +138,30 @@ inline __m512 load_offsets(const S* offset, __m512 scale, int64_t i, float mid) 
   return offset != nullptr ? load_scales(offset + i) : _mm512_mul_ps(scale, _mm512_set1_ps(mid));
 }
 
+// 16 columns' K-quant sub-scales (or minimums) of one block (CVK_SCALE_KQUANT, cvk.h), bytes, as float32.
+inline __m512 load_u8(const uint8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+
+// Block j's 16 scales a and offsets b. S uint8_t: K-quant sub-scales and minimums (CVK_SCALE_KQUANT), times the
+// super-block's d and -dmin (super: the group's [KP/256][2][16] halves), kept in ds / ms across its 8 blocks:
+// d * sc and -dmin * m are exact in float32, the numbers a float32-scale packing holds.
+template <bool Q4, typename S>
+inline void block_scales(const S* scale, const S* offset, const uint16_t* super, int64_t j, __m512& ds, __m512& ms,
+                         __m512& a, __m512& b) {
+  if constexpr (std::is_same_v<S, uint8_t>) {
+    if (j % 8 == 0) {
+      ds = load_scales(super + (j / 8) * 32);
+      ms = _mm512_xor_ps(load_scales(super + (j / 8) * 32 + 16), _mm512_set1_ps(-0.f));
+    }
+    a = _mm512_mul_ps(ds, load_u8(scale + j * 16));
+    b = _mm512_mul_ps(ms, load_u8(offset + j * 16));
+  } else {
+    a = load_scales(scale + j * 16);
+    b = load_offsets(offset, a, j * 16, kMidOffset<Q4>);
+  }
+}
+
 // Whether block_dot returned sum((q - 128) n) for 8-bit weights (the signed detour above) instead of sum(q x);
 // the caller adds 128 * sum(n) back through the offset.
 #if defined(CVK_VNNI)
@@ -111,23 +171,57 @@ constexpr bool kSignedQ8Dot = true;
 #endif
 
 // out[r][0..16) = sum over blocks j of scale_j * d_rj * <q_j, n_rj> + offset_j * s_rj, for one group of 16
-// columns and R rows (qs, scale, offset: the group's part of the weight; S float or uint16_t halves). prefetch:
+// columns and R rows (qs, scale, offset, super: the group's part of the weight; S float, uint16_t halves or
+// uint8_t K-quant sub-scales with their super-scales, block_scales). prefetch:
 // ask for the weights kPrefetchBlocks ahead (qdot.h), on the first pass over a group.
 template <int R, bool Q4, typename S>
-inline void group_dot(const uint8_t* qs, const S* scale, const S* offset, const QRow* xr, int64_t nb, float* out,
-                      bool prefetch) {
+inline void group_dot(const uint8_t* qs, const S* scale, const S* offset, const uint16_t* super, const QRow* xr,
+                      int64_t nb, float* out, bool prefetch) {
   __m512 acc[R];
   for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
   constexpr int64_t block_bytes = Q4 ? 256 : 512;
+  __m512 ds = _mm512_setzero_ps(), ms = _mm512_setzero_ps();
   for (int64_t j = 0; j < nb; j++) {
     if (prefetch) prefetch_block<Q4>(qs, scale, offset, j);
     __m512i w[8];
     load_block<Q4>(qs + j * block_bytes, w);
-    const __m512 a = load_scales(scale + j * 16);
-    __m512 b = load_offsets(offset, a, j * 16, kMidOffset<Q4>);
+    __m512 a, b;
+    block_scales<Q4>(scale, offset, super, j, ds, ms, a, b);
     if constexpr (!Q4 && kSignedQ8Dot) b = _mm512_fmadd_ps(a, _mm512_set1_ps(128.f), b);
     for (int r = 0; r < R; r++) {
       acc[r] = add_block(acc[r], block_dot<Q4>(w, xr[r].hi + j * 32, xr[r].lo + j * 32), a, b, xr[r].d[j], xr[r].s[j]);
+    }
+  }
+  for (int r = 0; r < R; r++) _mm512_storeu_ps(out + r * 16, acc[r]);
+}
+
+// group_dot for a CVK_Q6 weight (cvk.h): sub int8 [nb][2][16] its sub-scales, super f16 [nb / 8][16]. Per
+// sub-block h of 16 k: acc += (super * sub_h * d_x) * (<q, n>_h - 32 sum_h(n)), the bracket in integers.
+template <int R>
+inline void group_dot_q6(const uint8_t* qs, const int8_t* sub, const uint16_t* super, const QRow* xr, int64_t nb,
+                         float* out, bool prefetch) {
+  __m512 acc[R];
+  for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+  __m512 ds = _mm512_setzero_ps();
+  for (int64_t j = 0; j < nb; j++) {
+    if (prefetch) prefetch_block_q6(qs, sub, j);
+    if (j % 8 == 0) ds = load_scales(super + (j / 8) * 16);
+    __m512i w[8];
+    load_block_q6(qs + j * kQ6BlockBytes, w);
+    const int8_t* sj = sub + j * 32;
+    const __m512 a0 = _mm512_mul_ps(ds, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                            _mm_loadu_si128(reinterpret_cast<const __m128i*>(sj)))));
+    const __m512 a1 = _mm512_mul_ps(ds, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                            _mm_loadu_si128(reinterpret_cast<const __m128i*>(sj + 16)))));
+    for (int r = 0; r < R; r++) {
+      __m512i h0, h1, l0, l1;
+      digit_dot_halves(w, xr[r].hi + j * 32, h0, h1);
+      digit_dot_halves(w, xr[r].lo + j * 32, l0, l1);
+      const __m512i dot0 = _mm512_sub_epi32(combine_digits(h0, l0), _mm512_set1_epi32(kQ6Mid * xr[r].hs[2 * j]));
+      const __m512i dot1 = _mm512_sub_epi32(combine_digits(h1, l1), _mm512_set1_epi32(kQ6Mid * xr[r].hs[2 * j + 1]));
+      const __m512 d = _mm512_set1_ps(xr[r].d[j]);
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot0), _mm512_mul_ps(a0, d), acc[r]);
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot1), _mm512_mul_ps(a1, d), acc[r]);
     }
   }
   for (int r = 0; r < R; r++) _mm512_storeu_ps(out + r * 16, acc[r]);
