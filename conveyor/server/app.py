@@ -116,12 +116,13 @@ def build_app(engine: ServedEngine | LLMEngine, served_model_name: str | None = 
 
     router: ModelRouter = served
     if info.args.enable_lora:
-        router = LoRAAdapters(served, ctx)
+        adapters = LoRAAdapters(served, ctx)
         for name, path in lora_modules:
             try:
-                router.add(name, path)
+                adapters.add(name, path)
             except APIError as exc:
                 raise ValueError(f"--lora-modules {name}={path}: {exc.message}") from None
+        router = adapters
     elif lora_modules:
         raise ValueError("--lora-modules needs --enable-lora")
 
