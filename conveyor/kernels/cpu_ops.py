@@ -23,7 +23,7 @@ from conveyor.kernels.lora_ops import LoraArgs, LoraKernels
 from conveyor.kernels.moe_ops import MoeArgs, MoeKernels
 
 SOURCE_DIR = os.path.join(os.path.dirname(__file__), "csrc")
-ABI_VERSION = 15  # csrc/cvk.h's CVK_ABI_VERSION
+ABI_VERSION = 16  # csrc/cvk.h's CVK_ABI_VERSION
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 KV_INT8 = 2  # csrc/cvk.h's CVK_KV_INT8: a cache of int8 rows, D values then a float32 scale (layers/attention/kv_quant)
 

@@ -15,7 +15,7 @@ from conveyor import LLM, LoRARequest, SamplingParams
 from conveyor.models.lora_format import AdapterError, LoRABase, read_adapter
 from tests.helpers.checkpoints import save_tiny_llama
 from tests.helpers.families import save_tiny
-from tests.helpers.lora import merged_model, save_random_adapter, teacher_forced_logprobs
+from tests.helpers.lora import merged_model, rounded_adapter, save_random_adapter, teacher_forced_logprobs
 
 pytestmark = pytest.mark.slow
 
@@ -100,7 +100,8 @@ def test_qwen_bases(tmp_path, family):
 
 def test_int8_base_weights(llama, tmp_path):
     """Quantized base weights: the integer GEMM, then the adapters' float products. The oracle is peft's merge on
-    the very weights conveyor computes with (its int8 weights dequantized into the transformers model)."""
+    the very weights conveyor computes with (its int8 weights dequantized into the transformers model, the
+    adapters rounded to bfloat16 as its slots hold them on a quantized base: models.lora_model.adapter_dtype)."""
     base, loras = llama
     llm = LLM(str(base), dtype="float32", quantization="int8", enable_lora=True, max_loras=2,
               max_num_batched_tokens=32)
@@ -128,9 +129,11 @@ def test_int8_base_weights(llama, tmp_path):
             return hf
         from peft import PeftModel
 
-        return PeftModel.from_pretrained(hf, lora.lora_path).merge_and_unload().eval()
+        held = rounded_adapter(Path(lora.lora_path), tmp_path / f"held_{lora.lora_name}", torch.bfloat16)
+        return PeftModel.from_pretrained(hf, held).merge_and_unload().eval()
 
     _check(outs, prompts, each, oracle)
+    assert llm.engine.executor.lora.model.weight_dtype == torch.bfloat16  # a quantized base's adapters
 
 
 def _edit_config(path: Path, **changes) -> None:

@@ -93,7 +93,8 @@ const char* cvk_struct_layout(int which) {
       CVK_FIELD(CvkLoraArgs, sub_cols), CVK_FIELD(CvkLoraArgs, scratch), CVK_FIELD(CvkLoraArgs, x_stride),
       CVK_FIELD(CvkLoraArgs, y_stride), CVK_FIELD(CvkLoraArgs, K), CVK_FIELD(CvkLoraArgs, N),
       CVK_FIELD(CvkLoraArgs, SR), CVK_FIELD(CvkLoraArgs, R), CVK_FIELD(CvkLoraArgs, num_segs),
-      CVK_FIELD(CvkLoraArgs, num_subs), CVK_FIELD(CvkLoraArgs, dtype), CVK_FIELD(CvkLoraArgs, num_threads)});
+      CVK_FIELD(CvkLoraArgs, num_subs), CVK_FIELD(CvkLoraArgs, dtype), CVK_FIELD(CvkLoraArgs, num_threads),
+      CVK_FIELD(CvkLoraArgs, w_dtype)});
   if (which == CVK_STRUCT_ATTN_ARGS) return attn.c_str();
   if (which == CVK_STRUCT_LORA_ARGS) return lora.c_str();
   if (which == CVK_STRUCT_LAYER_STACK_ARGS) return stack.c_str();

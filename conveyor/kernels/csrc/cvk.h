@@ -9,7 +9,7 @@
 
 #include <stdint.h>
 
-#define CVK_ABI_VERSION 15
+#define CVK_ABI_VERSION 16
 
 enum {
   CVK_OK = 0,
@@ -175,22 +175,22 @@ typedef struct CvkMoeArgs {
 } CvkMoeArgs;
 
 /* Many LoRA adapters in one step (cvk_lora_apply, lora.cpp): for each segment s (rows[seg_start[s] ..
- * seg_start[s + 1]), all of adapter slot seg_slot[s]) y[row] += (x[row] A[slot]) B[slot], with A float32
- * [slots][K][SR] and B float32 [slots][SR][N] (the adapter's scaling folded in), SR = num_subs x R: the columns
- * [sub_cols[p], sub_cols[p + 1]) of y (one part of a fused projection) read rank slice p of the shrink only.
+ * seg_start[s + 1]), all of adapter slot seg_slot[s]) y[row] += (x[row] A[slot]) B[slot], with A [slots][K][SR]
+ * and B [slots][SR][N] of w_dtype (CVK_F32 or CVK_BF16; the adapter's scaling folded in), SR = num_subs x R: the
+ * columns [sub_cols[p], sub_cols[p + 1]) of y (one part of a fused projection) read rank slice p of the shrink only.
  * x and y are dtype, rows x_stride / y_stride elements apart; scratch float32 [M][SR], M = seg_start[num_segs]. */
 typedef struct CvkLoraArgs {
   const void* x;
   void* y;
-  const float* a;
-  const float* b;
+  const void* a;
+  const void* b;
   const int64_t* rows;
   const int64_t* seg_start;
   const int64_t* seg_slot;
   const int64_t* sub_cols;
   float* scratch;
   int64_t x_stride, y_stride, K, N, SR, R, num_segs, num_subs;
-  int32_t dtype, num_threads;
+  int32_t dtype, num_threads, w_dtype;
 } CvkLoraArgs;
 
 enum { CVK_STRUCT_ATTN_ARGS = 0, CVK_STRUCT_LAYER_STACK_ARGS = 1, CVK_STRUCT_QUANT_WEIGHT = 2,
@@ -200,7 +200,8 @@ enum { CVK_STRUCT_ATTN_ARGS = 0, CVK_STRUCT_LAYER_STACK_ARGS = 1, CVK_STRUCT_QUA
 #ifdef __cplusplus
 static_assert(sizeof(CvkQuantWeight) == 5 * 8 + 3 * 8 + 2 * 4, "CvkQuantWeight changed: bump CVK_ABI_VERSION");
 static_assert(sizeof(CvkQuantGemmArgs) == 5 * 8 + 4 * 8 + 2 * 4, "CvkQuantGemmArgs changed: bump CVK_ABI_VERSION");
-static_assert(sizeof(CvkLoraArgs) == 9 * 8 + 8 * 8 + 2 * 4, "CvkLoraArgs changed: bump CVK_ABI_VERSION");
+static_assert(sizeof(CvkLoraArgs) == 9 * 8 + 8 * 8 + 4 * 4 /* 3 int32, padding */,
+              "CvkLoraArgs changed: bump CVK_ABI_VERSION");
 static_assert(sizeof(CvkMoeArgs) == 5 * 8 + 5 * 8 + 5 * 4 + 4, "CvkMoeArgs changed: bump CVK_ABI_VERSION");
 #endif
 
