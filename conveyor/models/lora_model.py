@@ -2,8 +2,8 @@
 
 ``LoRAModel(model, num_slots, max_rank, kernels)`` wraps every layer's ``qkv_proj`` (parts q, k, v), ``o_proj``,
 ``gate_up_proj`` (parts gate, up) and ``down_proj`` in a ``LoRALinear`` and sets ``model.lora`` to the shared
-``LoRAStep``: a step with adapter rows runs the per-layer path (the native layer stack computes base weights only),
-a step without runs as before. Slots hold ``adapter_dtype(model)``. ``load(slot, adapter)`` installs a
+``LoRAStep``; a model with a native layer stack runs its adapter steps there too (``NativeLayerStack.attach_lora``),
+a step without adapter rows runs as before. Slots hold ``adapter_dtype(model)``. ``load(slot, adapter)`` installs a
 ``models.lora_format.LoRAAdapter``.
 """
 
@@ -66,6 +66,8 @@ class LoRAModel:
                     wrapped[fused] = lin
             self.linears.append(wrapped)
         model.lora = self.step
+        if kernels is not None and segmented and model.native_stack is not None:
+            model.native_stack.attach_lora(self.step, self.linears)  # adapter steps keep the one-call stack
 
     def load(self, slot: int, adapter: LoRAAdapter) -> None:
         """Install ``adapter`` in ``slot`` (whatever was there is overwritten)."""

@@ -85,6 +85,38 @@ def test_eight_adapters_and_the_base_in_one_batch_equal_peft_merged(llama):
     assert len({tuple(o.outputs[0].token_ids) for o in outs[:3]}) == 3
 
 
+def _tokens_and_logprobs(outs) -> list:
+    return [(o.outputs[0].token_ids, [(lp.logprob, lp.top) for lp in o.outputs[0].logprobs]) for o in outs]
+
+
+def test_adapter_steps_run_in_the_native_layer_stack(llama):
+    """Decode steps with adapter rows run in the one-call native layer stack (the adapter kernel after each of its
+    GEMMs), with results bit-identical to the per-layer path's; a float32 base keeps float32 adapter slots."""
+    base, loras = llama
+    llm = LLM(str(base), dtype="float32", enable_lora=True, max_loras=8, enable_prefix_caching=False)
+    model, slots = llm.engine.model, llm.engine.executor.lora
+    assert slots.model.weight_dtype == torch.float32
+    stack = model.native_stack
+    assert stack is not None
+    each = [None] + loras
+    prompts = _prompts(len(each), 384)
+    params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=2, ignore_eos=True)
+    with_adapters = []
+    run = stack.run
+    stack.run = lambda *a: with_adapters.append(model.lora.active) or run(*a)
+    try:
+        fused = llm.generate(prompts, params, lora_request=each, use_tqdm=False)
+    finally:
+        del stack.run
+    assert any(with_adapters)  # the decode steps with adapter rows went through the stack
+    model.native_stack = None
+    try:
+        per_layer = llm.generate(prompts, params, lora_request=each, use_tqdm=False)
+    finally:
+        model.native_stack = stack
+    assert _tokens_and_logprobs(fused) == _tokens_and_logprobs(per_layer)
+
+
 @pytest.mark.parametrize("family", ["qwen2", "qwen3"])
 def test_qwen_bases(tmp_path, family):
     base = tmp_path / "base"

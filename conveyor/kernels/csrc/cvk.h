@@ -96,12 +96,19 @@ typedef struct CvkLayerStackArgs {
   void* moe_scratch;
   int64_t moe_scratch_bytes, moe_inter;
   int32_t E, top_k, norm_topk_prob, qk_norm_across_heads;
+  /* LoRA adapters (NULL: none; dense models only): lora holds the step's segments as cvk_lora_apply takes them
+   * (rows, seg_start, seg_slot, scratch for T x the largest SR floats, num_segs, R, w_dtype); lora_linears int64
+   * [L][4][4], per layer and linear (qkv, o, gate_up, down): its adapters' a, b, sub_cols and num_subs (a = 0: none
+   * on it). After each such linear's GEMM the stack adds the rows' low-rank products to its output, as the
+   * per-layer path's LoRALinear does (layers/lora.py); a gate_up with adapters runs unfused (gate_up, then act). */
+  const struct CvkLoraArgs* lora;
+  const int64_t* lora_linears;
 } CvkLayerStackArgs;
 
 #ifdef __cplusplus
 static_assert(sizeof(void*) == 8, "the Python mirrors assume 64-bit pointers");
 static_assert(sizeof(CvkAttnArgs) == 15 * 8 + 7 * 8 + 10 * 4, "CvkAttnArgs changed: bump CVK_ABI_VERSION");
-static_assert(sizeof(CvkLayerStackArgs) == sizeof(CvkAttnArgs) + 9 * 8 + 3 * 8 + 4 * 4 + 3 * 8 + 4 * 4,
+static_assert(sizeof(CvkLayerStackArgs) == sizeof(CvkAttnArgs) + 9 * 8 + 3 * 8 + 4 * 4 + 3 * 8 + 4 * 4 + 2 * 8,
               "CvkLayerStackArgs changed: bump CVK_ABI_VERSION");
 #endif
 
