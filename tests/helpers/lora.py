@@ -56,7 +56,6 @@ def rounded_adapter(adapter: Path, out: Path, dtype) -> Path:
     import math
     import shutil
 
-    import torch
     from safetensors.torch import load_file, save_file
 
     cfg = json.loads((adapter / "adapter_config.json").read_text())
