@@ -27,8 +27,9 @@
 namespace cvk {
 namespace {
 
-// Rows per register tile: each weight vector loaded is used by this many rows' FMAs (16 AVX-512 registers of
-// accumulators in the expand's 8 x 2; AVX2 has 16 registers in all).
+// Rows per item, at most: each weight vector loaded serves this many rows' FMAs (8 x 2 accumulators in the
+// expand: 16 of AVX-512's 32 registers; AVX2 has 16 registers in all). An item of fewer rows is compiled for
+// exactly that many (a decode step's 5 rows of an adapter compute 5, not 8).
 constexpr int kTR = CVK_AVX512_LANES ? 8 : 4;
 
 // One work item: up to kTR rows of one segment, shrunk then expanded over every output column by one thread.
@@ -37,80 +38,83 @@ struct Item {
   int64_t seg, r0, nr;
 };
 
-// xa[r0 + r, :] = x[rows[r0 + r], :] A[slot] for the item's (up to kTR) rows: every vector of A's columns is read
-// once for all of them; a tile's missing rows repeat its last row (computed, not stored).
-template <class T, class Wt>
+// xa[r0 + r, :] = x[rows[r0 + r], :] A[slot] for the item's NR rows: every vector of A's columns is read once for
+// all of them.
+template <int NR, class T, class Wt>
 void shrink(const CvkLoraArgs& a, const Item& it, float* xa) {
   const Wt* A = static_cast<const Wt*>(a.a) + a.seg_slot[it.seg] * a.K * a.SR;
   const int64_t SR = a.SR, K = a.K;
-  const T* xr[kTR];
-  for (int r = 0; r < kTR; r++)
-    xr[r] = static_cast<const T*>(a.x) + a.rows[it.r0 + std::min<int64_t>(r, it.nr - 1)] * a.x_stride;
+  const T* xr[NR];
+  for (int r = 0; r < NR; r++) xr[r] = static_cast<const T*>(a.x) + a.rows[it.r0 + r] * a.x_stride;
   float* out = xa + it.r0 * SR;
   int64_t j0 = 0;
   for (; j0 + W <= SR; j0 += W) {
-    V acc[kTR];
-    for (int r = 0; r < kTR; r++) acc[r] = V::zero();
+    V acc[NR];
+    for (int r = 0; r < NR; r++) acc[r] = V::zero();
     for (int64_t k = 0; k < K; k++) {
       const V av = V::load(A + k * SR + j0);
 #pragma GCC unroll 8
-      for (int r = 0; r < kTR; r++) acc[r] = V::fma(V::set1(to_f32(xr[r][k])), av, acc[r]);
+      for (int r = 0; r < NR; r++) acc[r] = V::fma(V::set1(to_f32(xr[r][k])), av, acc[r]);
     }
-#pragma GCC unroll 8
-    for (int r = 0; r < kTR; r++)  // (constant indices: the accumulators stay in registers)
-      if (r < it.nr) acc[r].store(out + r * SR + j0);
+    for (int r = 0; r < NR; r++) acc[r].store(out + r * SR + j0);
   }
   for (; j0 < SR; j0++)  // a rank that is not a multiple of the vector width: its last columns one by one
-    for (int r = 0; r < it.nr; r++) {
+    for (int r = 0; r < NR; r++) {
       float sum = 0.0f;
       for (int64_t k = 0; k < K; k++) sum += to_f32(xr[r][k]) * to_f32(A[k * SR + j0]);
       out[r * SR + j0] = sum;
     }
 }
 
-// y[rows[r0 + r], c0 : c1] += xa[r0 + r, sub R : (sub + 1) R] B[slot][sub R : (sub + 1) R, c0 : c1]: each vector
-// of B read once for the item's rows, NV vectors of columns at a time.
-template <int NV, class T, class Wt>
-inline void expand_tile(const float* const* xr, T* const* yr, int nr, const Wt* B, int64_t N, int64_t R, int64_t c) {
-  V acc[kTR][NV];
-  for (int r = 0; r < kTR; r++)
+// y[rows[r0 + r], c : c + NV W] += xa[r0 + r, sub R : (sub + 1) R] B[slot][sub R : (sub + 1) R, c : c + NV W]:
+// each vector of B read once for the item's rows.
+template <int NR, int NV, class T, class Wt>
+inline void expand_tile(const float* const* xr, T* const* yr, const Wt* B, int64_t N, int64_t R, int64_t c) {
+  V acc[NR][NV];
+  for (int r = 0; r < NR; r++)
     for (int v = 0; v < NV; v++) acc[r][v] = V::zero();
   for (int64_t j = 0; j < R; j++) {
     V b[NV];
     for (int v = 0; v < NV; v++) b[v] = V::load(B + j * N + c + v * W);
 #pragma GCC unroll 8
-    for (int r = 0; r < kTR; r++) {
+    for (int r = 0; r < NR; r++) {
       const V xv = V::set1(xr[r][j]);
       for (int v = 0; v < NV; v++) acc[r][v] = V::fma(xv, b[v], acc[r][v]);
     }
   }
-#pragma GCC unroll 8
-  for (int r = 0; r < kTR; r++)
-    if (r < nr)
-      for (int v = 0; v < NV; v++) (V::load(yr[r] + c + v * W) + acc[r][v]).store(yr[r] + c + v * W);
+  for (int r = 0; r < NR; r++)
+    for (int v = 0; v < NV; v++) (V::load(yr[r] + c + v * W) + acc[r][v]).store(yr[r] + c + v * W);
 }
 
-template <class T, class Wt>
+template <int NR, class T, class Wt>
 void expand(const CvkLoraArgs& a, const Item& it, int64_t sub, const float* xa) {
   const int64_t R = a.R, N = a.N, c1 = a.sub_cols[sub + 1];
   const Wt* B = static_cast<const Wt*>(a.b) + (a.seg_slot[it.seg] * a.SR + sub * R) * N;
-  const float* xr[kTR];
-  T* yr[kTR];
-  for (int r = 0; r < kTR; r++) {
-    const int64_t i = it.r0 + std::min<int64_t>(r, it.nr - 1);
-    xr[r] = xa + i * a.SR + sub * R;
-    yr[r] = static_cast<T*>(a.y) + a.rows[i] * a.y_stride;
+  const float* xr[NR];
+  T* yr[NR];
+  for (int r = 0; r < NR; r++) {
+    xr[r] = xa + (it.r0 + r) * a.SR + sub * R;
+    yr[r] = static_cast<T*>(a.y) + a.rows[it.r0 + r] * a.y_stride;
   }
-  const int nr = int(it.nr);
   int64_t c = a.sub_cols[sub];
-  for (; c + 2 * W <= c1; c += 2 * W) expand_tile<2>(xr, yr, nr, B, N, R, c);
-  for (; c + W <= c1; c += W) expand_tile<1>(xr, yr, nr, B, N, R, c);
+  for (; c + 2 * W <= c1; c += 2 * W) expand_tile<NR, 2>(xr, yr, B, N, R, c);
+  for (; c + W <= c1; c += W) expand_tile<NR, 1>(xr, yr, B, N, R, c);
   for (; c < c1; c++)  // a part's width that is not a multiple of the vector width: its last columns
-    for (int r = 0; r < nr; r++) {
+    for (int r = 0; r < NR; r++) {
       float sum = 0.0f;
       for (int64_t j = 0; j < R; j++) sum += xr[r][j] * to_f32(B[j * N + c]);
       from_f32(to_f32(yr[r][c]) + sum, yr[r] + c);
     }
+}
+
+// An item of it.nr rows (1 ..= NR), by the code compiled for exactly that many.
+template <class T, class Wt, int NR = kTR>
+void run_item(const CvkLoraArgs& a, const Item& it) {
+  if constexpr (NR > 1) {
+    if (it.nr < NR) return run_item<T, Wt, NR - 1>(a, it);
+  }
+  shrink<NR, T, Wt>(a, it, a.scratch);
+  for (int64_t p = 0; p < a.num_subs; p++) expand<NR, T, Wt>(a, it, p, a.scratch);
 }
 
 template <class T, class Wt>
@@ -118,10 +122,7 @@ void run(const CvkLoraArgs& a, const std::vector<Item>& items) {
   const int64_t n = int64_t(items.size());
   on_team(std::max(1, int(a.num_threads)), [&] {
 #pragma omp for schedule(static)
-    for (int64_t i = 0; i < n; i++) {
-      shrink<T, Wt>(a, items[i], a.scratch);
-      for (int64_t p = 0; p < a.num_subs; p++) expand<T, Wt>(a, items[i], p, a.scratch);
-    }
+    for (int64_t i = 0; i < n; i++) run_item<T, Wt>(a, items[i]);
   });
 }
 
