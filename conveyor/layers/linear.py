@@ -40,6 +40,8 @@ ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
 SKINNY_MAX_ROWS = 128  # float32 batches up to this many rows take the native skinny GEMM (AVX-512 builds)
 SKINNY_MAX_ROWS_AVX2 = 96  # the same on AVX2 builds (no k-blocked loop there; 128 not measured on such a CPU)
 AMX_MAX_ROWS = 128  # bfloat16 batches up to this many rows take the native AMX GEMM where the CPU has AMX
+# bfloat16 batches up to this many rows take the native VDPBF16PS GEMM on CPUs with AVX512_BF16 but no AMX
+BF16_DOT_MAX_ROWS = 128
 
 
 def padded_rows(m: int) -> int:
@@ -81,13 +83,17 @@ class PackedLinear(nn.Module):
         else:
             self.packed = None
             self.dense = weight.detach().t().contiguous().t()  # column-major: MKL's skinny GEMMs like it
-        # decode batches: a native kernel on its own copy of the weight (float32 anywhere, bfloat16 with AMX)
-        self.kernels, self.skinny, self.max_rows = None, None, 0
+        # decode batches: a native kernel on its own copy of the weight (float32 anywhere; bfloat16 on AMX tiles,
+        # or on VDPBF16PS dot products where the CPU has AVX512_BF16 but no AMX)
+        self.kernels, self.skinny, self.max_rows, self.on_amx = None, None, 0, False
         if kernels is not None and weight.device.type == "cpu":
             if weight.dtype == torch.float32:
                 self.max_rows = SKINNY_MAX_ROWS_AVX2 if kernels.level == "avx2" else SKINNY_MAX_ROWS
-            elif weight.dtype == torch.bfloat16 and kernels.amx and self.in_features % 32 == 0:
-                self.max_rows = AMX_MAX_ROWS
+            elif weight.dtype == torch.bfloat16 and kernels.amx:
+                self.on_amx = self.in_features % 32 == 0
+                self.max_rows = AMX_MAX_ROWS if self.on_amx else 0
+            elif weight.dtype == torch.bfloat16 and kernels.bf16_dot and self.in_features % 2 == 0:
+                self.max_rows = BF16_DOT_MAX_ROWS
             if self.max_rows:
                 self.kernels, self.skinny = kernels, kernels.pack_skinny_weight(weight.detach())
 
@@ -95,10 +101,10 @@ class PackedLinear(nn.Module):
         m = x.shape[0]
         if m <= self.max_rows and x.dim() == 2 and x.stride(1) == 1:
             out = torch.empty(m, self.out_features, dtype=x.dtype, device=x.device)
-            if x.dtype == torch.float32:
-                self.kernels.skinny_linear(x, self.skinny, self.bias, self.out_features, out)
-            else:
+            if self.on_amx:
                 self.kernels.amx_linear(x, self.skinny, self.bias, self.out_features, out)
+            else:
+                self.kernels.skinny_linear(x, self.skinny, self.bias, self.out_features, out)
             return out
         if not self.use_onednn:
             return F.linear(x, self.dense, self.bias)
