@@ -140,6 +140,11 @@ def _add_models_args(p) -> None:
     g.add_argument("--max-loaded-models", type=_positive_int, default=None, metavar="N",
                    help="with models on demand: the most models loaded at once; loading one more unloads the least "
                    "recently used idle model (requests wait while every loaded model is in use)")
+    g.add_argument("--max-loaded-memory", type=float, default=None, metavar="GIB",
+                   help="with models on demand: the most memory the loaded models' engine processes may hold "
+                   "(measured once each is ready; before its first load a model counts its weight files); loading "
+                   "one more unloads least recently used idle models until it fits; a model larger than this "
+                   "loads alone")
     g.add_argument("--model-load-timeout", type=float, default=600.0, metavar="SECONDS",
                    help="with models on demand: how long a request waits for its model to load (then 503)")
 
@@ -338,6 +343,7 @@ def run_serve_models(ns: argparse.Namespace, args) -> int:
     from conveyor.server.cors import CORSConfig
     from conveyor.server.launcher import make_server
     from conveyor.server.model_catalog import ModelCatalog
+    from conveyor.server.model_memory import GIB, MemoryBudget
     from conveyor.server.model_pool import ModelPool
     from conveyor.server.responses.store import ResponseStore
     from conveyor.server.router_app import build_router_app
@@ -359,10 +365,16 @@ def run_serve_models(ns: argparse.Namespace, args) -> int:
         return ServingContext(engine, name, ns.max_n, ns.max_seqs_per_request, max_token_chars(engine.info.tokenizer),
                               ns.tool_call_parser, ns.reasoning_parser)
 
-    pool = ModelPool(catalog, start_engine, make_context, ns.keep_alive, ns.max_loaded_models, ns.model_load_timeout)
-    logger.info("serving %d models on demand (%s); idle ones unload after %s s%s", len(catalog.names),
+    try:
+        memory = MemoryBudget(int(ns.max_loaded_memory * GIB)) if ns.max_loaded_memory is not None else None
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
+    pool = ModelPool(catalog, start_engine, make_context, ns.keep_alive, ns.max_loaded_models, ns.model_load_timeout,
+                     memory)
+    logger.info("serving %d models on demand (%s); idle ones unload after %s s%s%s", len(catalog.names),
                 ", ".join(catalog.names), ns.keep_alive,
-                f", at most {ns.max_loaded_models} loaded" if ns.max_loaded_models else "")
+                f", at most {ns.max_loaded_models} loaded" if ns.max_loaded_models else "",
+                f", at most {ns.max_loaded_memory:g} GiB loaded" if memory is not None else "")
     app = build_router_app(pool, ns.api_key, ns.shutdown_timeout, ns.max_request_body_bytes,
                            CORSConfig.from_namespace(ns), ResponseStore.from_namespace(ns))
     server = make_server(app, ns.host, ns.port, ns.uvicorn_log_level, ns.timeout_keep_alive, ns.timeout_headers,
