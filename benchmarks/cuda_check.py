@@ -8,7 +8,8 @@ one runs (docs/benchmarks.md, "The CUDA path"):
 Correctness, on a small random Llama written here with transformers (float32, real safetensors, a word-level
 tokenizer): the same prompts, greedy, through the CPU ``reference`` backend and through the engine on CUDA, with
 chunked prefill, prefix caching, preemption (a KV pool too small for the batch) and n-gram speculation on the
-CUDA side; tokens must match and logprobs agree to float32 rounding. transformers' own greedy decode on CUDA is
+CUDA side, and each attention backend that runs there (``triton`` where Triton imports, ``cpu-torch``); tokens
+must match and logprobs agree to float32 rounding. transformers' own greedy decode on CUDA is
 the third opinion. Throughput, on a random Llama of TinyLlama-1.1B's shape in bfloat16: the offline batch
 (prompts of ``--prompt-len`` random tokens, ``--output-len`` tokens each, ``ignore_eos``) and one request's decode
 rate, beside transformers' ``generate`` for that one request. Exits non-zero when a correctness check fails.
@@ -44,6 +45,13 @@ def sync() -> None:
 def empty_cache() -> None:
     if DEVICE == "cuda":
         torch.cuda.empty_cache()
+
+
+def triton_runs() -> bool:
+    """Whether the "triton" attention backend runs here: Triton installed, and CUDA (or its interpreter on a CPU)."""
+    from conveyor.layers.attention.triton_paged import triton_serves
+
+    return triton_serves(DEVICE, torch.float32, TINY["hidden_size"] // TINY["num_attention_heads"])
 
 
 def write_llama(path: Path, shape: dict, dtype: torch.dtype) -> Path:
@@ -124,7 +132,13 @@ def correctness(workdir: Path) -> tuple[list[dict], bool]:
         f"{DEVICE}, preemption (66-block pool)": dict(num_kv_blocks=66, block_size=16),
         f"{DEVICE}, n-gram speculation k=4": dict(speculative_config={"method": "ngram", "num_speculative_tokens": 4,
                                                                  "adaptive": False}),
+        f"{DEVICE}, cpu-torch backend": dict(attention_backend="cpu-torch"),
     }
+    if triton_runs():  # the Triton paged attention backend, named (auto picks it only without flash-attn)
+        configs[f"{DEVICE}, triton backend"] = dict(attention_backend="triton")
+        configs[f"{DEVICE}, triton, chunked prefill + prefix caching"] = dict(
+            attention_backend="triton", max_num_batched_tokens=64, long_prefill_token_threshold=32,
+            enable_prefix_caching=True)
     for name, extra in configs.items():
         llm = LLM(str(path), device=DEVICE, **common, **extra)
         if name == f"{DEVICE}, defaults":
@@ -145,11 +159,14 @@ def correctness(workdir: Path) -> tuple[list[dict], bool]:
     return rows, ok
 
 
-def throughput(workdir: Path, num_prompts: int, prompt_len: int, output_len: int) -> list[dict]:
+def throughput(workdir: Path, num_prompts: int, prompt_len: int, output_len: int,
+               attention_backend: str = "auto") -> list[dict]:
     print("throughput: random Llama", LARGE, "bfloat16", flush=True)
     path = write_llama(workdir / "large", LARGE, torch.bfloat16)
     rows = []
-    llm = LLM(str(path), device=DEVICE, dtype="bfloat16", seed=0, max_num_seqs=256, max_num_batched_tokens=8192)
+    llm = LLM(str(path), device=DEVICE, dtype="bfloat16", seed=0, max_num_seqs=256, max_num_batched_tokens=8192,
+              attention_backend=attention_backend)
+    print(f"  attention backend: {getattr(llm.engine.executor, 'backend', '?')}", flush=True)
     prompts = random_prompts(num_prompts, (prompt_len, prompt_len), LARGE["vocab_size"], seed=3)
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     llm.generate([{"prompt_token_ids": p} for p in prompts[:8]], SamplingParams(max_tokens=8), use_tqdm=False)
@@ -228,6 +245,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", action="store_true", help="only profile the offline batch (no checks)")
     ap.add_argument("--large", default=None, help="JSON overrides of the throughput model's shape")
     ap.add_argument("--device", default="cuda", help="cpu: a dry run of the script itself")
+    ap.add_argument("--attention-backend", default="auto", help="the throughput runs' backend (auto: triton where "
+                    "flash-attn is absent; cpu-torch: the batched torch ops, for a before/after)")
     args = ap.parse_args(argv)
     global DEVICE
     DEVICE = args.device
@@ -245,7 +264,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         rows, ok = correctness(Path(tmp))
         if not args.skip_throughput:
-            rows += throughput(Path(tmp), args.num_prompts, args.prompt_len, args.output_len)
+            rows += throughput(Path(tmp), args.num_prompts, args.prompt_len, args.output_len,
+                               args.attention_backend)
     if args.out:
         Path(args.out).write_text(json.dumps({"torch": torch.__version__, "gpu": gpu,
                                               "correct": ok, "rows": rows}, indent=1))
