@@ -159,6 +159,31 @@ def test_kv_write_skips_negative_slots():
     assert got.isnan().sum() == cache.isnan().sum() - 2 * int(kept.sum()) * 2 * 64  # only the kept rows landed
 
 
+def test_a_padded_decode_graph_batch_computes_the_step_and_nothing_else():
+    """The static buffers of a captured decode graph (runner.decode_graph_inputs), filled by two steps in turn and
+    padded to the captured size: the step's rows equal the unpadded step's, padding rows are zero and write no KV,
+    and nothing of the first fill leaks into the second."""
+    from conveyor.runner.decode_graph_inputs import DecodeGraphInputs
+
+    buffers = DecodeGraphInputs(max_size=16, max_blocks=8, block_size=8, device="cpu")
+    for seed, contexts, size in ((0, (3, 9, 17, 30, 40, 55), 8), (1, (20, 2, 7), 4)):
+        meta, q, k, v, cache = make_step([(c, 1) for c in contexts], 8, 4, 2, 64, seed=seed)
+        want, want_cache = run("triton", meta, q, k, v, cache)
+        n = meta.num_reqs
+        ids = torch.arange(n)
+        buffers.fill(size, ids, ids, meta)
+        pad = torch.randn(size - n, *q.shape[1:]), torch.randn(size - n, *k.shape[1:])
+        qp, kp, vp = torch.cat([q, pad[0]]), torch.cat([k, pad[1]]), torch.cat([v, pad[1]])
+        got, got_cache = run("triton", buffers.metadata(size), qp, kp, vp, cache)
+        torch.testing.assert_close(got[:n], want, atol=0, rtol=0)
+        assert not got[n:].any()
+        assert_same_written(got_cache, want_cache)
+        assert buffers.slot_mapping[n:size].eq(-1).all() and not buffers.seq_lens[n:size].any()
+    meta, q, *_ = make_step([(3, 1), (0, 4)], 8, 4, 2, 64)
+    with pytest.raises(ValueError, match="one token per request"):
+        buffers.fill(8, torch.arange(5), torch.arange(5), meta)
+
+
 def test_resolution(monkeypatch):
     """``auto`` on a CPU never resolves to triton; naming it on a CPU needs the interpreter; a dtype the kernel does
     not take is refused by name."""

@@ -51,8 +51,11 @@ class TritonAttention(TorchAttention):
         super().__init__(meta, dtype)
         self.kernels = triton_attention
         device = meta.slot_mapping.device
-        self.query_start = torch.tensor(meta.query_start_loc, dtype=torch.int32, device=device)
-        self.seq_lens = torch.tensor(meta.seq_lens, dtype=torch.int32, device=device)
+        if meta.device_lens is not None:  # a captured decode graph's buffers
+            self.query_start, self.seq_lens = meta.device_lens
+        else:
+            self.query_start = torch.tensor(meta.query_start_loc, dtype=torch.int32, device=device)
+            self.seq_lens = torch.tensor(meta.seq_lens, dtype=torch.int32, device=device)
         self.block_table = meta.block_table.contiguous()  # the kernels index rows and slots with unit inner strides
         self.slot_mapping = meta.slot_mapping.contiguous()
         self.decode_only = meta.num_decodes == meta.num_reqs
