@@ -6,6 +6,7 @@ it on a CPU. Shapes stay tiny: the interpreter runs each program in numpy."""
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 import torch
@@ -195,6 +196,18 @@ def test_resolution(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET")
     with pytest.raises(ValueError, match="CUDA device"):
         resolve_backend("triton", "cpu", torch.float32, 64, 16)
+
+
+def test_the_kernels_compile_for_an_h100(tmp_path):
+    """What the interpreter cannot check: Triton's compiler takes the kernels down to an sm_90 cubin (no GPU needed;
+    a process of its own, where the kernels are not interpreted)."""
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"TRITON_CACHE_DIR": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-W", "ignore", "-m", "tests.helpers.triton_compile"], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.count("ok sm_90 attention") == 6 and done.stdout.count("ok sm_90 write_kv") == 2, done.stdout
 
 
 @pytest.mark.slow  # a tiny model through the engine
