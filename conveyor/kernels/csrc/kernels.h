@@ -70,6 +70,8 @@ int moe(const CvkMoeArgs& a);
 inline int64_t moe_logits_bytes(int64_t T, int E) { return (T * E * 4 + 63) / 64 * 64; }
 // lora.cpp: many LoRA adapters' low-rank products added to a step's rows (cvk_lora_apply)
 int lora_apply(const CvkLoraArgs& a);
+// encoder_attention.cpp: bidirectional attention over a step's packed sequences (cvk_encoder_attention)
+int encoder_attention(const CvkEncoderAttnArgs& a);
 // layer_stack.cpp: cvk_llama_layers
 int llama_layers(const CvkLayerStackArgs& s);
 }  // namespace cvk
