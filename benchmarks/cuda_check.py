@@ -47,6 +47,31 @@ def empty_cache() -> None:
         torch.cuda.empty_cache()
 
 
+# docs/benchmarks.md, "The CUDA path" (2026-12-04, cpu-torch on an H200): the offline batch of 256 x (512 in, 256 out)
+OFFLINE_BEFORE_S = 19.28
+# sim.hardware's names of the GPUs a device name may contain, for their HBM bandwidth
+GPU_HARDWARE = {"H200": "h200", "H100": "h100-sxm", "A100": "a100-80gb"}
+
+
+def gpu_name() -> str:
+    return torch.cuda.get_device_name() if DEVICE == "cuda" else "none"
+
+
+def decode_roofline(path: Path) -> float | None:
+    """Tokens/s a batch-1 decode of the model at ``path`` would reach streaming every weight once per token at the
+    GPU's effective HBM bandwidth (sim.hardware: datasheet x memory efficiency), the embedding table left out (a
+    token reads one row of it); None for a GPU sim.hardware does not know."""
+    from conveyor.sim.hardware import get_hardware
+
+    name = next((hw for key, hw in GPU_HARDWARE.items() if key in gpu_name()), None)
+    if name is None:
+        return None
+    hardware = get_hardware(name)
+    weights = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+    embedding = LARGE["vocab_size"] * LARGE["hidden_size"] * 2  # bfloat16
+    return hardware.mem_bandwidth * hardware.memory_efficiency / (weights - embedding)
+
+
 def triton_runs() -> bool:
     """Whether the "triton" attention backend runs here: Triton installed, and CUDA (or its interpreter on a CPU)."""
     from conveyor.layers.attention.triton_paged import triton_serves
@@ -179,15 +204,21 @@ def throughput(workdir: Path, num_prompts: int, prompt_len: int, output_len: int
            "output_tok_s": gen / wall, "total_tok_s": (gen + num_prompts * prompt_len) / wall}
     print(f"  {row['run']}: {wall:.2f} s, {row['output_tok_s']:.0f} output tok/s, {row['total_tok_s']:.0f} "
           f"total tok/s", flush=True)
+    if (num_prompts, prompt_len, output_len) == (256, 512, 256) and "H200" in gpu_name():
+        print(f"  before the triton backend: {OFFLINE_BEFORE_S} s on an H200 (issue 55 asks <= "
+              f"{OFFLINE_BEFORE_S / 5:.2f} s: {OFFLINE_BEFORE_S / wall:.2f}x now)", flush=True)
     rows.append(row)
     one = SamplingParams(temperature=0.0, max_tokens=256, ignore_eos=True)
     t0 = time.perf_counter()
     out = llm.generate([{"prompt_token_ids": prompts[0][:128]}], one, use_tqdm=False)[0]
     times = out.outputs[0].token_times
     decode = (len(times) - 1) / (times[-1] - times[0])
+    roof = decode_roofline(path)
     rows.append({"run": "conveyor batch-1 decode (128 in, 256 out)", "tok_s": decode,
-                 "wall_s": time.perf_counter() - t0})
-    print(f"  conveyor batch-1 decode: {decode:.1f} tok/s", flush=True)
+                 "wall_s": time.perf_counter() - t0, "roofline_tok_s": roof})
+    print(f"  conveyor batch-1 decode: {decode:.1f} tok/s" + (
+        f", {decode / roof:.0%} of the weight-streaming roofline {roof:.0f} tok/s (issue 55 asks >= 50%)"
+        if roof else ""), flush=True)
     del llm
     empty_cache()
 
@@ -255,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     if DEVICE == "cuda" and not torch.cuda.is_available():
         print("no CUDA device: nothing to check", file=sys.stderr)
         return 2
-    gpu = torch.cuda.get_device_name() if DEVICE == "cuda" else "none"
+    gpu = gpu_name()
     print(f"torch {torch.__version__}, {gpu}", flush=True)
     if args.profile:
         with tempfile.TemporaryDirectory() as tmp:
