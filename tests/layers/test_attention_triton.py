@@ -142,6 +142,31 @@ def test_bfloat16_matches_reference():
     assert_same_written(got_cache, want_cache)
 
 
+def test_under_the_padded_and_key_mass_wrappers_as_the_reference():
+    """A static batch's pad rows (PaddedAttention) and KV eviction's scores (KeyMassAttention) wrap the triton
+    backend as they wrap the reference: same outputs, same written cache, same attention mass per block."""
+    from conveyor.layers.attention import Padding
+
+    meta, q, k, v, cache = make_step(MIXED, 8, 4, 2, 64, seed=2)
+    cache = cache.nan_to_num()  # the key-mass pass reads whole blocks
+    pad = 5
+    gen = torch.Generator().manual_seed(9)
+    qp, kp, vp = (torch.cat([x, torch.randn(pad, *x.shape[1:], generator=gen)]) for x in (q, k, v))
+    results = {}
+    for backend in ("reference", "triton"):
+        padded, padded_cache = cache.clone(), cache.clone()
+        out_padded = make_attention(backend, meta, torch.float32, Padding(pad, pad)).forward(qp, kp, vp, padded, 0.125)
+        scored = make_attention(backend, meta, torch.float32, scored={0: 1, 3: 20, 5: 4})
+        out_scored = scored.forward(q, k, v, padded_cache, 0.125)
+        results[backend] = out_padded, padded, out_scored, padded_cache, scored.block_scores()
+    for want, got in zip(results["reference"][:4], results["triton"][:4]):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    want_mass, got_mass = results["reference"][4], results["triton"][4]
+    assert set(got_mass) == {0, 3, 5}
+    for i in got_mass:
+        torch.testing.assert_close(torch.tensor(got_mass[i]), torch.tensor(want_mass[i]))
+
+
 def test_kv_write_skips_negative_slots():
     """A captured decode batch's padded rows carry slot -1: they store nothing; the real rows land as torch puts
     them."""
