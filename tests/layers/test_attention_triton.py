@@ -111,11 +111,11 @@ def test_bfloat16_matches_reference():
 
 def test_under_the_padded_and_key_mass_wrappers_as_the_reference():
     """A static batch's pad rows (PaddedAttention) and KV eviction's scores (KeyMassAttention) wrap the triton
-    backend as they wrap the reference: same outputs, same written cache, same attention mass per block."""
+    backend as they wrap the reference: same outputs, same written cache, same attention mass per block, with the
+    unwritten slots NaN (the key-mass pass reads whole blocks: it must mask them, as the GPU's unzeroed cache needs)."""
     from conveyor.layers.attention import Padding
 
     meta, q, k, v, cache = make_step(MIXED, 8, 4, 2, 64, seed=2)
-    cache = cache.nan_to_num()  # the key-mass pass reads whole blocks
     pad = 5
     gen = torch.Generator().manual_seed(9)
     qp, kp, vp = (torch.cat([x, torch.randn(pad, *x.shape[1:], generator=gen)]) for x in (q, k, v))
@@ -127,11 +127,13 @@ def test_under_the_padded_and_key_mass_wrappers_as_the_reference():
         out_scored = scored.forward(q, k, v, padded_cache, 0.125)
         results[backend] = out_padded, padded, out_scored, padded_cache, scored.block_scores()
     for want, got in zip(results["reference"][:4], results["triton"][:4]):
-        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5, equal_nan=True)  # the caches keep their NaNs
+    assert not results["triton"][0].isnan().any() and not results["triton"][2].isnan().any()
     want_mass, got_mass = results["reference"][4], results["triton"][4]
     assert set(got_mass) == {0, 3, 5}
     for i in got_mass:
         torch.testing.assert_close(torch.tensor(got_mass[i]), torch.tensor(want_mass[i]))
+        assert torch.tensor(got_mass[i]).isfinite().all()
 
 
 def test_kv_write_skips_negative_slots():
