@@ -94,8 +94,11 @@ def run_conveyor(ns) -> dict:
         flops = model_flops(eng.model_info, res.prompt_tokens, res.output_tokens, res.num_requests)
     except TypeError:  # a --before checkout from before 571d8d5, whose model_flops takes the model first
         flops = model_flops(eng.model, eng.model_info, res.prompt_tokens, res.output_tokens, res.num_requests)
-    floor = matmul_floor(eng.model, eng.model_info, res.prompt_tokens, res.output_tokens, res.num_requests,
-                         ns.dtype if ns.dtype != "auto" else eng.model_info.dtype)
+    try:
+        floor = matmul_floor(eng.model, eng.model_info, res.prompt_tokens, res.output_tokens, res.num_requests,
+                             ns.dtype if ns.dtype != "auto" else eng.model_info.dtype)
+    except ImportError:  # a --before checkout older than models.flops: the floor is the after engine's to give
+        floor = {}
     return dict(engine="conveyor", wall_s=min(walls), walls=walls, cpu_s=cpus, startup_s=startup, rss_mib=rss_mib(),
                 tflop=flops / 1e12, steps=res.num_steps, dtype=eng.model_info.dtype, profile=profile, **floor)
 

@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
     try:
         return ns.func(ns) or 0
-    except (FileNotFoundError, ValueError) as exc:  # a model, file or flag that cannot be used: say why, briefly
+    except (OSError, ValueError) as exc:  # a model, file, directory or flag that cannot be used: say why, briefly
         print(f"conveyor {ns.command}: error: {exc}", file=sys.stderr)
         return 1
 

@@ -140,6 +140,11 @@ def _add_models_args(p) -> None:
     g.add_argument("--max-loaded-models", type=_positive_int, default=None, metavar="N",
                    help="with models on demand: the most models loaded at once; loading one more unloads the least "
                    "recently used idle model (requests wait while every loaded model is in use)")
+    g.add_argument("--max-loaded-memory", type=float, default=None, metavar="GIB",
+                   help="with models on demand: the most memory the loaded models' engine processes may hold "
+                   "(measured once each is ready; before its first load a model counts its weight files); loading "
+                   "one more unloads least recently used idle models until it fits; a model larger than this "
+                   "loads alone")
     g.add_argument("--model-load-timeout", type=float, default=600.0, metavar="SECONDS",
                    help="with models on demand: how long a request waits for its model to load (then 503)")
 
@@ -245,52 +250,21 @@ def run_serve(ns: argparse.Namespace) -> int:
     if ns.embedding_model:  # its own engine, with the same knobs but its own context length
         second_args = dataclasses.replace(args, model=ns.embedding_model, max_model_len=None, speculative_config=None)
         args = dataclasses.replace(args, pooler_config=None, convert="auto")
+    engine = second = None
     if not ns.engine_in_process:
         from conveyor.engine.core_client import EngineCoreClient
 
         engine = EngineCoreClient(args)  # the engine process starts loading the model now ...
         second = EngineCoreClient(second_args) if second_args is not None else None
-    if frontend_cpus is not None:
-        os.sched_setaffinity(0, frontend_cpus[0])  # after the spawn: the engine process set its own CPUs
-        logger.info("API server on CPUs %s, engine on CPUs %s", frontend_cpus[0], frontend_cpus[1])
-    from conveyor.server.app import build_app  # ... while this process imports the server
-    from conveyor.server.batches.setup import BatchAPIConfig
-    from conveyor.server.cors import CORSConfig
-    from conveyor.server.launcher import make_server
-    from conveyor.server.lora_adapters import parse_lora_modules
-    from conveyor.server.responses.store import ResponseStore
-
-    if ns.engine_in_process:
-        from conveyor.engine.llm_engine import LLMEngine
-
-        engine = LLMEngine(args)
-        second = LLMEngine(second_args) if second_args is not None else None
-    also_serve = [(second, ns.embedding_served_model_name)] if second is not None else []
     try:
-        lora_modules = parse_lora_modules(ns.lora_modules)
-    except ValueError as exc:
-        raise SystemExit(str(exc)) from None
-    info = engine.info  # (the engine process: waits until it is ready)
-    model = info.model_info
-    if info.random_weights:
-        logger.warning("serving %s: RANDOM weights, its output is noise (it exists for benchmarks)", model.name)
-    logger.info("loaded %s (%.0fM parameters, %s) in %.2f s; engine ready in %.2f s: %d KV blocks of %d tokens, "
-                "max_model_len %d, policy %s, engine %s", model.name, model.num_params / 1e6, model.dtype,
-                info.load_time_s, info.init_time_s, info.num_kv_blocks, args.block_size, info.max_model_len,
-                args.policy, "in this process" if ns.engine_in_process else f"in process {info.pid}")
-    try:  # a --lora-modules adapter refused (the reason in the message) ends the start
-        app = build_app(engine, ns.served_model_name or model.name, ns.api_key,
-                        0.0 if ns.disable_log_stats else ns.log_stats_interval, ns.shutdown_timeout, ns.max_n,
-                        max_request_body_bytes=ns.max_request_body_bytes, max_seqs_per_request=ns.max_seqs_per_request,
-                        tool_call_parser=ns.tool_call_parser, reasoning_parser=ns.reasoning_parser,
-                        cors=CORSConfig.from_namespace(ns), responses_store=ResponseStore.from_namespace(ns),
-                        also_serve=also_serve, grammar_check_timeout_s=ns.grammar_check_timeout,
-                        batches=BatchAPIConfig.from_namespace(ns, args), service_classes=service_classes,
-                        lora_modules=lora_modules)
-    except ValueError as exc:
-        if not ns.engine_in_process:  # the engine process stops with the refusal (else it keeps this one alive)
-            asyncio.run(engine.shutdown())
-        raise SystemExit(str(exc)) from None
+        app = _start_app(ns, args, second_args, service_classes, frontend_cpus, engine, second)
+    except BaseException:
+        # Whatever ends the start (a refused flag, a data directory that cannot be made, Ctrl-C while loading)
+        # stops the engine processes first: left running, they keep this process from exiting.
+        _stop_engines(engine, second)
+        raise
+    from conveyor.server.launcher import make_server
+
     server = make_server(app, ns.host, ns.port, ns.uvicorn_log_level, ns.timeout_keep_alive, ns.timeout_headers,
                          loop=ns.uvicorn_loop)
     try:
@@ -301,6 +275,53 @@ def run_serve(ns: argparse.Namespace) -> int:
         pass
     return 1 if server.engine_died else 0  # non-zero: a supervisor restarts a server whose engine died
 
+
+def _start_app(ns: argparse.Namespace, args, second_args, service_classes, frontend_cpus, engine, second):
+    """Wait for the engine(s) (or build them in this process) and build the app; what cannot start raises."""
+    if frontend_cpus is not None:
+        os.sched_setaffinity(0, frontend_cpus[0])  # after the spawn: the engine process set its own CPUs
+        logger.info("API server on CPUs %s, engine on CPUs %s", frontend_cpus[0], frontend_cpus[1])
+    from conveyor.server.app import build_app  # ... while this process imports the server
+    from conveyor.server.batches.setup import BatchAPIConfig
+    from conveyor.server.cors import CORSConfig
+    from conveyor.server.lora_adapters import parse_lora_modules
+    from conveyor.server.responses.store import ResponseStore
+
+    if ns.engine_in_process:
+        from conveyor.engine.llm_engine import LLMEngine
+
+        engine = LLMEngine(args)
+        second = LLMEngine(second_args) if second_args is not None else None
+    also_serve = [(second, ns.embedding_served_model_name)] if second is not None else []
+    lora_modules = parse_lora_modules(ns.lora_modules)
+    info = engine.info  # (the engine process: waits until it is ready)
+    model = info.model_info
+    if info.random_weights:
+        logger.warning("serving %s: RANDOM weights, its output is noise (it exists for benchmarks)", model.name)
+    logger.info("loaded %s (%.0fM parameters, %s) in %.2f s; engine ready in %.2f s: %d KV blocks of %d tokens, "
+                "max_model_len %d, policy %s, engine %s", model.name, model.num_params / 1e6, model.dtype,
+                info.load_time_s, info.init_time_s, info.num_kv_blocks, args.block_size, info.max_model_len,
+                args.policy, "in this process" if ns.engine_in_process else f"in process {info.pid}")
+    return build_app(engine, ns.served_model_name or model.name, ns.api_key,
+                    0.0 if ns.disable_log_stats else ns.log_stats_interval, ns.shutdown_timeout, ns.max_n,
+                    max_request_body_bytes=ns.max_request_body_bytes, max_seqs_per_request=ns.max_seqs_per_request,
+                    tool_call_parser=ns.tool_call_parser, reasoning_parser=ns.reasoning_parser,
+                    cors=CORSConfig.from_namespace(ns), responses_store=ResponseStore.from_namespace(ns),
+                    also_serve=also_serve, grammar_check_timeout_s=ns.grammar_check_timeout,
+                    batches=BatchAPIConfig.from_namespace(ns, args), service_classes=service_classes,
+                    lora_modules=lora_modules)
+
+
+def _stop_engines(*engines) -> None:
+    """Stop engine processes that were started but will not serve (their start, or the app's, failed)."""
+    from conveyor.engine.core_client import EngineCoreClient
+
+    for engine in engines:
+        if isinstance(engine, EngineCoreClient):
+            try:
+                asyncio.run(engine.shutdown())
+            except Exception as exc:  # one that never became ready was already reaped by its wait
+                logger.debug("stopping an engine that did not start: %s", exc)
 
 
 def run_serve_models(ns: argparse.Namespace, args) -> int:
@@ -322,6 +343,7 @@ def run_serve_models(ns: argparse.Namespace, args) -> int:
     from conveyor.server.cors import CORSConfig
     from conveyor.server.launcher import make_server
     from conveyor.server.model_catalog import ModelCatalog
+    from conveyor.server.model_memory import GIB, MemoryBudget
     from conveyor.server.model_pool import ModelPool
     from conveyor.server.responses.store import ResponseStore
     from conveyor.server.router_app import build_router_app
@@ -343,10 +365,16 @@ def run_serve_models(ns: argparse.Namespace, args) -> int:
         return ServingContext(engine, name, ns.max_n, ns.max_seqs_per_request, max_token_chars(engine.info.tokenizer),
                               ns.tool_call_parser, ns.reasoning_parser)
 
-    pool = ModelPool(catalog, start_engine, make_context, ns.keep_alive, ns.max_loaded_models, ns.model_load_timeout)
-    logger.info("serving %d models on demand (%s); idle ones unload after %s s%s", len(catalog.names),
+    try:
+        memory = MemoryBudget(int(ns.max_loaded_memory * GIB)) if ns.max_loaded_memory is not None else None
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
+    pool = ModelPool(catalog, start_engine, make_context, ns.keep_alive, ns.max_loaded_models, ns.model_load_timeout,
+                     memory)
+    logger.info("serving %d models on demand (%s); idle ones unload after %s s%s%s", len(catalog.names),
                 ", ".join(catalog.names), ns.keep_alive,
-                f", at most {ns.max_loaded_models} loaded" if ns.max_loaded_models else "")
+                f", at most {ns.max_loaded_models} loaded" if ns.max_loaded_models else "",
+                f", at most {ns.max_loaded_memory:g} GiB loaded" if memory is not None else "")
     app = build_router_app(pool, ns.api_key, ns.shutdown_timeout, ns.max_request_body_bytes,
                            CORSConfig.from_namespace(ns), ResponseStore.from_namespace(ns))
     server = make_server(app, ns.host, ns.port, ns.uvicorn_log_level, ns.timeout_keep_alive, ns.timeout_headers,

@@ -19,11 +19,12 @@ import torch
 
 from conveyor.kernels.build import BuildError, build_library
 from conveyor.kernels.cpu_features import LEVEL_FLAGS, cpu_features, kernel_level
+from conveyor.kernels.encoder_ops import EncoderAttentionKernels, EncoderAttnArgs
 from conveyor.kernels.lora_ops import LoraArgs, LoraKernels
 from conveyor.kernels.moe_ops import MoeArgs, MoeKernels
 
 SOURCE_DIR = os.path.join(os.path.dirname(__file__), "csrc")
-ABI_VERSION = 16  # csrc/cvk.h's CVK_ABI_VERSION
+ABI_VERSION = 17  # csrc/cvk.h's CVK_ABI_VERSION
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 KV_INT8 = 2  # csrc/cvk.h's CVK_KV_INT8: a cache of int8 rows, D values then a float32 scale (layers/attention/kv_quant)
 
@@ -71,7 +72,7 @@ class QuantGemmArgs(ctypes.Structure):
 
 
 _STRUCTS = {0: AttnArgs, 1: LayerStackArgs, 2: QuantWeight, 3: QuantGemmArgs, 4: MoeArgs,
-            5: LoraArgs}  # cvk.h's CVK_STRUCT_*
+            5: LoraArgs, 6: EncoderAttnArgs}  # cvk.h's CVK_STRUCT_*
 _ERRORS = {-1: "out of memory", -2: "unsupported by this build (head size, group size or dtype)",
            -3: "bad argument (dtype, shape, or a plan built for other arguments)"}
 
@@ -155,6 +156,9 @@ class CpuKernels:
         self._amx = _c_function(lib, "cvk_amx_gemm", i32, [p, i64, i64, p, p, p, i64, i64, i64, i32])
         # AMX tiles: only where the CPU has them and Linux grants the tile state to this process.
         self.amx = level == "avx512bf16" and cpu_features().has_amx and lib.cvk_amx_init() == 1
+        # VDPBF16PS (AVX512_BF16): the bfloat16 skinny GEMM's dot products where AMX is not there (Zen 4/5, Cooper
+        # Lake). Lower levels emulate bfloat16 in their skinny loop, which oneDNN outruns: they leave it to oneDNN.
+        self.bf16_dot = level == "avx512bf16"
         self._set_amx_attention = _c_function(lib, "cvk_set_amx_attention", i32, [i32])
         self._set_amx_attention(int(self.amx))  # records what was granted; prefill QK^T on AMX where it was
         self._set_amx_qdot = _c_function(lib, "cvk_set_amx_qdot", i32, [i32])
@@ -172,6 +176,7 @@ class CpuKernels:
         self.vnni = lib.cvk_quant_vnni() == 1  # the quantized GEMM's dot products on VPDPBUSD
         self.moe = MoeKernels(lib, self._check)  # a mixture's routed MLP (moe_ops)
         self.lora = LoraKernels(lib, self._check)  # many LoRA adapters' low-rank products in one step (lora_ops)
+        self.encoder = EncoderAttentionKernels(lib, self._check)  # an encoder's packed sequences (encoder_ops)
         self.vector_width = lib.cvk_vector_width()
         self.max_head_dim = lib.cvk_max_head_dim()
 

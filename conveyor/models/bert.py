@@ -7,13 +7,13 @@ classifier.
 An encoder holds no KV cache: a request's whole sequence runs in one step (its keys are every token's, so a chunk
 cannot be computed before the tokens after it exist). A step's sequences are packed back to back on one token axis
 without padding (``seq_starts``: where each begins, as flash-attention's ``cu_seqlens``): the embeddings, every
-linear layer, GELU and LayerNorm run on the packed [T, hidden] rows at once; only attention is taken per sequence
-(one SDPA call over its own rows, no mask), reading q, k and v as views of the fused qkv output and writing its
-result straight into the [T, heads, head_dim] rows the output projection reads. No pad token of any sequence is
+linear layer, GELU and LayerNorm run on the packed [T, hidden] rows at once; attention keeps each sequence to its
+own rows (``layers.attention.packed``: one native call for the whole step where the CPU kernels serve, else one SDPA
+call per sequence), reading q, k and v as views of the fused qkv output and writing its result straight into the
+[T, heads, head_dim] rows the output projection reads. No pad token of any sequence is
 computed; the token axis is rounded up once to the row count the prepacked GEMMs run (``padded_rows``, at most
 1/16 more rows), so no layer copies its input to pad it, and GELU and the residual adds run in the GEMMs' epilogue
-(``layers.linear.linear_gelu`` / ``linear_add``). Batching sequences of similar length into one padded SDPA call
-with a key-padding mask was measured slower (torch's CPU flash kernel computes the padding): docs/embeddings.md.
+(``layers.linear.linear_gelu`` / ``linear_add``).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from conveyor.layers.attention.packed import PackedSequences, packed_attention
 from conveyor.layers.embedding import Embedding
 from conveyor.layers.linear import linear_add, linear_gelu, padded_rows
 from conveyor.models import gguf_config
@@ -41,16 +42,14 @@ class BertSelfAttention(nn.Module):
         self.qkv = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size)  # HF's query, key, value, fused at load
         self.dense = nn.Linear(cfg.hidden_size, cfg.hidden_size)
         self.norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps)
+        self.kernels = None  # native CPU kernels for the attention (models.cpu_layout.prepare_for_cpu)
 
-    def forward(self, x: torch.Tensor, seq_starts: list[int]) -> torch.Tensor:
-        rows = x.shape[0]  # seq_starts[-1] real rows, then the encoder's padding rows
+    def forward(self, x: torch.Tensor, seqs: PackedSequences) -> torch.Tensor:
+        rows = x.shape[0]  # seqs.starts[-1] real rows, then the encoder's padding rows
         qkv = self.qkv(x).view(rows, 3, self.num_heads, self.head_dim)
         out = torch.empty(rows, self.num_heads, self.head_dim, dtype=x.dtype, device=x.device)
-        out[seq_starts[-1]:].zero_()  # padding rows: finite, whatever they hold (every later op is row by row)
-        for start, end in zip(seq_starts[:-1], seq_starts[1:]):
-            q, k, v = qkv[start:end].permute(1, 2, 0, 3)[:, None].unbind(0)  # each [1, H, L, d], views of qkv
-            # 4-D: torch's fused CPU kernel (flash) takes it; 3-D falls back to the math path, 5x the time
-            out[start:end] = F.scaled_dot_product_attention(q, k, v)[0].transpose(0, 1)
+        out[seqs.starts[-1]:].zero_()  # padding rows: finite, whatever they hold (every later op is row by row)
+        packed_attention(qkv, out, seqs, self.kernels)
         return self.norm(linear_add(self.dense, out.view(rows, -1), x))  # post-norm: residual, then LayerNorm
 
 
@@ -62,8 +61,8 @@ class BertLayer(nn.Module):
         self.output = nn.Linear(cfg.intermediate_size, cfg.hidden_size)
         self.output_norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps)
 
-    def forward(self, x: torch.Tensor, seq_starts: list[int]) -> torch.Tensor:
-        h = self.attention(x, seq_starts)
+    def forward(self, x: torch.Tensor, seqs: PackedSequences) -> torch.Tensor:
+        h = self.attention(x, seqs)
         return self.output_norm(linear_add(self.output, linear_gelu(self.intermediate, h), h))
 
 
@@ -92,8 +91,9 @@ class BertEncoder(nn.Module):
         x = (self.word_embeddings(input_ids) + self.token_type_embeddings(token_type_ids)
              + self.position_embeddings(positions + self.config.position_offset))
         x = self.embeddings_norm(x)
+        seqs = PackedSequences.of(seq_starts)
         for layer in self.layers:
-            x = layer(x, seq_starts)
+            x = layer(x, seqs)
         return x[:tokens]
 
     def classify(self, cls_hidden: torch.Tensor) -> torch.Tensor:

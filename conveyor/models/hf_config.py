@@ -24,6 +24,7 @@ HARMLESS_KEYS = frozenset({
     "forced_eos_token_id", "_attn_implementation_autoset", "unsloth_fixed", "keys_to_ignore_at_inference",
     "bos_token", "eos_token",
     "is_llama_config", "transformers.js_config",  # SmolLM2's config carries these markers
+    "_model_name_or_path",  # transformers' GGUF import writes the file's general.name here
     "matryoshka_dimensions", "is_matryoshka",  # which embedding lengths a pooling model serves (pooling_config)
 })
 _NEUTRAL = (None, False, 0, 0.0, "", [], {})

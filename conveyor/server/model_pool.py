@@ -1,6 +1,6 @@
 """Models on demand: a ``ModelRouter`` that loads the model a request names, each in an engine of its own, and
-unloads it when it has been idle for its keep-alive or when ``max_loaded`` needs room (least recently used first,
-never one in use), as Ollama's scheduler does.
+unloads it when it has been idle for its keep-alive or when ``max_loaded`` or the memory budget needs room (least
+recently used first, never one in use), as Ollama's scheduler does.
 
 A model is in use from the moment a request resolves it until that request's HTTP response has ended (a lease,
 taken in ``resolve`` and given back by ``ModelLeaseMiddleware``), and while its engine has requests in flight.
@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from conveyor.engine.engine_client import ServedEngine
 from conveyor.server.errors import APIError
+from conveyor.server.model_memory import GIB, MemoryBudget
 from conveyor.server.model_catalog import ModelCatalog
 from conveyor.server.served_models import ModelEntry, check_task, not_found
 from conveyor.server.serving_common import ServingContext
@@ -69,6 +70,7 @@ class _Loaded:
     keep_alive_s: float
     last_used: float = field(default_factory=time.monotonic)
     leases: int = 0
+    bytes: int = 0  # its charge against the memory budget (model_memory.py)
 
     @property
     def busy(self) -> bool:
@@ -89,21 +91,25 @@ class ModelPool:
     raises what refused the model); ``make_context(engine, name)`` wraps a started engine for the routes.
     ``keep_alive_s``: how long an idle model stays loaded by default (negative: for good); ``max_loaded``: the
     most models loaded at once (None: no bound); ``load_timeout_s``: how long a request waits for its model to
-    load (including waiting for room). ``start()`` on the event loop; ``drain`` / ``shutdown`` at the end."""
+    load (including waiting for room); ``memory``: the budget in bytes of the loaded models (None: no bound; a
+    model larger than the whole budget loads alone). ``start()`` on the event loop; ``drain`` / ``shutdown`` at
+    the end."""
 
     def __init__(self, catalog: ModelCatalog, start_engine: StartEngine,
                  make_context: Callable[[ServedEngine, str], ServingContext],
                  keep_alive_s: float = DEFAULT_KEEP_ALIVE_S, max_loaded: int | None = None,
-                 load_timeout_s: float = 600.0) -> None:
+                 load_timeout_s: float = 600.0, memory: MemoryBudget | None = None) -> None:
         if max_loaded is not None and max_loaded < 1:
             raise ValueError(f"max_loaded must be >= 1, got {max_loaded}")
         self.catalog, self.start_engine, self.make_context = catalog, start_engine, make_context
         self.keep_alive_s, self.max_loaded, self.load_timeout_s = keep_alive_s, max_loaded, load_timeout_s
+        self.memory = memory
         self.loaded: dict[str, _Loaded] = {}
         self.loading: dict[str, asyncio.Future] = {}
         self.failed: dict[str, str] = {}  # name -> why its last load failed
         self.counts = {"loads": {}, "load_failures": {}, "unloads": {}}  # name (, reason) -> count, for /metrics
         self._reserved = 0  # loads that made room and have not finished
+        self._reserved_bytes = 0  # what those loads are expected to hold
         self._waiting: dict[str, int] = {}  # name -> requests waiting for its load
         self._changed = asyncio.Event()
         self._closing = False
@@ -190,24 +196,29 @@ class ModelPool:
     async def _load(self, name: str, deadline: float) -> None:
         """Load ``name`` (making room first); raise ModelLoadError with the reason if it cannot be."""
         path = self.catalog.paths[name]
+        expected = self.memory.expected(name, path) if self.memory is not None else 0
         try:
-            await self._make_room(name, deadline)
+            await self._make_room(name, expected, deadline)
             try:
                 started = time.monotonic()
                 engine = await asyncio.to_thread(self.start_engine, name, path)
             finally:
                 self._reserved -= 1
+                self._reserved_bytes -= expected
             if self._closing:
                 await engine.shutdown()
                 raise ModelLoadError("the server is shutting down")
             engine.start()
             entry = _Loaded(name, engine, self.make_context(engine, name), self.keep_alive_s)
+            if self.memory is not None:
+                entry.bytes = self.memory.loaded(name, engine.info.pid)
             engine.on_dead.append(lambda exc: self._on_engine_dead(entry, exc))
             self.loaded[name] = entry
             self.failed.pop(name, None)
             _bump(self.counts["loads"], name)
-            logger.info("model %s loaded in %.2f s (engine process %s); %d loaded", name,
-                        time.monotonic() - started, engine.info.pid, len(self.loaded))
+            logger.info("model %s loaded in %.2f s (engine process %s, %.2f GiB resident); %d loaded", name,
+                        time.monotonic() - started, engine.info.pid, entry.bytes / GIB, len(self.loaded))
+            await self._settle(entry)
         except ModelLoadError as exc:
             self._failed(name, str(exc))
             raise
@@ -224,30 +235,61 @@ class ModelPool:
         self.failed[name] = why
         _bump(self.counts["load_failures"], name)
 
-    async def _make_room(self, name: str, deadline: float) -> None:
-        """Wait until one more model fits under ``max_loaded``, unloading idle models, least recently used first;
-        reserve its place."""
-        while self.max_loaded is not None and len(self.loaded) + self._reserved >= self.max_loaded:
+    def _fits(self, expected: int) -> bool:
+        """One more model, expected to hold ``expected`` bytes, fits beside the loaded ones and the loads under
+        way: under ``max_loaded``, and under the memory budget (or it would be the only one)."""
+        if self.max_loaded is not None and len(self.loaded) + self._reserved >= self.max_loaded:
+            return False
+        if self.memory is None or (not self.loaded and not self._reserved):
+            return True
+        held = sum(e.bytes for e in self.loaded.values()) + self._reserved_bytes
+        return held + expected <= self.memory.limit_bytes
+
+    async def _make_room(self, name: str, expected: int, deadline: float) -> None:
+        """Wait until one more model fits (``_fits``), unloading idle models, least recently used first; reserve
+        its place."""
+        while not self._fits(expected):
             idle = [e for e in self.loaded.values() if self._idle(e)]
             if idle:
                 victim = min(idle, key=lambda e: e.last_used)
-                self._reserved += 1  # the victim's place is this load's from now on
+                self._reserved += 1  # held while the victim unloads, so no other load takes the room it frees
+                self._reserved_bytes += expected
                 try:
                     await self._unload(victim, f"room for {name}")
-                except BaseException:
+                finally:
                     self._reserved -= 1
-                    raise
-                return
+                    self._reserved_bytes -= expected
+                continue
             changed = self._changed
             left = deadline - time.monotonic()
             if left <= 0:
-                raise ModelLoadError(f"no room: {len(self.loaded)} models are loaded (--max-loaded-models "
-                                     f"{self.max_loaded}) and each is in use")
+                raise ModelLoadError(f"no room: {self._room_text()} and each is in use")
             try:
                 await asyncio.wait_for(changed.wait(), left)
             except asyncio.TimeoutError:
                 pass
         self._reserved += 1
+        self._reserved_bytes += expected
+
+    def _room_text(self) -> str:
+        text = f"{len(self.loaded)} models are loaded"
+        if self.max_loaded is not None:
+            text += f" (--max-loaded-models {self.max_loaded})"
+        if self.memory is not None:
+            held = sum(e.bytes for e in self.loaded.values())
+            text += f", holding {held / GIB:.2f} GiB (--max-loaded-memory {self.memory.limit_bytes / GIB:g})"
+        return text
+
+    async def _settle(self, new: _Loaded) -> None:
+        """After ``new`` loaded and was measured: while the loaded models hold more than the budget (its first
+        load's estimate was low), unload idle ones, least recently used first (never ``new``)."""
+        if self.memory is None:
+            return
+        while sum(e.bytes for e in self.loaded.values()) + self._reserved_bytes > self.memory.limit_bytes:
+            idle = [e for e in self.loaded.values() if e is not new and self._idle(e)]
+            if not idle:
+                return  # the others are in use: they unload when idle and room is needed again
+            await self._unload(min(idle, key=lambda e: e.last_used), f"room for {new.name}")
 
     async def _unload(self, entry: _Loaded, reason: str) -> None:
         """Take ``entry`` out of service now and end its engine (and its process)."""

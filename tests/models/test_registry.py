@@ -95,6 +95,13 @@ def test_features_each_family_declares():
     assert config_from_hf(QWEN3).qk_norm and config_from_hf(LLAMA_32).rope_scaling["rope_type"] == "llama3"
 
 
+def test_metadata_keys_are_accepted():
+    """A directory transformers saved from a GGUF names the file in ``_model_name_or_path``: metadata, not math."""
+    cfg = config_from_hf({**LLAMA_32, "_model_name_or_path": "Smollm2 135M 8k Lc100K Mix1 Ep2",
+                          "_name_or_path": "x/y"})
+    assert cfg == config_from_hf(LLAMA_32)
+
+
 REFUSALS = [
     ({**LLAMA_32, "rope_scaling": {"rope_type": "fancy", "factor": 2.0}}, "RoPE type 'fancy'"),
     ({**LLAMA_32, "rope_scaling": {**LLAMA_32["rope_scaling"], "beta": 3}}, "parameters conveyor does not compute: beta"),

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -26,6 +27,7 @@ from conveyor.engine.args import EngineArgs
 from conveyor.engine.core_client import EngineCoreClient
 from conveyor.server.limits import max_token_chars
 from conveyor.server.model_catalog import ModelCatalog
+from conveyor.server.model_memory import MemoryBudget
 from conveyor.server.model_pool import ModelPool
 from conveyor.server.router_app import build_router_app
 from conveyor.server.serving_common import ServingContext
@@ -186,6 +188,39 @@ def test_lru_eviction_never_unloads_a_model_in_use(served):
     assert alpha_unloads == {k: v for k, v in unloads.items() if k[0] == "alpha"}  # alpha was never unloaded
 
 
+def test_memory_budget_unloads_idle_models_until_the_measured_ones_fit(models_dir):
+    """``--max-loaded-memory``: a model is charged its engine process's measured resident memory; before its first
+    load, its weight files' size. With room for one and a half engines, the second model fits by its estimate, is
+    measured once loaded, and the first (idle) unloads to settle; loading the first again (now charged what it held)
+    unloads the second before it starts; a budget below one engine still serves each model alone."""
+    args = EngineArgs(dtype="float32", num_kv_blocks=64, block_size=16)
+
+    def start_engine(name: str, path: str) -> EngineCoreClient:
+        return EngineCoreClient(dataclasses.replace(args, model=path)).wait_ready()
+
+    def make_context(engine, name: str) -> ServingContext:
+        return ServingContext(engine, name, max_token_chars=max_token_chars(engine.info.tokenizer))
+
+    budget = MemoryBudget(1 << 40)  # no bound until alpha's size is known
+    pool = ModelPool(ModelCatalog(models_dir=str(models_dir)), start_engine, make_context, keep_alive_s=-1,
+                     load_timeout_s=LOAD_S, memory=budget)
+    with running_server(build_router_app(pool, shutdown_timeout_s=5.0)) as url:
+        client = sdk(url)
+        first = chat(client, "alpha")
+        alpha_bytes = pool.loaded["alpha"].bytes
+        assert alpha_bytes == budget.last_seen["alpha"] > 50 << 20  # an engine process: the runtime, the weights
+        assert 0 < budget.expected("beta", str(models_dir / "beta")) < alpha_bytes // 2  # beta's files, tiny
+        budget.limit_bytes = alpha_bytes * 3 // 2
+        chat(client, "beta")  # fits by its estimate; measured, it does not: alpha (idle) makes room
+        assert set(pool.loaded) == {"beta"} and pool.counts["unloads"] == {("alpha", "room"): 1}
+        assert chat(client, "alpha") == first  # charged what it held: beta unloads before alpha starts
+        assert set(pool.loaded) == {"alpha"} and pool.counts["unloads"][("beta", "room")] == 1
+        budget.limit_bytes = 1 << 20  # below any engine: each model still loads, alone
+        chat(client, "gamma")
+        assert set(pool.loaded) == {"gamma"} and pool.counts["unloads"][("alpha", "room")] == 2
+    assert not pool.loaded
+
+
 def engine_pids(served) -> set[int]:
     return {p.pid for p in served.descendants()
             if p.is_running() and p.status() != psutil.STATUS_ZOMBIE and "spawn_main" in " ".join(p.cmdline())}
@@ -202,7 +237,7 @@ def test_idle_model_unloads_and_its_memory_returns(models_dir, tmp_path):
     """``conveyor serve --model NAME=PATH --keep-alive 2 --max-loaded-models 1``; Ollama's keep_alive per request."""
     cmd = [sys.executable, "-m", "conveyor", "serve", "--model", f"alpha={models_dir / 'alpha'}",
            "--model", f"beta={models_dir / 'beta'}", "--keep-alive", "2", "--max-loaded-models", "1",
-           "--dtype", "float32", "--num-kv-blocks", "64"]
+           "--max-loaded-memory", "64", "--dtype", "float32", "--num-kv-blocks", "64"]
     server = start_command(cmd, tmp_path / "serve.log")
     try:
         assert engine_pids(server) == set()  # nothing loads before a request names it
@@ -212,6 +247,8 @@ def test_idle_model_unloads_and_its_memory_returns(models_dir, tmp_path):
         assert reply.status_code == 200, reply.text
         (engine,) = engine_pids(server)
         loaded_rss, engine_rss = server.rss_mb(), psutil.Process(engine).memory_info().rss / 2**20
+        assert "at most 64 GiB loaded" in server.log() and re.search(r"model alpha loaded .* GiB resident",
+                                                                     server.log()), server.log()[-2000:]
         assert wait_for(lambda: states(server.url)["alpha"] == "unloaded", 60), server.log()[-2000:]
         assert wait_for(lambda: engine_pids(server) == set(), 30)  # its engine process has ended
         unloaded_rss = server.rss_mb()

@@ -204,3 +204,24 @@ def test_ctrl_c_shuts_down_without_a_traceback(tmp_path):
         if proc.poll() is None:
             proc.kill()
         log.close()
+
+
+@pytest.mark.parametrize("flag", ["--data-dir", "--lora-modules"])
+def test_a_start_that_fails_after_the_engine_spawned_exits_with_the_reason(tmp_path, flag):
+    """The engine process starts loading before the API process builds the app; when the build fails (a data
+    directory that cannot be made, a refused adapter), the engine is stopped and ``conveyor serve`` exits 1 with
+    the reason instead of hanging on the engine process it started."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    if flag == "--data-dir":
+        extra, why = ["--data-dir", str(blocker / "state")], "Not a directory"
+    else:  # an adapter directory that does not exist, on a server with LoRA on
+        extra, why = ["--enable-lora", "--lora-modules", f"a0={tmp_path / 'missing'}"], "a0"
+    proc = subprocess.run([sys.executable, "-m", "conveyor.cli", "serve", "--model",
+                           "conveyor-embedded-llama-40m-random", "--num-kv-blocks", "300", *extra,
+                           "--port", str(free_port())],
+                          capture_output=True, text=True, timeout=300)  # a bound: before the fix this hung
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("conveyor serve: error:") and why in last, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]

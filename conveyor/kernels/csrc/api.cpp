@@ -96,7 +96,16 @@ const char* cvk_struct_layout(int which) {
       CVK_FIELD(CvkLoraArgs, SR), CVK_FIELD(CvkLoraArgs, R), CVK_FIELD(CvkLoraArgs, num_segs),
       CVK_FIELD(CvkLoraArgs, num_subs), CVK_FIELD(CvkLoraArgs, dtype), CVK_FIELD(CvkLoraArgs, num_threads),
       CVK_FIELD(CvkLoraArgs, w_dtype)});
+  static const std::string enc = layout<CvkEncoderAttnArgs>({
+      CVK_FIELD(CvkEncoderAttnArgs, q), CVK_FIELD(CvkEncoderAttnArgs, k), CVK_FIELD(CvkEncoderAttnArgs, v),
+      CVK_FIELD(CvkEncoderAttnArgs, out), CVK_FIELD(CvkEncoderAttnArgs, cu_seqlens),
+      CVK_FIELD(CvkEncoderAttnArgs, q_stride), CVK_FIELD(CvkEncoderAttnArgs, k_stride),
+      CVK_FIELD(CvkEncoderAttnArgs, v_stride), CVK_FIELD(CvkEncoderAttnArgs, out_stride),
+      CVK_FIELD(CvkEncoderAttnArgs, dtype), CVK_FIELD(CvkEncoderAttnArgs, num_seqs), CVK_FIELD(CvkEncoderAttnArgs, H),
+      CVK_FIELD(CvkEncoderAttnArgs, KVH), CVK_FIELD(CvkEncoderAttnArgs, D),
+      CVK_FIELD(CvkEncoderAttnArgs, num_threads), CVK_FIELD(CvkEncoderAttnArgs, scale)});
   if (which == CVK_STRUCT_ATTN_ARGS) return attn.c_str();
+  if (which == CVK_STRUCT_ENCODER_ATTN_ARGS) return enc.c_str();
   if (which == CVK_STRUCT_LORA_ARGS) return lora.c_str();
   if (which == CVK_STRUCT_LAYER_STACK_ARGS) return stack.c_str();
   if (which == CVK_STRUCT_QUANT_WEIGHT) return qweight.c_str();
@@ -243,6 +252,10 @@ int cvk_moe(const CvkMoeArgs* a) { return cvk::moe(*a); }
 
 // Each row's LoRA adapter's low-rank product added to y (CvkLoraArgs, cvk.h; lora.cpp). Returns a CVK_* code.
 int cvk_lora_apply(const CvkLoraArgs* a) { return cvk::lora_apply(*a); }
+
+// Bidirectional attention over a step's packed sequences (CvkEncoderAttnArgs, cvk.h; encoder_attention.cpp).
+// Returns a CVK_* code.
+int cvk_encoder_attention(const CvkEncoderAttnArgs* a) { return cvk::encoder_attention(*a); }
 
 // The decoder-layer stack of a Llama-family model for one step (layer_stack.cpp). Returns a CVK_* code.
 int cvk_llama_layers(const CvkLayerStackArgs* s) { return cvk::llama_layers(*s); }

@@ -9,7 +9,7 @@
 
 #include <stdint.h>
 
-#define CVK_ABI_VERSION 16
+#define CVK_ABI_VERSION 17
 
 enum {
   CVK_OK = 0,
@@ -200,15 +200,35 @@ typedef struct CvkLoraArgs {
   int32_t dtype, num_threads, w_dtype;
 } CvkLoraArgs;
 
+/* Bidirectional (non-causal) attention over a step's packed sequences (cvk_encoder_attention,
+ * encoder_attention.cpp): sequence s owns rows [cu_seqlens[s], cu_seqlens[s + 1]) (cu_seqlens [num_seqs + 1],
+ * cu_seqlens[0] = 0), and each of its queries attends to every key of its own sequence: no mask, no cache.
+ *   q [T, q_stride] holds H heads of D values per row, k [T, k_stride] and v [T, v_stride] KVH heads each (views of
+ *   one fused qkv buffer are fine); out [T, out_stride] gets H * D per row (rows of no sequence are not touched).
+ *   dtype CVK_F32 or CVK_BF16 (softmax and sums float32); D a multiple of 16 up to 256 and H a multiple of KVH, else
+ *   CVK_ERR_UNSUPPORTED. */
+typedef struct CvkEncoderAttnArgs {
+  const void* q;
+  const void* k;
+  const void* v;
+  void* out;
+  const int64_t* cu_seqlens;
+  int64_t q_stride, k_stride, v_stride, out_stride;
+  int32_t dtype, num_seqs, H, KVH, D, num_threads;
+  float scale;
+} CvkEncoderAttnArgs;
+
 enum { CVK_STRUCT_ATTN_ARGS = 0, CVK_STRUCT_LAYER_STACK_ARGS = 1, CVK_STRUCT_QUANT_WEIGHT = 2,
        CVK_STRUCT_QUANT_GEMM_ARGS = 3, CVK_STRUCT_MOE_ARGS = 4,
-       CVK_STRUCT_LORA_ARGS = 5 }; /* cvk_struct_layout's `which` */
+       CVK_STRUCT_LORA_ARGS = 5, CVK_STRUCT_ENCODER_ATTN_ARGS = 6 }; /* cvk_struct_layout's `which` */
 
 #ifdef __cplusplus
 static_assert(sizeof(CvkQuantWeight) == 5 * 8 + 3 * 8 + 2 * 4, "CvkQuantWeight changed: bump CVK_ABI_VERSION");
 static_assert(sizeof(CvkQuantGemmArgs) == 5 * 8 + 4 * 8 + 2 * 4, "CvkQuantGemmArgs changed: bump CVK_ABI_VERSION");
 static_assert(sizeof(CvkLoraArgs) == 9 * 8 + 8 * 8 + 4 * 4 /* 3 int32, padding */,
               "CvkLoraArgs changed: bump CVK_ABI_VERSION");
+static_assert(sizeof(CvkEncoderAttnArgs) == 5 * 8 + 4 * 8 + 7 * 4 + 4 /* tail padding */,
+              "CvkEncoderAttnArgs changed: bump CVK_ABI_VERSION");
 static_assert(sizeof(CvkMoeArgs) == 5 * 8 + 5 * 8 + 5 * 4 + 4, "CvkMoeArgs changed: bump CVK_ABI_VERSION");
 #endif
 
