@@ -16,7 +16,7 @@ KV_CACHE_DTYPES = ("auto", "int8")
 FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3", "fp8_e5m2", "fp8_inc", "fp8_ds_mla")
 # --attention-backend: "auto" and "cpu" choose for the machine (layers.attention.resolve_backend); the rest name
 # one backend each. Here, not in the torch package, so the flag's choices are known without importing torch.
-ATTENTION_BACKENDS = ("auto", "cpu", "cpu-native", "cpu-torch", "reference", "cuda")
+ATTENTION_BACKENDS = ("auto", "cpu", "cpu-native", "cpu-torch", "reference", "cuda", "triton")
 # --quantization: what becomes of a GGUF file's blocks or a float checkpoint's weights at load (models.quantize)
 QUANTIZATION_CHOICES = ("auto", "none", "int8")
 # When a step schedules nothing while requests wait and none runs, only time or a new request can change that

@@ -156,6 +156,9 @@ class CpuKernels:
         self._amx = _c_function(lib, "cvk_amx_gemm", i32, [p, i64, i64, p, p, p, i64, i64, i64, i32])
         # AMX tiles: only where the CPU has them and Linux grants the tile state to this process.
         self.amx = level == "avx512bf16" and cpu_features().has_amx and lib.cvk_amx_init() == 1
+        # VDPBF16PS (AVX512_BF16): the bfloat16 skinny GEMM's dot products where AMX is not there (Zen 4/5, Cooper
+        # Lake). Lower levels emulate bfloat16 in their skinny loop, which oneDNN outruns: they leave it to oneDNN.
+        self.bf16_dot = level == "avx512bf16"
         self._set_amx_attention = _c_function(lib, "cvk_set_amx_attention", i32, [i32])
         self._set_amx_attention(int(self.amx))  # records what was granted; prefill QK^T on AMX where it was
         self._set_amx_qdot = _c_function(lib, "cvk_set_amx_qdot", i32, [i32])

@@ -13,15 +13,18 @@ kernels per layer shape and costs a few percent of compute at most.
 At decode sizes a GEMM is bound by how fast its weight streams from memory, and oneDNN's kernels reach only
 part of that: in float32 half, in bfloat16 on AMX about two thirds at 1-32 rows (measured: docs/benchmarks.md). There the
 native kernels (conveyor/kernels) stream a second copy of the weight, packed in 16-column blocks, instead: up to
-``SKINNY_MAX_ROWS`` rows in float32, up to ``AMX_MAX_ROWS`` rows in bfloat16 on CPUs with AMX
+``SKINNY_MAX_ROWS`` rows in float32, up to ``AMX_MAX_ROWS`` rows in bfloat16 on CPUs with AMX, up to
+``BF16_DOT_MAX_ROWS`` in bfloat16 on CPUs with AVX512_BF16 but no AMX (Zen 4/5: VDPBF16PS dot products)
 (``benchmarks/gemm.py`` compares the two per row count). Float32 at 8-32 rows: 0.64-0.93x oneDNN's time; at 40-96
 rows the GEMM alone is on par (0.85-1.16x over repeated runs on this drifting machine), and what decides the
 limit is that those steps then run through the native layer stack (models/native_stack.py) whole: the bench
 model's workload took 7.8% less on the best of 4 alternated rounds with 96 rows than with 32, and whole decode
 steps of 100-128 rows took 7-33% less on the best of 8 (6-16% on the median; bench model and SmolLM2 float32,
 SmolLM2 bfloat16 on AMX, alternated in one engine) with 128 than with 96. At 192-256 rows it ranged from 15% less
-to 16% more, so the limit stops at 128 (which also bounds the packed-x scratch). Without AMX, bfloat16 stays on
-oneDNN (avx512_bf16 dot products alone do not keep up with the stream).
+to 16% more, so the limit stops at 128 (which also bounds the packed-x scratch). Without AMX, bfloat16 on
+VDPBF16PS outran oneDNN's GEMM at 2-128 rows on Zen 5 and its layer stack's decode steps took 0.60-0.78x the
+per-layer oneDNN path's time at batch 1-64 (docs/kernels.md), so its limit is 128 too; below the avx512bf16 level
+(AVX2-only CPUs) bfloat16 stays on oneDNN.
 
 ``prepare_linears(model, kernels)`` swaps every ``nn.Linear`` for a ``PackedLinear``; float64 (tests) and a
 torch build without the oneDNN ops keep ``F.linear`` on a column-major copy of the weight (faster for skinny
@@ -40,6 +43,8 @@ ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
 SKINNY_MAX_ROWS = 128  # float32 batches up to this many rows take the native skinny GEMM (AVX-512 builds)
 SKINNY_MAX_ROWS_AVX2 = 96  # the same on AVX2 builds (no k-blocked loop there; 128 not measured on such a CPU)
 AMX_MAX_ROWS = 128  # bfloat16 batches up to this many rows take the native AMX GEMM where the CPU has AMX
+# bfloat16 batches up to this many rows take the native VDPBF16PS GEMM on CPUs with AVX512_BF16 but no AMX
+BF16_DOT_MAX_ROWS = 128
 
 
 def padded_rows(m: int) -> int:
@@ -81,13 +86,17 @@ class PackedLinear(nn.Module):
         else:
             self.packed = None
             self.dense = weight.detach().t().contiguous().t()  # column-major: MKL's skinny GEMMs like it
-        # decode batches: a native kernel on its own copy of the weight (float32 anywhere, bfloat16 with AMX)
-        self.kernels, self.skinny, self.max_rows = None, None, 0
+        # decode batches: a native kernel on its own copy of the weight (float32 anywhere; bfloat16 on AMX tiles,
+        # or on VDPBF16PS dot products where the CPU has AVX512_BF16 but no AMX)
+        self.kernels, self.skinny, self.max_rows, self.on_amx = None, None, 0, False
         if kernels is not None and weight.device.type == "cpu":
             if weight.dtype == torch.float32:
                 self.max_rows = SKINNY_MAX_ROWS_AVX2 if kernels.level == "avx2" else SKINNY_MAX_ROWS
-            elif weight.dtype == torch.bfloat16 and kernels.amx and self.in_features % 32 == 0:
-                self.max_rows = AMX_MAX_ROWS
+            elif weight.dtype == torch.bfloat16 and kernels.amx:
+                self.on_amx = self.in_features % 32 == 0
+                self.max_rows = AMX_MAX_ROWS if self.on_amx else 0
+            elif weight.dtype == torch.bfloat16 and kernels.bf16_dot and self.in_features % 2 == 0:
+                self.max_rows = BF16_DOT_MAX_ROWS
             if self.max_rows:
                 self.kernels, self.skinny = kernels, kernels.pack_skinny_weight(weight.detach())
 
@@ -95,10 +104,10 @@ class PackedLinear(nn.Module):
         m = x.shape[0]
         if m <= self.max_rows and x.dim() == 2 and x.stride(1) == 1:
             out = torch.empty(m, self.out_features, dtype=x.dtype, device=x.device)
-            if x.dtype == torch.float32:
-                self.kernels.skinny_linear(x, self.skinny, self.bias, self.out_features, out)
-            else:
+            if self.on_amx:
                 self.kernels.amx_linear(x, self.skinny, self.bias, self.out_features, out)
+            else:
+                self.kernels.skinny_linear(x, self.skinny, self.bias, self.out_features, out)
             return out
         if not self.use_onednn:
             return F.linear(x, self.dense, self.bias)

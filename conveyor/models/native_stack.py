@@ -1,6 +1,6 @@
 """A Llama-family model's decoder layers as one native call, for steps small enough that every linear layer
 runs on the native skinny GEMMs (decode batches: up to 128 rows, 96 on AVX2, in float32 anywhere, in bfloat16
-with AMX).
+on AMX tiles or, without AMX, on AVX512_BF16's VDPBF16PS: ``layers.linear`` decides the rows per linear).
 
 Why: at those sizes a layer's GEMMs take tens of microseconds, and the per-layer path crosses from Python into
 native code about ten times per layer (norm, qkv, attention, o, norm, gate_up, activation, down), allocating a

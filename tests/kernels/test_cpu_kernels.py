@@ -351,6 +351,24 @@ def test_skinny_gemm_float32_rows_do_not_depend_on_the_batch(kernels):
         assert torch.equal(alone[0], batch[r])
 
 
+@pytest.mark.parametrize("out_features", [1000, 96])  # units of four blocks past 8 rows; pairs (too few quads)
+def test_skinny_gemm_bfloat16_rows_do_not_depend_on_the_batch(kernels, out_features):
+    """bfloat16 on VDPBF16PS (avx512bf16) keeps each output's sum over k in one accumulator in order at every row
+    count, so a row's result is bitwise the same alone as in a batch of 41 (decode steps and speculative
+    verification then agree); the emulated loop of the lower levels too."""
+    gen = torch.Generator().manual_seed(6)
+    w = torch.randn(out_features, 700, generator=gen).to(torch.bfloat16)
+    bias = torch.randn(out_features, generator=gen).to(torch.bfloat16)
+    x = torch.randn(41, 700, generator=gen).to(torch.bfloat16)
+    packed = kernels.pack_skinny_weight(w)
+    batch = torch.empty(41, out_features, dtype=torch.bfloat16)
+    kernels.skinny_linear(x, packed, bias, out_features, batch)
+    for r in (0, 8, 40):
+        alone = torch.empty(1, out_features, dtype=torch.bfloat16)
+        kernels.skinny_linear(x[r:r + 1], packed, bias, out_features, alone)
+        assert torch.equal(alone[0], batch[r])
+
+
 @pytest.mark.parametrize("rows", [1, 7, 16, 17, 32, 33, 96, 128])
 @pytest.mark.parametrize("out_features,in_features", [(96, 64), (1000, 512), (17, 32)])
 def test_amx_gemm_matches_torch(kernels, rows, out_features, in_features):

@@ -186,8 +186,9 @@ def test_no_caller_outside_the_package_names_a_backend_class_or_tests_a_backend_
     import pathlib
 
     root = pathlib.Path(__file__).resolve().parents[2] / "conveyor"
-    modules = {"cpu", "native_cpu", "reference", "cuda", "padded"}
-    classes = {"CpuAttention", "NativeCpuAttention", "ReferenceAttention", "FlashAttention", "PaddedAttention"}
+    modules = {"cpu", "native_cpu", "reference", "cuda", "padded", "triton_paged"}
+    classes = {"CpuAttention", "NativeCpuAttention", "ReferenceAttention", "FlashAttention", "PaddedAttention",
+               "TritonAttention"}
     offences = []
     for path in root.rglob("*.py"):
         if path.parent.name == "attention" and path.parent.parent.name == "layers":

@@ -1,6 +1,6 @@
 """The native decoder-layer stack (models.native_stack): bit-identical to the per-layer path it replaces for
-decode-sized steps, in float32 and (with AMX) bfloat16, with and without q/k/v biases, and used only where it
-applies."""
+decode-sized steps, in float32 and bfloat16 (on AMX tiles, or VDPBF16PS where AVX512_BF16 is there without AMX),
+with and without q/k/v biases, and used only where it applies. CONVEYOR_CPU_ISA picks the level these run at."""
 
 from __future__ import annotations
 
@@ -11,14 +11,16 @@ import transformers
 from conveyor.core.sampling_params import SamplingParams
 from conveyor.engine.llm import LLM
 from conveyor.kernels import load_cpu_kernels
-from conveyor.layers.linear import AMX_MAX_ROWS, SKINNY_MAX_ROWS, SKINNY_MAX_ROWS_AVX2
+from conveyor.layers import linear
+from conveyor.layers.linear import AMX_MAX_ROWS, BF16_DOT_MAX_ROWS, SKINNY_MAX_ROWS, SKINNY_MAX_ROWS_AVX2
 from conveyor.models.native_stack import NativeLayerStack
 from tests.helpers.checkpoints import write_word_tokenizer
 
 KERNELS = load_cpu_kernels()
 pytestmark = pytest.mark.skipif(KERNELS is None, reason="no native kernels on this CPU")
+BF16_NATIVE = KERNELS is not None and (KERNELS.amx or KERNELS.bf16_dot)
 DTYPES = ["float32", pytest.param("bfloat16", marks=pytest.mark.skipif(
-    KERNELS is None or not KERNELS.amx, reason="bfloat16 linears run natively only on AMX"))]
+    not BF16_NATIVE, reason="bfloat16 linears run natively only on AMX or AVX512_BF16"))]
 VOCAB = 384
 
 
@@ -93,7 +95,8 @@ def test_stack_is_bit_identical_to_the_per_layer_path(tmp_path, dtype, make):
     stack = llm.engine.model.native_stack
     assert isinstance(stack, NativeLayerStack)
     f32_rows = SKINNY_MAX_ROWS_AVX2 if stack.kernels.level == "avx2" else SKINNY_MAX_ROWS
-    assert stack.max_rows == (f32_rows if dtype == "float32" else AMX_MAX_ROWS)
+    bf16_rows = AMX_MAX_ROWS if stack.kernels.amx else BF16_DOT_MAX_ROWS
+    assert stack.max_rows == (f32_rows if dtype == "float32" else bf16_rows)
     calls = []
     run = stack.run
     stack.run = lambda *a: calls.append(a[0].shape[0]) or run(*a)
@@ -140,3 +143,32 @@ def test_attention_plan_is_built_once_per_step(tmp_path, monkeypatch, with_stack
     monkeypatch.setattr(kernels, "attention_plan", lambda *a: plans.append(1) or plan(*a))
     generate(llm, with_stack=with_stack)
     assert steps and len(plans) == len(steps)  # 3 layers, one plan per step
+
+
+def test_bfloat16_stack_follows_the_cpu_level(tmp_path):
+    """bfloat16 decode steps take the native stack where the level has AMX or VDPBF16PS (avx512bf16); below it
+    (CONVEYOR_CPU_ISA=avx512 or avx2: an AVX2-only Zen 3's path) the per-layer path on oneDNN, as before."""
+    llm = LLM(str(llama(tmp_path / "m")), dtype="bfloat16", enable_prefix_caching=False, detokenize=False)
+    stack = llm.engine.model.native_stack
+    assert (stack is not None) == BF16_NATIVE
+    qkv = llm.engine.model.layers[0].self_attn.qkv_proj
+    assert (qkv.skinny is not None) == BF16_NATIVE  # no second copy of a weight nothing reads
+    out = generate(llm, with_stack=True)
+    assert all(len(tokens) == 12 for tokens, _ in out)
+
+
+@pytest.mark.skipif(not BF16_NATIVE or KERNELS.amx, reason="the VDPBF16PS path (AVX512_BF16 without AMX)")
+@pytest.mark.parametrize("make", [llama, qwen2])
+def test_bfloat16_on_vdpbf16ps_stays_close_to_onednn(tmp_path, monkeypatch, make):
+    """The native bfloat16 path (stack and skinny linears on VDPBF16PS) against the per-layer path on oneDNN that
+    ran before it: the same greedy tokens, logprobs within bfloat16 rounding (the two sum in other orders)."""
+    path = make(tmp_path / "m")
+    native = generate(LLM(str(path), dtype="bfloat16", enable_prefix_caching=False, detokenize=False), True)
+    monkeypatch.setattr(linear, "BF16_DOT_MAX_ROWS", 0)  # no native bfloat16 linears: no stack either
+    onednn_llm = LLM(str(path), dtype="bfloat16", enable_prefix_caching=False, detokenize=False)
+    assert onednn_llm.engine.model.native_stack is None
+    onednn = generate(onednn_llm, True)
+    assert [tokens for tokens, _ in native] == [tokens for tokens, _ in onednn]
+    got = torch.tensor([lp for _, lps in native for lp, _ in lps])
+    want = torch.tensor([lp for _, lps in onednn for lp, _ in lps])
+    torch.testing.assert_close(got, want, atol=0.1, rtol=2e-2)

@@ -1,4 +1,5 @@
-// The skinny GEMM for decode-sized batches, float32 and bfloat16 (AVX-512 BF16 dot products at that level).
+// The skinny GEMM for decode-sized batches, float32 and bfloat16 (at the avx512bf16 level bfloat16 runs
+// gemm_bf16dot.cpp's VDPBF16PS loop).
 #include <stdint.h>
 #include <string.h>
 
@@ -8,6 +9,7 @@
 #include "bf16.h"
 #include "kernels.h"
 #include "team.h"
+#include "unit_prefetch.h"
 #include "vec.h"
 
 namespace cvk {
@@ -57,45 +59,12 @@ inline void skinny_tile_f32(const float* x, int64_t x_stride, const float* wp0, 
     for (int c = 0; c < 2 * NV; c++) a[r][c].store(acc_out + r * 32 + c * W);
 }
 
-#if defined(CVK_AVX512BF16)
-// bfloat16 on VDPBF16PS (this level only): x pairs (x[2k], x[2k+1]) against packed W pairs.
-template <int R>
-inline void skinny_tile_bf16_dot(const uint16_t* x, int64_t x_stride, const uint16_t* wp0, const uint16_t* wp1,
-                                 int64_t K, float* acc_out) {
-  const int64_t K2 = K / 2;
-  __m512 a0[R], a1[R];
-  for (int r = 0; r < R; r++) a0[r] = a1[r] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K2; k++) {
-    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wp0 + k * 2 * NBLK);
-    const __m512bh w1 = (__m512bh)_mm512_loadu_si512(wp1 + k * 2 * NBLK);
-    for (int r = 0; r < R; r++) {
-      uint32_t pair;
-      memcpy(&pair, x + r * x_stride + 2 * k, 4);
-      const __m512bh xv = (__m512bh)_mm512_set1_epi32(int(pair));
-      a0[r] = _mm512_dpbf16_ps(a0[r], xv, w0);
-      a1[r] = _mm512_dpbf16_ps(a1[r], xv, w1);
-    }
-  }
-  for (int r = 0; r < R; r++) {
-    _mm512_storeu_ps(acc_out + r * 32, a0[r]);
-    _mm512_storeu_ps(acc_out + r * 32 + 16, a1[r]);
-  }
-}
-#else
-template <int R>  // declared for the discarded branch below; other levels never instantiate it
-void skinny_tile_bf16_dot(const uint16_t* x, int64_t x_stride, const uint16_t* wp0, const uint16_t* wp1, int64_t K,
-                          float* acc_out);
-#endif
-
-// bfloat16: x pairs (x[2k], x[2k+1]) against packed W pairs.
+// bfloat16 below the avx512bf16 level (that level runs gemm_bf16dot.cpp): x pairs (x[2k], x[2k+1]) against
+// packed W pairs, with no bf16 arithmetic: each pair split into its even-k and odd-k float32 halves (a shift and
+// a mask).
 template <int R>
 inline void skinny_tile_bf16(const uint16_t* x, int64_t x_stride, const uint16_t* wp0, const uint16_t* wp1,
                              int64_t K, float* acc_out) {
-  if constexpr (kBf16Dot) {
-    skinny_tile_bf16_dot<R>(x, x_stride, wp0, wp1, K, acc_out);
-    return;
-  }
-  // No bf16 arithmetic: split each pair into its even-k and odd-k float32 halves (a shift and a mask).
   const int64_t K2 = K / 2;
   float acc[R][32];
   for (int r = 0; r < R; r++)
@@ -153,22 +122,6 @@ void skinny_store(const float* acc, int R, const T* bias, int64_t n0, int64_t N,
 // which is exact), so results are bit-identical to the one-tile loop. 6-10% more GFLOP/s than it at 16-96
 // rows; the chunk size (64/128/256) made no difference beyond the noise (docs/kernels.md).
 constexpr int64_t SK_KC = 128;
-
-// Streams the weights of a thread's next unit (its NB blocks: one contiguous run of lines) into L2 while the
-// current unit computes, a few lines per k step at the rate that spreads the whole run over the unit's passes
-// (row tiles x K steps). Asking for the next chunk of the same unit during the first tile's pass only, as this
-// loop did before, bunched the requests into a quarter of the time at 32 rows, and the later passes, served
-// from L1, left memory idle; spread over every pass, the GEMM over DRAM-resident weights took 10-23% less time
-// at 16-86 rows (docs/kernels.md). Into L1 (T0) it evicted the chunk the later tiles re-read (9 rows 22% slower).
-struct UnitPrefetch {
-  const char* next = nullptr;  // null: the thread has no next unit
-  int64_t line = 0, lines = 0;
-  uint32_t acc = 0, rate = 0;  // lines per k step, 16.16 fixed point
-  inline void step() {
-    for (acc += rate; acc >= 65536u; acc -= 65536u, line++)
-      if (line < lines) _mm_prefetch(next + line * 64, _MM_HINT_T1);
-  }
-};
 
 // One row tile (R <= TR rows, x packed [k][TR]) x NB column blocks over kc values of k, accumulating into
 // acc [R][NB * 16] (zeroed first on the first chunk). pf: the next unit's weights, a step of it per k.
@@ -331,7 +284,10 @@ void skinny_gemm_impl(const T* x, int64_t x_stride, int64_t M, const T* wp, cons
 
 void skinny_gemm(int dtype, const void* x, int64_t x_stride, int64_t M, const void* wp, const void* bias, void* y,
                  int64_t y_stride, int64_t N, int64_t K, int num_threads) {
-  if (dtype == 0)
+  if (dtype == 1 && kBf16Dot)
+    skinny_gemm_bf16dot(static_cast<const uint16_t*>(x), x_stride, M, static_cast<const uint16_t*>(wp),
+                        static_cast<const uint16_t*>(bias), static_cast<uint16_t*>(y), y_stride, N, K, num_threads);
+  else if (dtype == 0)
     skinny_gemm_impl<float>(static_cast<const float*>(x), x_stride, M, static_cast<const float*>(wp),
                             static_cast<const float*>(bias), static_cast<float*>(y), y_stride, N, K, num_threads);
   else

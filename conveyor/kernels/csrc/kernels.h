@@ -30,6 +30,11 @@ void argmax_rows(int dtype, const void* x, int64_t x_stride, int64_t rows, int64
 constexpr int NBLK = 16;
 void skinny_gemm(int dtype, const void* x, int64_t x_stride, int64_t M, const void* wp, const void* bias, void* y,
                  int64_t y_stride, int64_t N, int64_t K, int num_threads);
+// gemm_bf16dot.cpp: the bfloat16 skinny GEMM on VDPBF16PS (skinny_gemm's bfloat16 at the avx512bf16 level; swiglu:
+// y = silu(gate) * up of a fused gate_up weight, N the gate's columns, N % 16 == 0); a stub below that level,
+// never called there.
+void skinny_gemm_bf16dot(const uint16_t* x, int64_t x_stride, int64_t M, const uint16_t* wp, const uint16_t* bias,
+                         uint16_t* y, int64_t y_stride, int64_t N, int64_t K, int num_threads, bool swiglu = false);
 // gemm_amx.cpp: the bfloat16 skinny GEMM on AMX tiles (swiglu: y = silu(gate) * up of a fused gate_up weight);
 // a stub below the avx512bf16 level, never called there.
 void amx_gemm_bf16(const uint16_t* x, int64_t x_stride, int64_t M, const uint16_t* wp, const uint16_t* bias,

@@ -29,11 +29,12 @@ namespace cvk {
 //   Q6_K, which conveyor holds in float), 16 k cache, 17 v cache.
 // With s.qk_norm_across_heads the q and k norms span all heads' rows (OLMoE), one row of H * D and one of KVH * D.
 // Scratch (dense, the step's dtype): h [T, hidden], qkv [T, (H + 2 KVH) D], attn [T, H D], gu [T, 2 inter],
-// act [T, inter]. Weights are packed as cvk_skinny_gemm takes them, and bfloat16 runs its GEMMs on AMX only
-// (use_amx: the caller checked cvk_amx_init); a linear field that points at a CvkQuantWeight descriptor (its bit
-// in field 15) is cvk_quant_gemm's (either dtype), its activations quantized into s.quant_scratch (given when any
-// field is). The attention plan is the step's (s.step.plan), or built here once
-// for all layers. Returns CVK_OK, or the first failing part's code.
+// act [T, inter]. Weights are packed as cvk_skinny_gemm takes them, and bfloat16 runs its GEMMs on AMX tiles
+// (use_amx: the caller checked cvk_amx_init) or else on cvk_skinny_gemm's VDPBF16PS loop (the avx512bf16 level),
+// either with gate_up and SiLU-and-mul fused in the GEMM's epilogue, bit-identical to the two calls; a linear
+// field that points at a CvkQuantWeight descriptor (its bit in field 15) is cvk_quant_gemm's (either dtype), its
+// activations quantized into s.quant_scratch (given when any field is). The attention plan is the step's
+// (s.step.plan), or built here once for all layers. Returns CVK_OK, or the first failing part's code.
 enum { LW_IN_NORM, LW_QKV, LW_QKV_B, LW_O, LW_O_B, LW_POST_NORM, LW_GU, LW_GU_B, LW_DOWN, LW_DOWN_B, LW_Q_NORM,
        LW_K_NORM, LW_WINDOW, LW_ROUTER, LW_EXPERTS, LW_QUANT, LW_KC, LW_VC, LW_FIELDS };
 
@@ -47,14 +48,17 @@ int llama_layers(const CvkLayerStackArgs& s) {
   if (T <= 0) return CVK_OK;
   if (dtype != CVK_F32 && dtype != CVK_BF16) return CVK_ERR_BADARG;
   auto is_quant = [&](int field, int layer) { return (fields[int64_t(LW_QUANT) * L + layer] >> field) & 1; };
-  bool any_float = false;  // a float linear field: bfloat16 runs those on AMX only
+  bool any_float = false;  // a float linear field: bfloat16 runs those on AMX tiles or VDPBF16PS dot products
   for (int l = 0; l < L; l++)
     for (int f : {LW_QKV, LW_O, LW_GU, LW_DOWN}) any_float |= fields[int64_t(f) * L + l] != 0 && !is_quant(f, l);
   if (s.quantized != 0 && s.quant_scratch == nullptr) return CVK_ERR_BADARG;
-  if (dtype == CVK_BF16 && any_float && !kAmx) return CVK_ERR_UNSUPPORTED;
-  if (dtype == CVK_BF16 && any_float &&
-      (!s.use_amx || hidden % 32 != 0 || inter % 32 != 0 || (int64_t(H) * D) % 32 != 0))
-    return CVK_ERR_BADARG;
+  // bfloat16 float weights: on AMX tiles (use_amx) or on the VDPBF16PS skinny GEMM (Zen 4/5, Cooper Lake: the
+  // avx512bf16 level); lower levels would run the emulated bfloat16 loop, slower than oneDNN: not served.
+  const bool bf16_float = dtype == CVK_BF16 && any_float, bf16_amx = bf16_float && s.use_amx;
+  if (bf16_float && !(bf16_amx ? kAmx : kBf16Dot)) return CVK_ERR_UNSUPPORTED;
+  if (bf16_amx && (hidden % 32 != 0 || inter % 32 != 0 || (int64_t(H) * D) % 32 != 0)) return CVK_ERR_BADARG;
+  if (bf16_float && (hidden % 2 != 0 || inter % 2 != 0 || (int64_t(H) * D) % 2 != 0))
+    return CVK_ERR_BADARG;  // the packed pairs of k
   if (!attention_supports(H, KVH, D)) return CVK_ERR_UNSUPPORTED;
   if (s.E > 0 && (dtype != CVK_F32 || s.moe_scratch == nullptr ||
                   s.moe_scratch_bytes < moe_logits_bytes(T, s.E) + moe_scratch_bytes(T, hidden, s.moe_inter, s.E,
@@ -69,8 +73,8 @@ int llama_layers(const CvkLayerStackArgs& s) {
       // the caller sized the scratch for the largest K
       quant_gemm_rows(w, in, K, T, ptr(bf, layer), out, N, s.quant_scratch, quant_scratch_bytes(T, w->KP), dtype,
                       num_threads);
-    } else if (dtype == 0)
-      skinny_gemm(0, in, K, T, ptr(wf, layer), ptr(bf, layer), out, N, N, K, num_threads);
+    } else if (!bf16_amx)
+      skinny_gemm(dtype, in, K, T, ptr(wf, layer), ptr(bf, layer), out, N, N, K, num_threads);
     else
       amx_gemm_bf16(static_cast<const uint16_t*>(in), K, T, static_cast<const uint16_t*>(ptr(wf, layer)),
                     static_cast<const uint16_t*>(ptr(bf, layer)), static_cast<uint16_t*>(out), N, N, K, num_threads);
@@ -148,7 +152,11 @@ int llama_layers(const CvkLayerStackArgs& s) {
       }
       continue;
     }
-    if (dtype == 0 || is_quant(LW_GU, l)) {
+    if (bf16_float && !bf16_amx && !is_quant(LW_GU, l) && inter % NBLK == 0) {  // fused as on AMX below
+      skinny_gemm_bf16dot(static_cast<const uint16_t*>(h), hidden, T, static_cast<const uint16_t*>(ptr(LW_GU, l)),
+                          static_cast<const uint16_t*>(ptr(LW_GU_B, l)), static_cast<uint16_t*>(act), inter, inter,
+                          hidden, num_threads, /*swiglu=*/true);
+    } else if (!bf16_amx || is_quant(LW_GU, l)) {
       gemm(h, hidden, l, LW_GU, LW_GU_B, gu, 2 * inter);
       silu_mul(dtype, gu, act, T, inter, num_threads);
     } else {

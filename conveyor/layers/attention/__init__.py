@@ -9,8 +9,9 @@ every layer calls, through the class's one constructor ``for_step``; all per-ste
 
 Backends: "reference" (the oracle), "cpu-native" (one native kernel call per layer for the whole step, RoPE
 fused; where conveyor/kernels built for this CPU and serve the dtype and head size), "cpu-torch" (batched torch
-ops; runs on any device), "cuda" (flash-attn's varlen paged kernel). Choices that pick one: "cpu" (cpu-native
-where it serves, else cpu-torch) and "auto" (cuda on a GPU, else cpu). A step with a baseline's pad rows gets
+ops; runs on any device), "cuda" (flash-attn's varlen paged kernel), "triton" (a Triton paged attention kernel;
+on a GPU, or on a CPU under Triton's interpreter). Choices that pick one: "cpu" (cpu-native where it serves, else
+cpu-torch) and "auto" (cuda on a GPU, else cpu; "cuda" falls back to triton, then cpu-torch). A step with a baseline's pad rows gets
 its backend wrapped in ``padded.PaddedAttention``; a step whose KV eviction policy asks for attention scores,
 in ``key_mass.KeyMassAttention``, unless the backend's kernels score keys themselves (``evicts_in_kernel``).
 """
@@ -30,23 +31,30 @@ from conveyor.layers.attention.metadata import AttentionMetadata
 from conveyor.layers.attention.native_cpu import NativeCpuAttention
 from conveyor.layers.attention.padded import PaddedAttention, Padding
 from conveyor.layers.attention.reference import ReferenceAttention
+from conveyor.layers.attention.triton_paged import TritonAttention, triton_serves
 
 _CLASSES: dict[str, AttentionBackendType] = {cls.name: cls for cls in (ReferenceAttention, NativeCpuAttention,
-                                                                      CpuAttention, FlashAttention)}
+                                                                      CpuAttention, FlashAttention, TritonAttention)}
 
 
 def resolve_backend(name: str, device: torch.device | str, dtype: torch.dtype, head_dim: int,
                     block_size: int) -> str:
     """The backend a step runs, one of ``backend_class``'s names: "auto" -> "cuda" on a GPU, else "cpu"; "cpu" ->
     "cpu-native" when the native CPU kernels built here and serve ``dtype`` and ``head_dim``, else "cpu-torch";
-    "cuda" -> "cpu-torch" (on the GPU) without flash-attn or with a block size it does not take."""
+    "cuda" -> without flash-attn (or with a block size it does not take) "triton" on a GPU where Triton imports,
+    else "cpu-torch" (its batched torch ops run on the GPU). "triton" is refused where it cannot run."""
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {name!r}")
     on_gpu = torch.device(device).type == "cuda"
     if name == "auto":
         name = "cuda" if on_gpu else "cpu"
     if name == "cuda":
-        return "cuda" if flash_attention_serves(block_size) else "cpu-torch"
+        if flash_attention_serves(block_size):
+            return "cuda"
+        return "triton" if on_gpu and triton_serves(device, dtype, head_dim) else "cpu-torch"
+    if name == "triton" and not triton_serves(device, dtype, head_dim):
+        raise ValueError(f"attention backend 'triton' cannot serve {dtype} with head size {head_dim} on {device}: it "
+                         "needs Triton installed and a CUDA device (or TRITON_INTERPRET=1 on a CPU, for tests)")
     if name == "cpu":
         return "cpu-native" if not on_gpu and _native_serves(dtype, head_dim) else "cpu-torch"
     if name == "cpu-native" and (on_gpu or not _native_serves(dtype, head_dim)):

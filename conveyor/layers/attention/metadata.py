@@ -35,6 +35,10 @@ class AttentionMetadata:
     slots_shifted: bool = False
     # With slots_shifted: each request's position minus its KV slot (the tokens eviction dropped from it)
     rope_offsets: list[int] | None = None
+    # The int32 query starts [num_reqs + 1] and seq_lens [num_reqs] already on the device, for a backend whose kernels
+    # read them there (triton): a captured decode graph's static buffers (runner.decode_graph_inputs), whose
+    # addresses the graph replays. None: the backend builds them from the lists.
+    device_lens: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def num_reqs(self) -> int:
