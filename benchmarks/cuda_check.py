@@ -159,8 +159,11 @@ def correctness(workdir: Path) -> tuple[list[dict], bool]:
                                                                  "adaptive": False}),
         f"{DEVICE}, cpu-torch backend": dict(attention_backend="cpu-torch"),
     }
-    if triton_runs():  # the Triton paged attention backend, named (auto picks it only without flash-attn)
+    if triton_runs():  # the Triton paged attention backend, named (auto picks it only without flash-attn), and the
+        # decode graphs over it (--cuda-graphs, a CUDA device only: the CPU dry run under the interpreter skips them)
         configs[f"{DEVICE}, triton backend"] = dict(attention_backend="triton")
+        if DEVICE == "cuda":
+            configs[f"{DEVICE}, triton + CUDA graphs for decodes"] = dict(attention_backend="triton", cuda_graphs=True)
         configs[f"{DEVICE}, triton, chunked prefill + prefix caching"] = dict(
             attention_backend="triton", max_num_batched_tokens=64, long_prefill_token_threshold=32,
             enable_prefix_caching=True)
@@ -185,13 +188,14 @@ def correctness(workdir: Path) -> tuple[list[dict], bool]:
 
 
 def throughput(workdir: Path, num_prompts: int, prompt_len: int, output_len: int,
-               attention_backend: str = "auto") -> list[dict]:
+               attention_backend: str = "auto", cuda_graphs: bool = False) -> list[dict]:
     print("throughput: random Llama", LARGE, "bfloat16", flush=True)
     path = write_llama(workdir / "large", LARGE, torch.bfloat16)
     rows = []
     llm = LLM(str(path), device=DEVICE, dtype="bfloat16", seed=0, max_num_seqs=256, max_num_batched_tokens=8192,
-              attention_backend=attention_backend)
-    print(f"  attention backend: {getattr(llm.engine.executor, 'backend', '?')}", flush=True)
+              attention_backend=attention_backend, cuda_graphs=cuda_graphs)
+    print(f"  attention backend: {getattr(llm.engine.executor, 'backend', '?')}, CUDA graphs: {cuda_graphs}",
+          flush=True)
     prompts = random_prompts(num_prompts, (prompt_len, prompt_len), LARGE["vocab_size"], seed=3)
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     llm.generate([{"prompt_token_ids": p} for p in prompts[:8]], SamplingParams(max_tokens=8), use_tqdm=False)
@@ -277,6 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", action="store_true", help="only profile the offline batch (no checks)")
     ap.add_argument("--large", default=None, help="JSON overrides of the throughput model's shape")
     ap.add_argument("--device", default="cuda", help="cpu: a dry run of the script itself")
+    ap.add_argument("--cuda-graphs", action="store_true", help="the throughput runs with --cuda-graphs")
     ap.add_argument("--attention-backend", default="auto", help="the throughput runs' backend (auto: triton where "
                     "flash-attn is absent; cpu-torch: the batched torch ops, for a before/after)")
     args = ap.parse_args(argv)
@@ -297,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
         rows, ok = ([], None) if args.skip_correctness else correctness(Path(tmp))
         if not args.skip_throughput:
             rows += throughput(Path(tmp), args.num_prompts, args.prompt_len, args.output_len,
-                               args.attention_backend)
+                               args.attention_backend, args.cuda_graphs)
     if args.out:
         Path(args.out).write_text(json.dumps({"torch": torch.__version__, "gpu": gpu,
                                               "correct": ok, "rows": rows}, indent=1))

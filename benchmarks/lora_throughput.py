@@ -11,8 +11,11 @@ max_loras=adapters)`` three ways, taking turns in every round so the machine's n
 
 - ``base``: no request has an adapter (the native layer stack runs decode steps, as without ``--enable-lora``);
 - ``segmented``: request i runs adapter i % N: the base GEMMs once for all rows, then one native call per linear
-  layer adds every adapter's low-rank product (csrc/lora.cpp);
-- ``loop``: the same requests with the adapters' products in a torch loop, one adapter after another.
+  layer adds every adapter's low-rank product (csrc/lora.cpp; inside the native layer stack for decode steps);
+- ``loop``: the same requests with the adapters' products in a torch loop, one adapter after another (and the
+  per-layer path for every step with adapter rows).
+
+``--modes``: which of the three to run (e.g. ``base,segmented`` for a shorter run).
 
 Prints output tokens/s of each (best of the rounds), the ratios segmented / base and loop / base per round, and
 the load average. ``--num-requests N``: the trace's first N requests only (a shorter run on a busy machine).
@@ -83,6 +86,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--dtype", default="auto")
     p.add_argument("--num-requests", type=int, default=None)
+    p.add_argument("--modes", default="base,segmented,loop", help="which of base, segmented, loop to run")
     args = p.parse_args()
 
     from conveyor import LLM, LoRARequest
@@ -115,7 +119,8 @@ def main() -> None:
         finally:
             step.kernels = kernels
 
-    cells = {"base": base, "segmented": segmented, "loop": loop}
+    cells = {name: fn for name, fn in (("base", base), ("segmented", segmented), ("loop", loop))
+             if name in args.modes.split(",")}
     warm = Workload(workload.name, workload.requests[:16])  # warm-up: first calls, adapters read into their slots
     run_once(llm, warm, None)
     run_once(llm, warm, assigned[:16])
@@ -125,18 +130,18 @@ def main() -> None:
         for name in order:
             seconds, tokens = cells[name]()
             results[name].append(tokens / seconds)
-        print(f"round {r + 1}: " + ", ".join(f"{n} {results[n][-1]:.1f} tok/s" for n in cells)
-              + f"; segmented/base {results['segmented'][-1] / results['base'][-1]:.3f}, loop/base "
-              f"{results['loop'][-1] / results['base'][-1]:.3f}; load {os.getloadavg()[0]:.2f}", flush=True)
+        ratios = "".join(f"; {n}/base {results[n][-1] / results['base'][-1]:.3f}" for n in cells
+                         if n != "base" and "base" in cells)
+        print(f"round {r + 1}: " + ", ".join(f"{n} {results[n][-1]:.1f} tok/s" for n in cells) + ratios
+              + f"; load {os.getloadavg()[0]:.2f}", flush=True)
     best = {n: max(v) for n, v in results.items()}
     summary = {"model": info.name, "dtype": info.dtype, "workload": workload.name, "adapters": args.adapters,
                "rank": args.rank, "rounds": args.rounds, "best_tok_s": {n: round(v, 1) for n, v in best.items()},
-               "segmented_over_base": round(best["segmented"] / best["base"], 3),
-               "loop_over_base": round(best["loop"] / best["base"], 3),
-               "segmented_over_loop": round(best["segmented"] / best["loop"], 3),
-               "per_round_segmented_over_base": [round(s / b, 3) for s, b in zip(results["segmented"],
-                                                                                 results["base"])],
                "load_avg": os.getloadavg(), "cpu": platform.processor() or platform.machine()}
+    for a, b in (("segmented", "base"), ("loop", "base"), ("segmented", "loop")):
+        if a in best and b in best:
+            summary[f"{a}_over_{b}"] = round(best[a] / best[b], 3)
+            summary[f"per_round_{a}_over_{b}"] = [round(x / y, 3) for x, y in zip(results[a], results[b])]
     print(json.dumps(summary, indent=1))
 
 

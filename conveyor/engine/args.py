@@ -53,6 +53,8 @@ class EngineArgs:
         "tokens of those below the best may add at most this fraction to a step's measured time (e.g. 0.15: a batch "
         "job slows interactive decodes by at most 15%%); default: they fill the step's token budget")
     max_num_seqs: int = _arg(SchedulerConfig.max_num_seqs, "most requests in the running batch")
+    cuda_graphs: bool = _arg(False, "decode-only steps replay CUDA graphs captured at start (a CUDA device and the "
+                                    "triton attention backend; not yet run on a GPU, so off by default: docs/gpu.md)")
     max_num_batched_tokens: int = _arg(SchedulerConfig.max_num_batched_tokens,
                                        "token budget of one step (chunked prefill)")
     max_model_len: int | None = _arg(SchedulerConfig.max_model_len, "context length (default: the model's)")

@@ -88,6 +88,8 @@ class LLMEngine:
                 raise ValueError(f"--max-loras and --max-lora-rank must be >= 1, got {args.max_loras} and "
                                  f"{args.max_lora_rank}")
             runner.attach_lora(args.max_loras, args.max_lora_rank)
+        if args.cuda_graphs:  # after the draft and LoRA: it refuses the one and keeps the other's steps eager
+            runner.attach_decode_graphs(args.max_num_seqs)
         return runner
 
     @classmethod

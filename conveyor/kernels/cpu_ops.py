@@ -24,7 +24,7 @@ from conveyor.kernels.lora_ops import LoraArgs, LoraKernels
 from conveyor.kernels.moe_ops import MoeArgs, MoeKernels
 
 SOURCE_DIR = os.path.join(os.path.dirname(__file__), "csrc")
-ABI_VERSION = 16  # csrc/cvk.h's CVK_ABI_VERSION
+ABI_VERSION = 17  # csrc/cvk.h's CVK_ABI_VERSION
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 KV_INT8 = 2  # csrc/cvk.h's CVK_KV_INT8: a cache of int8 rows, D values then a float32 scale (layers/attention/kv_quant)
 
@@ -54,7 +54,7 @@ class LayerStackArgs(ctypes.Structure):
                 ("gu", _P), ("act", _P), ("quant_scratch", _P), ("T", _I64), ("hidden", _I64), ("inter", _I64),
                 ("use_amx", _I32), ("L", _I32), ("eps", _F32), ("quantized", _I32), ("moe_scratch", _P),
                 ("moe_scratch_bytes", _I64), ("moe_inter", _I64), ("E", _I32), ("top_k", _I32),
-                ("norm_topk_prob", _I32), ("qk_norm_across_heads", _I32)]
+                ("norm_topk_prob", _I32), ("qk_norm_across_heads", _I32), ("lora", _P), ("lora_linears", _P)]
 
 
 class QuantWeight(ctypes.Structure):
@@ -283,7 +283,8 @@ class CpuKernels:
                      num_kv_heads: int, head_dim: int, block_size: int, scale: float, eps: float,
                      plan: torch.Tensor | None = None, quant_scratch: torch.Tensor | None = None,
                      key_mass: KeyMass | None = None, rope_offset: torch.Tensor | None = None,
-                     moe: dict | None = None, kv_int8: bool = False) -> None:
+                     moe: dict | None = None, kv_int8: bool = False,
+                     lora: tuple[LoraArgs, torch.Tensor] | None = None) -> None:
         """A Llama-family decoder-layer stack in one call (cvk_llama_layers: layer_stack.cpp gives the layout of
         ``fields``, the per-layer pointers, and of the ``scratch`` buffers h, qkv, attn, gate_up, act). ``residual``
         holds the embeddings on entry; on return ``x`` holds the last layer's output, ``residual`` the stream.
@@ -292,7 +293,8 @@ class CpuKernels:
         the largest in_features). ``key_mass``, ``rope_offset``: as ``attention`` takes them (the mass then sums
         every layer's). ``moe``: a mixture's LayerStackArgs fields (moe_scratch, moe_scratch_bytes, moe_inter, E,
         top_k, norm_topk_prob; ``models.native_stack``), and qk_norm_across_heads. ``kv_int8``: the caches hold
-        int8 rows (``kv_quant``)."""
+        int8 rows (``kv_quant``). ``lora``: the step's adapter segments (``lora.segments``) and the per-layer table
+        of each linear's adapter weights (cvk.h's lora_linears; ``models.native_stack``)."""
         h, qkv, attn, gu, act = scratch
         step = _step_args(block_table, query_start, seq_lens, cos_sin, x.dtype, num_heads, num_kv_heads, head_dim,
                           block_size, scale, plan, key_mass, rope_offset)
@@ -302,6 +304,8 @@ class CpuKernels:
                            act=act.data_ptr(), T=x.shape[0], hidden=hidden, inter=inter, use_amx=int(self.amx),
                            L=num_layers, eps=eps, quant_scratch=_ptr(quant_scratch),
                            quantized=int(quant_scratch is not None), **(moe or {}))
+        if lora is not None:
+            s.lora, s.lora_linears = ctypes.addressof(lora[0]), lora[1].data_ptr()
         self._check("cvk_llama_layers", self._llama_layers(ctypes.byref(s)))
 
     def quant_scratch_bytes(self, rows: int, padded_in: int) -> int:

@@ -2,10 +2,11 @@
 
 A ``LoRALinear`` wraps a model's linear layer (a ``PackedLinear``, a ``QuantLinear``, a plain ``nn.Linear``): its
 base GEMM runs over the whole step as before, then ``y[rows of slot s] += x[rows] @ A[s] @ B[s]`` for each adapter
-slot with rows in the step. The slots' weights are float32 tensors ``a`` [slots, K, SR] and ``b`` [slots, SR, N]
-(the scaling folded into b): a fused projection (qkv, gate_up) holds one rank slice per part, ``SR = parts x R``,
-and part p's columns of y read slice p only (the native kernel skips the other slices; the torch path multiplies
-their zeros). An adapter of rank r < R fills the first r rows of its slice; the rest stay zero.
+slot with rows in the step. The slots' weights are tensors ``a`` [slots, K, SR] and ``b`` [slots, SR, N] in float32
+or bfloat16 (``weight_dtype``; the products are summed in float32 either way; the scaling folded into b): a fused
+projection (qkv, gate_up) holds one rank slice per part, ``SR = parts x R``, and part p's columns of y read slice p
+only (the native kernel skips the other slices; the torch path multiplies their zeros). An adapter of rank r < R
+fills the first r rows of its slice; the rest stay zero.
 
 Which rows belong to which slot is the step's ``LoRAStep``, shared by every ``LoRALinear`` of the model and set by
 the runner before the forward pass (rows grouped by slot, S-LoRA / Punica's segments). The native kernel
@@ -60,15 +61,16 @@ class LoRALinear(nn.Module):
     ``parts``: the output column ranges [(start, end), ...] of a fused projection's parts, in order."""
 
     def __init__(self, base: nn.Module, step: LoRAStep, parts: list[tuple[int, int]], in_features: int,
-                 num_slots: int, rank: int, device: torch.device | str = "cpu") -> None:
+                 num_slots: int, rank: int, device: torch.device | str = "cpu",
+                 weight_dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         self.base, self.step, self.rank = base, step, rank
         self.parts = parts
         out_features = parts[-1][1]
         self.in_features, self.out_features = in_features, out_features
         sr = rank * len(parts)
-        self.a = torch.zeros(num_slots, in_features, sr, dtype=torch.float32, device=device)
-        self.b = torch.zeros(num_slots, sr, out_features, dtype=torch.float32, device=device)
+        self.a = torch.zeros(num_slots, in_features, sr, dtype=weight_dtype, device=device)
+        self.b = torch.zeros(num_slots, sr, out_features, dtype=weight_dtype, device=device)
         self.sub_cols = torch.tensor([p[0] for p in parts] + [out_features], dtype=torch.int64)
 
     def load_slot(self, slot: int, weights: list[tuple[torch.Tensor, torch.Tensor] | None]) -> None:
@@ -99,9 +101,9 @@ class LoRALinear(nn.Module):
                                self.rank)
             return y
         for slot, rows in step.groups:  # the torch path: one adapter at a time
-            xa = x.index_select(0, rows).float() @ self.a[slot]
-            y.index_add_(0, rows, (xa @ self.b[slot]).to(y.dtype))
+            xa = x.index_select(0, rows).float() @ self.a[slot].float()
+            y.index_add_(0, rows, (xa @ self.b[slot].float()).to(y.dtype))
         return y
 
     def extra_repr(self) -> str:
-        return f"rank={self.rank}, parts={len(self.parts)}, slots={self.a.shape[0]}"
+        return f"rank={self.rank}, parts={len(self.parts)}, slots={self.a.shape[0]}, dtype={self.a.dtype}"

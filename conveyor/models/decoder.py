@@ -129,7 +129,7 @@ class DecoderForCausalLM(nn.Module):
             cfg.head_dim, cfg.max_position_embeddings, cfg.local_rope_theta, None, rotary_dim=cfg.rotary_dim)
         # every layer in one native call for decode-sized steps (models.native_stack; set by prepare_for_cpu)
         self.native_stack = None
-        # the step's LoRA rows (layers.lora.LoRAStep; set by models.lora_model): a step with any runs per layer
+        # the step's LoRA rows (layers.lora.LoRAStep; set by models.lora_model), which the native stack runs too
         self.lora = None
         self._qk_rows = None  # the q/k row order of partial rotary (partial_rotary_order), by fused row
 
@@ -138,8 +138,7 @@ class DecoderForCausalLM(nn.Module):
         if self.config.embed_scale is not None:  # Gemma: the scale rounded to the weights' dtype, as HF does
             x = x * torch.tensor(self.config.embed_scale, dtype=torch.float32).to(x.dtype)
         ropes = [r.lookup(positions, fused=attn.fuses_rope) for r in (self.rotary, self.local_rotary) if r]
-        if self.native_stack is not None and self.native_stack.accepts(x.shape[0], attn) and \
-                (self.lora is None or not self.lora.active):
+        if self.native_stack is not None and self.native_stack.accepts(x.shape[0], attn, self.lora):
             x, residual = self.native_stack.run(x, ropes[0].table, kv_caches, attn)
             return self.norm(x, residual)[0]
         residual = None

@@ -19,9 +19,13 @@ blocks), and such a model runs the per-layer path. It runs per-layer sliding win
 head's rows normed by the same row kernel as the per-layer path, so bit-identical still), OLMoE's q/k norms across
 heads, and a mixture of experts' routed MLP in float32 (its router on the skinny GEMM, then the same ``cvk_moe`` call
 on the same table as the per-layer path's ``models.native_moe``).
+With LoRA adapters (``models.lora_model`` calls ``attach_lora``) a step with adapter rows runs here too: after each
+linear's GEMM the stack calls the same segmented adapter kernel the per-layer path's ``LoRALinear`` calls, so such
+a step keeps the one native call (it used to fall back to the per-layer path, about half of the decode throughput
+on SmolLM2: docs/lora.md).
 ``NativeLayerStack.build(model, kernels)`` also returns None where the kernels cannot apply (no kernels, a linear
-without its native packing, norms in another dtype); ``accepts(num_tokens, attn)`` says per step whether this one
-can.
+without its native packing, norms in another dtype); ``accepts(num_tokens, attn, lora)`` says per step whether this
+one can.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import torch
 
 from conveyor.layers.attention.base import AttentionBackend, LayerStackAttention
 from conveyor.layers.linear import PackedLinear
+from conveyor.layers.lora import LoRALinear, LoRAStep
 from conveyor.layers.quantized import QuantLinear, descriptor_address
 from conveyor.models.config import ModelConfig
 from conveyor.models.moe import SparseMoE
@@ -42,6 +47,8 @@ QUANT_STACK_MAX_ROWS = 128
 _FIELDS = ("in_norm", "qkv", "qkv_bias", "o", "o_bias", "post_norm", "gate_up", "gate_up_bias", "down", "down_bias",
            "q_norm", "k_norm", "window", "router", "experts", "quant_mask", "k_cache", "v_cache")
 _KV_FIELDS = 2  # the last two fields: filled per KV cache, not per model
+# The linears of cvk_llama_layers' lora_linears table, in its order (the fused names models.lora_model wraps).
+_LORA_LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
 def _ptr(t: torch.Tensor | None) -> int:
@@ -109,6 +116,7 @@ class NativeLayerStack:
         # field-major [fields, layers] int64, as the kernel indexes it
         self._fields = torch.tensor(rows, dtype=torch.int64).t().contiguous()
         self._kv_key: tuple[int, ...] | None = None
+        self._lora = None  # (the model's layers.lora.LoRAStep, lora_linears table, rank, adapter dtype, max SR)
 
     @classmethod
     def build(cls, model: torch.nn.Module, kernels) -> NativeLayerStack | None:
@@ -142,9 +150,28 @@ class NativeLayerStack:
             max_rows = rows if max_rows is None else min(max_rows, rows)
         return cls(model, kernels, max_rows, quantized) if max_rows else None
 
-    def accepts(self, num_tokens: int, attn: AttentionBackend) -> bool:
+    def attach_lora(self, step: LoRAStep, linears: list[dict[str, LoRALinear]]) -> None:
+        """Run steps with adapter rows too: ``step`` is the model's ``LoRAStep``, ``linears`` per layer its
+        ``LoRALinear``s by fused name (``models.lora_model``). The table holds pointers to their slot tensors,
+        which adapters are loaded into in place. (A mixture of experts carries no adapters: nothing to attach.)"""
+        wrapped = [lin for layer in linears for lin in layer.values()]
+        if not wrapped or self.moe is not None:
+            return
+        table = torch.zeros(self.num_layers, len(_LORA_LINEARS), 4, dtype=torch.int64)
+        for layer, by_name in enumerate(linears):
+            for i, name in enumerate(_LORA_LINEARS):
+                if (lin := by_name.get(name)) is not None:
+                    table[layer, i] = torch.tensor([lin.a.data_ptr(), lin.b.data_ptr(), lin.sub_cols.data_ptr(),
+                                                    len(lin.parts)])
+        self._lora = (step, table, wrapped[0].rank, wrapped[0].a.dtype, max(lin.a.shape[2] for lin in wrapped))
+
+    def accepts(self, num_tokens: int, attn: AttentionBackend, lora: LoRAStep | None = None) -> bool:
         """Whether a step of ``num_tokens`` rows with this attention object runs here (an object that
-        ``supports_layer_stack`` is a ``LayerStackAttention``)."""
+        ``supports_layer_stack`` is a ``LayerStackAttention``); ``lora``: the model's ``LoRAStep``, whose adapter
+        rows run here when it was attached with its native kernel (not the torch per-adapter loop)."""
+        if lora is not None and lora.active and (self._lora is None or self._lora[0] is not lora or
+                                                 lora.kernels is None):
+            return False
         return 0 < num_tokens <= self.max_rows and attn.supports_layer_stack
 
     def run(self, embeddings: torch.Tensor, rope_table: torch.Tensor, kv_caches: list[torch.Tensor],
@@ -174,12 +201,18 @@ class NativeLayerStack:
             moe.update(moe_scratch=self._moe_scratch.data_ptr(), moe_scratch_bytes=size,
                        moe_inter=m.intermediate_size, E=m.num_experts, top_k=m.top_k,
                        norm_topk_prob=int(m.norm_topk_prob))
+        lora = None
+        if self._lora is not None and self._lora[0].active:
+            step, table, rank, weight_dtype, max_sr = self._lora
+            self._lora_scratch = torch.empty(t * max_sr, dtype=torch.float32)  # alive until the call returns
+            lora = (self.kernels.lora.segments(step.rows, step.seg_start, step.seg_slot, rank, weight_dtype,
+                                               self._lora_scratch), table)
         self.kernels.llama_layers(self._fields, self.num_layers, self.hidden, self.inter, x, residual, scratch,
                                   attn.block_table, attn.query_start, attn.seq_lens, rope_table, self.num_heads,
                                   self.num_kv_heads, self.head_dim, kv_caches[0].shape[3], self.scale, self.eps,
                                   plan=plan, quant_scratch=quant_scratch,
                                   key_mass=attn.mass_buffer(self.num_kv_heads), rope_offset=attn.rope_offset,
-                                  moe=moe, kv_int8=kv_caches[0].dtype == torch.int8)
+                                  moe=moe, kv_int8=kv_caches[0].dtype == torch.int8, lora=lora)
         return x, residual
 
     def _bind_kv(self, kv_caches: list[torch.Tensor]) -> None:

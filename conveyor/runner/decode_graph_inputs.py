@@ -61,6 +61,12 @@ class DecodeGraphInputs:
         self.seq_lens[n:size].fill_(0)
         self.seq_lens_host, self.num_computed_host = list(meta.seq_lens), list(meta.num_computed)
 
+    def pad_all(self, size: int) -> None:
+        """Every one of the first ``size`` rows padding (what a graph is captured over: it writes and reads no KV)."""
+        self.slot_mapping[:size].fill_(-1)
+        self.seq_lens[:size].fill_(0)
+        self.seq_lens_host, self.num_computed_host = [], []
+
     def metadata(self, size: int) -> AttentionMetadata:
         """The attention metadata of a graph of ``size`` rows over these buffers, for the backends that read
         ``device_lens`` (triton): the last ``fill``'s rows, then padding rows (one query, no key: only a

@@ -61,6 +61,24 @@ class ModelRunner:
         self._scored_attention = None  # the step's scoring attention (block_scores) while its scores wait to be returned
         self.draft = None  # runner.draft_model.DraftModel (attach_draft): fills the scheduler's placeholders
         self.lora = None  # runner.lora_slots.LoRASlots (attach_lora): each step's rows of each LoRA adapter
+        self.decode_graphs = None  # runner.decode_graphs.DecodeGraphs (attach_decode_graphs): replayed decode steps
+
+    def attach_decode_graphs(self, max_num_seqs: int, capture: bool = True) -> None:
+        """Run decode-only steps of up to ``max_num_seqs`` requests through CUDA graphs captured now (``--cuda-graphs``;
+        ``capture=False``: through the same padded buffers without a graph, the CPU tests' way)."""
+        from conveyor.runner.decode_graphs import DecodeGraphs
+
+        if not backend_class(self.backend).graph_capturable or (capture and self.device.type != "cuda"):
+            raise ValueError(f"--cuda-graphs needs a CUDA device and the triton attention backend; this engine runs "
+                             f"{self.backend!r} on {self.device}")
+        if self.draft is not None or not self.info.causal:
+            raise ValueError("--cuda-graphs does not run beside a draft model, nor for an encoder")
+        max_blocks = -(-self.info.max_position_embeddings // self.block_size) + 1
+
+        def forward(input_ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
+            return self.model(input_ids, positions, self.kv_caches, make_attention(self.backend, meta, self.dtype))
+
+        self.decode_graphs = DecodeGraphs(forward, max_num_seqs, max_blocks, self.block_size, self.device, capture)
 
     def attach_draft(self, model: torch.nn.Module, info: ModelInfo, attention_backend: str = "auto") -> None:
         """Propose with ``model`` (speculative decoding's draft model), on this runner's blocks."""
@@ -169,7 +187,11 @@ class ModelRunner:
         sample, in ``step.sampling`` order (None when none does), and the logprobs of the prompt tokens this step
         scores for requests that asked (``prompt_logprobs``): those need rows that do not sample, so they are
         taken here, while every row's hidden state is at hand."""
-        if not self.info.causal:  # an encoder: the step's whole sequences packed, attention within each
+        replayed = None if self.decode_graphs is None else self.decode_graphs.run(step, self.lora is not None)
+        if replayed is not None:  # a decode-only step from its CUDA graph
+            hidden = replayed
+            self._scored_attention = None
+        elif not self.info.causal:  # an encoder: the step's whole sequences packed, attention within each
             hidden = self.model(step.input_ids, step.positions, step.token_type_ids, step.attn_meta.query_start_loc)
         else:
             attn = make_attention(self.backend, step.attn_meta, self.dtype, step.padding, step.scored)

@@ -15,7 +15,7 @@ from conveyor import LLM, LoRARequest, SamplingParams
 from conveyor.models.lora_format import AdapterError, LoRABase, read_adapter
 from tests.helpers.checkpoints import save_tiny_llama
 from tests.helpers.families import save_tiny
-from tests.helpers.lora import merged_model, save_random_adapter, teacher_forced_logprobs
+from tests.helpers.lora import merged_model, rounded_adapter, save_random_adapter, teacher_forced_logprobs
 
 pytestmark = pytest.mark.slow
 
@@ -85,6 +85,40 @@ def test_eight_adapters_and_the_base_in_one_batch_equal_peft_merged(llama):
     assert len({tuple(o.outputs[0].token_ids) for o in outs[:3]}) == 3
 
 
+def _tokens_and_logprobs(outs) -> list:
+    return [(o.outputs[0].token_ids, [(lp.logprob, lp.top) for lp in o.outputs[0].logprobs]) for o in outs]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_adapter_steps_run_in_the_native_layer_stack(llama, dtype):
+    """Decode steps with adapter rows run in the one-call native layer stack (the adapter kernel after each of its
+    GEMMs), with results bit-identical to the per-layer path's; slots hold the base's dtype (float32, bfloat16)."""
+    base, loras = llama
+    llm = LLM(str(base), dtype=dtype, enable_lora=True, max_loras=8, enable_prefix_caching=False)
+    model, slots = llm.engine.model, llm.engine.executor.lora
+    assert slots.model.weight_dtype == getattr(torch, dtype)
+    stack = model.native_stack
+    if stack is None:
+        pytest.skip(f"no native layer stack for {dtype} on this CPU")
+    each = [None] + loras
+    prompts = _prompts(len(each), 384)
+    params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=2, ignore_eos=True)
+    with_adapters = []
+    run = stack.run
+    stack.run = lambda *a: with_adapters.append(model.lora.active) or run(*a)
+    try:
+        fused = llm.generate(prompts, params, lora_request=each, use_tqdm=False)
+    finally:
+        del stack.run
+    assert any(with_adapters)  # the decode steps with adapter rows went through the stack
+    model.native_stack = None
+    try:
+        per_layer = llm.generate(prompts, params, lora_request=each, use_tqdm=False)
+    finally:
+        model.native_stack = stack
+    assert _tokens_and_logprobs(fused) == _tokens_and_logprobs(per_layer)
+
+
 @pytest.mark.parametrize("family", ["qwen2", "qwen3"])
 def test_qwen_bases(tmp_path, family):
     base = tmp_path / "base"
@@ -100,7 +134,8 @@ def test_qwen_bases(tmp_path, family):
 
 def test_int8_base_weights(llama, tmp_path):
     """Quantized base weights: the integer GEMM, then the adapters' float products. The oracle is peft's merge on
-    the very weights conveyor computes with (its int8 weights dequantized into the transformers model)."""
+    the very weights conveyor computes with (its int8 weights dequantized into the transformers model, the
+    adapters rounded to bfloat16 as its slots hold them on a quantized base: models.lora_model.adapter_dtype)."""
     base, loras = llama
     llm = LLM(str(base), dtype="float32", quantization="int8", enable_lora=True, max_loras=2,
               max_num_batched_tokens=32)
@@ -128,9 +163,11 @@ def test_int8_base_weights(llama, tmp_path):
             return hf
         from peft import PeftModel
 
-        return PeftModel.from_pretrained(hf, lora.lora_path).merge_and_unload().eval()
+        held = rounded_adapter(Path(lora.lora_path), tmp_path / f"held_{lora.lora_name}", torch.bfloat16)
+        return PeftModel.from_pretrained(hf, held).merge_and_unload().eval()
 
     _check(outs, prompts, each, oracle)
+    assert llm.engine.executor.lora.model.weight_dtype == torch.bfloat16  # a quantized base's adapters
 
 
 def _edit_config(path: Path, **changes) -> None:

@@ -47,3 +47,25 @@ def teacher_forced_logprobs(model, token_ids: list[int]):
     with torch.no_grad():
         logits = model(torch.tensor([token_ids])).logits[0].float()
     return torch.log_softmax(logits, dim=-1)
+
+
+def rounded_adapter(adapter: Path, out: Path, dtype) -> Path:
+    """A copy of ``adapter`` whose weights are what conveyor's adapter slots of ``dtype`` hold: A rounded, B rounded
+    with the scaling folded in (then unfolded: the scalings of the tests' adapters are powers of two, exact)."""
+    import json
+    import math
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    cfg = json.loads((adapter / "adapter_config.json").read_text())
+    r = cfg["r"]
+    scaling = cfg.get("lora_alpha", r) / (math.sqrt(r) if cfg.get("use_rslora") else r)
+    tensors = load_file(adapter / "adapter_model.safetensors")
+    for name, t in tensors.items():
+        s = scaling if "lora_B" in name else 1.0
+        tensors[name] = ((t.float() * s).to(dtype).float() / s).to(t.dtype)
+    out.mkdir(parents=True, exist_ok=True)
+    shutil.copy(adapter / "adapter_config.json", out / "adapter_config.json")
+    save_file(tensors, out / "adapter_model.safetensors")
+    return out

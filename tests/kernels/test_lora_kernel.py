@@ -1,6 +1,6 @@
 """The segmented LoRA kernel (csrc/lora.cpp) against torch, at every ISA level this CPU runs: rows of several
 adapters (and rows of none) in one call, a fused projection's parts each reading its own rank slice, float32 and
-bfloat16; and ``LoRALinear``'s torch path (the per-adapter loop) against the kernel."""
+bfloat16 activations and adapter weights; and ``LoRALinear``'s torch path (the per-adapter loop) against the kernel."""
 
 from __future__ import annotations
 
@@ -28,7 +28,10 @@ def _case(dtype, rows=37, k=96, parts=(64, 48, 48), rank=8, slots=4, seed=0):
     return x, slot_of, spans, weights, n
 
 
-def _reference(x, y0, slot_of, weights, parts):
+def _reference(x, y0, slot_of, weights, parts, weight_dtype=torch.float32):
+    """In float32, on the weights as the slots hold them (bfloat16 slots round each weight once)."""
+    weights = [[None if w is None else tuple(t.to(weight_dtype).float() for t in w) for w in per_part]
+               for per_part in weights]
     out = y0.float().clone()
     for i, s in enumerate(slot_of):
         if s < 0:
@@ -41,11 +44,13 @@ def _reference(x, y0, slot_of, weights, parts):
     return out
 
 
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("segmented", [True, False])
-def test_segments_of_many_adapters_equal_torch(kernels, dtype, segmented):
+def test_segments_of_many_adapters_equal_torch(kernels, dtype, segmented, weight_dtype):
     parts = (64, 48, 48)
-    x, slot_of, spans, weights, n = _case(dtype, parts=parts)
+    # 100 rows over 4 slots and the base: segments of several of the kernel's row blocks (8) and shrink blocks (16)
+    x, slot_of, spans, weights, n = _case(dtype, rows=100, parts=parts)
     base = nn.Linear(x.shape[1], n, bias=False)
     nn.init.zeros_(base.weight)
     step = LoRAStep(kernels, segmented=segmented)
@@ -53,13 +58,14 @@ def test_segments_of_many_adapters_equal_torch(kernels, dtype, segmented):
     for width in parts:
         cols.append((c, c + width))
         c += width
-    lin = LoRALinear(base.to(dtype), step, cols, x.shape[1], num_slots=len(weights), rank=8)
+    lin = LoRALinear(base.to(dtype), step, cols, x.shape[1], num_slots=len(weights), rank=8,
+                     weight_dtype=weight_dtype)
     for s, w in enumerate(weights):
         lin.load_slot(s, w)
     step.set(spans)
     with torch.no_grad():
         y = lin(x)
-    ref = _reference(x, torch.zeros(x.shape[0], n), slot_of, weights, parts)
+    ref = _reference(x, torch.zeros(x.shape[0], n), slot_of, weights, parts, weight_dtype)
     tol = 1e-4 if dtype == torch.float32 else 3e-2  # bfloat16: the one rounding of y's sum
     assert torch.allclose(y.float(), ref, rtol=tol, atol=tol * ref.abs().max().item())
     step.clear()

@@ -174,6 +174,11 @@ def test_a_padded_decode_graph_batch_computes_the_step_and_nothing_else():
         assert not got[n:].any()
         assert_same_written(got_cache, want_cache)
         assert buffers.slot_mapping[n:size].eq(-1).all() and not buffers.seq_lens[n:size].any()
+    buffers.pad_all(8)  # what a graph is captured over: computes zeros, writes nothing
+    got, got_cache = run("triton", buffers.metadata(8), qp[:8].repeat(2, 1, 1)[:8], kp[:8].repeat(2, 1, 1)[:8],
+                         vp[:8].repeat(2, 1, 1)[:8], cache)
+    assert not got.any()
+    assert_same_written(got_cache, cache)
     meta, q, *_ = make_step([(3, 1), (0, 4)], 8, 4, 2, 64)
     with pytest.raises(ValueError, match="one token per request"):
         buffers.fill(8, torch.arange(5), torch.arange(5), meta)
@@ -225,3 +230,35 @@ def test_engine_greedy_tokens_equal_the_reference_backend(tmp_path):
     for (ref_ids, ref_lps), (ids, lps) in zip(outs["reference"], outs["triton"]):
         assert ids == ref_ids
         assert max(abs(a - b) for a, b in zip(lps, ref_lps)) < 1e-4
+
+
+@pytest.mark.slow  # a tiny model through the engine
+def test_decode_steps_through_the_graph_buffers_are_token_identical(tmp_path):
+    """The runner's decode-graph path (runner.decode_graphs) without the capture itself (no GPU): decode-only steps
+    run over the static buffers padded to a captured size, the prefill eagerly; tokens and logprobs as the reference
+    backend's. Where it cannot run, it is refused."""
+    from conveyor import LLM, SamplingParams
+    from tests.helpers.checkpoints import save_tiny_llama
+
+    path = save_tiny_llama(tmp_path / "m", hidden_size=128, num_attention_heads=2, num_key_value_heads=1)
+    # five prompts prefilled in one step, then decode-only steps of 5 (a graph of 8), 4, 3 (of 4), 2, 1 requests
+    prompts = [{"prompt_token_ids": [5 + (i * 11 + j) % 90 for j in range(n)]} for i, n in enumerate((9, 3, 4, 7, 6))]
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True, logprobs=0) for m in (7, 3, 5, 6, 2)]
+    outs = {}
+    for backend in ("reference", "triton"):
+        llm = LLM(str(path), dtype="float32", attention_backend=backend, max_num_seqs=8, max_num_batched_tokens=32,
+                  detokenize=False)
+        if backend == "triton":
+            runner = llm.engine.executor
+            with pytest.raises(ValueError, match="CUDA device"):
+                runner.attach_decode_graphs(8)  # capturing needs a GPU
+            runner.attach_decode_graphs(8, capture=False)
+            assert runner.decode_graphs.plan.sizes == (1, 2, 4, 8)
+        outs[backend] = [(o.outputs[0].token_ids, [lp.logprob for lp in o.outputs[0].logprobs])
+                         for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert runner.decode_graphs.num_replays == 6  # every decode-only step went through the buffers
+    for (ref_ids, ref_lps), (ids, lps) in zip(outs["reference"], outs["triton"]):
+        assert ids == ref_ids
+        assert max(abs(a - b) for a, b in zip(lps, ref_lps)) < 1e-4
+    with pytest.raises(ValueError, match="triton attention backend"):
+        LLM(str(path), dtype="float32", attention_backend="reference", cuda_graphs=True)

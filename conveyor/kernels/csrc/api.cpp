@@ -69,7 +69,8 @@ const char* cvk_struct_layout(int which) {
       CVK_FIELD(CvkLayerStackArgs, quantized), CVK_FIELD(CvkLayerStackArgs, moe_scratch),
       CVK_FIELD(CvkLayerStackArgs, moe_scratch_bytes), CVK_FIELD(CvkLayerStackArgs, moe_inter),
       CVK_FIELD(CvkLayerStackArgs, E), CVK_FIELD(CvkLayerStackArgs, top_k),
-      CVK_FIELD(CvkLayerStackArgs, norm_topk_prob), CVK_FIELD(CvkLayerStackArgs, qk_norm_across_heads)});
+      CVK_FIELD(CvkLayerStackArgs, norm_topk_prob), CVK_FIELD(CvkLayerStackArgs, qk_norm_across_heads),
+      CVK_FIELD(CvkLayerStackArgs, lora), CVK_FIELD(CvkLayerStackArgs, lora_linears)});
   static const std::string qweight = layout<CvkQuantWeight>({
       CVK_FIELD(CvkQuantWeight, qs), CVK_FIELD(CvkQuantWeight, scale), CVK_FIELD(CvkQuantWeight, offset),
       CVK_FIELD(CvkQuantWeight, super_scale), CVK_FIELD(CvkQuantWeight, next), CVK_FIELD(CvkQuantWeight, N),
@@ -93,7 +94,8 @@ const char* cvk_struct_layout(int which) {
       CVK_FIELD(CvkLoraArgs, sub_cols), CVK_FIELD(CvkLoraArgs, scratch), CVK_FIELD(CvkLoraArgs, x_stride),
       CVK_FIELD(CvkLoraArgs, y_stride), CVK_FIELD(CvkLoraArgs, K), CVK_FIELD(CvkLoraArgs, N),
       CVK_FIELD(CvkLoraArgs, SR), CVK_FIELD(CvkLoraArgs, R), CVK_FIELD(CvkLoraArgs, num_segs),
-      CVK_FIELD(CvkLoraArgs, num_subs), CVK_FIELD(CvkLoraArgs, dtype), CVK_FIELD(CvkLoraArgs, num_threads)});
+      CVK_FIELD(CvkLoraArgs, num_subs), CVK_FIELD(CvkLoraArgs, dtype), CVK_FIELD(CvkLoraArgs, num_threads),
+      CVK_FIELD(CvkLoraArgs, w_dtype)});
   static const std::string enc = layout<CvkEncoderAttnArgs>({
       CVK_FIELD(CvkEncoderAttnArgs, q), CVK_FIELD(CvkEncoderAttnArgs, k), CVK_FIELD(CvkEncoderAttnArgs, v),
       CVK_FIELD(CvkEncoderAttnArgs, out), CVK_FIELD(CvkEncoderAttnArgs, cu_seqlens),

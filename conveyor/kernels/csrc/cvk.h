@@ -9,7 +9,7 @@
 
 #include <stdint.h>
 
-#define CVK_ABI_VERSION 16
+#define CVK_ABI_VERSION 17
 
 enum {
   CVK_OK = 0,
@@ -96,12 +96,19 @@ typedef struct CvkLayerStackArgs {
   void* moe_scratch;
   int64_t moe_scratch_bytes, moe_inter;
   int32_t E, top_k, norm_topk_prob, qk_norm_across_heads;
+  /* LoRA adapters (NULL: none; dense models only): lora holds the step's segments as cvk_lora_apply takes them
+   * (rows, seg_start, seg_slot, scratch for T x the largest SR floats, num_segs, R, w_dtype); lora_linears int64
+   * [L][4][4], per layer and linear (qkv, o, gate_up, down): its adapters' a, b, sub_cols and num_subs (a = 0: none
+   * on it). After each such linear's GEMM the stack adds the rows' low-rank products to its output, as the
+   * per-layer path's LoRALinear does (layers/lora.py); a gate_up with adapters runs unfused (gate_up, then act). */
+  const struct CvkLoraArgs* lora;
+  const int64_t* lora_linears;
 } CvkLayerStackArgs;
 
 #ifdef __cplusplus
 static_assert(sizeof(void*) == 8, "the Python mirrors assume 64-bit pointers");
 static_assert(sizeof(CvkAttnArgs) == 15 * 8 + 7 * 8 + 10 * 4, "CvkAttnArgs changed: bump CVK_ABI_VERSION");
-static_assert(sizeof(CvkLayerStackArgs) == sizeof(CvkAttnArgs) + 9 * 8 + 3 * 8 + 4 * 4 + 3 * 8 + 4 * 4,
+static_assert(sizeof(CvkLayerStackArgs) == sizeof(CvkAttnArgs) + 9 * 8 + 3 * 8 + 4 * 4 + 3 * 8 + 4 * 4 + 2 * 8,
               "CvkLayerStackArgs changed: bump CVK_ABI_VERSION");
 #endif
 
@@ -175,22 +182,22 @@ typedef struct CvkMoeArgs {
 } CvkMoeArgs;
 
 /* Many LoRA adapters in one step (cvk_lora_apply, lora.cpp): for each segment s (rows[seg_start[s] ..
- * seg_start[s + 1]), all of adapter slot seg_slot[s]) y[row] += (x[row] A[slot]) B[slot], with A float32
- * [slots][K][SR] and B float32 [slots][SR][N] (the adapter's scaling folded in), SR = num_subs x R: the columns
- * [sub_cols[p], sub_cols[p + 1]) of y (one part of a fused projection) read rank slice p of the shrink only.
+ * seg_start[s + 1]), all of adapter slot seg_slot[s]) y[row] += (x[row] A[slot]) B[slot], with A [slots][K][SR]
+ * and B [slots][SR][N] of w_dtype (CVK_F32 or CVK_BF16; the adapter's scaling folded in), SR = num_subs x R: the
+ * columns [sub_cols[p], sub_cols[p + 1]) of y (one part of a fused projection) read rank slice p of the shrink only.
  * x and y are dtype, rows x_stride / y_stride elements apart; scratch float32 [M][SR], M = seg_start[num_segs]. */
 typedef struct CvkLoraArgs {
   const void* x;
   void* y;
-  const float* a;
-  const float* b;
+  const void* a;
+  const void* b;
   const int64_t* rows;
   const int64_t* seg_start;
   const int64_t* seg_slot;
   const int64_t* sub_cols;
   float* scratch;
   int64_t x_stride, y_stride, K, N, SR, R, num_segs, num_subs;
-  int32_t dtype, num_threads;
+  int32_t dtype, num_threads, w_dtype;
 } CvkLoraArgs;
 
 /* Bidirectional (non-causal) attention over a step's packed sequences (cvk_encoder_attention,
@@ -218,7 +225,8 @@ enum { CVK_STRUCT_ATTN_ARGS = 0, CVK_STRUCT_LAYER_STACK_ARGS = 1, CVK_STRUCT_QUA
 #ifdef __cplusplus
 static_assert(sizeof(CvkQuantWeight) == 5 * 8 + 3 * 8 + 2 * 4, "CvkQuantWeight changed: bump CVK_ABI_VERSION");
 static_assert(sizeof(CvkQuantGemmArgs) == 5 * 8 + 4 * 8 + 2 * 4, "CvkQuantGemmArgs changed: bump CVK_ABI_VERSION");
-static_assert(sizeof(CvkLoraArgs) == 9 * 8 + 8 * 8 + 2 * 4, "CvkLoraArgs changed: bump CVK_ABI_VERSION");
+static_assert(sizeof(CvkLoraArgs) == 9 * 8 + 8 * 8 + 4 * 4 /* 3 int32, padding */,
+              "CvkLoraArgs changed: bump CVK_ABI_VERSION");
 static_assert(sizeof(CvkEncoderAttnArgs) == 5 * 8 + 4 * 8 + 7 * 4 + 4 /* tail padding */,
               "CvkEncoderAttnArgs changed: bump CVK_ABI_VERSION");
 static_assert(sizeof(CvkMoeArgs) == 5 * 8 + 5 * 8 + 5 * 4 + 4, "CvkMoeArgs changed: bump CVK_ABI_VERSION");

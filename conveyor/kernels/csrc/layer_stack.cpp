@@ -18,8 +18,10 @@ namespace cvk {
 //   rmsnorm of each q and k head in place; rope + KV write + attention(qkv, the layer's window) -> attn;
 //   x = attn Wo^T (+b); h = rmsnorm(residual += x); gu = h Wgu^T (+b); act = silu(gate) * up; x = act Wdown^T (+b)
 // or, for a mixture of experts, logits = h Wrouter^T and x = cvk_moe(h, logits) (moe.cpp),
-// so the results are bit-identical to it. On entry `residual` holds the embeddings; on return `x` holds the last
-// layer's output and `residual` the stream before it (the final norm stays in Python).
+// so the results are bit-identical to it. With LoRA adapters (s.lora) each linear's GEMM is followed by the
+// segmented adapter kernel (lora.cpp) on that linear's input and output, again as the per-layer path orders it.
+// On entry `residual` holds the embeddings; on return `x` holds the last layer's output and `residual` the stream
+// before it (the final norm stays in Python).
 // Arguments: CvkLayerStackArgs (cvk.h). Per-layer pointers come as one int64 array, field-major (fields[f * L + layer]), fields in this order:
 //   0 input-norm weight, 1 qkv packed weight, 2 qkv bias (0: none), 3 o packed, 4 o bias, 5 post-norm weight,
 //   6 gate_up packed, 7 gate_up bias, 8 down packed, 9 down bias, 10 q-norm weight (0: none), 11 k-norm weight,
@@ -60,6 +62,7 @@ int llama_layers(const CvkLayerStackArgs& s) {
   if (bf16_float && (hidden % 2 != 0 || inter % 2 != 0 || (int64_t(H) * D) % 2 != 0))
     return CVK_ERR_BADARG;  // the packed pairs of k
   if (!attention_supports(H, KVH, D)) return CVK_ERR_UNSUPPORTED;
+  if (s.lora != nullptr && (s.E > 0 || s.lora_linears == nullptr)) return CVK_ERR_BADARG;  // dense models only
   if (s.E > 0 && (dtype != CVK_F32 || s.moe_scratch == nullptr ||
                   s.moe_scratch_bytes < moe_logits_bytes(T, s.E) + moe_scratch_bytes(T, hidden, s.moe_inter, s.E,
                                                                                          s.top_k, dtype)))
@@ -78,6 +81,29 @@ int llama_layers(const CvkLayerStackArgs& s) {
     else
       amx_gemm_bf16(static_cast<const uint16_t*>(in), K, T, static_cast<const uint16_t*>(ptr(wf, layer)),
                     static_cast<const uint16_t*>(ptr(bf, layer)), static_cast<uint16_t*>(out), N, N, K, num_threads);
+  };
+  // LoRA adapters (s.lora; cvk.h): after a linear's GEMM, each adapter row's low-rank product added to its
+  // output by the same kernel call the per-layer path's LoRALinear makes, so adapter steps keep the one-call stack.
+  enum { LL_QKV, LL_O, LL_GU, LL_DOWN, LL_LINEARS };
+  auto has_lora = [&](int layer, int which) {
+    return s.lora != nullptr && s.lora_linears[(int64_t(layer) * LL_LINEARS + which) * 4] != 0;
+  };
+  auto lora = [&](int layer, int which, const void* in, int64_t K, void* out, int64_t N) {
+    if (!has_lora(layer, which)) return int(CVK_OK);
+    const int64_t* e = s.lora_linears + (int64_t(layer) * LL_LINEARS + which) * 4;
+    CvkLoraArgs a = *s.lora;
+    a.x = in;
+    a.y = out;
+    a.a = reinterpret_cast<const void*>(e[0]);
+    a.b = reinterpret_cast<const void*>(e[1]);
+    a.sub_cols = reinterpret_cast<const int64_t*>(e[2]);
+    a.num_subs = e[3];
+    a.SR = a.R * a.num_subs;
+    a.x_stride = a.K = K;
+    a.y_stride = a.N = N;
+    a.dtype = dtype;
+    a.num_threads = num_threads;
+    return lora_apply(a);  // on this region's team (on_team); its checks depend on the inputs only
   };
   auto norm = [&](const void* in, const void* w, bool add) {
     add_rmsnorm(dtype, in, hidden, residual, w, h, T, hidden, eps, add, num_threads);
@@ -102,6 +128,7 @@ int llama_layers(const CvkLayerStackArgs& s) {
   for (int l = 0; l < L; l++) {
     norm(l == 0 ? residual : x, ptr(LW_IN_NORM, l), l > 0);
     gemm(h, hidden, l, LW_QKV, LW_QKV_B, s.qkv, qkv_n);
+    int lrc = lora(l, LL_QKV, h, hidden, s.qkv, qkv_n);
     if (ptr(LW_Q_NORM, l) != nullptr && s.qk_norm_across_heads) {  // one row of all heads each, as per layer
       rmsnorm_heads(dtype, s.qkv, qkv_n, T, 1, H * D, ptr(LW_Q_NORM, l), eps, num_threads);
       rmsnorm_heads(dtype, qkv_c + q_n * es, qkv_n, T, 1, KVH * D, ptr(LW_K_NORM, l), eps, num_threads);
@@ -124,6 +151,7 @@ int llama_layers(const CvkLayerStackArgs& s) {
       break;
     }
     gemm(attn, q_n, l, LW_O, LW_O_B, x, hidden);
+    lrc = lrc != 0 ? lrc : lora(l, LL_O, attn, q_n, x, hidden);
     norm(x, ptr(LW_POST_NORM, l), true);
     if (ptr(LW_ROUTER, l) != nullptr) {  // a mixture: the router's logits, then the experts they choose
       float* logits = static_cast<float*>(s.moe_scratch);
@@ -152,12 +180,14 @@ int llama_layers(const CvkLayerStackArgs& s) {
       }
       continue;
     }
-    if (bf16_float && !bf16_amx && !is_quant(LW_GU, l) && inter % NBLK == 0) {  // fused as on AMX below
+    // fused as on AMX below (a gate_up with adapters runs unfused: gate_up, its adapters, then act)
+    if (bf16_float && !bf16_amx && !is_quant(LW_GU, l) && !has_lora(l, LL_GU) && inter % NBLK == 0) {
       skinny_gemm_bf16dot(static_cast<const uint16_t*>(h), hidden, T, static_cast<const uint16_t*>(ptr(LW_GU, l)),
                           static_cast<const uint16_t*>(ptr(LW_GU_B, l)), static_cast<uint16_t*>(act), inter, inter,
                           hidden, num_threads, /*swiglu=*/true);
-    } else if (!bf16_amx || is_quant(LW_GU, l)) {
+    } else if (!bf16_amx || is_quant(LW_GU, l) || has_lora(l, LL_GU)) {
       gemm(h, hidden, l, LW_GU, LW_GU_B, gu, 2 * inter);
+      lrc = lrc != 0 ? lrc : lora(l, LL_GU, h, hidden, gu, 2 * inter);
       silu_mul(dtype, gu, act, T, inter, num_threads);
     } else {
       amx_gemm_bf16(static_cast<const uint16_t*>(h), hidden, T, static_cast<const uint16_t*>(ptr(LW_GU, l)),
@@ -165,6 +195,12 @@ int llama_layers(const CvkLayerStackArgs& s) {
                     num_threads, /*swiglu=*/true);
     }
     gemm(act, inter, l, LW_DOWN, LW_DOWN_B, x, hidden);
+    lrc = lrc != 0 ? lrc : lora(l, LL_DOWN, act, inter, x, hidden);
+    if (lrc != 0) {  // a bad LoRA argument: the same on every thread, so the team stops together
+#pragma omp atomic write
+      rc = lrc;
+      break;
+    }
   }
   free(own_plan);
   return rc;

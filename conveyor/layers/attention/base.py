@@ -66,7 +66,9 @@ class AttentionBackendType(Protocol):
     and the key-mass pass read through it); ``cache_needs_zeroing``, whether the runner must zero the caches;
     ``evicts_in_kernel``, whether its kernels score keys and rotate eviction's shifted slots themselves (else a
     step under KV eviction is wrapped in ``KeyMassAttention`` and the model rotates by position);
-    ``kv_cache_dtypes``, the ``--kv-cache-dtype`` values its kernels read (``kv_quant``: int8 rows with scales).
+    ``kv_cache_dtypes``, the ``--kv-cache-dtype`` values its kernels read (``kv_quant``: int8 rows with scales);
+    ``graph_capturable``, whether a CUDA graph may capture its step objects: built over ``AttentionMetadata``'s
+    ``device_lens``, they launch the same kernels over the same addresses at every call (``runner.decode_graphs``).
     """
 
     name: str
@@ -76,6 +78,7 @@ class AttentionBackendType(Protocol):
     fuses_rope: bool
     supports_layer_stack: bool
     evicts_in_kernel: bool
+    graph_capturable: bool
 
     def for_step(self, meta: AttentionMetadata, dtype: torch.dtype,
                  scored: dict[int, int] | None = None) -> AttentionBackend:

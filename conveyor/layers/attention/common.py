@@ -74,6 +74,7 @@ class TorchAttention:
     fuses_rope = False
     supports_layer_stack = False
     evicts_in_kernel = False
+    graph_capturable = False  # builds its step's tensors from host lists (a copy a graph cannot replay)
 
     def __init__(self, meta: AttentionMetadata, dtype: torch.dtype = torch.float32) -> None:
         self.meta = meta

@@ -32,6 +32,7 @@ class NativeCpuAttention:
     cache_needs_zeroing = False
     supports_layer_stack = True
     evicts_in_kernel = True  # scores keys and rotates shifted slots itself (module doc)
+    graph_capturable = False  # a CPU backend: no CUDA graphs
     # Head-major blocks, [2, num_blocks, num_kv_heads, block_size, head_dim]: one head's keys of a block are
     # contiguous, the rows the kernel's dot products stream.
     kv_layout = HEAD_MAJOR

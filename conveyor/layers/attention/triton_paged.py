@@ -44,6 +44,7 @@ class TritonAttention(TorchAttention):
     """``forward``: the Triton KV write, then one Triton launch for every query row of the step."""
 
     name = "triton"
+    graph_capturable = True  # with AttentionMetadata.device_lens, nothing of a call depends on host data
 
     def __init__(self, meta: AttentionMetadata, dtype: torch.dtype = torch.float32) -> None:
         from conveyor.kernels import triton_attention  # imports Triton: only where this backend was chosen
