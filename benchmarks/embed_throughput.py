@@ -5,7 +5,7 @@ sentence-transformers' ``encode`` on the same threads and, given its binary, lla
 
     python benchmarks/embed_throughput.py [--passages 10000] [--rounds 3] [--threads 2] [--dtype auto] \
         [--llama-server PATH/llama-server --gguf PATH/minilm-f32.gguf [--gguf PATH/minilm-f16.gguf ...]] \
-        [--sdpa-baseline]
+        [--sdpa-baseline] [--full-warmup]
 
 Every system embeds the same passages whole (no truncation: sentence-transformers' max_seq_length and conveyor's
 max_model_len are raised to 512, the model's positions; llama-server's context is the GGUF's 512). The passages are
@@ -94,6 +94,8 @@ def main() -> int:
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--st-batch-size", type=int, default=32)
     ap.add_argument("--st-bfloat16", action="store_true")
+    ap.add_argument("--full-warmup", action="store_true",
+                    help="warm every system up on all the passages, not 64 (every padded batch shape seen once)")
     ap.add_argument("--sdpa-baseline", action="store_true",
                     help="also run conveyor with one torch SDPA call per sequence instead of the native attention")
     ap.add_argument("--llama-server", default=None)
@@ -143,7 +145,7 @@ def main() -> int:
     rates: dict[str, list[float]] = {name: [] for name in systems}
     try:
         for name, run in systems.items():
-            run(passages[:64])  # warm-up: kernels, oneDNN's JIT
+            run(passages if ns.full_warmup else passages[:64])  # warm-up: kernels, oneDNN's JIT
         for r in range(ns.rounds):
             for name, run in systems.items():
                 start = time.perf_counter()

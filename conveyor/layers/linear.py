@@ -22,7 +22,7 @@ model's workload took 7.8% less on the best of 4 alternated rounds with 96 rows 
 steps of 100-128 rows took 7-33% less on the best of 8 (6-16% on the median; bench model and SmolLM2 float32,
 SmolLM2 bfloat16 on AMX, alternated in one engine) with 128 than with 96. At 192-256 rows it ranged from 15% less
 to 16% more, so the limit stops at 128 (which also bounds the packed-x scratch). Without AMX, bfloat16 on
-VDPBF16PS outran oneDNN's GEMM at 2-128 rows on Zen 5 and its layer stack's decode steps took 0.60-0.78x the
+VDPBF16PS outran oneDNN's GEMM at 1-128 rows on Zen 5 (in most runs of a loaded machine) and its layer stack's decode steps took 0.60-0.78x the
 per-layer oneDNN path's time at batch 1-64 (docs/kernels.md), so its limit is 128 too; below the avx512bf16 level
 (AVX2-only CPUs) bfloat16 stays on oneDNN.
 
