@@ -227,5 +227,30 @@ inline void group_dot_q6(const uint8_t* qs, const int8_t* sub, const uint16_t* s
   for (int r = 0; r < R; r++) _mm512_storeu_ps(out + r * 16, acc[r]);
 }
 
+// W8A8 (CVK_W8A8, gemm_w8a8.cpp): per-token 8-bit activations against per-channel int8 weights, whole-K integer
+// sums. At this width the loop is served (kW8a8Dot); the AVX2 level has no such loop and leaves W8A8 to oneDNN.
+constexpr bool kW8a8Dot = true;
+constexpr int kW8a8Rows = 8;  // 8 weight + 8 accumulator vectors + temporaries: the weights read once per 8 rows
+
+// out[r][0..16) = sum over k of w[k][c] x_r[k] for one group of 16 columns (qs: its nb blocks of 8 quads, bytes q +
+// 128) and R rows of int8 activations (KP values each). Exact in int32 for K < 65536. With VPDPBUSD digit_dot
+// gives sum((q + 128) x), so `unsigned_w` tells the caller to take 128 sum(x) back; without VNNI it gives
+// sum(q x) (kSignedQ8Dot). prefetch: ask for the weights kPrefetchBlocks ahead, on the first pass over a group.
+template <int R>
+inline void w8a8_group_dot(const uint8_t* qs, const int8_t* const* x, int64_t nb, int32_t* out, bool prefetch) {
+  __m512i acc[R];
+  for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_si512();
+  for (int64_t j = 0; j < nb; j++) {
+    if (prefetch) {
+      const uintptr_t q = reinterpret_cast<uintptr_t>(qs) + uintptr_t((j + kPrefetchBlocks) * 512);
+      for (int b = 0; b < 512; b += 64) _mm_prefetch(reinterpret_cast<const char*>(q + b), _MM_HINT_T1);
+    }
+    __m512i w[8];
+    load_block<false>(qs + j * 512, w);
+    for (int r = 0; r < R; r++) acc[r] = _mm512_add_epi32(acc[r], digit_dot<false>(w, x[r] + j * 32));
+  }
+  for (int r = 0; r < R; r++) _mm512_storeu_si512(out + r * 16, acc[r]);
+}
+
 }  // namespace qdot
 }  // namespace cvk
