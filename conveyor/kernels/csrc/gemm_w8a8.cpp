@@ -74,11 +74,26 @@ inline W8a8Row row_at(const char* scratch, int64_t rb, int64_t KP, int64_t m) {
 }
 
 template <int R>
-inline void group_dot_upto(int r, const uint8_t* qs, const int8_t* const* x, int64_t nb, int32_t* out, bool prefetch) {
+inline void pair_dot_upto(int r, const uint8_t* qa, const uint8_t* qb, const int8_t* const* x, int64_t nb,
+                          int32_t* out_a, int32_t* out_b, bool prefetch) {
   if constexpr (R > 1) {
-    if (r < R) return group_dot_upto<R - 1>(r, qs, x, nb, out, prefetch);
+    if (r < R) return pair_dot_upto<R - 1>(r, qa, qb, x, nb, out_a, out_b, prefetch);
   }
-  qdot::w8a8_group_dot<R>(qs, x, nb, out, prefetch);
+  qdot::w8a8_group_dot<R>(qa, qb, x, nb, out_a, out_b, prefetch);
+}
+
+// Group g's rows m0 .. m0 + r - 1 (acc: their integer sums, 16 a row) through the epilogue into y.
+template <typename T>
+inline void store_group(int32_t* acc, const W8a8Row* rows, int r, int64_t g, int64_t N, const float* w_scale,
+                        const T* bias, T* y, int64_t y_stride, int64_t m0) {
+  const int nc = int(std::min<int64_t>(QG, N - g * QG));
+  for (int i = 0; i < r; i++) {
+    int32_t* ai = acc + i * QG;
+    if constexpr (!qdot::kSignedQ8Dot)  // VPDPBUSD multiplied q + 128: take 128 sum(x) back
+      for (int c = 0; c < QG; c++) ai[c] -= 128 * rows[i].sum;
+    store_row(ai, nc, rows[i].scale, w_scale + g * QG, bias == nullptr ? nullptr : bias + g * QG,
+              y + (m0 + i) * y_stride + g * QG);
+  }
 }
 
 template <typename T>
@@ -100,13 +115,16 @@ void gemm_impl(const CvkQuantGemmArgs& a) {
     }
     int64_t n0 = 0;
     for (const CvkQuantWeight* part = a.w; part != nullptr; n0 += part->N, part = part->next) {
-      const int64_t N = part->N, groups = (N + QG - 1) / QG;
+      const int64_t N = part->N, groups = (N + QG - 1) / QG, pairs = (groups + 1) / 2;
       const float* w_scale = static_cast<const float*>(part->scale);
       const T* bias = a.bias != nullptr ? static_cast<const T*>(a.bias) + n0 : nullptr;
+      T* y = static_cast<T*>(a.y) + n0;
+      // pairs of groups (an odd last group is paired with itself and stored once)
 #pragma omp for schedule(static)
-      for (int64_t g = 0; g < groups; g++) {
-        const int nc = int(std::min<int64_t>(QG, N - g * QG));
-        const uint8_t* qs = static_cast<const uint8_t*>(part->qs) + g * nb * 512;
+      for (int64_t p = 0; p < pairs; p++) {
+        const int64_t ga = 2 * p, gb = std::min(2 * p + 1, groups - 1);
+        const uint8_t* qa = static_cast<const uint8_t*>(part->qs) + ga * nb * 512;
+        const uint8_t* qb = static_cast<const uint8_t*>(part->qs) + gb * nb * 512;
         for (int64_t m0 = 0; m0 < M; m0 += R) {
           const int r = int(std::min<int64_t>(R, M - m0));
           W8a8Row rows[R];
@@ -115,15 +133,10 @@ void gemm_impl(const CvkQuantGemmArgs& a) {
             rows[i] = row_at(scratch, rb, KP, m0 + i);
             xq[i] = rows[i].q;
           }
-          alignas(64) int32_t acc[R * QG];
-          group_dot_upto<R>(r, qs, xq, nb, acc, /*prefetch=*/m0 == 0);
-          for (int i = 0; i < r; i++) {
-            int32_t* ai = acc + i * QG;
-            if constexpr (!qdot::kSignedQ8Dot)  // VPDPBUSD multiplied q + 128: take 128 sum(x) back
-              for (int c = 0; c < QG; c++) ai[c] -= 128 * rows[i].sum;
-            store_row(ai, nc, rows[i].scale, w_scale + g * QG, bias == nullptr ? nullptr : bias + g * QG,
-                      static_cast<T*>(a.y) + (m0 + i) * a.y_stride + n0 + g * QG);
-          }
+          alignas(64) int32_t acc_a[R * QG], acc_b[R * QG];
+          pair_dot_upto<R>(r, qa, qb, xq, nb, acc_a, acc_b, /*prefetch=*/m0 == 0);
+          store_group(acc_a, rows, r, ga, N, w_scale, bias, y, a.y_stride, m0);
+          if (gb != ga) store_group(acc_b, rows, r, gb, N, w_scale, bias, y, a.y_stride, m0);
         }
       }
     }
