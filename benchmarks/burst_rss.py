@@ -73,8 +73,9 @@ class ProcessPeaks:
         return self.peaks
 
 
-def run_one(name: str, cmd: list[str], port: int, env: dict | None, workload: Workload, ns) -> dict:
-    server = sbs.Server(name, cmd, port, tempfile.mkdtemp(prefix="burst-rss-"), env)
+def run_one(name: str, cmd: list[str], port: int, env: dict | None, workload: Workload, ns,
+            cwd: str = sbs.REPO) -> dict:
+    server = sbs.Server(name, cmd, port, tempfile.mkdtemp(prefix="burst-rss-"), env, cwd)
     try:
         server.wait_ready(ns.ready_timeout)
         idle = ProcessPeaks(server.proc.pid).sample()
@@ -86,7 +87,9 @@ def run_one(name: str, cmd: list[str], port: int, env: dict | None, workload: Wo
         peak = peaks.stop()
     finally:
         server.stop()
-    return dict(name=name, idle=idle, peak=peak, burst_s=duration, short=len(short))
+    row = dict(name=name, idle=idle, peak=peak, burst_s=duration, short=len(short))
+    print(f"[burst rss] {row}", file=sys.stderr, flush=True)
+    return row
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -110,9 +113,10 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for tree in ns.tree or [sbs.REPO]:
         port = sbs.free_port()
-        env = {**os.environ, "PYTHONPATH": os.path.abspath(tree)}
-        rows.append(run_one(f"conveyor ({os.path.basename(os.path.abspath(tree))})",
-                            sbs.conveyor_cmd(ns.gguf, port, ns.threads, ns.conveyor_arg), port, env, workload, ns))
+        tree = os.path.abspath(tree)  # also the server's working directory: `python -m` imports from there first
+        env = {**os.environ, "PYTHONPATH": tree}
+        rows.append(run_one(f"conveyor ({os.path.basename(tree)})", sbs.conveyor_cmd(ns.gguf, port, ns.threads,
+                            ns.conveyor_arg), port, env, workload, ns, tree))
     if ns.llama_server:
         port = sbs.free_port()
         ctx = sbs.slot_context(workload, ns.output_tokens, first.prompt_len)
