@@ -107,7 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ready-timeout", type=float, default=300.0)
     ns = ap.parse_args(argv)
     workload = load_workload(ns.trace)
-    first = sbs.batch1_prompt(workload)
+    # llama-server's context: the whole trace's (as gguf_side_by_side.py gives it), however many requests are sent
+    ctx = sbs.slot_context(workload, ns.output_tokens, sbs.batch1_prompt(workload).prompt_len)
     if ns.num_requests:
         workload = Workload(workload.name, workload.requests[: ns.num_requests], workload.seed)
     rows = []
@@ -119,7 +120,6 @@ def main(argv: list[str] | None = None) -> int:
                             ns.conveyor_arg), port, env, workload, ns, tree))
     if ns.llama_server:
         port = sbs.free_port()
-        ctx = sbs.slot_context(workload, ns.output_tokens, first.prompt_len)
         rows.append(run_one("llama-server", sbs.llama_server_cmd(ns.llama_server, ns.gguf, port, ns.threads, ctx,
                                                                  ns.llama_server_arg), port, None, workload, ns))
     gib = 2**30
