@@ -4,13 +4,15 @@ all-MiniLM-L6-v2`` (each model in its own engine process, the default layout), a
 in alternating rounds alone and beside closed-loop embedding clients.
 
     python benchmarks/embed_chat_tpot.py [--chat-model conveyor-embedded-llama-40m-random] [--rounds 2] \
-        [--num-requests 40] [--request-rate 4] [--embed-clients 2] [--embed-batch 16] [--threads 2]
+        [--num-requests 40] [--request-rate 4] [--embed-clients 2] [--embed-batch 16] [--threads 2] \
+        [--embedding-cpu-priority auto|idle|low|normal]
 
 The chat requests are the first ``--num-requests`` of ``longtail_v1`` (``conveyor bench serve``'s client and
 metrics: TPOT as vLLM defines it), sent at ``--request-rate`` req/s (Poisson, the same seed every round). In the
 "with embeddings" rounds, ``--embed-clients`` clients post ``/v1/embeddings`` requests of ``--embed-batch`` passages
 of 20-256 tokens (``benchmarks/embed_throughput.py``'s, up to the served limit) back to back for as long as the chat trace runs; their
 passages/s is printed. Prints TPOT p50 / p99 per round and the medians; report ``uptime`` beside them.
+``--embedding-cpu-priority`` is passed to ``conveyor serve`` (auto: the embedding engine at SCHED_IDLE).
 """
 
 from __future__ import annotations
@@ -28,14 +30,15 @@ import urllib.request
 from benchmarks.embed_throughput import make_passages, minilm_dir
 
 
-def start_server(chat_model: str, threads: int, port: int) -> subprocess.Popen:
+def start_server(chat_model: str, threads: int, port: int, priority: str) -> subprocess.Popen:
     try:
         urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)
         raise SystemExit(f"something already serves port {port}: pass another --port")
     except OSError:
         pass  # free, as it should be
     cmd = [sys.executable, "-m", "conveyor", "serve", "--model", chat_model, "--embedding-model", minilm_dir(),
-           "--embedding-served-model-name", "minilm", "--num-threads", str(threads), "--host", "127.0.0.1",
+           "--embedding-served-model-name", "minilm", "--embedding-cpu-priority", priority,
+           "--num-threads", str(threads), "--host", "127.0.0.1",
            "--port", str(port)]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     for _ in range(1200):
@@ -99,6 +102,7 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--port", type=int, default=8937)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--embedding-cpu-priority", default="auto", choices=("auto", "idle", "low", "normal"))
     ns = ap.parse_args()
     from conveyor.bench.workload import Workload, load_workload
     from conveyor.tokenizer import load_tokenizer
@@ -106,10 +110,11 @@ def main() -> int:
     trace = load_workload("longtail_v1")
     workload = Workload(trace.name, trace.requests[:ns.num_requests], trace.seed)
     passages = make_passages(load_tokenizer(minilm_dir()), 512, 20, 256)  # the server's limit: MiniLM's 256
-    server = start_server(ns.chat_model, ns.threads, ns.port)
+    server = start_server(ns.chat_model, ns.threads, ns.port, ns.embedding_cpu_priority)
     base_url = f"http://127.0.0.1:{ns.port}"
     print(f"chat: {ns.chat_model}, {len(workload.requests)} requests of longtail_v1 at {ns.request_rate:g} req/s; "
-          f"embeddings: {ns.embed_clients} clients x {ns.embed_batch} passages; uptime: "
+          f"embeddings: {ns.embed_clients} clients x {ns.embed_batch} passages, CPU priority "
+          f"{ns.embedding_cpu_priority}; uptime: "
           f"{os.popen('uptime').read().strip()}", flush=True)
     results: dict[str, list[dict]] = {"chat alone": [], "chat + embeddings": []}
     try:
