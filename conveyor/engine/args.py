@@ -40,7 +40,9 @@ class EngineArgs:
                               "(AVX512_BF16 / AMX), else float32", choices=DTYPE_CHOICES)
     quantization: str = _arg("auto", "auto: a GGUF file's weights stay in their blocks and run on the integer "
                                      "kernels (CPU); none: dequantize them into --dtype; int8: quantize a float "
-                                     "checkpoint's linear layers to per-channel int8 at load",
+                                     "checkpoint's linear layers to per-channel int8 at load (activations 15-bit per "
+                                     "block); w8a8: the same int8 weights against 8-bit activations per token, as "
+                                     "vLLM's W8A8",
                              choices=QUANTIZATION_CHOICES)
     device: str = _arg("auto", '"auto" (CUDA when available, else CPU), "cpu", "cuda", ...')
     seed: int = _arg(0, "seed of unseeded sampling and of the embedded model's random weights")
