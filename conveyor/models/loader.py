@@ -38,9 +38,11 @@ def load_model(model: str | None, dtype: str | torch.dtype = "float32", device: 
 
     ``quantization`` (``models.quantize``): "auto" keeps a GGUF file's weights in their blocks where the CPU
     kernels have them (else dequantizes, as "none" always does); "int8" quantizes a float checkpoint's linear
-    layers to per-channel int8. Quantized weights need the native CPU kernels: elsewhere "auto" dequantizes and
-    "int8" is a ValueError. ``convert`` and ``pooler_config`` (``models.pooling_config``) say what a model serves
-    where its checkpoint does not (``ModelInfo.task`` / ``pooling``).
+    layers to per-channel int8 (activations 15-bit per block), "w8a8" to the same weights against 8-bit
+    activations per token, as vLLM's W8A8 (``layers.w8a8``). Quantized weights need the native CPU kernels:
+    elsewhere "auto" dequantizes and "int8" / "w8a8" are a ValueError. ``convert`` and ``pooler_config``
+    (``models.pooling_config``) say what a model serves where its checkpoint does not (``ModelInfo.task`` /
+    ``pooling``).
 
     Raises FileNotFoundError for a missing model / config / weights (``ModelNotInstalledError`` for a named model
     whose package is missing), ValueError (``GGUFError`` for GGUF files) for an unsupported architecture or
@@ -54,24 +56,25 @@ def load_model(model: str | None, dtype: str | torch.dtype = "float32", device: 
         from conveyor.kernels import load_cpu_kernels
 
         kernels = load_cpu_kernels()
-    if quantization == "int8" and kernels is None:
-        raise ValueError("--quantization int8 runs on the native CPU kernels, which are not available here "
-                         f"(device {device}); use --quantization none")
-    if quantization == "int8" and source.kind == "gguf":
+    int8 = quantization in ("int8", "w8a8")
+    if int8 and kernels is None:
+        raise ValueError(f"--quantization {quantization} runs on the native CPU kernels, which are not available "
+                         f"here (device {device}); use --quantization none")
+    if int8 and source.kind == "gguf":
         raise ValueError(f"{source.path} is a GGUF file, already quantized: --quantization auto keeps its blocks, "
-                         "none dequantizes them; int8 is for float checkpoints")
+                         f"none dequantizes them; {quantization} is for float checkpoints")
     keep_quantized = kernels if quantization == "auto" else None
     done: list[str] = []
     st, matryoshka, gguf_pooling, sources = {}, (), None, ()
     if source.kind == "embedded":
-        torch_dtype, why = choose_dtype(dtype, device, quantized=quantization == "int8")
+        torch_dtype, why = choose_dtype(dtype, device, quantized=int8)
         net, info = load_embedded(torch_dtype, device, seed)
         info.dtype_reason = why
     elif source.kind == "gguf":
         net, info, done, gguf_pooling = _load_gguf(source.path, source.name, dtype, device, keep_quantized)
         sources = ("GGUF pooling_type",) if gguf_pooling else ()
     else:
-        net, info, matryoshka = _load_hf_dir(source.path, dtype, device, quantized=quantization == "int8")
+        net, info, matryoshka = _load_hf_dir(source.path, dtype, device, quantized=int8)
         st = sentence_transformers_config(source.path)
         sources = ("sentence-transformers files",) if st else ()
     info.task = choose_task(info.architecture, info.causal, net.config.num_labels, bool(st), convert)
@@ -79,8 +82,8 @@ def load_model(model: str | None, dtype: str | torch.dtype = "float32", device: 
                                   sources + (("--pooler-config",) if pooler_config else ()))
     if info.pooling is not None:
         logger.info("pooling model, %s", info.pooling.describe())
-    if quantization == "int8":
-        done = quantize_linears_int8(net, kernels, resolve_dtype(info.dtype))
+    if int8:
+        done = quantize_linears_int8(net, kernels, resolve_dtype(info.dtype), w8a8=quantization == "w8a8")
     if torch.device(device).type == "cpu":
         prepare_for_cpu(net, kernels)
         logger.info("%s", describe(done, net))

@@ -138,10 +138,14 @@ static_assert(sizeof(CvkLayerStackArgs) == sizeof(CvkAttnArgs) + 9 * 8 + 3 * 8 +
  *                bits of (column i, k = 32j + 4(4v + t) + b), t = 0..3; scale int8 [NP/16][KP/16][16] the
  *                sub-scales; super_scale f16 [NP/16][KP/256][16]; offset NULL, scale_format 0. The weight stream is
  *                then the file's bytes (0.8203 a value).
+ *   kind CVK_W8A8 (W8A8, as vLLM's compressed-tensors checkpoints: per-channel int8 weights against per-token int8
+ *                activations; gemm_w8a8.cpp): qs as CVK_Q8 lays them (q + 128, q in [-127, 127]); scale float32
+ *                [NP], one per column (scale_format CVK_SCALE_F32); offset and super_scale NULL; KP < 65536. The
+ *                activations are quantized per row, the integer sums run over the whole K; a chain is all W8A8.
  * next: NULL, or the weight of the rows that follow this one's N (output columns N, N + 1, ...) with the same K
  * and KP, in whatever kind: one linear whose row parts came in different types (a Q6_K attn_v after Q4_K q and
  * k), computed by one call into one output. */
-enum { CVK_Q4 = 1, CVK_Q8 = 2, CVK_Q6 = 3 };
+enum { CVK_Q4 = 1, CVK_Q8 = 2, CVK_Q6 = 3, CVK_W8A8 = 4 };
 enum { CVK_SCALE_F32 = 0, CVK_SCALE_F16 = 1, CVK_SCALE_KQUANT = 2 };
 typedef struct CvkQuantWeight {
   const void* qs;
