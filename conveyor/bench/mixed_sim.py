@@ -29,8 +29,6 @@ def add_sim_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-memory", type=float, default=40.0, help="GiB over all devices")
     g.add_argument("--priority-step-slack", type=float, default=None,
                    help="as conveyor serve's: the batch adds at most this fraction to an interactive step's time")
-    g.add_argument("--priority-background-step-ms", type=float, default=None,
-                   help="as conveyor serve's: a step of the batch alone takes at most about this long")
     g.add_argument("--service-class", default=None, metavar="NAME:ttft=MS,tpot=MS",
                    help="SLO-aware admission of the interactive requests against this class's targets (as "
                    "conveyor serve --service-class)")
@@ -43,8 +41,7 @@ def run_simulated(ns: argparse.Namespace, traffic: MixedTraffic, mode: str) -> M
     args = EngineArgs(max_num_seqs=ns.max_num_seqs, max_num_batched_tokens=ns.max_num_batched_tokens,
                       kv_cache_memory=ns.kv_cache_memory, max_model_len=ns.max_model_len,
                       scheduling_policy="fcfs" if mode == "fcfs" else "priority",
-                      priority_step_slack=None if mode == "fcfs" else ns.priority_step_slack,
-                      priority_background_step_ms=None if mode == "fcfs" else ns.priority_background_step_ms)
+                      priority_step_slack=None if mode == "fcfs" else ns.priority_step_slack)
     max_model_len = min(ns.max_model_len, spec.max_position_embeddings)
     scheduler = build_scheduler(args, num_kv_blocks(args, cost, max_model_len), max_model_len)
     service = ServiceClass.parse(ns.service_class) if ns.service_class else ServiceClass("interactive")

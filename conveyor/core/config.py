@@ -65,10 +65,6 @@ class SchedulerConfig:
     # priority: while requests of several priorities run, the tokens of those below the best may add at most this
     # fraction to the step's time (from the measured step cost); None: they take whatever budget is left
     priority_step_slack: float | None = None
-    # priority: a step whose requests are all of a priority worse than the default (0: Batch API lines, low-priority
-    # clients) computes at most what the measured step cost says takes this many milliseconds (its decodes always
-    # run), so that a default-priority arrival waits at most about that for the step in flight; None: no bound
-    priority_background_step_ms: float | None = None
     # LoRA: at most this many distinct adapters among the running requests (the runner's adapter slots); a waiting
     # request of another adapter waits at the queue head until one of them has no running request. 0: no bound.
     max_loras: int = 0
@@ -76,7 +72,7 @@ class SchedulerConfig:
     @property
     def uses_step_cost(self) -> bool:
         """Whether the policy's decisions read the measured step cost (``policies.base.Room.step_cost``)."""
-        return self.priority_step_slack is not None or self.priority_background_step_ms is not None
+        return self.priority_step_slack is not None
 
     def __post_init__(self) -> None:
         if self.max_loras < 0:
@@ -103,8 +99,6 @@ class SchedulerConfig:
                              "arrives)")
         if self.priority_step_slack is not None and not self.priority_step_slack >= 0:
             raise ValueError(f"priority_step_slack must be >= 0, got {self.priority_step_slack}")
-        if self.priority_background_step_ms is not None and not self.priority_background_step_ms > 0:
-            raise ValueError(f"priority_background_step_ms must be > 0, got {self.priority_background_step_ms}")
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if self.speculative_config is not None and self.policy not in SPECULATING_POLICIES:
             raise ValueError(f"speculative decoding runs with the {' or '.join(SPECULATING_POLICIES)} policy, "

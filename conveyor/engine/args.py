@@ -52,11 +52,6 @@ class EngineArgs:
         SchedulerConfig.priority_step_slack, "priority scheduling: while requests of several priorities run, the "
         "tokens of those below the best may add at most this fraction to a step's measured time (e.g. 0.15: a batch "
         "job slows interactive decodes by at most 15%%); default: they fill the step's token budget")
-    priority_background_step_ms: float | None = _arg(
-        SchedulerConfig.priority_background_step_ms, "priority scheduling: a step running only requests of a "
-        "priority worse than 0 (the default; Batch API lines) computes at most what the measured step cost says "
-        "takes this many ms (its decodes always run), so that an arriving request waits at most about that for the "
-        "step in flight; default: no bound")
     max_num_seqs: int = _arg(SchedulerConfig.max_num_seqs, "most requests in the running batch")
     cuda_graphs: bool = _arg(False, "decode-only steps replay CUDA graphs captured at start (a CUDA device and the "
                                     "triton attention backend; not yet run on a GPU, so off by default: docs/gpu.md)")

@@ -13,8 +13,7 @@ The decisions, as ``PriorityOrder`` adds them to a batching policy (continuous o
 ``yield_to_waiting`` which running requests make room for waiting ones that outrank them: preempted for a seat or
                     blocks, held (no tokens this step) when they are prompt chunks that would spend the budget; and,
                     with ``priority_step_slack``, how many tokens those below the step's best priority may add
-                    to it (at most that fraction of its measured time); with ``priority_background_step_ms``, how
-                    long a step of background work alone may be (an arrival waits for it)
+                    to it (at most that fraction of its measured time)
 ==================  ===============================================================================================
 
 With every priority equal this is first come, first served: the same queue order, victims and steps.
@@ -33,8 +32,6 @@ from conveyor.core.sampling_params import PRIORITY_MAX
 
 # The Batch API's lines run at the lowest priority there is (a client asking for it too shares it, by arrival).
 BATCH_PRIORITY = PRIORITY_MAX
-# A request's priority unless it asks for another (vLLM's): work of a worse one is background work
-DEFAULT_PRIORITY = 0
 
 
 class PriorityWaitingQueue:
@@ -93,19 +90,15 @@ class PriorityOrder:
         return next(r for r in reversed(candidates) if r.priority == lowest)
 
     def yield_to_waiting(self, running: Sequence[Request], waiting: Sequence[Request], room: Room) -> StepYield:
-        """Room for the requests that outrank others: ``_make_room`` for waiting ones; then, with a measured step
-        cost, ``_slack_caps`` (``SchedulerConfig.priority_step_slack``) on the tokens of every request below the
-        best priority of the step (running, or admitted into it now), and ``_background_caps``
-        (``priority_background_step_ms``) on a step of background work alone."""
+        """Room for the requests that outrank others: ``_make_room`` for waiting ones; then, with a step slack
+        (``SchedulerConfig.priority_step_slack``) and a measured step cost, ``_slack_caps`` on the tokens of every
+        request below the best priority of the step (running, or admitted into it now)."""
         preempt, caps, incoming = self._make_room(running, waiting, room)
         kept = [r for r in running if r not in preempt]
         admit_cap = None
         cost, slack = room.step_cost, self.config.priority_step_slack
         if slack is not None and cost is not None and (kept or incoming):
             admit_cap = self._slack_caps(kept, incoming, caps, cost, slack)
-        bound_ms = self.config.priority_background_step_ms
-        if bound_ms is not None and cost is not None:
-            admit_cap = self._background_caps(kept, incoming, caps, cost, bound_ms / 1e3, room.block_size, admit_cap)
         if not preempt and not caps and admit_cap is None:
             return NO_YIELD
         return StepYield(preempt, caps, admit_cap)
@@ -175,36 +168,6 @@ class PriorityOrder:
                 spare -= extra + per_token * caps[r.request_id]
                 chunk_paid = chunk_paid or behind > 1
         return best, _tokens_within(spare - (0.0 if chunk_paid else chunk_cost), per_token, self.step_budget())
-
-    def _background_caps(self, running: list[Request], incoming: list[tuple[Request, int]], caps: dict[str, int],
-                         cost: tuple[float, float, float], seconds: float, block_size: int,
-                         admit_cap: tuple[int, int] | None) -> tuple[int, int] | None:
-        """A step of background work alone (every request in it of a priority worse than ``DEFAULT_PRIORITY``)
-        computes at most what the measured ``cost`` line says takes ``seconds``, so that a request of the default
-        priority arriving meanwhile waits at most about that for the step in flight: its decodes all run (one
-        token each: the batch's progress), then its prompt chunks (in priority order) and admissions share what is
-        left (in ``caps``, and the returned ``admit_cap``: admissions of a worse priority than the default; the
-        tighter of it and the slack's). A step that would compute nothing gets ``block_size`` prompt tokens, so
-        that the batch progresses however small the bound. (Unchanged ``admit_cap`` when the step is not
-        background work alone.)"""
-        if any(r.priority <= DEFAULT_PRIORITY for r in running) or \
-                any(r.priority <= DEFAULT_PRIORITY for r, _ in incoming):
-            return admit_cap
-        fixed, per_token, chunk_cost = cost
-        behind = {r.request_id: r.num_tokens - r.num_computed_tokens for r in running}
-        decodes = sum(1 for r in running if behind[r.request_id] <= 1 and caps.get(r.request_id) != 0)
-        left = seconds - fixed - per_token * decodes
-        floor = 0 if decodes else block_size  # tokens the step computes at least (progress)
-        chunk_paid = False
-        for r in sorted((r for r in running if behind[r.request_id] > 1), key=lambda r: r.priority):
-            most = min(behind[r.request_id], caps.get(r.request_id, self.step_budget()))
-            extra = 0.0 if chunk_paid else chunk_cost
-            caps[r.request_id] = max(_tokens_within(left - extra, per_token, most), min(most, floor))
-            if caps[r.request_id]:
-                left -= extra + per_token * caps[r.request_id]
-                floor, chunk_paid = 0, True
-        admits = max(_tokens_within(left - (0.0 if chunk_paid else chunk_cost), per_token, self.step_budget()), floor)
-        return DEFAULT_PRIORITY, admits if admit_cap is None else min(admits, admit_cap[1])
 
 
 def _tokens_within(seconds: float, per_token: float, most: int) -> int:
