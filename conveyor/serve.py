@@ -73,6 +73,7 @@ def add_serve_parser(sub) -> None:
                    "template; generic, a constrained JSON reply, when it has none)")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="accepted for vLLM's command lines: tool_choice auto is always served")
+    from conveyor.engine.cpu_priority import CPU_PRIORITIES
     from conveyor.server.reasoning import REASONING_PARSERS
 
     p.add_argument("--embedding-model", default=None, metavar="MODEL",
@@ -81,6 +82,10 @@ def add_serve_parser(sub) -> None:
                         "requests naming it; --pooler-config applies to it")
     p.add_argument("--embedding-served-model-name", default=None,
                    help="the name clients pass as `model` for --embedding-model (default: its own name)")
+    p.add_argument("--embedding-cpu-priority", choices=("auto", *CPU_PRIORITIES), default="auto",
+                   help="the CPU priority of --embedding-model's engine process: idle (SCHED_IDLE: it computes on "
+                   "the cycles the chat engine leaves, so embeddings do not slow the chat's decode), low (nice 19), "
+                   "normal (an equal share); auto: idle, normal with --engine-in-process (one process, one priority)")
     p.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
                    help="the model's reasoning syntax, split off the answer as reasoning_content / thinking "
                    "(default: read from the chat template: <think> or [THINK]; none: never split)")
@@ -248,7 +253,14 @@ def run_serve(ns: argparse.Namespace) -> int:
         args = dataclasses.replace(args, cpu_ids=frontend_cpus[1])
     second_args = None
     if ns.embedding_model:  # its own engine, with the same knobs but its own context length
-        second_args = dataclasses.replace(args, model=ns.embedding_model, max_model_len=None, speculative_config=None)
+        from conveyor.engine.cpu_priority import embedding_cpu_priority
+
+        try:
+            priority = embedding_cpu_priority(ns.embedding_cpu_priority, args.cpu_priority, ns.engine_in_process)
+        except ValueError as exc:
+            raise SystemExit(str(exc)) from None
+        second_args = dataclasses.replace(args, model=ns.embedding_model, max_model_len=None, speculative_config=None,
+                                          cpu_priority=priority)
         args = dataclasses.replace(args, pooler_config=None, convert="auto")
     engine = second = None
     if not ns.engine_in_process:

@@ -18,7 +18,9 @@ FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3", "fp8_e5m2", "fp8_inc", "fp8_ds_mla")
 # one backend each. Here, not in the torch package, so the flag's choices are known without importing torch.
 ATTENTION_BACKENDS = ("auto", "cpu", "cpu-native", "cpu-torch", "reference", "cuda", "triton")
 # --quantization: what becomes of a GGUF file's blocks or a float checkpoint's weights at load (models.quantize)
-QUANTIZATION_CHOICES = ("auto", "none", "int8")
+# ("int8" and "w8a8": the same per-channel int8 weights; int8 runs 15-bit activations per block, w8a8 8-bit ones per
+# token, as vLLM's W8A8)
+QUANTIZATION_CHOICES = ("auto", "none", "int8", "w8a8")
 # When a step schedules nothing while requests wait and none runs, only time or a new request can change that
 # (a dynamic batch forming until max_wait_ms; the engine's requests waiting for a grammar): a driver asks again
 # after this long. One period for every driver (the engine's step loop, the in-process replay, the simulator),

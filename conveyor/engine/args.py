@@ -17,6 +17,7 @@ from conveyor.core.config import (
 from conveyor.core.kv_eviction import H2O_RANKS, KV_EVICTION_POLICIES
 from conveyor.core.policies import POLICIES
 from conveyor.core.prefix_eviction import PREFIX_EVICTION_POLICIES
+from conveyor.engine.cpu_priority import CPU_PRIORITIES
 from conveyor.models.pooling_config import CONVERT_CHOICES
 
 DTYPE_CHOICES = ("float32", "bfloat16", "float16", "auto")
@@ -39,7 +40,9 @@ class EngineArgs:
                               "(AVX512_BF16 / AMX), else float32", choices=DTYPE_CHOICES)
     quantization: str = _arg("auto", "auto: a GGUF file's weights stay in their blocks and run on the integer "
                                      "kernels (CPU); none: dequantize them into --dtype; int8: quantize a float "
-                                     "checkpoint's linear layers to per-channel int8 at load",
+                                     "checkpoint's linear layers to per-channel int8 at load (activations 15-bit per "
+                                     "block); w8a8: the same int8 weights against 8-bit activations per token, as "
+                                     "vLLM's W8A8",
                              choices=QUANTIZATION_CHOICES)
     device: str = _arg("auto", '"auto" (CUDA when available, else CPU), "cpu", "cuda", ...')
     seed: int = _arg(0, "seed of unseeded sampling and of the embedded model's random weights")
@@ -118,6 +121,9 @@ class EngineArgs:
                                         "allowed CPU (as vLLM does)")
     cpu_ids: str | None = _arg(None, "CPUs the engine computes on, e.g. '1' or '0,2-3' (default: every CPU it may "
                                      "use); one torch thread per CPU unless --num-threads says otherwise")
+    cpu_priority: str = _arg("normal", "the CPU priority the engine's threads compute at: normal, low (nice 19) or "
+                                       "idle (SCHED_IDLE: only the cycles other threads leave); see "
+                                       "docs/embeddings.md", choices=CPU_PRIORITIES)
 
     def scheduler_config(self, max_model_len: int, whole_prompts: bool = False) -> SchedulerConfig:
         """The scheduler's config, its policy objects' included (KV eviction from the cache flags)."""

@@ -10,15 +10,18 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 
 from conveyor.engine.args import EngineArgs, parse_cpu_ids
+from conveyor.engine.cpu_priority import apply_cpu_priority
 
 logger = logging.getLogger("conveyor.engine")
 
 
 def place(args: EngineArgs) -> str:
     """The engine's device ("auto": CUDA when available, else the CPU); on the CPU, this process confined to
-    ``args.cpu_ids`` with one torch thread per CPU, or ``args.num_threads`` threads."""
+    ``args.cpu_ids`` with one torch thread per CPU, or ``args.num_threads`` threads; its threads at
+    ``args.cpu_priority``."""
     import torch
 
+    apply_cpu_priority(args.cpu_priority)  # first: the threads torch starts from here on inherit it
     device = args.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -21,6 +21,7 @@ from conveyor.kernels.build import BuildError, build_library
 from conveyor.kernels.cpu_features import LEVEL_FLAGS, cpu_features, kernel_level
 from conveyor.kernels.encoder_ops import EncoderAttentionKernels, EncoderAttnArgs
 from conveyor.kernels.lora_ops import LoraArgs, LoraKernels
+from conveyor.kernels.w8a8_ops import W8A8Kernels
 from conveyor.kernels.moe_ops import MoeArgs, MoeKernels
 
 SOURCE_DIR = os.path.join(os.path.dirname(__file__), "csrc")
@@ -175,6 +176,7 @@ class CpuKernels:
         self._quant_scratch = _c_function(lib, "cvk_quant_scratch_bytes", i64, [i64, i64])
         self.vnni = lib.cvk_quant_vnni() == 1  # the quantized GEMM's dot products on VPDPBUSD
         self.moe = MoeKernels(lib, self._check)  # a mixture's routed MLP (moe_ops)
+        self.w8a8 = W8A8Kernels(lib, self._check)  # W8A8's activation quantization and epilogue (w8a8_ops)
         self.lora = LoraKernels(lib, self._check)  # many LoRA adapters' low-rank products in one step (lora_ops)
         self.encoder = EncoderAttentionKernels(lib, self._check)  # an encoder's packed sequences (encoder_ops)
         self.vector_width = lib.cvk_vector_width()

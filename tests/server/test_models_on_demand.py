@@ -212,6 +212,7 @@ def test_memory_budget_unloads_idle_models_until_the_measured_ones_fit(models_di
         assert 0 < budget.expected("beta", str(models_dir / "beta")) < alpha_bytes // 2  # beta's files, tiny
         budget.limit_bytes = alpha_bytes * 3 // 2
         chat(client, "beta")  # fits by its estimate; measured, it does not: alpha (idle) makes room
+        assert wait_for(lambda: set(pool.loaded) == {"beta"}, 60)  # (the settle runs beside beta's requests)
         assert set(pool.loaded) == {"beta"} and pool.counts["unloads"] == {("alpha", "room"): 1}
         assert chat(client, "alpha") == first  # charged what it held: beta unloads before alpha starts
         assert set(pool.loaded) == {"alpha"} and pool.counts["unloads"][("beta", "room")] == 1

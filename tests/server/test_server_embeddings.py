@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import os
+import re
 
 import httpx
 import numpy as np
 import pytest
 
+from conveyor.engine.cpu_priority import thread_cpu_priority
 from conveyor.engine.llm_engine import LLMEngine
 from conveyor.server.app import build_app
 from tests.helpers.checkpoints import save_tiny_llama
@@ -64,6 +67,30 @@ def test_openai_sdk_float_and_base64(served):
     chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "w5"}], max_tokens=3)
     assert chat.choices[0].message.content is not None
     assert {m.id for m in client.models.list().data} == {"tiny", EMB}
+
+
+def test_embedding_engine_computes_at_idle_priority(served):
+    """Beside a chat model the embedding engine yields the CPU (``--embedding-cpu-priority`` auto): every thread of
+    its process, torch's workers included, runs at SCHED_IDLE, while the chat engine and the API server keep the
+    normal priority (read from /proc, as the kernel's scheduler sees them)."""
+    r = httpx.post(served.url + "/v1/embeddings", json={"model": EMB, "input": DOCS * 8}, timeout=60)
+    assert r.status_code == 200  # its torch threads have run
+    chat_pid = int(re.search(r"engine in process (\d+)", served.log()).group(1))
+    embedding = [p.pid for p in served.descendants()
+                 if p.pid != chat_pid and "multiprocessing.spawn" in " ".join(p.cmdline())]
+    assert len(embedding) == 1, embedding
+
+    def priorities(pid: int) -> list[str]:
+        found = []
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            try:
+                found.append(thread_cpu_priority(pid, int(tid)))
+            except FileNotFoundError:  # a thread that ended meanwhile (the server's short-lived ones)
+                pass
+        return found
+
+    assert len(priorities(embedding[0])) >= 3 and set(priorities(embedding[0])) == {"idle"}
+    assert set(priorities(chat_pid)) == set(priorities(served.pid)) == {thread_cpu_priority(os.getpid(), os.getpid())}
 
 
 def test_langchain_retriever_and_litellm(served):

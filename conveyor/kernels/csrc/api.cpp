@@ -232,6 +232,22 @@ int cvk_quant_dequantize(const CvkQuantWeight* w, const int64_t* rows, int64_t c
   return cvk::quant_dequantize(*w, rows, count, dtype, out, out_stride, num_threads);
 }
 
+// W8A8 (CVK_W8A8, gemm_w8a8.cpp): whether this build's cvk_quant_gemm runs such weights (the AVX-512 levels; AVX2
+// leaves them to oneDNN's s8s8s32 GEMM between the two passes below).
+int cvk_w8a8_native() { return cvk::w8a8_native() ? 1 : 0; }
+
+// q[m, 0..K) <- round(x[m] * 127 / max |x[m]|) as int8, scale[m] <- max |x[m]| / 127, for M rows of x (dtype).
+int cvk_w8a8_quantize(int dtype, const void* x, int64_t x_stride, int64_t M, int64_t K, int8_t* q, int64_t q_stride,
+                      float* scale, int num_threads) {
+  return cvk::w8a8_quantize(dtype, x, x_stride, M, K, q, q_stride, scale, num_threads);
+}
+
+// y[m, n] <- float(acc[m, n]) * (w_scale[n] * x_scale[m]) + bias[n] (bias NULL: none), y of dtype.
+int cvk_w8a8_epilogue(int dtype, const int32_t* acc, int64_t acc_stride, int64_t M, int64_t N, const float* x_scale,
+                      const float* w_scale, const void* bias, void* y, int64_t y_stride, int num_threads) {
+  return cvk::w8a8_epilogue(dtype, acc, acc_stride, M, N, x_scale, w_scale, bias, y, y_stride, num_threads);
+}
+
 // Whether the integer dot products use AVX512_VNNI (VPDPBUSD) in this build.
 int cvk_quant_vnni() {
 #if defined(CVK_VNNI)

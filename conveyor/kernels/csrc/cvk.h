@@ -21,9 +21,11 @@ enum {
 enum { CVK_F32 = 0, CVK_BF16 = 1 }; /* dtype codes; bfloat16 is stored as uint16_t, all arithmetic is float32 */
 
 /* KV-cache element codes (kv_dtype): CVK_KV_SAME, the cache holds the step's dtype; CVK_KV_INT8, each head's row of
- * a token holds D int8 values then its float32 scale (4 bytes): row = D + 4 bytes, value = scale * q, scale =
- * max |x| / 127 of the row, q = round-half-even(x / scale) (0 for a row of zeros). The kernels quantize when they
- * write a row and dequantize (q * scale, float32) when they read one. */
+ * a token holds D int8 values then its float32 scale (4 bytes): row = D + 4 bytes. The row x (after rope) is first
+ * rotated, y = H x, H the unnormalized Walsh-Hadamard transform of each block of b = D & -D values (butterflies of
+ * stride 1, 2, 4, ...); then scale = max |y| / 127, q = round-half-even(y / scale) (0 for a row of zeros). Reading
+ * gives y = scale * q and x = H y / b. The kernels quantize when they write a row; when they read, they rotate the
+ * query and the output instead of each row (layers/attention/kv_quant.py is the same in torch). */
 enum { CVK_KV_SAME = 0, CVK_KV_INT8 = 2 };
 
 /* Rope (when cos_sin is not NULL) + KV-cache write + causal attention for every request of a step.
@@ -136,10 +138,14 @@ static_assert(sizeof(CvkLayerStackArgs) == sizeof(CvkAttnArgs) + 9 * 8 + 3 * 8 +
  *                bits of (column i, k = 32j + 4(4v + t) + b), t = 0..3; scale int8 [NP/16][KP/16][16] the
  *                sub-scales; super_scale f16 [NP/16][KP/256][16]; offset NULL, scale_format 0. The weight stream is
  *                then the file's bytes (0.8203 a value).
+ *   kind CVK_W8A8 (W8A8, as vLLM's compressed-tensors checkpoints: per-channel int8 weights against per-token int8
+ *                activations; gemm_w8a8.cpp): qs as CVK_Q8 lays them (q + 128, q in [-127, 127]); scale float32
+ *                [NP], one per column (scale_format CVK_SCALE_F32); offset and super_scale NULL; KP < 65536. The
+ *                activations are quantized per row, the integer sums run over the whole K; a chain is all W8A8.
  * next: NULL, or the weight of the rows that follow this one's N (output columns N, N + 1, ...) with the same K
  * and KP, in whatever kind: one linear whose row parts came in different types (a Q6_K attn_v after Q4_K q and
  * k), computed by one call into one output. */
-enum { CVK_Q4 = 1, CVK_Q8 = 2, CVK_Q6 = 3 };
+enum { CVK_Q4 = 1, CVK_Q8 = 2, CVK_Q6 = 3, CVK_W8A8 = 4 };
 enum { CVK_SCALE_F32 = 0, CVK_SCALE_F16 = 1, CVK_SCALE_KQUANT = 2 };
 typedef struct CvkQuantWeight {
   const void* qs;

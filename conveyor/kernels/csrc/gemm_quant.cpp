@@ -35,7 +35,7 @@ inline int64_t block_bytes(int kind) { return kind == CVK_Q4 ? 256 : kind == CVK
 // Whether a step of M rows runs on the AMX-INT8 tiles for a weight of this kind (where they were switched on:
 // cvk_set_amx_qdot).
 inline bool takes_amx(int64_t M, int kind) {
-  if (kind == CVK_Q6) return false;  // its sub-blocks of 16 take the VNNI loop only
+  if (kind == CVK_Q6 || kind == CVK_W8A8) return false;  // Q6_K's sub-blocks of 16, W8A8: the VNNI loops only
   const int64_t min_rows = kind == CVK_Q4 ? g_amx_qdot_min_rows_q4 : g_amx_qdot_min_rows_q8;
   return kAmx && min_rows > 0 && M >= min_rows;
 }
@@ -245,6 +245,11 @@ void quant_gemm_impl(const CvkQuantGemmArgs& a) {
 // Column c's scale and offset in group g's block j, as float32 (cvk.h's scale formats; offset NULL: mid x scale).
 inline void block_scale_offset(const CvkQuantWeight& w, int64_t g, int64_t j, int64_t c, float& sc, float& of) {
   const int64_t nb = blocks(w.KP), i = (g * nb + j) * QG + c;
+  if (w.kind == CVK_W8A8) {  // one float32 scale per column, q stored as q + 128
+    sc = static_cast<const float*>(w.scale)[g * QG + c];
+    of = -128.f * sc;
+    return;
+  }
   if (w.scale_format == CVK_SCALE_KQUANT) {
     const uint16_t* super = group_super(w, g, nb) + (j / 8) * 2 * QG;
     sc = _cvtsh_ss(super[c]) * float(static_cast<const uint8_t*>(w.scale)[i]);
@@ -278,7 +283,9 @@ inline void dequantize_q6_block(const CvkQuantWeight& w, const uint8_t* blk, int
 template <typename T>
 void dequantize_impl(const CvkQuantWeight& whole, const int64_t* rows, int64_t count, T* out, int64_t out_stride,
                      int num_threads) {
-  on_team(num_threads, [&] {
+  // A step's embedding lookup (a few rows) alone: no team to fork and join (as the norms and argmax decide)
+  const int threads = count * whole.K < (1 << 15) ? 1 : num_threads;
+  on_team(threads, [&] {
 #pragma omp for schedule(static)
     for (int64_t i = 0; i < count; i++) {
       int64_t n = rows ? rows[i] : i;
@@ -316,6 +323,8 @@ void dequantize_impl(const CvkQuantWeight& whole, const int64_t* rows, int64_t c
 }
 
 bool valid_part(const CvkQuantWeight* w) {
+  if (w->kind == CVK_W8A8)  // whole-K int32 sums: exact while K x 255 x 127 < 2^31
+    return w->scale_format == CVK_SCALE_F32 && w->offset == nullptr && w->super_scale == nullptr && w->KP < 65536;
   if (w->kind == CVK_Q6)
     return w->scale_format == CVK_SCALE_F32 && w->offset == nullptr && w->super_scale != nullptr && w->KP % 256 == 0;
   if (w->scale_format == CVK_SCALE_KQUANT)
@@ -331,6 +340,7 @@ bool valid(const CvkQuantWeight* w) {
   int parts = 0;
   for (const CvkQuantWeight* p = w; p != nullptr; p = p->next) {
     if (++parts > 16 || !valid_part(p) || p->K != w->K || p->KP != w->KP) return false;
+    if ((p->kind == CVK_W8A8) != (w->kind == CVK_W8A8)) return false;  // one activation quantization per call
     if (p->KP % QB != 0 || p->K <= 0 || p->K > p->KP || p->N <= 0 || p->qs == nullptr || p->scale == nullptr)
       return false;
   }
@@ -361,6 +371,7 @@ int quant_gemm(const CvkQuantGemmArgs& a) {
   if (!valid(a.w)) return CVK_ERR_BADARG;
   if (a.M <= 0) return CVK_OK;
   if (a.scratch_bytes < quant_scratch_bytes(a.M, a.w->KP)) return CVK_ERR_BADARG;
+  if (a.w->kind == CVK_W8A8) return w8a8_gemm(a);  // per-token 8-bit activations (gemm_w8a8.cpp)
   if (a.dtype == CVK_F32)
     quant_gemm_impl<float>(a);
   else if (a.dtype == CVK_BF16)

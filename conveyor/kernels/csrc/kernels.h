@@ -68,6 +68,15 @@ inline int quant_gemm_rows(const CvkQuantWeight* w, const void* x, int64_t K, in
 }
 int quant_dequantize(const CvkQuantWeight& w, const int64_t* rows, int64_t count, int dtype, void* out,
                      int64_t out_stride, int num_threads);
+// gemm_w8a8.cpp: W8A8 (CVK_W8A8: per-channel int8 weights, per-token int8 activations). w8a8_gemm is
+// quant_gemm for such a weight (CVK_ERR_UNSUPPORTED where w8a8_native() is false: the AVX2 level); w8a8_quantize
+// and w8a8_epilogue are the native passes around an external s8s8s32 GEMM (oneDNN's, torch._int_mm), every level.
+bool w8a8_native();
+int w8a8_gemm(const CvkQuantGemmArgs& a);
+int w8a8_quantize(int dtype, const void* x, int64_t x_stride, int64_t M, int64_t K, int8_t* q, int64_t q_stride,
+                  float* scale, int num_threads);
+int w8a8_epilogue(int dtype, const int32_t* acc, int64_t acc_stride, int64_t M, int64_t N, const float* x_scale,
+                  const float* w_scale, const void* bias, void* y, int64_t y_stride, int num_threads);
 // moe.cpp: a mixture's routed MLP for one step (cvk_moe), and its scratch bytes
 int64_t moe_scratch_bytes(int64_t T, int64_t hidden, int64_t inter, int E, int top_k, int dtype);
 int moe(const CvkMoeArgs& a);

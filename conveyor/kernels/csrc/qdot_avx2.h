@@ -231,5 +231,15 @@ inline void group_dot_q6(const uint8_t* qs, const int8_t* sub, const uint16_t* s
   }
 }
 
+// W8A8 (CVK_W8A8): no loop at this width (gemm_w8a8.cpp refuses with CVK_ERR_UNSUPPORTED; the caller runs
+// oneDNN's s8s8s32 GEMM and the native epilogue instead). The declaration keeps the shared code compiling.
+constexpr bool kW8a8Dot = false;
+constexpr int kW8a8Rows = 1;
+template <int R>
+inline void w8a8_group_dot(const uint8_t*, const uint8_t*, const int8_t* const*, int64_t, int32_t* out_a,
+                           int32_t* out_b, bool) {
+  for (int i = 0; i < R * 16; i++) out_a[i] = out_b[i] = 0;
+}
+
 }  // namespace qdot
 }  // namespace cvk

@@ -227,5 +227,59 @@ inline void group_dot_q6(const uint8_t* qs, const int8_t* sub, const uint16_t* s
   for (int r = 0; r < R; r++) _mm512_storeu_ps(out + r * 16, acc[r]);
 }
 
+// W8A8 (CVK_W8A8, gemm_w8a8.cpp): per-token 8-bit activations against per-channel int8 weights, whole-K integer
+// sums. At this width the loop is served (kW8a8Dot); the AVX2 level has no such loop and leaves W8A8 to oneDNN.
+constexpr bool kW8a8Dot = true;
+constexpr int kW8a8Rows = 8;  // 2 groups x 8 rows = 16 accumulators, 2 weight vectors, the broadcast, temporaries
+
+// acc += the 4-k dot products of one quad of weights (16 columns x 4 bytes q + 128) with 4 activation bytes
+// broadcast to every lane: VPDPBUSD gives sum((q + 128) x); without VNNI, VPMADDUBSW on |q| against x carrying q's
+// sign (|q| x |x| <= 127 x 127: the int16 pair sums cannot saturate) gives sum(q x) (kSignedQ8Dot).
+inline __m512i w8a8_quad(__m512i acc, __m512i w, __m512i x) {
+#if defined(CVK_VNNI)
+  return _mm512_dpbusd_epi32(acc, w, x);
+#else
+  const __m512i ws = _mm512_xor_si512(w, _mm512_set1_epi8(char(0x80)));
+  const __m512i xs = _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(ws), _mm512_setzero_si512(), x);
+  const __m512i p = _mm512_maddubs_epi16(_mm512_abs_epi8(ws), xs);
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(p, _mm512_set1_epi16(1)));
+#endif
+}
+
+// out_a / out_b [r][0..16) = sum over k of w[k][c] x_r[k] for two groups of 16 columns (qa, qb: each its nb blocks
+// of 8 quads, bytes q + 128; qb may be qa) and R rows of int8 activations (x[r]: KP values): each broadcast of 4
+// activation bytes feeds both groups. Exact in int32 for KP < 65536 (with VNNI, sum((q + 128) x): the caller takes
+// 128 sum(x) back). prefetch: ask for both groups' weights kPrefetchBlocks ahead, on the first pass over them.
+template <int R>
+inline void w8a8_group_dot(const uint8_t* qa, const uint8_t* qb, const int8_t* const* x, int64_t nb, int32_t* out_a,
+                           int32_t* out_b, bool prefetch) {
+  __m512i acc_a[R], acc_b[R];
+  for (int r = 0; r < R; r++) acc_a[r] = acc_b[r] = _mm512_setzero_si512();
+  for (int64_t j = 0; j < nb; j++) {
+    if (prefetch) {
+      const uintptr_t off = uintptr_t((j + kPrefetchBlocks) * 512);
+      for (int b = 0; b < 512; b += 64) {
+        _mm_prefetch(reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(qa) + off + b), _MM_HINT_T1);
+        _mm_prefetch(reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(qb) + off + b), _MM_HINT_T1);
+      }
+    }
+    for (int t = 0; t < 8; t++) {
+      const __m512i wa = _mm512_loadu_si512(qa + j * 512 + t * 64);
+      const __m512i wb = _mm512_loadu_si512(qb + j * 512 + t * 64);
+      for (int r = 0; r < R; r++) {
+        int32_t quad;
+        memcpy(&quad, x[r] + j * 32 + t * 4, 4);
+        const __m512i xb = _mm512_set1_epi32(quad);
+        acc_a[r] = w8a8_quad(acc_a[r], wa, xb);
+        acc_b[r] = w8a8_quad(acc_b[r], wb, xb);
+      }
+    }
+  }
+  for (int r = 0; r < R; r++) {
+    _mm512_storeu_si512(out_a + r * 16, acc_a[r]);
+    _mm512_storeu_si512(out_b + r * 16, acc_b[r]);
+  }
+}
+
 }  // namespace qdot
 }  // namespace cvk

@@ -17,6 +17,10 @@ struct V {
   static V load(const int8_t* p) {
     return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))))};
   }
+  // W int32 values as floats (W8A8's integer sums)
+  static V load_i32(const int32_t* p) {
+    return {_mm256_cvtepi32_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))};
+  }
   // lanes rounded half-to-even (the default MXCSR mode) to int32, saturated to int8
   void store_i8(int8_t* p) const {
     const __m256i i = _mm256_cvtps_epi32(v);

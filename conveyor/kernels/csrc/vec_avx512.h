@@ -17,6 +17,8 @@ struct V {
   static V load(const int8_t* p) {
     return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))))};
   }
+  // W int32 values as floats (W8A8's integer sums)
+  static V load_i32(const int32_t* p) { return {_mm512_cvtepi32_ps(_mm512_loadu_si512(p))}; }
   // lanes rounded half-to-even (the default MXCSR mode) to int32, saturated to int8
   void store_i8(int8_t* p) const {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(v)));
