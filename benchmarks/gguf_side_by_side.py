@@ -119,13 +119,14 @@ class Server:
     """A server command run in a session (process group) of its own, logging to a file; ``wait_ready`` polls
     ``/health``, ``stop`` ends the whole group (SIGTERM, then SIGKILL)."""
 
-    def __init__(self, name: str, cmd: list[str], port: int, log_dir: str, env: dict | None = None) -> None:
+    def __init__(self, name: str, cmd: list[str], port: int, log_dir: str, env: dict | None = None,
+                 cwd: str = REPO) -> None:
         self.name, self.cmd, self.url = name, cmd, f"http://127.0.0.1:{port}"
         self.log_path = os.path.join(log_dir, f"{name}-{port}.log")
         with open(self.log_path, "w") as log:
             # a new session: the group can be killed as one, engine core and OpenMP threads' process included
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                         env=env, cwd=REPO)
+                                         env=env, cwd=cwd)
         self.rss = RssSampler(self.proc.pid)
         self.started = time.monotonic()
 

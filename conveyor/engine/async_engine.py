@@ -23,16 +23,19 @@ import asyncio
 import concurrent.futures
 import logging
 import queue
+import sys
 import threading
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from conveyor.engine.engine_client import (  # noqa: F401 - the errors and streams are re-exported here
     EngineClient, EngineDeadError, EngineInfo, EngineShuttingDownError, RequestFailedError, RequestStream,
 )
-from conveyor.engine.llm_engine import LLMEngine
 from conveyor.engine.outputs import RequestOutput
 from conveyor.engine.step_loop import STOP, StepLoop
+
+if TYPE_CHECKING:  # annotations only: the API process of ``conveyor serve`` imports this module without torch
+    from conveyor.engine.llm_engine import LLMEngine
 
 logger = logging.getLogger("conveyor.engine")
 
@@ -152,3 +155,14 @@ class AsyncEngine(EngineClient):
             self._loop.call_soon_threadsafe(self._deliver_error, error, exc)
         except RuntimeError:  # the event loop is already closed: nobody is left to tell
             pass
+
+
+def serving_engine(engine: Any) -> Any:
+    """``engine`` as a server drives it: an ``LLMEngine`` (stepped in this process) wrapped in an ``AsyncEngine``,
+    any other engine (a ``ServedEngine``) as it is. An ``LLMEngine`` can exist only once its module is imported,
+    so a process that never imported it (``conveyor serve``'s API process, its engine in a process of its own)
+    never imports torch to ask."""
+    llm_engine = sys.modules.get("conveyor.engine.llm_engine")
+    if llm_engine is not None and isinstance(engine, llm_engine.LLMEngine):
+        return AsyncEngine(engine)
+    return engine

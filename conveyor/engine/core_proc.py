@@ -30,6 +30,7 @@ import sys
 import threading
 import time
 import traceback
+from typing import TYPE_CHECKING
 
 import msgspec
 import zmq
@@ -39,9 +40,11 @@ from conveyor.engine import ipc
 from conveyor.engine.args import EngineArgs
 from conveyor.engine.core_step import CoreStepOutput
 from conveyor.engine.engine_client import picklable
-from conveyor.engine.llm_engine import LLMEngine
 from conveyor.engine.step_loop import STOP, StepLoop
 from conveyor.engine.step_record import StepRecord
+
+if TYPE_CHECKING:  # imported where the engine is built: the API process imports this module and must not load torch
+    from conveyor.engine.llm_engine import LLMEngine
 
 logger = logging.getLogger("conveyor.engine")
 
@@ -118,6 +121,8 @@ class EngineCore:
             if isinstance(request, ipc.AddRequest):
                 self.commands.put((functools.partial(_add, request), _Reply(self, request.call_id)))
             elif isinstance(request, ipc.FinishRequests):
+                from conveyor.engine.llm_engine import LLMEngine  # loaded by run_engine_core already
+
                 self.commands.put(functools.partial(LLMEngine.finish_requests, child_ids=request.request_ids,
                                                     status=request.status))
             else:
@@ -207,6 +212,8 @@ def run_engine_core(args: EngineArgs, conn, endpoints: ipc.Endpoints) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s[core]: %(message)s")
     try:
+        from conveyor.engine.llm_engine import LLMEngine
+
         engine = LLMEngine(args)
     except BaseException as exc:  # noqa: BLE001 - the server raises it (the same error an engine in it would)
         conn.send(("failed", exc if picklable(exc) else RuntimeError(f"the engine could not start: {exc!r}")))

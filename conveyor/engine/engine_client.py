@@ -93,6 +93,10 @@ def picklable(value) -> bool:
 Prepare = Callable[[EngineInfo], PromptType]  # a prompt made off the event loop, just before its add
 
 
+class QueueFullError(RuntimeError):
+    """The bounded waiting queue (``max_num_queued_reqs``) is full; retry later."""
+
+
 class EngineDeadError(RuntimeError):
     """The engine crashed; no request can be served any more."""
 

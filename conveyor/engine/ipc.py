@@ -79,7 +79,7 @@ class EngineMessage(msgspec.Struct, array_like=True):
 
 # Exceptions a reply may carry, rebuilt as themselves on the API side (anything else is a RuntimeError).
 def _error_types() -> dict[str, type[BaseException]]:
-    from conveyor.engine.llm_engine import QueueFullError
+    from conveyor.engine.engine_client import QueueFullError
 
     return {t.__name__: t for t in (ValueError, QueueFullError, KeyError, TypeError, RuntimeError)}
 

@@ -24,7 +24,8 @@ from conveyor.core.sampling_params import SamplingParams
 from conveyor.core.scheduler import Scheduler
 from conveyor.engine.args import EngineArgs
 from conveyor.engine.core_step import CoreStepOutput, child_requests
-from conveyor.engine.engine_client import EngineInfo
+from conveyor.engine.engine_client import EngineInfo, QueueFullError  # noqa: F401  (raised here, and its old home)
+from conveyor.engine.heap import release_free_heap
 from conveyor.engine.kv_handoff import KVHandoff, KVHandoffs, check_fits, decode_request
 from conveyor.engine.loaded_model import LoadedModel, load_draft
 from conveyor.engine.output_processor import OutputProcessor
@@ -36,10 +37,6 @@ from conveyor.engine.prompts import PromptType, encode_text, prompt_tokens, toke
 from conveyor.engine.step_record import StepRecord
 from conveyor.structured.gate import GrammarGate
 from conveyor.structured.manager import StructuredOutputs
-
-
-class QueueFullError(RuntimeError):
-    """The bounded waiting queue (``max_num_queued_reqs``) is full; retry later."""
 
 
 class LLMEngine:
@@ -70,6 +67,7 @@ class LLMEngine:
         self.step_listeners: list[Callable[[StepRecord], None]] = []
         self.handoffs = KVHandoffs(self.scheduler, self.executor, self.kv_manager)  # disaggregated prefill/decode
         self._ids = itertools.count()
+        release_free_heap()  # what loading freed stays resident in glibc's heap until trimmed (engine.heap)
         self.init_time_s = time.perf_counter() - start  # plus the KV cache and runner
 
     def _make_runner(self, num_blocks: int, block_size: int, draft) -> EngineExecutor:

@@ -8,9 +8,13 @@ embeddings, rerank / score, Ollama's embed, ``LLM.embed`` / ``LLM.score``) build
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from conveyor.core.pooling_params import PoolingParams
-from conveyor.models.build import ModelInfo
 from conveyor.models.pooling_config import QWEN3_RERANKER_INSTRUCTION
+
+if TYPE_CHECKING:  # annotations only: the API process checks pooling requests without importing torch
+    from conveyor.models.build import ModelInfo
 
 TASK_NAMES = {"embed": "embeddings", "score": "scores (rerank / score)"}
 

@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import queue
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from conveyor.core.outputs import SchedulerStats
 from conveyor.core.config import IDLE_POLL_S
-from conveyor.engine.llm_engine import LLMEngine
+
+if TYPE_CHECKING:  # annotations only: the API process imports this module without torch
+    from conveyor.engine.llm_engine import LLMEngine
 
 STOP = object()
 

@@ -21,9 +21,11 @@ import torch
 
 from conveyor.layers.quantized import BLOCK, GROUP, PackedQuantWeight, QuantLinear, int8_per_channel
 
-# Rows up to which the native VNNI loop runs (where the build has it); above, torch._int_mm (oneDNN s8s8s32) between
-# the native quantize and epilogue passes. From benchmarks/gemm_quant.py --format w8a8 (docs/kernels.md, "W8A8").
-W8A8_NATIVE_MAX_ROWS = 32
+# Rows up to which the native loop runs (where the build has it); above, torch._int_mm (oneDNN s8s8s32) between
+# the native quantize and epilogue passes. benchmarks/gemm_quant.py --format w8a8 (docs/kernels.md, "W8A8"; Zen 5):
+# the loop took 0.66-0.89x oneDNN's time from 32 to 512 rows in float32 (0.39x at 512 in bfloat16), so every row
+# count takes it; oneDNN serves the AVX2 level, which has no loop.
+W8A8_NATIVE_MAX_ROWS = 1 << 30
 
 
 def pack_w8a8(q: torch.Tensor, scale: torch.Tensor) -> PackedQuantWeight:

@@ -14,8 +14,7 @@ import torch
 
 from conveyor.models.build import ModelInfo, build_model, make_info
 from conveyor.models.config import ModelConfig
-
-EMBEDDED_NAME = "conveyor-embedded-llama-40m-random"
+from conveyor.models.sources import EMBEDDED_NAME
 EMBEDDED_CONFIG = dict(
     architecture="LlamaForCausalLM", hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4, head_dim=64,
     intermediate_size=1408, vocab_size=32000, max_position_embeddings=4096, norm_eps=1e-5,

@@ -8,15 +8,33 @@ import os
 
 import torch
 
-from conveyor.models.build import ModelInfo, build_model, choose_dtype, make_info, resolve_dtype
+from conveyor.models.build import (
+    ModelInfo,
+    build_model,
+    choose_dtype,
+    make_info,
+    resolve_dtype,
+)
 from conveyor.models.cpu_layout import prepare_for_cpu
 from conveyor.models.embedded import load_embedded
 from conveyor.models.gguf_file import GGUFFile
 from conveyor.models.gguf_model import gguf_parts, gguf_quantized, gguf_weights
-from conveyor.models.pooling_config import choose_task, matryoshka_of, pooling_config, sentence_transformers_config
+from conveyor.models.pooling_config import (
+    choose_task,
+    matryoshka_of,
+    pooling_config,
+    sentence_transformers_config,
+)
+from conveyor.models.quantize import (
+    QUANTIZATION_CHOICES,
+    describe,
+    install,
+    plan_gguf,
+    quantize_linears_int8,
+)
 from conveyor.models.registry import config_from_gguf, config_from_hf
-from conveyor.models.quantize import QUANTIZATION_CHOICES, describe, install, plan_gguf, quantize_linears_int8
 from conveyor.models.sources import resolve_model
+from conveyor.models.w8a8_checkpoint import check_w8a8_config, install_w8a8, split_w8a8
 from conveyor.models.weights import checkpoint_files, iter_weights, load_into
 
 logger = logging.getLogger("conveyor.models")
@@ -74,7 +92,7 @@ def load_model(model: str | None, dtype: str | torch.dtype = "float32", device: 
         net, info, done, gguf_pooling = _load_gguf(source.path, source.name, dtype, device, keep_quantized)
         sources = ("GGUF pooling_type",) if gguf_pooling else ()
     else:
-        net, info, matryoshka = _load_hf_dir(source.path, dtype, device, quantized=int8)
+        net, info, matryoshka, done = _load_hf_dir(source.path, dtype, device, int8, kernels, quantization)
         st = sentence_transformers_config(source.path)
         sources = ("sentence-transformers files",) if st else ()
     info.task = choose_task(info.architecture, info.causal, net.config.num_labels, bool(st), convert)
@@ -82,7 +100,7 @@ def load_model(model: str | None, dtype: str | torch.dtype = "float32", device: 
                                   sources + (("--pooler-config",) if pooler_config else ()))
     if info.pooling is not None:
         logger.info("pooling model, %s", info.pooling.describe())
-    if int8:
+    if int8 and not done:  # (a W8A8 checkpoint's linears came in as W8A8Linears)
         done = quantize_linears_int8(net, kernels, resolve_dtype(info.dtype), w8a8=quantization == "w8a8")
     if torch.device(device).type == "cpu":
         prepare_for_cpu(net, kernels)
@@ -116,10 +134,12 @@ def _load_gguf(path: str, name: str, dtype: str | torch.dtype, device: str | tor
     return net, info, done, pooling
 
 
-def _load_hf_dir(model: str, dtype: str | torch.dtype, device: str | torch.device,
-                 quantized: bool = False) -> tuple[torch.nn.Module, ModelInfo, tuple[int, ...] | None]:
-    """A Hugging Face directory's model, its info and the embedding lengths its config declares it was trained to
-    be cut to (``pooling_config.matryoshka_of``)."""
+def _load_hf_dir(model: str, dtype: str | torch.dtype, device: str | torch.device, quantized: bool = False,
+                 kernels=None, quantization: str = "auto") -> tuple[torch.nn.Module, ModelInfo, tuple[int, ...] | None,
+                                                                  list[str]]:
+    """A Hugging Face directory's model, its info, the embedding lengths its config declares it was trained to
+    be cut to (``pooling_config.matryoshka_of``) and the parameters loaded quantized: a compressed-tensors W8A8
+    checkpoint's linears (``models.w8a8_checkpoint``; with ``quantization`` "auto" or "w8a8" and the kernels)."""
     config_path = os.path.join(model, "config.json")
     if not os.path.isdir(model):
         raise FileNotFoundError(f"model directory {model!r} does not exist")
@@ -127,11 +147,23 @@ def _load_hf_dir(model: str, dtype: str | torch.dtype, device: str | torch.devic
         raise FileNotFoundError(f"{config_path} not found: not a Hugging Face model directory")
     with open(config_path) as f:
         raw = json.load(f)
+    qc = raw.pop("quantization_config", None)
+    if qc is not None:
+        check_w8a8_config(qc, config_path)
+        if kernels is None or quantization not in ("auto", "w8a8"):
+            raise ValueError(f"{model} is a W8A8 checkpoint (int8 weights): it runs on the native CPU kernels with "
+                             f"--quantization auto or w8a8" + ("" if kernels else " (not available here)"))
     cfg = config_from_hf(raw, where=config_path)
-    torch_dtype, why = choose_dtype(dtype, device, raw.get("torch_dtype") or raw.get("dtype"), quantized)
+    torch_dtype, why = choose_dtype(dtype, device, raw.get("torch_dtype") or raw.get("dtype"),
+                                    quantized or qc is not None)
     cfg.eos_token_ids = sorted(set(cfg.eos_token_ids) | set(_generation_eos(model)))
     files = checkpoint_files(model)
-    net = build_model(cfg, torch_dtype, device)
+    weights, parts = iter_weights(files), {}
+    if qc is not None:
+        weights, parts = split_w8a8(weights, build_model(cfg, torch.float32, "meta"))
+    net = build_model(cfg, torch_dtype, device, on_meta=frozenset(parts))
     with torch.no_grad():
-        load_into(net, iter_weights(files), where=model)
-    return net, make_info(os.path.basename(os.path.normpath(model)), cfg, net, torch_dtype, why), matryoshka_of(raw)
+        load_into(net, weights, where=model, exclude=frozenset(parts))
+    info = make_info(os.path.basename(os.path.normpath(model)), cfg, net, torch_dtype, why)
+    done = install_w8a8(net, parts, kernels, torch_dtype) if parts else []
+    return net, info, matryoshka_of(raw), done

@@ -16,9 +16,8 @@ import importlib.util
 import os
 from dataclasses import dataclass
 
-from conveyor.models.embedded import EMBEDDED_NAME
-
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+EMBEDDED_NAME = "conveyor-embedded-llama-40m-random"  # built by models.embedded (here: no torch to import)
 
 
 @dataclass(frozen=True)

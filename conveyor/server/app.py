@@ -11,13 +11,13 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from conveyor.engine.async_engine import AsyncEngine
+from conveyor.engine.async_engine import serving_engine
 from conveyor.engine.engine_client import ServedEngine, picklable
-from conveyor.engine.llm_engine import LLMEngine
 from conveyor.server.anthropic.messages import install_anthropic_routes
 from conveyor.server.admission import ServiceClasses, make_admission
 from conveyor.server.auth import APIKeyMiddleware
@@ -42,6 +42,9 @@ from conveyor.server.serving_completion import create_completion
 from conveyor.server.serving_pooling import install_pooling_routes
 from conveyor.server.tokenizer_routes import install_tokenizer_routes
 from conveyor.structured.checker import CHECK_TIMEOUT_S, GrammarChecker
+
+if TYPE_CHECKING:  # annotations only: serve's API process runs its engine elsewhere and never imports torch
+    from conveyor.engine.llm_engine import LLMEngine
 
 
 def build_app(engine: ServedEngine | LLMEngine, served_model_name: str | None = None,
@@ -88,8 +91,7 @@ def build_app(engine: ServedEngine | LLMEngine, served_model_name: str | None = 
     if max_request_body_bytes < 1 or max_seqs_per_request < 1:
         raise ValueError(f"max_request_body_bytes and max_seqs_per_request must be >= 1, got "
                          f"{max_request_body_bytes} and {max_seqs_per_request}")
-    if isinstance(engine, LLMEngine):
-        engine = AsyncEngine(engine)
+    engine = serving_engine(engine)
     info = engine.info  # (the engine core process: waits until it is ready)
     model_name = served_model_name or info.model_info.name
     if metrics is None:
@@ -109,7 +111,7 @@ def build_app(engine: ServedEngine | LLMEngine, served_model_name: str | None = 
     served.add(ctx)
     engines = [engine]
     for other, name in also_serve:
-        other = AsyncEngine(other) if isinstance(other, LLMEngine) else other
+        other = serving_engine(other)
         engines.append(other)
         served.add(ServingContext(other, name or other.info.model_info.name, max_n, max_seqs_per_request,
                                   max_token_chars(other.info.tokenizer), tool_call_parser, reasoning_parser))

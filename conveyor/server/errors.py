@@ -21,7 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from conveyor.core.sampling_params import SamplingParams
 from conveyor.engine.chat import FinalMessageError
 from conveyor.engine.engine_client import EngineDeadError, EngineShuttingDownError, RequestFailedError
-from conveyor.engine.llm_engine import QueueFullError
+from conveyor.engine.engine_client import QueueFullError
 
 logger = logging.getLogger("conveyor.server")
 

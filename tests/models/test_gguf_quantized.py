@@ -246,6 +246,35 @@ def test_w8a8_from_a_float_checkpoint(untied, tmp_path):
         assert run(llm, with_stack=True) == run(llm, with_stack=False)
 
 
+def test_a_w8a8_checkpoint_loads_as_stored(untied, tmp_path):
+    """A compressed-tensors W8A8 directory (benchmarks/make_w8a8.py, what vLLM loads) runs on its own integers:
+    the same tokens and logprobs as --quantization w8a8 on the float directory it was made from. A scheme conveyor
+    does not compute, or --quantization none / int8, is refused at load, naming why."""
+    import json
+
+    from benchmarks.make_w8a8 import convert
+
+    float_dir, w8a8_dir = tmp_path / "float", tmp_path / "w8a8"
+    untied.save_pretrained(float_dir, safe_serialization=True)
+    write_word_tokenizer(float_dir, VOCAB)
+    assert convert(str(float_dir), str(w8a8_dir)) == 14
+    params = SamplingParams(max_tokens=8, temperature=0, logprobs=0, ignore_eos=True)
+    outs = {}
+    for path, quantization in ((float_dir, "w8a8"), (w8a8_dir, "auto")):
+        llm = LLM(str(path), dtype="float32", quantization=quantization, num_kv_blocks=128)
+        assert sum(isinstance(m, W8A8Linear) for m in llm.engine.model.modules()) == 8
+        got = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:4]], params, use_tqdm=False)
+        outs[quantization] = [(o.outputs[0].token_ids, [lp.logprob for lp in o.outputs[0].logprobs]) for o in got]
+    assert outs["auto"] == outs["w8a8"]
+    with pytest.raises(ValueError, match="W8A8 checkpoint"):
+        load_model(str(w8a8_dir), quantization="none")
+    config = json.loads((w8a8_dir / "config.json").read_text())
+    config["quantization_config"]["config_groups"]["group_0"]["input_activations"]["dynamic"] = False
+    (w8a8_dir / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="input_activations.dynamic=False"):
+        load_model(str(w8a8_dir))
+
+
 def test_bad_quantization_requests_are_clear_errors(untied, tmp_path):
     path = write_llama_gguf(tmp_path / "m.gguf", untied, "Q8_0")
     with pytest.raises(ValueError, match="already quantized"):

@@ -78,6 +78,10 @@ def test_default_model_answers_then_sigterm_ends_in_flight_stream_with_abort(tmp
                 "temperature": 0}
         answer = httpx.post(url + "/v1/chat/completions", json=chat, timeout=60).json()["choices"][0]
         assert "Paris" in answer["message"]["content"] and answer["finish_reason"] == "stop"
+        # torch (about 200 MiB resident) is loaded by the engine process only: the API process, having served a
+        # chat turn, never imported it
+        assert any("libtorch" in m.path for p in engines for m in p.memory_maps())
+        assert not any("libtorch" in m.path for m in psutil.Process(proc.pid).memory_maps())
 
         body = {"model": "SmolLM2-135M-Instruct", "prompt": "hello", "max_tokens": 3000, "ignore_eos": True,
                 "stream": True}

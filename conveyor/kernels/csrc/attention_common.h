@@ -84,11 +84,7 @@ inline void load_kv_row(const C* src, int dv, float* dst) {
   }
 }
 
-// An int8 row's values as float32, unscaled, and its scale: the decode loop multiplies the scale into each key's
-// score and each value's probability instead of into every element.
-inline void load_kv_values(const int8_t* src, int dv, float* dst) {
-  for (int d = 0; d < dv; d++) V::load(src + d * W).store(dst + d * W);
-}
+// An int8 row's scale, after its D = dv * W values.
 inline float kv_row_scale(const int8_t* src, int dv) {
   float scale;
   memcpy(&scale, src + dv * W, sizeof(float));
@@ -96,36 +92,65 @@ inline float kv_row_scale(const int8_t* src, int dv) {
 }
 
 // Cache row src of a decode chunk as float32 for its dot products: a pointer into a float32 cache, or the row
-// widened into buf (bfloat16), or an int8 row's values into buf with its scale in *scale (the caller folds it in).
+// widened into buf (bfloat16). (int8 rows are read as stored: attention_int8.h.)
 template <typename C>
-inline const float* decode_row(const C* src, int dv, float* buf, float* scale) {
+inline const float* decode_row(const C* src, int dv, float* buf) {
   if constexpr (sizeof(C) == 4) {
     return reinterpret_cast<const float*>(src);
-  } else if constexpr (sizeof(C) == 1) {
-    load_kv_values(src, dv, buf);
-    *scale = kv_row_scale(src, dv);
-    return buf;
   } else {
     load_kv_row(src, dv, buf);
     return buf;
   }
 }
 
-// One head's row x of D = dv * W values (the step's dtype T) into a cache row of type C: copied, or quantized to
-// int8 with its scale (cvk.h's CVK_KV_INT8: scale = max |x| / 127, q = round-half-even(x / scale), a division so
-// that a torch reference computes the same integers).
+// The int8 cache's rotation (cvk.h's CVK_KV_INT8): a Walsh-Hadamard transform of each block of b = D & -D values
+// (the largest power of two dividing D: all of 64 or 128), unnormalized, butterflies of stride 1, 2, 4, ... in
+// place: x[i], x[i + h] <- x[i] + x[i + h], x[i] - x[i + h]. A key row with a few outlier channels spreads them
+// over every value of the block, so one scale per row no longer rounds its small channels to nothing. The
+// transform is its own inverse up to a factor b (H H = b I), and q.k = (H q).(H k) / b: the loops rotate each
+// query row once (with 1 / b in its scale) and each output row once, never a cached row. Every element is one
+// float32 add or subtract of the previous stage's, so the torch reference (kv_quant.py) computes the same bits.
+inline int kv_rotation_block(int D) { return D & -D; }
+inline void kv_rotate(float* x, int D) {
+  const int b = kv_rotation_block(D);
+  for (int h = 1; h < b; h *= 2)
+    for (int i0 = 0; i0 < D; i0 += 2 * h)
+      for (int i = i0; i < i0 + h; i++) {
+        const float u = x[i], v = x[i + h];
+        x[i] = u + v;
+        x[i + h] = u - v;
+      }
+}
+
+// A query row (D values of T) times `scale` into dst: as is, or, for an int8 cache (C = int8_t), rotated like the
+// keys, with the rotation's 1 / b folded into the scale (kv_rotate).
+template <typename T, typename C>
+inline void load_query_row(const T* src, int dv, float scale, float* dst) {
+  const int D = dv * W;
+  if constexpr (sizeof(C) == 1) scale /= float(kv_rotation_block(D));
+  const V s = V::set1(scale);
+  for (int d = 0; d < dv; d++) (V::load(src + d * W) * s).store(dst + d * W);
+  if constexpr (sizeof(C) == 1) kv_rotate(dst, D);
+}
+
+// One head's row x of D = dv * W values (the step's dtype T) into a cache row of type C: copied, or rotated
+// (kv_rotate) and quantized to int8 with its scale (cvk.h's CVK_KV_INT8: scale = max |y| / 127, q =
+// round-half-even(y / scale), a division so that a torch reference computes the same integers).
 template <typename T, typename C>
 inline void store_kv_row(const T* x, int dv, C* dst) {
   if constexpr (sizeof(C) == 1) {
+    alignas(64) float y[MAX_D];
+    for (int d = 0; d < dv; d++) V::load(x + d * W).store(y + d * W);
+    kv_rotate(y, dv * W);
     V amax = V::zero();
     for (int d = 0; d < dv; d++) {
-      const V v = V::load(x + d * W);
+      const V v = V::load(y + d * W);
       amax = V::max(amax, V::max(v, V::zero() - v));
     }
     const float scale = amax.hmax() / 127.f;
     const V s = V::set1(scale);
     for (int d = 0; d < dv; d++) {
-      if (scale > 0.f) (V::load(x + d * W) / s).store_i8(dst + d * W);
+      if (scale > 0.f) (V::load(y + d * W) / s).store_i8(dst + d * W);
       else V::zero().store_i8(dst + d * W);
     }
     memcpy(dst + dv * W, &scale, sizeof(float));
@@ -177,9 +202,11 @@ struct LineCursor {
 };
 
 // O[r] += sum_j P[j * p_stride + r * p_step] * v_j[voff ..] for R rows of DV vectors (O rows ld floats apart),
-// accumulating in registers. pfc: a decode item's prefetch cursor, stepped once per key (null for tiles).
-template <int DV, int R>
-inline void pv_block(const float* P, int p_stride, int p_step, const float* const* vrow, int voff, int nk, float* O,
+// accumulating in registers. pfc: a decode item's prefetch cursor, stepped once per key (null for tiles). The
+// rows v_j are float32, or an int8 cache's values as stored (E = int8_t: widened in registers, their scales
+// already in P), so a decode reads each value row once, into no buffer.
+template <int DV, int R, typename E>
+inline void pv_block(const float* P, int p_stride, int p_step, const E* const* vrow, int voff, int nk, float* O,
                      int ld, LineCursor* pfc) {
   V acc[R][DV];
   for (int i = 0; i < R; i++)
@@ -199,18 +226,18 @@ inline void pv_block(const float* P, int p_stride, int p_step, const float* cons
 
 // Rows [0, nrows) over the DV vectors at voff of each row, in register blocks of up to RB rows: each V row is
 // loaded once per block, so a group of G heads (G <= RB) reads it once.
-template <int DV>
-inline void pv_rows(const float* P, int p_stride, int p_step, int nrows, const float* const* vrow, int voff, int nk,
+template <int DV, typename E>
+inline void pv_rows(const float* P, int p_stride, int p_step, int nrows, const E* const* vrow, int voff, int nk,
                     float* O, int ld, LineCursor* pfc) {
   constexpr int RB = DV <= 4 ? 4 : (DV <= 8 ? 2 : 1);
   for (int r = 0; r < nrows; r += RB) {
     const float* p = P + r * p_step;
     float* o = O + r * ld;
     switch (std::min(RB, nrows - r)) {
-      case 4: pv_block<DV, (RB >= 4 ? 4 : 1)>(p, p_stride, p_step, vrow, voff, nk, o, ld, pfc); break;
-      case 3: pv_block<DV, (RB >= 3 ? 3 : 1)>(p, p_stride, p_step, vrow, voff, nk, o, ld, pfc); break;
-      case 2: pv_block<DV, (RB >= 2 ? 2 : 1)>(p, p_stride, p_step, vrow, voff, nk, o, ld, pfc); break;
-      default: pv_block<DV, 1>(p, p_stride, p_step, vrow, voff, nk, o, ld, pfc); break;
+      case 4: pv_block<DV, (RB >= 4 ? 4 : 1), E>(p, p_stride, p_step, vrow, voff, nk, o, ld, pfc); break;
+      case 3: pv_block<DV, (RB >= 3 ? 3 : 1), E>(p, p_stride, p_step, vrow, voff, nk, o, ld, pfc); break;
+      case 2: pv_block<DV, (RB >= 2 ? 2 : 1), E>(p, p_stride, p_step, vrow, voff, nk, o, ld, pfc); break;
+      default: pv_block<DV, 1, E>(p, p_stride, p_step, vrow, voff, nk, o, ld, pfc); break;
     }
   }
 }
@@ -218,35 +245,41 @@ inline void pv_rows(const float* P, int p_stride, int p_step, int nrows, const f
 // All rows: O[r] += sum_j P(j, r) v_j (rows of dv vectors). The generic head size (DV = 0) goes through the row
 // in slices of up to 4 vectors, each slice's accumulators in registers: every output still sums its keys in
 // order, as a whole-row pass would.
-template <int DV>
-inline void pv_all(const float* P, int p_stride, int p_step, int nrows, const float* const* vrow, int nk, float* O,
+template <int DV, typename E>
+inline void pv_all(const float* P, int p_stride, int p_step, int nrows, const E* const* vrow, int nk, float* O,
                    int dv, LineCursor* pfc = nullptr) {
   if constexpr (DV > 0) {
-    pv_rows<DV>(P, p_stride, p_step, nrows, vrow, 0, nk, O, DV * W, pfc);
+    pv_rows<DV, E>(P, p_stride, p_step, nrows, vrow, 0, nk, O, DV * W, pfc);
   } else {
     for (int d0 = 0; d0 < dv; d0 += 4) {
       const int off = d0 * W, ld = dv * W;
       switch (std::min(4, dv - d0)) {
-        case 4: pv_rows<4>(P, p_stride, p_step, nrows, vrow, off, nk, O + off, ld, pfc); break;
-        case 3: pv_rows<3>(P, p_stride, p_step, nrows, vrow, off, nk, O + off, ld, pfc); break;
-        case 2: pv_rows<2>(P, p_stride, p_step, nrows, vrow, off, nk, O + off, ld, pfc); break;
-        default: pv_rows<1>(P, p_stride, p_step, nrows, vrow, off, nk, O + off, ld, pfc); break;
+        case 4: pv_rows<4, E>(P, p_stride, p_step, nrows, vrow, off, nk, O + off, ld, pfc); break;
+        case 3: pv_rows<3, E>(P, p_stride, p_step, nrows, vrow, off, nk, O + off, ld, pfc); break;
+        case 2: pv_rows<2, E>(P, p_stride, p_step, nrows, vrow, off, nk, O + off, ld, pfc); break;
+        default: pv_rows<1, E>(P, p_stride, p_step, nrows, vrow, off, nk, O + off, ld, pfc); break;
       }
     }
   }
 }
 
-// Write rows' outputs O[r] / l[r] to their (query, head) place.
+// Write rows' outputs O[r] / l[r] to their (query, head) place; over an int8 cache (C = int8_t) the outputs are
+// sums of rotated values, rotated back here (kv_rotate: H (sum p Hv) / b = sum p v).
 // A tile's rows are (query q0 + r / G, head kvh * G + r % G); a one-query item's rows are heads kvh * G + r.
-template <typename T, int DV>
-inline void store_rows(const AttnArgs& a, const Item& it, int64_t qs, int nrows, const float* O, const float* l) {
+template <typename T, int DV, typename C>
+inline void store_rows(const AttnArgs& a, const Item& it, int64_t qs, int nrows, float* O, const float* l) {
   const int dv = head_dv<DV>(a), D = dv * W;
   const int G = a.H / a.KVH;
   const bool one_query = it.q1 - it.q0 == 1;
   for (int r = 0; r < nrows; r++) {
     const int i = one_query ? it.q0 : it.q0 + r / G, h = one_query ? it.kvh * G + r : it.kvh * G + r % G;
     T* dst = static_cast<T*>(a.out) + (qs + i) * a.out_stride + int64_t(h) * D;
-    const V inv = V::set1(1.f / l[r]);
+    float norm = 1.f / l[r];
+    if constexpr (sizeof(C) == 1) {
+      kv_rotate(O + r * D, D);
+      norm /= float(kv_rotation_block(D));
+    }
+    const V inv = V::set1(norm);
     for (int d = 0; d < dv; d++) (V::load(O + r * D + d * W) * inv).store(dst + d * W);
   }
 }

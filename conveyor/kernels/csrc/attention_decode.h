@@ -3,13 +3,14 @@
 
 #include "attention_bf16.h"
 #include "attention_common.h"
+#include "attention_int8.h"
 #include "attention_mass.h"
 
 namespace cvk {
 
 // One query over kv heads [kvh, kvh_end): rows r = query heads kvh * G .. kvh_end * G. Per chunk of keys, every
 // head of the item reads its slice of the same K/V rows, so a chunk streams from memory once, in order.
-// C: the cache's elements (T, or int8 rows dequantized chunk by chunk into kbuf / vbuf).
+// C: the cache's elements (T, or int8 rows: keys scored and values summed as stored, attention_int8.h).
 template <typename T, int DV, typename C>
 void attend_one_query(const AttnArgs& a, const Item& it) {
   constexpr int DM = max_dv<DV>() * W;  // a row's room: D itself for a compiled head size
@@ -33,13 +34,14 @@ void attend_one_query(const AttnArgs& a, const Item& it) {
   alignas(64) float O[MAX_QROWS * DM];
   alignas(64) float S[MAX_QROWS * KP];
   alignas(64) uint16_t Pb[kDpbf16 ? MAX_QROWS * KP : 1];
-  alignas(64) float kbuf[kConvert ? KC * DM : 1];
+  constexpr bool kInt8 = sizeof(C) == 1;
+  alignas(64) float kbuf[kConvert && !kInt8 ? KC * DM : 1];
   // int8 rows: the chunk's key and value scales (0 past the chunk's keys), folded into the scores and the
   // probabilities (q.k * ks_j, p_j * vs_j) rather than into every element
-  constexpr bool kInt8 = sizeof(C) == 1;
   alignas(64) float ks[kInt8 ? KP : 1];
+  QueryI16 qi[kInt8 ? MAX_QROWS : 1];  // int8 rows: each query row as int16, for the scores (attention_int8.h)
   alignas(64) float vs[kInt8 ? KP : 1];
-  alignas(64) float vbuf[kConvert ? KC * DM : 1];
+  alignas(64) float vbuf[kConvert && !kInt8 ? KC * DM : 1];
   float m[MAX_QROWS], l[MAX_QROWS];
   const C* kbase[KP];
   const C* vbase[KP];
@@ -47,9 +49,9 @@ void attend_one_query(const AttnArgs& a, const Item& it) {
   const float* vrow[KP];
 
   if (!kDpbf16) {
-    const V scale = V::set1(a.scale);
-    for (int r = 0; r < rows; r++)
-      for (int d = 0; d < dv; d++) (V::load(qrow + r * D + d * W) * scale).store(q + r * D + d * W);
+    for (int r = 0; r < rows; r++) load_query_row<T, C>(qrow + r * D, dv, a.scale, q + r * D);
+    if constexpr (kInt8)
+      for (int r = 0; r < rows; r++) quantize_query(q + r * D, D, qi[r]);
   }
   for (int r = 0; r < rows; r++) {
     for (int d = 0; d < dv; d++) V::zero().store(O + r * D + d * W);
@@ -95,15 +97,26 @@ void attend_one_query(const AttnArgs& a, const Item& it) {
         const uint16_t* kh[KP];
         for (int j = 0; j < KP; j++) kh[j] = reinterpret_cast<const uint16_t*>(kbase[j]) + (j < nk ? h * hstride : 0);
         scores_bf16<DV>(reinterpret_cast<const uint16_t*>(qrow) + r0 * D, D, G, kh, KP, a.scale, s0, KP, pfc);
-      } else {
+      } else if constexpr (kInt8) {
+        // integer dot products of the int16 query rows with the int8 keys as stored, times both scales
+        const int8_t* kr[KP];
         for (int j = 0; j < KP; j++) {
-          if (j >= nk) {
-            krow[j] = kZeros;
-            if constexpr (kInt8) ks[j] = 0.f;
-          } else {
-            krow[j] = decode_row(kbase[j] + h * hstride, dv, kbuf + j * D, ks + (kInt8 ? j : 0));
+          kr[j] = j < nk ? kbase[j] + h * hstride : reinterpret_cast<const int8_t*>(kZeros);
+          ks[j] = j < nk ? kv_row_scale(kr[j], dv) : 0.f;
+        }
+        for (int r = r0; r < r0 + G; r++) {
+          const V qscale = V::set1(qi[r].scale);
+          for (int jg = 0; jg < KP; jg += W) {
+            V acc[W];
+            for (int u = 0; u < W; u++) {
+              acc[u] = int8_dot_lanes(kr[jg + u], qi[r], D);
+              pfc.step();
+            }
+            (V::hsum_lanes(acc) * V::load(ks + jg) * qscale).store(S + r * KP + jg);
           }
         }
+      } else {
+        for (int j = 0; j < KP; j++) krow[j] = j < nk ? decode_row(kbase[j] + h * hstride, dv, kbuf + j * D) : kZeros;
         for (int r = r0; r < r0 + G; r++) {
           V qr[max_dv<DV>()];
           for (int d = 0; d < dv; d++) qr[d] = V::load(q + r * D + d * W);
@@ -114,8 +127,7 @@ void attend_one_query(const AttnArgs& a, const Item& it) {
               for (int d = 0; d < dv; d++) acc[u] = V::fma(qr[d], V::load(krow[jg + u] + d * W), acc[u]);
               pfc.step();
             }
-            if constexpr (kInt8) (V::hsum_lanes(acc) * V::load(ks + jg)).store(S + r * KP + jg);
-            else V::hsum_lanes(acc).store(S + r * KP + jg);
+            V::hsum_lanes(acc).store(S + r * KP + jg);
           }
         }
       }
@@ -149,14 +161,19 @@ void attend_one_query(const AttnArgs& a, const Item& it) {
         pv_bf16<DV>(Pb + r0 * KP, KP, G, vh, (nk + 1) & ~1, O + r0 * D, pfc);
         pfc.flush();
       } else {
-        for (int j = 0; j < nk; j++)
-          vrow[j] = decode_row(vbase[j] + h * hstride, dv, vbuf + j * D, vs + (kInt8 ? j : 0));
         if constexpr (kInt8) {  // p_j * vs_j: the probabilities were kept (mass) and summed (l) above
-          for (int j = nk; j < KP; j++) vs[j] = 0.f;
+          const int8_t* vr[KP];
+          for (int j = 0; j < KP; j++) {
+            vr[j] = j < nk ? vbase[j] + h * hstride : reinterpret_cast<const int8_t*>(kZeros);
+            vs[j] = j < nk ? kv_row_scale(vr[j], dv) : 0.f;
+          }
           for (int r = r0; r < r0 + G; r++)
             for (int j = 0; j < KP; j += W) (V::load(S + r * KP + j) * V::load(vs + j)).store(S + r * KP + j);
+          pv_all<DV>(s0, 1, KP, G, vr, nk, O + r0 * D, dv, &pfc);
+        } else {
+          for (int j = 0; j < nk; j++) vrow[j] = decode_row(vbase[j] + h * hstride, dv, vbuf + j * D);
+          pv_all<DV>(s0, 1, KP, G, vrow, nk, O + r0 * D, dv, &pfc);
         }
-        pv_all<DV>(s0, 1, KP, G, vrow, nk, O + r0 * D, dv, &pfc);
         pfc.flush();
       }
     }
@@ -164,7 +181,7 @@ void attend_one_query(const AttnArgs& a, const Item& it) {
   if (mass != nullptr) capture.finish(a, it.kvh, it.kvh_end, G, m, l, mass);
   if constexpr (kDpbf16)
     for (int r = 0; r < rows; r++) unpermute_row(O + r * D, D);
-  store_rows<T, DV>(a, it, qs, rows, O, l);
+  store_rows<T, DV, C>(a, it, qs, rows, O, l);
 }
 
 }  // namespace cvk

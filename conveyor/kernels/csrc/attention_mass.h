@@ -83,11 +83,10 @@ void mass_rows(const AttnArgs& a, int r, int h) {
   if (scratch.size() < need) scratch.resize(need);
   float* q = scratch.data();             // [rows * G][D], scaled
   float* S = q + size_t(rows) * G * D;   // [rows * G][span]
-  const V sc = V::set1(a.scale);
   for (int i = 0; i < rows; i++)
     for (int g = 0; g < G; g++) {
       const T* src = static_cast<const T*>(a.q) + (qs + first + i) * a.q_stride + int64_t(h * G + g) * D;
-      for (int d = 0; d < dv; d++) (V::load(src + d * W) * sc).store(q + (size_t(i) * G + g) * D + d * W);
+      load_query_row<T, C>(src, dv, a.scale, q + (size_t(i) * G + g) * D);
     }
   alignas(64) float kbuf[sizeof(C) != 4 ? KP * max_dv<DV>() * W : 1];
   const float* krow[KP];

@@ -101,8 +101,11 @@ void attend_tile(const AttnArgs& a, const Item& it) {
     const bool real = r < nrows;
     const int i = it.q0 + r / G, h = it.kvh * G + r % G;
     qsrc[r] = static_cast<const T*>(a.q) + (qs + i) * a.q_stride + int64_t(h) * D;
-    if (!amx)
-      for (int d = 0; d < D; d++) QT[d * MAX_ROWS + r] = real ? to_f32(qsrc[r][d]) * a.scale : 0.f;
+    if (!amx) {
+      alignas(64) float qr[DM];
+      if (real) load_query_row<T, C>(qsrc[r], dv, a.scale, qr);
+      for (int d = 0; d < D; d++) QT[d * MAX_ROWS + r] = real ? qr[d] : 0.f;
+    }
     last[r] = float(real ? ctx0 + i : diag);  // padding rows see the first row's keys: finite, ignored
     first[r] = last[r] - float(a.window) + 1.f;
   }
@@ -214,7 +217,7 @@ void attend_tile(const AttnArgs& a, const Item& it) {
   }
   for (int rv = 0; rv < rv_n; rv++) l[rv].store(lrow + rv * W);
   (void)mrow;
-  store_rows<T, DV>(a, it, qs, nrows, O, lrow);
+  store_rows<T, DV, C>(a, it, qs, nrows, O, lrow);
   if (amx) amx_release();
 }
 

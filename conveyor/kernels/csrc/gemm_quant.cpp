@@ -283,7 +283,9 @@ inline void dequantize_q6_block(const CvkQuantWeight& w, const uint8_t* blk, int
 template <typename T>
 void dequantize_impl(const CvkQuantWeight& whole, const int64_t* rows, int64_t count, T* out, int64_t out_stride,
                      int num_threads) {
-  on_team(num_threads, [&] {
+  // A step's embedding lookup (a few rows) alone: no team to fork and join (as the norms and argmax decide)
+  const int threads = count * whole.K < (1 << 15) ? 1 : num_threads;
+  on_team(threads, [&] {
 #pragma omp for schedule(static)
     for (int64_t i = 0; i < count; i++) {
       int64_t n = rows ? rows[i] : i;
