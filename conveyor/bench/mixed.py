@@ -82,8 +82,9 @@ def result_of(mode: str, timings: list[RequestTiming], window_s: float, output_t
     summary = summarize(timings, window_s, slo_ms or None).to_dict()
     if slo_ms:  # goodput counts every interactive request that was sent: a refused one did not meet it
         summary["goodput"] = summary["goodput"] or 0.0
-    ttfts = sorted([round(t.arrival, 3), None if t.first_token is None else round(t.first_token - t.arrival, 3)]
-                   for t in timings)
+    # sorted by the time sent alone: two sent in the same millisecond, one refused (no TTFT), do not compare
+    ttfts = sorted(([round(t.arrival, 3), None if t.first_token is None else round(t.first_token - t.arrival, 3)]
+                    for t in timings), key=lambda sent_ttft: sent_ttft[0])
     return MixedResult(mode, window_s, summary, output_tokens, len(refusal_s), asdict(LatencyStats.of(refusal_s)),
                        batch_done, prediction or {}, refused_waiting, server_refusal or {}, ttfts)
 

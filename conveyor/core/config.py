@@ -71,6 +71,11 @@ class SchedulerConfig:
     # request of another adapter waits at the queue head until one of them has no running request. 0: no bound.
     max_loras: int = 0
 
+    @property
+    def uses_step_cost(self) -> bool:
+        """Whether the policy's decisions read the measured step cost (``policies.base.Room.step_cost``)."""
+        return self.priority_step_slack is not None
+
     def __post_init__(self) -> None:
         if self.max_loras < 0:
             raise ValueError(f"max_loras must be >= 0, got {self.max_loras}")

@@ -45,6 +45,7 @@ class Scheduler:
             raise ValueError(f"{'speculative decoding' if spec else 'KV eviction'} needs the paged KV layout")
         # The step's measured cost (the caller's clock): speculation's lengths and priority's step slack read it
         self.step_cost = StepCostModel()
+        self._policy_cost: tuple[float, float, float] | None = None  # the last line fitted for the policy
         self.speculator = Speculator(spec, config.max_model_len, self.step_cost) if spec is not None else None
         self._kept_blocks: dict[str, int] = {}  # requests trimmed since their last step: blocks they kept
         self.evictor = KVEvictor(eviction, kv_manager.block_size) if eviction is not None else None
@@ -104,8 +105,12 @@ class Scheduler:
             self._retire(request)
         out = SchedulerOutput(finished_req_ids=self._finished_ids)
         self._finished_ids = set()
-        cost = self.step_cost.fit() if self.config.priority_step_slack is not None else None
-        room = Room(self.config.max_num_seqs - len(self.running), self.kv.num_free_blocks, self.kv.block_size, cost)
+        if self.config.uses_step_cost:
+            # A window of steps of one size (a lone interactive decode for as many steps) fits no line: the last
+            # line stands, or the policy's caps would lapse exactly while one request decodes alone.
+            self._policy_cost = self.step_cost.fit() or self._policy_cost
+        room = Room(self.config.max_num_seqs - len(self.running), self.kv.num_free_blocks, self.kv.block_size,
+                    self._policy_cost)
         yielded = self.policy.yield_to_waiting(self.running, self.waiting, room)
         for request in yielded.preempt:  # room for requests that outrank them: those admit this step
             self._preempt(request, out)

@@ -82,3 +82,15 @@ def test_every_mode_over_http_against_a_real_server(tiny_chat_dir, tmp_path):
         assert results[mode]["interactive"]["goodput"] > 0
         sent, ttfts = zip(*results[mode]["ttfts"])  # per request, in sending order
         assert len(ttfts) == 6 and list(sent) == sorted(sent) and all(t is not None and t > 0 for t in ttfts)
+
+
+def test_a_result_lists_ttfts_by_time_sent_when_a_refused_request_shares_its_millisecond():
+    # at 24 req/s two requests were sent in one millisecond, one refused (429: no first token); the list of
+    # (sent, TTFT) pairs is in sending order, not a comparison of None with a TTFT
+    from conveyor.bench.metrics import RequestTiming
+    from conveyor.bench.mixed import result_of
+    served = RequestTiming("a", 10, 5, 1.0002, 1.05, [1.05, 1.06], 1.1)
+    refused = RequestTiming("b", 10, 0, 1.0001, None, [], None, error="429")
+    result = result_of("alone", [served, refused, RequestTiming("c", 10, 5, 0.5, 0.6, [0.6], 0.7)], 2.0, 10,
+                       {"ttft": 1000.0}, [0.01], 0)
+    assert result.ttfts == [[0.5, 0.1], [1.0, 0.05], [1.0, None]]

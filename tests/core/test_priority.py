@@ -170,3 +170,40 @@ def test_a_step_slack_caps_what_lower_priorities_add_to_a_step_of_higher_ones():
     s2.add_request(req("b", BATCH_PRIORITY, prompt_len=100, arrival=1.0, first_token=700))
     out, _ = step(s2, ex)
     assert out.num_scheduled_tokens == {"u": 1, "b": 63}
+
+
+def _timed(s, ex, fixed=0.010, per_token=0.001):
+    """A step function whose steps cost ``fixed + per_token x tokens`` on the clock the scheduler measures."""
+    clock = [0.0]
+
+    def timed_step():
+        out = s.schedule(clock[0])
+        clock[0] += fixed + per_token * out.total_num_scheduled_tokens
+        s.update(out, ex.execute(out), clock[0])
+        s.check_invariants()
+        return out
+    return timed_step
+
+
+def _batch_tokens(out) -> int:
+    return sum(n for rid, n in out.num_scheduled_tokens.items() if rid.startswith("b"))
+
+
+@pytest.mark.parametrize("fixed,per_token", [(0.010, 0.001), (0.010, 0.0)])
+def test_with_no_slack_the_batch_computes_nothing_in_the_step_that_admits_an_interactive_request(fixed, per_token):
+    # the batch decodes alone (two step sizes measured: a cost line; with per_token 0 every step took the same
+    # time); an interactive request arrives: the step that admits it is an interactive step, so at slack 0 the
+    # batch's decodes wait in it as in the interactive decode steps after it, also once the measured window holds
+    # only its one-token steps (no line fits them: the last one stands)
+    s = make_scheduler(max_num_batched_tokens=64, num_blocks=256, priority_step_slack=0.0)
+    timed_step = _timed(s, FakeExecutor(), fixed, per_token)
+    for i in range(3):
+        s.add_request(req(f"b{i}", BATCH_PRIORITY, prompt_len=10 + 5 * i, max_tokens=100, arrival=float(i),
+                          first_token=100 * i + 10))
+    for _ in range(4):
+        assert _batch_tokens(timed_step()) > 0  # prompts, then decodes: the batch alone takes what it needs
+    s.add_request(req("u", 0, prompt_len=12, max_tokens=80, arrival=10.0, first_token=900))
+    steps = [timed_step() for _ in range(80)]
+    assert [out.num_scheduled_tokens.get("u") for out in steps] == [12] + [1] * 79
+    assert [_batch_tokens(out) for out in steps] == [0] * 80
+    assert _batch_tokens(timed_step()) == 3  # u finished: the batch decodes again
