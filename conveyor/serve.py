@@ -83,9 +83,10 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--embedding-served-model-name", default=None,
                    help="the name clients pass as `model` for --embedding-model (default: its own name)")
     p.add_argument("--embedding-cpu-priority", choices=("auto", *CPU_PRIORITIES), default="auto",
-                   help="the CPU priority of --embedding-model's engine process: idle (SCHED_IDLE: it computes on "
-                   "the cycles the chat engine leaves, so embeddings do not slow the chat's decode), low (nice 19), "
-                   "normal (an equal share); auto: idle, normal with --engine-in-process (one process, one priority)")
+                   help="the CPU priority of --embedding-model's engine process: low (nice 19: the chat engine's "
+                   "threads take the cores first, so embeddings barely slow the chat's decode), idle (SCHED_IDLE: "
+                   "only the cycles everything else leaves), normal (an equal share); auto: low, normal with "
+                   "--engine-in-process (one process, one priority)")
     p.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
                    help="the model's reasoning syntax, split off the answer as reasoning_content / thinking "
                    "(default: read from the chat template: <think> or [THINK]; none: never split)")

@@ -1,12 +1,15 @@
 """The CPU priority an engine's process computes at (``--cpu-priority``; ``conveyor serve --embedding-cpu-priority``).
 
 An embedding engine served beside a chat engine shares the machine's cores with it; the kernel's scheduler is
-already a priority scheduler, so the embedding engine yields by running at a lower priority than the chat:
+already a priority scheduler, so the embedding engine yields by running at a lower priority than the chat
+(``low`` by default, docs/embeddings.md has the measurements):
 
 - ``normal``: the default scheduling class, nice as inherited (nothing is changed).
-- ``low``: nice 19 (CFS/EEVDF weight 15 against a normal thread's 1024: about 1.5% of a contended core).
+- ``low``: nice 19 (CFS/EEVDF weight 15 against a normal thread's 1024: about 1.5% of a contended core). What
+  ``conveyor serve`` gives an embedding engine beside a generation model: on a quiet machine it kept the chat's
+  TPOT within 10% of alone and embedded more than ``idle``, and it never starves the embeddings entirely.
 - ``idle``: ``SCHED_IDLE`` (weight 3, and a waking normal thread preempts it at once): the engine runs on the
-  cycles every other thread leaves. What ``conveyor serve`` gives an embedding engine beside a generation model.
+  cycles every other thread leaves; on a machine kept busy by other work it makes no progress at all.
 
 Linux applies both per thread, and a thread inherits its creator's policy and nice value: ``apply_cpu_priority``
 sets every thread the process has when it runs (before the engine loads its model, so torch's OpenMP pool and the
@@ -46,10 +49,10 @@ def apply_cpu_priority(priority: str) -> None:
 
 def embedding_cpu_priority(flag: str, chat_priority: str, in_process: bool) -> str:
     """``conveyor serve --embedding-cpu-priority``: "auto" puts the embedding engine's process below the chat
-    engine's (idle), unless both engines share the server's process (then it is the chat's: one process, one
+    engine's (low), unless both engines share the server's process (then it is the chat's: one process, one
     priority, and lowering the server would slow the chat too)."""
     if flag == "auto":
-        return chat_priority if in_process else "idle"
+        return chat_priority if in_process else "low"
     if in_process and flag != chat_priority:
         raise ValueError("--embedding-cpu-priority: with --engine-in-process both engines compute in the server's "
                          "process, at one priority (--cpu-priority)")

@@ -38,7 +38,7 @@ def test_every_thread_runs_at_the_priority_even_those_started_later(priority):
 
 
 def test_embedding_priority_auto_and_in_process():
-    assert embedding_cpu_priority("auto", "normal", in_process=False) == "idle"
+    assert embedding_cpu_priority("auto", "normal", in_process=False) == "low"
     assert embedding_cpu_priority("low", "normal", in_process=False) == "low"
     assert embedding_cpu_priority("auto", "normal", in_process=True) == "normal"  # one process, one priority
     with pytest.raises(ValueError, match="--engine-in-process"):
