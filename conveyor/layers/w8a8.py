@@ -47,9 +47,11 @@ class W8A8Linear(QuantLinear):
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, kernels,
                  dtype: torch.dtype) -> None:
         super().__init__(pack_w8a8(q, scale), bias, kernels, dtype)
-        self.q_t = q.contiguous().t()  # [K, N]: torch._int_mm's operand (a view: oneDNN reads it transposed)
         self.w_scale = self.quant.scale
         self.max_rows = W8A8_NATIVE_MAX_ROWS if kernels.w8a8.native else 0
+        # [K, N]: torch._int_mm's operand, a second copy of the weight's bytes: made when a row count first takes
+        # the oneDNN path (at once where the build has no native loop), never where the loop takes every row count
+        self._q_t: torch.Tensor | None = None if self.max_rows >= W8A8_NATIVE_MAX_ROWS else q.contiguous().t()
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None, kernels, dtype: torch.dtype) -> W8A8Linear:
@@ -68,6 +70,16 @@ class W8A8Linear(QuantLinear):
             self.kernels.quant_linear(x2, self.desc, self.bias, out)
         else:
             xq, x_scale = self.kernels.w8a8.quantize(x2)
-            acc = torch._int_mm(xq, self.q_t)
+            acc = torch._int_mm(xq, self._int_mm_weight())
             self.kernels.w8a8.epilogue(acc, x_scale, self.w_scale, self.bias, out)
         return out.view(*lead, self.out_features)
+
+    def _int_mm_weight(self) -> torch.Tensor:
+        """The int8 weight as ``torch._int_mm`` takes it, [K, N] (a transposed view), unpacked from the kernels'
+        layout (``pack_w8a8``'s inverse) the first time it is needed."""
+        if self._q_t is None:
+            n, k = self.quant.full_shape
+            np_, kp = -(-n // GROUP) * GROUP, -(-k // BLOCK) * BLOCK
+            u = self.quant.qs.view(np_ // GROUP, kp // BLOCK, 8, GROUP, 4).permute(0, 3, 1, 2, 4).reshape(np_, kp)
+            self._q_t = (u[:n, :k].to(torch.int16) - 128).to(torch.int8).contiguous().t()
+        return self._q_t
