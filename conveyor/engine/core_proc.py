@@ -73,6 +73,10 @@ def _add(request: ipc.AddRequest, engine: LLMEngine) -> None:
     engine.add_core_request(request.request_id, request.prompt_token_ids, request.params, request.arrival)
 
 
+def _finish(request: ipc.FinishRequests, engine: LLMEngine) -> None:
+    engine.finish_requests(child_ids=request.request_ids, status=request.status)
+
+
 class EngineCore:
     """Runs the ``StepLoop`` on requests from the input socket and sends one ``EngineMessage`` per round."""
 
@@ -129,10 +133,7 @@ class EngineCore:
                 if cutter is not None:  # after the put: a request the step already holds cannot cut it
                     cutter.offer(request.params.priority)
             elif isinstance(request, ipc.FinishRequests):
-                from conveyor.engine.llm_engine import LLMEngine  # loaded by run_engine_core already
-
-                self.commands.put(functools.partial(LLMEngine.finish_requests, child_ids=request.request_ids,
-                                                    status=request.status))
+                self.commands.put(functools.partial(_finish, request))
             else:
                 self.commands.put(STOP)
 
