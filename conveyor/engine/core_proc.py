@@ -73,6 +73,10 @@ def _add(request: ipc.AddRequest, engine: LLMEngine) -> None:
     engine.add_core_request(request.request_id, request.prompt_token_ids, request.params, request.arrival)
 
 
+def _finish(request: ipc.FinishRequests, engine: LLMEngine) -> None:
+    engine.finish_requests(child_ids=request.request_ids, status=request.status)
+
+
 class EngineCore:
     """Runs the ``StepLoop`` on requests from the input socket and sends one ``EngineMessage`` per round."""
 
@@ -95,6 +99,11 @@ class EngineCore:
         try:
             self.loop.run()
             self._flush()
+            if self.engine.step_cutter is not None:
+                counts = self.engine.step_cutter.counts
+                logger.info("steps cut short for arrivals that outranked them: %d of %d cuttable (%d in the native "
+                            "stack), %d scheduled tokens and %.2f s of work dropped; not cuttable: %s", counts.cut,
+                            counts.armed, counts.cut_native, counts.cut_tokens, counts.cut_seconds, counts.not_cut)
         except BaseException as exc:
             self.message.dead = f"{exc!r}\n{traceback.format_exc()}"
             self._flush(timeout=DEAD_FLUSH_S)
@@ -107,6 +116,7 @@ class EngineCore:
     def _read(self) -> None:
         """Input socket -> command queue, so the API process's sends never wait for a step to end."""
         decoder = ipc.request_decoder()
+        cutter = self.engine.step_cutter  # a step of only lower priorities stops for an arrival outranking it
         while True:
             try:
                 frame = self._input.recv()
@@ -120,11 +130,10 @@ class EngineCore:
                 continue
             if isinstance(request, ipc.AddRequest):
                 self.commands.put((functools.partial(_add, request), _Reply(self, request.call_id)))
+                if cutter is not None:  # after the put: a request the step already holds cannot cut it
+                    cutter.offer(request.params.priority)
             elif isinstance(request, ipc.FinishRequests):
-                from conveyor.engine.llm_engine import LLMEngine  # loaded by run_engine_core already
-
-                self.commands.put(functools.partial(LLMEngine.finish_requests, child_ids=request.request_ids,
-                                                    status=request.status))
+                self.commands.put(functools.partial(_finish, request))
             else:
                 self.commands.put(STOP)
 
