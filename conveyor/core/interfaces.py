@@ -81,6 +81,18 @@ class KVManager(Protocol):
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (blocks stay where they are)."""
 
+    def begin_step(self) -> None:
+        """A step's scheduling starts: what it makes findable in the prefix cache from here on, ``unpublish_step``
+        can take back."""
+
+    def step_published_shared(self) -> bool:
+        """Whether a request took a prefix hit on a block this step made findable (then the step is not cut:
+        the hit counts as computed KV the step has yet to compute)."""
+
+    def unpublish_step(self) -> None:
+        """The step scheduled since ``begin_step`` was cut short, nothing of it computed: no block it made
+        findable stays findable (each is offered again when its tokens are scheduled again)."""
+
     def check_invariants(self) -> None:
         """Raise AssertionError unless the bookkeeping is consistent."""
 

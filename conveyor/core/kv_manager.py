@@ -55,6 +55,10 @@ class KVCacheManager:
         # (vLLM counts queries and hits the same way, per lookup).
         self.prefix_saved_tokens = 0
         self.num_evicted_blocks = 0  # blocks given back by KV eviction (core.kv_eviction), cumulative
+        # The step being scheduled (since begin_step): the blocks it made findable, in order, and each request's
+        # num_cached_blocks before it, so a step cut short takes them back (unpublish_step)
+        self._published: list[KVBlock] = []
+        self._cached_before: dict[str, int] = {}
 
     @property
     def num_blocks(self) -> int:
@@ -201,10 +205,35 @@ class KVCacheManager:
         if n_full <= start:
             return
         hashes = self._update_block_hashes(request, num_tokens)
+        self._cached_before.setdefault(request.request_id, start)
         for i in range(start, n_full):
             if blocks[i].block_hash is None and blocks[i] is not self.null_block:
                 self.pool.cache_full_block(blocks[i], hashes[i], hashes[i - 1] if i else None, i)
+                if blocks[i].block_hash == hashes[i]:
+                    self._published.append(blocks[i])
         self.num_cached_blocks[request.request_id] = n_full
+
+    def begin_step(self) -> None:
+        """A step's scheduling starts: the blocks it makes findable from here on can be taken back."""
+        self._published.clear()
+        self._cached_before.clear()
+
+    def step_published_shared(self) -> bool:
+        """Whether a request took a reference on a block this step made findable (a prefix hit in the same step,
+        which counts the block's tokens as computed before the step computes them)."""
+        return any(block.ref_cnt > 1 for block in self._published)
+
+    def unpublish_step(self) -> None:
+        """The step scheduled since ``begin_step`` computed nothing (it was cut short): the blocks it made findable
+        hold no KV (or a part of their layers'), so no one may find them; they are offered again when the step's
+        tokens are scheduled again. (Blocks stay where they are: the redo writes them.)"""
+        for block in reversed(self._published):  # children before their parents, as eviction drops them
+            if block.block_hash is not None:
+                self.pool.uncache_block(block)
+        for rid, start in self._cached_before.items():
+            if rid in self.num_cached_blocks:
+                self.num_cached_blocks[rid] = min(self.num_cached_blocks[rid], start)
+        self.begin_step()
 
     def trim(self, request: Request, num_tokens: int) -> int | None:
         """Give back the blocks past the first ``num_tokens`` tokens' (rejected proposals' slots), tail first;

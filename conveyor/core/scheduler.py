@@ -105,6 +105,7 @@ class Scheduler:
             self._retire(request)
         out = SchedulerOutput(finished_req_ids=self._finished_ids)
         self._finished_ids = set()
+        self.kv.begin_step()
         if self.config.uses_step_cost:
             # A window of steps of one size (a lone interactive decode for as many steps) fits no line: the last
             # line stands, or the policy's caps would lapse exactly while one request decodes alone.
@@ -315,6 +316,32 @@ class Scheduler:
                 if stop is not None:
                     break  # tokens accepted past a stop are nobody's
         return updates
+
+    def cut_unsafe_reason(self, out: SchedulerOutput) -> str | None:
+        """Why the step ``out`` (just scheduled) may not be cut short and dropped (``drop_cut_step``), or None.
+
+        Dropping a step is exact when nothing but its forward pass depends on it: the counts advance only in
+        ``update``, the blocks stay for the redo, and what the step made findable is taken back. Not so for
+        speculation (proposals and draft-model KV written at schedule time), KV eviction (blocks dropped at
+        schedule time, scores expected in ``update``), a padded baseline's step, a pooling request (its result
+        comes from the step), nor a prefix hit in the same step on a block the step made findable."""
+        if self.speculator is not None:
+            return "speculative decoding"
+        if self.evictor is not None:
+            return "KV eviction"
+        if out.num_padding_tokens:
+            return "a padded step"
+        if any(self.requests[rid].is_pooling for rid in out.num_scheduled_tokens):
+            return "a pooling request"
+        if self.kv.step_published_shared():
+            return "a prefix hit on a block this step makes findable"
+        return None
+
+    def drop_cut_step(self, out: SchedulerOutput) -> None:
+        """The step ``out`` was cut short before its tokens were sampled (``cut_unsafe_reason`` allowed it): it
+        is dropped as if it never ran. Counts are untouched (``update`` is not called for it), the requests keep
+        their blocks and are scheduled again, and no block the step made findable stays findable."""
+        self.kv.unpublish_step()
 
     def _finish_pooled(self, request: Request, pooled: list[float] | None, now: float) -> RequestUpdate:
         """A prefill-only request's prompt is computed: it finishes now with its pooled result and frees its

@@ -108,6 +108,16 @@ class SlabKVManager:
     def reset_prefix_cache(self) -> None:
         """Slabs share nothing, so there is no prefix cache to forget."""
 
+    # Nothing is ever findable: a step cut short has nothing to take back.
+    def begin_step(self) -> None:
+        pass
+
+    def step_published_shared(self) -> bool:
+        return False
+
+    def unpublish_step(self) -> None:
+        pass
+
     def check_invariants(self) -> None:
         held = list(self.req_slab.values())
         assert len(set(held)) == len(held), "a slab is held by two requests"

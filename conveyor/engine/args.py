@@ -55,6 +55,10 @@ class EngineArgs:
         SchedulerConfig.priority_step_slack, "priority scheduling: while requests of several priorities run, the "
         "tokens of those below the best may add at most this fraction to a step's measured time (e.g. 0.15: a batch "
         "job slows interactive decodes by at most 15%%); default: they fill the step's token budget")
+    priority_step_cut: float = _arg(
+        SchedulerConfig.priority_step_cut, "priority scheduling: a step of only lower-priority requests (a Batch API "
+        "job's) is cut short between layers when a request of better priority arrives, if less than this fraction "
+        "of its layers ran; its work is dropped and redone later (docs/scheduling.md). 0: never cut")
     max_num_seqs: int = _arg(SchedulerConfig.max_num_seqs, "most requests in the running batch")
     cuda_graphs: bool = _arg(False, "decode-only steps replay CUDA graphs captured at start (a CUDA device and the "
                                     "triton attention backend; not yet run on a GPU, so off by default: docs/gpu.md)")

@@ -86,8 +86,11 @@ class AsyncEngine(EngineClient):
     async def _add(self, request_id: str, prompt, params, arrival: float) -> None:
         # The prompt function runs on the engine thread just before the add, in the same command, so tokenizing
         # costs the event loop nothing and no extra wait for a step.
-        await self.call(lambda e: e.add_request(request_id, prompt(self.info) if callable(prompt) else prompt,
-                                                params, arrival))
+        added = self._submit(lambda e: e.add_request(request_id, prompt(self.info) if callable(prompt) else prompt,
+                                                     params, arrival))
+        if self.engine.step_cutter is not None:  # after the submit: a request the step already holds cannot cut it
+            self.engine.step_cutter.offer(params.priority)
+        await added
 
     async def add_prefill_request(self, request_id: str, prompt, params) -> RequestStream:
         """``add_request`` run only to the first token (``LLMEngine.add_prefill_request``): the stream's last
@@ -113,12 +116,16 @@ class AsyncEngine(EngineClient):
     async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
         """Run ``fn(engine)`` on the engine thread between steps and return its result (or raise its error).
         The one safe way to read or change engine state from the event loop (``stats`` aside)."""
+        return await self._submit(fn)
+
+    def _submit(self, fn: Callable[[LLMEngine], Any]) -> asyncio.Future:
+        """Queue ``fn(engine)`` for the engine thread now; the future of its result (``call``)."""
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self._closed_lock:
             if self._closed is not None or not self.is_running:
                 raise EngineDeadError(f"the engine is not running: {self.dead_error!r}")
             self._commands.put((fn, future))
-        return await asyncio.wrap_future(future)
+        return asyncio.wrap_future(future)
 
     # ---- engine thread ----------------------------------------------------------------------------------
     def _run(self) -> None:

@@ -99,6 +99,11 @@ class EngineCore:
         try:
             self.loop.run()
             self._flush()
+            if self.engine.step_cutter is not None:
+                counts = self.engine.step_cutter.counts
+                logger.info("steps cut short for arrivals that outranked them: %d of %d cuttable (%d in the native "
+                            "stack), %d scheduled tokens and %.2f s of work dropped; not cuttable: %s", counts.cut,
+                            counts.armed, counts.cut_native, counts.cut_tokens, counts.cut_seconds, counts.not_cut)
         except BaseException as exc:
             self.message.dead = f"{exc!r}\n{traceback.format_exc()}"
             self._flush(timeout=DEAD_FLUSH_S)
@@ -111,6 +116,7 @@ class EngineCore:
     def _read(self) -> None:
         """Input socket -> command queue, so the API process's sends never wait for a step to end."""
         decoder = ipc.request_decoder()
+        cutter = self.engine.step_cutter  # a step of only lower priorities stops for an arrival outranking it
         while True:
             try:
                 frame = self._input.recv()
@@ -124,6 +130,8 @@ class EngineCore:
                 continue
             if isinstance(request, ipc.AddRequest):
                 self.commands.put((functools.partial(_add, request), _Reply(self, request.call_id)))
+                if cutter is not None:  # after the put: a request the step already holds cannot cut it
+                    cutter.offer(request.params.priority)
             elif isinstance(request, ipc.FinishRequests):
                 self.commands.put(functools.partial(_finish, request))
             else:

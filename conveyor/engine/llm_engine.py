@@ -34,7 +34,9 @@ from conveyor.engine.placement import place, step_pinning
 from conveyor.engine.sizing import context_length, make_kv_manager, num_kv_blocks
 from conveyor.engine.pooling import check_pooling_input, check_task, make_pooler
 from conveyor.engine.prompts import PromptType, encode_text, prompt_tokens, tokenize_bad_words
+from conveyor.engine.step_cut import StepCutter
 from conveyor.engine.step_record import StepRecord
+from conveyor.models.step_cut import StepCut
 from conveyor.structured.gate import GrammarGate
 from conveyor.structured.manager import StructuredOutputs
 
@@ -61,11 +63,15 @@ class LLMEngine:
         # outside the scheduler, until its grammar is ready.
         self.structured = StructuredOutputs(self.tokenizer, self.model_info.vocab_size)
         self.grammar_gate = GrammarGate()
+        self._cut_flag = None  # the runner's, when it can stop a forward between layers (models.step_cut)
         self.executor = executor or self._make_runner(num_blocks, cache.block_size, draft)
         self._pinned = step_pinning(self.device, args)  # a step's thread binding (CPU: kernels.binding)
         self.output_processor = OutputProcessor(self.tokenizer, detokenize=args.detokenize)
         self.step_listeners: list[Callable[[StepRecord], None]] = []
         self.handoffs = KVHandoffs(self.scheduler, self.executor, self.kv_manager)  # disaggregated prefill/decode
+        # Steps an arrival that outranks them may cut short (engine.step_cut); None: off, or not this executor
+        self.step_cutter = StepCutter.build(self.scheduler.config.scheduling_policy, args.priority_step_cut,
+                                            self._cut_flag, self.model_info.num_layers)
         self._ids = itertools.count()
         release_free_heap()  # what loading freed stays resident in glibc's heap until trimmed (engine.heap)
         self.init_time_s = time.perf_counter() - start  # plus the KV cache and runner
@@ -88,6 +94,7 @@ class LLMEngine:
             runner.attach_lora(args.max_loras, args.max_lora_rank)
         if args.cuda_graphs:  # after the draft and LoRA: it refuses the one and keeps the other's steps eager
             runner.attach_decode_graphs(args.max_num_seqs)
+        self._cut_flag = runner.attach_step_cut()
         return runner
 
     @classmethod
@@ -294,6 +301,9 @@ class LLMEngine:
         """The engine core's half of ``step()``: schedule, execute, update; each sampled token as a
         ``RequestUpdate`` (None when nothing was scheduled). What the engine core process runs and sends."""
         start = time.monotonic()
+        cutter = self.step_cutter
+        if cutter is not None:
+            cutter.begin()
         grammar_failed = self.grammar_gate.admit_ready(self.scheduler.add_request)
         sched_out = self.scheduler.schedule(start)
         if sched_out.is_empty:
@@ -301,8 +311,20 @@ class LLMEngine:
         if self.handoffs.importing:
             self.handoffs.write_admitted(sched_out)
         record = StepRecord.before(start, sched_out, self.scheduler) if self.step_listeners else None
-        with self._pinned():
-            model_out = self.executor.execute(sched_out)
+        armed = cutter is not None and not self.handoffs.importing and cutter.arm(sched_out, self.scheduler)
+        try:
+            with self._pinned():
+                model_out = self.executor.execute(sched_out)
+        except StepCut as cut:
+            # Dropped as if it never ran: no count advanced, no token; the arrival is admitted by the next step
+            self.scheduler.drop_cut_step(sched_out)
+            cutter.record_cut(sched_out, time.monotonic() - start, cut.native)
+            if self.args.debug_invariants:
+                self.scheduler.check_invariants()
+            return CoreStepOutput(time.monotonic(), failed=grammar_failed)
+        finally:
+            if armed:
+                cutter.disarm()
         now = time.monotonic()
         outputs = self.scheduler.update(sched_out, model_out, now)
         if self.args.debug_invariants:

@@ -25,7 +25,8 @@ from conveyor.kernels.w8a8_ops import W8A8Kernels
 from conveyor.kernels.moe_ops import MoeArgs, MoeKernels
 
 SOURCE_DIR = os.path.join(os.path.dirname(__file__), "csrc")
-ABI_VERSION = 17  # csrc/cvk.h's CVK_ABI_VERSION
+ABI_VERSION = 18  # csrc/cvk.h's CVK_ABI_VERSION
+STOPPED = 1  # cvk.h's CVK_STOPPED: cvk_llama_layers stopped between layers at the caller's flag
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 KV_INT8 = 2  # csrc/cvk.h's CVK_KV_INT8: a cache of int8 rows, D values then a float32 scale (layers/attention/kv_quant)
 
@@ -55,7 +56,8 @@ class LayerStackArgs(ctypes.Structure):
                 ("gu", _P), ("act", _P), ("quant_scratch", _P), ("T", _I64), ("hidden", _I64), ("inter", _I64),
                 ("use_amx", _I32), ("L", _I32), ("eps", _F32), ("quantized", _I32), ("moe_scratch", _P),
                 ("moe_scratch_bytes", _I64), ("moe_inter", _I64), ("E", _I32), ("top_k", _I32),
-                ("norm_topk_prob", _I32), ("qk_norm_across_heads", _I32), ("lora", _P), ("lora_linears", _P)]
+                ("norm_topk_prob", _I32), ("qk_norm_across_heads", _I32), ("lora", _P), ("lora_linears", _P),
+                ("stop", _P), ("stop_layers", _I64)]
 
 
 class QuantWeight(ctypes.Structure):
@@ -286,7 +288,8 @@ class CpuKernels:
                      plan: torch.Tensor | None = None, quant_scratch: torch.Tensor | None = None,
                      key_mass: KeyMass | None = None, rope_offset: torch.Tensor | None = None,
                      moe: dict | None = None, kv_int8: bool = False,
-                     lora: tuple[LoraArgs, torch.Tensor] | None = None) -> None:
+                     lora: tuple[LoraArgs, torch.Tensor] | None = None,
+                     stop: tuple[int, int] | None = None) -> bool:
         """A Llama-family decoder-layer stack in one call (cvk_llama_layers: layer_stack.cpp gives the layout of
         ``fields``, the per-layer pointers, and of the ``scratch`` buffers h, qkv, attn, gate_up, act). ``residual``
         holds the embeddings on entry; on return ``x`` holds the last layer's output, ``residual`` the stream.
@@ -296,7 +299,9 @@ class CpuKernels:
         every layer's). ``moe``: a mixture's LayerStackArgs fields (moe_scratch, moe_scratch_bytes, moe_inter, E,
         top_k, norm_topk_prob; ``models.native_stack``), and qk_norm_across_heads. ``kv_int8``: the caches hold
         int8 rows (``kv_quant``). ``lora``: the step's adapter segments (``lora.segments``) and the per-layer table
-        of each linear's adapter weights (cvk.h's lora_linears; ``models.native_stack``)."""
+        of each linear's adapter weights (cvk.h's lora_linears; ``models.native_stack``). ``stop``: the address of
+        an int32 flag word and the layer count before which it may stop the call (cvk.h's stop, stop_layers).
+        Returns whether the call stopped there (the later layers not run)."""
         h, qkv, attn, gu, act = scratch
         step = _step_args(block_table, query_start, seq_lens, cos_sin, x.dtype, num_heads, num_kv_heads, head_dim,
                           block_size, scale, plan, key_mass, rope_offset)
@@ -308,7 +313,13 @@ class CpuKernels:
                            quantized=int(quant_scratch is not None), **(moe or {}))
         if lora is not None:
             s.lora, s.lora_linears = ctypes.addressof(lora[0]), lora[1].data_ptr()
-        self._check("cvk_llama_layers", self._llama_layers(ctypes.byref(s)))
+        if stop is not None:
+            s.stop, s.stop_layers = stop
+        rc = self._llama_layers(ctypes.byref(s))
+        if rc == STOPPED:
+            return True
+        self._check("cvk_llama_layers", rc)
+        return False
 
     def quant_scratch_bytes(self, rows: int, padded_in: int) -> int:
         """Scratch bytes ``quant_linear`` needs to quantize ``rows`` activation rows against a weight whose

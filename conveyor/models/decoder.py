@@ -19,6 +19,7 @@ from conveyor.layers.embedding import Embedding
 from conveyor.layers.norms import RMSNorm
 from conveyor.layers.rotary import RotaryEmbedding, apply_rotary, partial_rotary_order
 from conveyor.models.config import ModelConfig
+from conveyor.models.step_cut import CutFlag
 from conveyor.models.moe import SparseMoE
 from conveyor.models.weights import WeightTarget
 
@@ -132,17 +133,21 @@ class DecoderForCausalLM(nn.Module):
         # the step's LoRA rows (layers.lora.LoRAStep; set by models.lora_model), which the native stack runs too
         self.lora = None
         self._qk_rows = None  # the q/k row order of partial rotary (partial_rotary_order), by fused row
+        self.cut_flag: CutFlag | None = None  # read between layers: a step cut short (models.step_cut)
 
     def forward(self, input_ids, positions, kv_caches, attn):
         x = self.embed_tokens(input_ids)
         if self.config.embed_scale is not None:  # Gemma: the scale rounded to the weights' dtype, as HF does
             x = x * torch.tensor(self.config.embed_scale, dtype=torch.float32).to(x.dtype)
         ropes = [r.lookup(positions, fused=attn.fuses_rope) for r in (self.rotary, self.local_rotary) if r]
+        cut = self.cut_flag
         if self.native_stack is not None and self.native_stack.accepts(x.shape[0], attn, self.lora):
-            x, residual = self.native_stack.run(x, ropes[0].table, kv_caches, attn)
+            x, residual = self.native_stack.run(x, ropes[0].table, kv_caches, attn, cut)
             return self.norm(x, residual)[0]
         residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches):
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+            if cut is not None:
+                cut.check(i)
             x, residual = layer(x, residual, ropes, kv_cache, attn)
         return self.norm(x, residual)[0]
 

@@ -38,6 +38,7 @@ from conveyor.layers.lora import LoRALinear, LoRAStep
 from conveyor.layers.quantized import QuantLinear, descriptor_address
 from conveyor.models.config import ModelConfig
 from conveyor.models.moe import SparseMoE
+from conveyor.models.step_cut import CutFlag, StepCut
 
 # Quantized stacks run steps up to this many rows, the float stacks' limit (the per-call crossings it saves
 # matter at decode sizes; above, the per-layer path runs the same integer kernels).
@@ -175,9 +176,10 @@ class NativeLayerStack:
         return 0 < num_tokens <= self.max_rows and attn.supports_layer_stack
 
     def run(self, embeddings: torch.Tensor, rope_table: torch.Tensor, kv_caches: list[torch.Tensor],
-            attn: LayerStackAttention) -> tuple[torch.Tensor, torch.Tensor]:
+            attn: LayerStackAttention, cut: CutFlag | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Every decoder layer over ``embeddings`` [T, hidden] (consumed: it becomes the residual stream).
-        Returns (last layer's output, residual), as the per-layer loop leaves them for the final norm."""
+        Returns (last layer's output, residual), as the per-layer loop leaves them for the final norm. ``cut``:
+        read between layers; raised, the call stops there and raises ``StepCut``."""
         self._bind_kv(kv_caches)
         t, dt = embeddings.shape[0], embeddings.dtype
         q_size = self.num_heads * self.head_dim
@@ -207,12 +209,15 @@ class NativeLayerStack:
             self._lora_scratch = torch.empty(t * max_sr, dtype=torch.float32)  # alive until the call returns
             lora = (self.kernels.lora.segments(step.rows, step.seg_start, step.seg_slot, rank, weight_dtype,
                                                self._lora_scratch), table)
-        self.kernels.llama_layers(self._fields, self.num_layers, self.hidden, self.inter, x, residual, scratch,
+        stopped = self.kernels.llama_layers(self._fields, self.num_layers, self.hidden, self.inter, x, residual, scratch,
                                   attn.block_table, attn.query_start, attn.seq_lens, rope_table, self.num_heads,
                                   self.num_kv_heads, self.head_dim, kv_caches[0].shape[3], self.scale, self.eps,
                                   plan=plan, quant_scratch=quant_scratch,
                                   key_mass=attn.mass_buffer(self.num_kv_heads), rope_offset=attn.rope_offset,
-                                  moe=moe, kv_int8=kv_caches[0].dtype == torch.int8, lora=lora)
+                                  moe=moe, kv_int8=kv_caches[0].dtype == torch.int8, lora=lora,
+                                  stop=None if cut is None or cut.cut_layers < 2 else (cut.address, cut.cut_layers))
+        if stopped:
+            raise StepCut(None, native=True)
         return x, residual
 
     def _bind_kv(self, kv_caches: list[torch.Tensor]) -> None:

@@ -10,6 +10,8 @@ from conveyor.core.outputs import ModelOutput, PromptLogprobs, SchedulerOutput
 from conveyor.layers.attention import allocate_kv_caches, backend_class, make_attention, resolve_backend
 from conveyor.layers.attention.kv_quant import row_bytes as kv_row_bytes
 from conveyor.models.build import ModelInfo, resolve_dtype
+from conveyor.models.decoder import DecoderForCausalLM
+from conveyor.models.step_cut import CutFlag
 from conveyor.runner.input_batch import InputBatch, PromptRows, StepInputs
 from conveyor.runner.kv_io import gather_kv, scatter_kv
 from conveyor.runner.pooler import Pooler
@@ -79,6 +81,15 @@ class ModelRunner:
             return self.model(input_ids, positions, self.kv_caches, make_attention(self.backend, meta, self.dtype))
 
         self.decode_graphs = DecodeGraphs(forward, max_num_seqs, max_blocks, self.block_size, self.device, capture)
+
+    def attach_step_cut(self) -> CutFlag | None:
+        """Let another thread cut a step's forward short between layers (``models.step_cut``): the flag, or None
+        where a forward cannot stop cleanly (a model other than the decoder stack, a draft model proposing in the
+        step, replayed CUDA graphs)."""
+        if not isinstance(self.model, DecoderForCausalLM) or self.draft is not None or self.decode_graphs is not None:
+            return None
+        self.model.cut_flag = CutFlag()
+        return self.model.cut_flag
 
     def attach_draft(self, model: torch.nn.Module, info: ModelInfo, attention_backend: str = "auto") -> None:
         """Propose with ``model`` (speculative decoding's draft model), on this runner's blocks."""

@@ -69,6 +69,15 @@ class HeldKVManager:
     def reset_prefix_cache(self) -> None:
         self.inner.reset_prefix_cache()
 
+    def begin_step(self) -> None:
+        self.inner.begin_step()
+
+    def step_published_shared(self) -> bool:
+        return self.inner.step_published_shared()
+
+    def unpublish_step(self) -> None:
+        self.inner.unpublish_step()
+
     # ---- holding ------------------------------------------------------------------------------------------
 
     def hold(self, request_id: str) -> None:

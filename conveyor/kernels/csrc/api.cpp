@@ -70,7 +70,8 @@ const char* cvk_struct_layout(int which) {
       CVK_FIELD(CvkLayerStackArgs, moe_scratch_bytes), CVK_FIELD(CvkLayerStackArgs, moe_inter),
       CVK_FIELD(CvkLayerStackArgs, E), CVK_FIELD(CvkLayerStackArgs, top_k),
       CVK_FIELD(CvkLayerStackArgs, norm_topk_prob), CVK_FIELD(CvkLayerStackArgs, qk_norm_across_heads),
-      CVK_FIELD(CvkLayerStackArgs, lora), CVK_FIELD(CvkLayerStackArgs, lora_linears)});
+      CVK_FIELD(CvkLayerStackArgs, lora), CVK_FIELD(CvkLayerStackArgs, lora_linears),
+      CVK_FIELD(CvkLayerStackArgs, stop), CVK_FIELD(CvkLayerStackArgs, stop_layers)});
   static const std::string qweight = layout<CvkQuantWeight>({
       CVK_FIELD(CvkQuantWeight, qs), CVK_FIELD(CvkQuantWeight, scale), CVK_FIELD(CvkQuantWeight, offset),
       CVK_FIELD(CvkQuantWeight, super_scale), CVK_FIELD(CvkQuantWeight, next), CVK_FIELD(CvkQuantWeight, N),

@@ -9,13 +9,14 @@
 
 #include <stdint.h>
 
-#define CVK_ABI_VERSION 17
+#define CVK_ABI_VERSION 18
 
 enum {
   CVK_OK = 0,
   CVK_ERR_NOMEM = -1,        /* out of memory */
   CVK_ERR_UNSUPPORTED = -2,  /* this build does not serve the shape (head size, group size) or dtype */
   CVK_ERR_BADARG = -3,       /* a bad dtype, shape, or a plan built for other arguments */
+  CVK_STOPPED = 1,           /* not an error: cvk_llama_layers stopped between layers at the caller's request */
 };
 
 enum { CVK_F32 = 0, CVK_BF16 = 1 }; /* dtype codes; bfloat16 is stored as uint16_t, all arithmetic is float32 */
@@ -105,12 +106,17 @@ typedef struct CvkLayerStackArgs {
    * per-layer path's LoRALinear does (layers/lora.py); a gate_up with adapters runs unfused (gate_up, then act). */
   const struct CvkLoraArgs* lora;
   const int64_t* lora_linears;
+  /* A step another thread may cut short (NULL: none): before each layer l with 0 < l < stop_layers the stack
+   * reads *stop (one thread, shared with the team); non-zero: it returns CVK_STOPPED, the layers after l not run
+   * (the K/V of layers before l written: the caller drops the step and recomputes it whole). */
+  const int32_t* stop;
+  int64_t stop_layers;
 } CvkLayerStackArgs;
 
 #ifdef __cplusplus
 static_assert(sizeof(void*) == 8, "the Python mirrors assume 64-bit pointers");
 static_assert(sizeof(CvkAttnArgs) == 15 * 8 + 7 * 8 + 10 * 4, "CvkAttnArgs changed: bump CVK_ABI_VERSION");
-static_assert(sizeof(CvkLayerStackArgs) == sizeof(CvkAttnArgs) + 9 * 8 + 3 * 8 + 4 * 4 + 3 * 8 + 4 * 4 + 2 * 8,
+static_assert(sizeof(CvkLayerStackArgs) == sizeof(CvkAttnArgs) + 9 * 8 + 3 * 8 + 4 * 4 + 3 * 8 + 4 * 4 + 2 * 8 + 2 * 8,
               "CvkLayerStackArgs changed: bump CVK_ABI_VERSION");
 #endif
 

@@ -126,6 +126,16 @@ int llama_layers(const CvkLayerStackArgs& s) {
   // barriers of their loops, instead of forking and joining a team per call.
 #pragma omp parallel num_threads(std::max(1, num_threads))
   for (int l = 0; l < L; l++) {
+    if (s.stop != nullptr && l > 0 && l < s.stop_layers) {  // a step the caller may cut: one read for the team
+      int stop_now = 0;
+#pragma omp single copyprivate(stop_now)
+      stop_now = __atomic_load_n(s.stop, __ATOMIC_RELAXED);
+      if (stop_now != 0) {
+#pragma omp atomic write
+        rc = CVK_STOPPED;
+        break;
+      }
+    }
     norm(l == 0 ? residual : x, ptr(LW_IN_NORM, l), l > 0);
     gemm(h, hidden, l, LW_QKV, LW_QKV_B, s.qkv, qkv_n);
     int lrc = lora(l, LL_QKV, h, hidden, s.qkv, qkv_n);
