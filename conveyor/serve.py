@@ -61,8 +61,8 @@ def add_serve_parser(sub) -> None:
                    "(then the engine and the event loop share one GIL)")
     p.add_argument("--frontend-cpus", type=int, default=0,
                    help="keep this many of the allowed CPUs for the API server and run the engine process on the "
-                   "rest (one pinned torch thread each), as vLLM's CPU backend keeps one for its frontend (0: share "
-                   "all; needs the engine in its own process)")
+                   "rest (one pinned torch thread each; --num-threads, if given, at most that many), as vLLM's CPU backend "
+                   "keeps one for its frontend (0: share all; needs the engine in its own process)")
     p.add_argument("--uvicorn-log-level", default="info")
     p.add_argument("--uvicorn-loop", choices=("auto", "uvloop", "asyncio"), default="auto",
                    help="the server's event loop: auto takes uvloop when it is installed (uvicorn's rule)")
@@ -209,6 +209,11 @@ def split_cpus(ns: argparse.Namespace, args) -> tuple[list[int], str]:
     if not 0 < ns.frontend_cpus < len(cpus):
         raise SystemExit(f"--frontend-cpus {ns.frontend_cpus}: this process may use {len(cpus)} CPUs {cpus}; "
                          "keep at least one for the engine")
+    engine_cpus = len(cpus) - ns.frontend_cpus
+    if args.num_threads and args.num_threads > engine_cpus:  # threads sharing a CPU wait on each other's barriers
+        raise SystemExit(f"--num-threads {args.num_threads} with --frontend-cpus {ns.frontend_cpus}: the engine has "
+                         f"{engine_cpus} CPU(s) left; give it at most {engine_cpus} thread(s) (or leave "
+                         "--num-threads out: one per CPU)")
     return cpus[:ns.frontend_cpus], ",".join(map(str, cpus[ns.frontend_cpus:]))
 
 

@@ -81,6 +81,10 @@ def test_frontend_cpus_split_keeps_one_for_the_engine():
     if len(cpus) >= 2:
         ns.frontend_cpus = 1
         assert split_cpus(ns, EngineArgs()) == ([cpus[0]], ",".join(map(str, cpus[1:])))
+        assert split_cpus(ns, EngineArgs(num_threads=len(cpus) - 1))[0] == [cpus[0]]
+        # more threads than the engine's CPUs wait on each other (8 tok/s against 200 on 2 CPUs): refused
+        with pytest.raises(SystemExit, match="at most"):
+            split_cpus(ns, EngineArgs(num_threads=len(cpus)))
 
 
 @pytest.mark.slow
