@@ -33,6 +33,7 @@ if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
 import gguf_side_by_side as sbs  # noqa: E402
+from batch1_paired import summarize  # noqa: E402
 
 PROMPT = "Write a long story about a lighthouse keeper who finds a map in a bottle. Describe every day of the voyage."
 
@@ -87,11 +88,6 @@ def chat_stream(url: str, pid: int, output_tokens: int, timeout_s: float = 600.0
                 front_cpu_ms_per_token=1e3 * server_cpu[0] / max(tokens, 1),
                 client_cpu_ms_per_token=1e3 * client_cpu / max(tokens, 1),
                 ignore_eos_honoured=tokens == output_tokens)
-
-
-def summarize(ratios: list[float]) -> dict:
-    """The rounds' ratios, their median and range."""
-    return dict(ratios=ratios, median=statistics.median(ratios), low=min(ratios), high=max(ratios))
 
 
 def main(argv: list[str] | None = None) -> int:
