@@ -134,8 +134,8 @@ def test_native_layer_stack_runs_evicting_steps_bit_identical_to_the_per_layer_p
         pytest.skip("native kernels not built here")
     seen = []
     run = stack.run
-    stack.run = lambda x, rope, kv, attn: seen.append((bool(attn.scored), attn.rope_offset is not None)) or \
-        run(x, rope, kv, attn)
+    stack.run = lambda x, rope, kv, attn, *rest: seen.append((bool(attn.scored), attn.rope_offset is not None)) or \
+        run(x, rope, kv, attn, *rest)
     try:
         fused = logprobs_of(llm.generate(prompts, GREEDY, use_tqdm=False))
     finally:
