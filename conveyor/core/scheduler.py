@@ -317,28 +317,8 @@ class Scheduler:
                     break  # tokens accepted past a stop are nobody's
         return updates
 
-    def cut_unsafe_reason(self, out: SchedulerOutput) -> str | None:
-        """Why the step ``out`` (just scheduled) may not be cut short and dropped (``drop_cut_step``), or None.
-
-        Dropping a step is exact when nothing but its forward pass depends on it: the counts advance only in
-        ``update``, the blocks stay for the redo, and what the step made findable is taken back. Not so for
-        speculation (proposals and draft-model KV written at schedule time), KV eviction (blocks dropped at
-        schedule time, scores expected in ``update``), a padded baseline's step, a pooling request (its result
-        comes from the step), nor a prefix hit in the same step on a block the step made findable."""
-        if self.speculator is not None:
-            return "speculative decoding"
-        if self.evictor is not None:
-            return "KV eviction"
-        if out.num_padding_tokens:
-            return "a padded step"
-        if any(self.requests[rid].is_pooling for rid in out.num_scheduled_tokens):
-            return "a pooling request"
-        if self.kv.step_published_shared():
-            return "a prefix hit on a block this step makes findable"
-        return None
-
     def drop_cut_step(self, out: SchedulerOutput) -> None:
-        """The step ``out`` was cut short before its tokens were sampled (``cut_unsafe_reason`` allowed it): it
+        """The step ``out`` was cut short before its tokens were sampled (``core.policies.step_cut.cut_unsafe_reason`` allowed it): it
         is dropped as if it never ran. Counts are untouched (``update`` is not called for it), the requests keep
         their blocks and are scheduled again, and no block the step made findable stays findable."""
         self.kv.unpublish_step()

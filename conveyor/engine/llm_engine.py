@@ -36,7 +36,6 @@ from conveyor.engine.pooling import check_pooling_input, check_task, make_pooler
 from conveyor.engine.prompts import PromptType, encode_text, prompt_tokens, tokenize_bad_words
 from conveyor.engine.step_cut import StepCutter
 from conveyor.engine.step_record import StepRecord
-from conveyor.models.step_cut import StepCut
 from conveyor.structured.gate import GrammarGate
 from conveyor.structured.manager import StructuredOutputs
 
@@ -311,20 +310,15 @@ class LLMEngine:
         if self.handoffs.importing:
             self.handoffs.write_admitted(sched_out)
         record = StepRecord.before(start, sched_out, self.scheduler) if self.step_listeners else None
-        armed = cutter is not None and not self.handoffs.importing and cutter.arm(sched_out, self.scheduler)
-        try:
-            with self._pinned():
+        with self._pinned():
+            if cutter is None or self.handoffs.importing:
                 model_out = self.executor.execute(sched_out)
-        except StepCut as cut:
-            # Dropped as if it never ran: no count advanced, no token; the arrival is admitted by the next step
-            self.scheduler.drop_cut_step(sched_out)
-            cutter.record_cut(sched_out, time.monotonic() - start, cut.native)
+            else:
+                model_out = cutter.run(sched_out, self.scheduler, lambda: self.executor.execute(sched_out), start)
+        if model_out is None:  # cut short for an arrival: dropped as if it never ran, the next step admits it
             if self.args.debug_invariants:
                 self.scheduler.check_invariants()
             return CoreStepOutput(time.monotonic(), failed=grammar_failed)
-        finally:
-            if armed:
-                cutter.disarm()
         now = time.monotonic()
         outputs = self.scheduler.update(sched_out, model_out, now)
         if self.args.debug_invariants:

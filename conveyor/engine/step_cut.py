@@ -4,7 +4,7 @@ Before each forward pass the engine ``arm``s the cutter with the step (the polic
 safety check); the thread that reads requests (the engine core process's input thread) ``offer``s each arrival's
 priority; one that outranks every request in the armed step raises the runner's flag word
 (``models.step_cut.CutFlag``), and the forward stops at its next layer boundary, in Python or in the native layer
-stack, raising ``StepCut``. The engine then drops the step (``Scheduler.drop_cut_step``) and runs the next round
+stack, raising ``StepCut``. ``run`` then drops the step (``Scheduler.drop_cut_step``) and the engine runs the next round
 of commands, which admits the arrival. Arming, offering and disarming hold one lock, so a late offer never leaves
 the flag up for the next step.
 """
@@ -12,12 +12,14 @@ the flag up for the next step.
 from __future__ import annotations
 
 import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from conveyor.core.outputs import SchedulerOutput
-from conveyor.core.policies.step_cut import OutrankedStepCut, StepCutPolicy
+from conveyor.core.outputs import ModelOutput, SchedulerOutput
+from conveyor.core.policies.step_cut import OutrankedStepCut, StepCutPolicy, cut_unsafe_reason
 from conveyor.core.scheduler import Scheduler
-from conveyor.models.step_cut import CutFlag
+from conveyor.models.step_cut import CutFlag, StepCut
 
 
 @dataclass
@@ -62,7 +64,7 @@ class StepCutter:
         threshold = self.policy.cut_threshold([scheduler.requests[rid].priority for rid in out.num_scheduled_tokens])
         if threshold is None:
             return False
-        why = scheduler.cut_unsafe_reason(out)
+        why = cut_unsafe_reason(scheduler, out)
         if why is not None:
             self.counts.not_cut[why] = self.counts.not_cut.get(why, 0) + 1
             return False
@@ -75,6 +77,21 @@ class StepCutter:
         if self.on_armed is not None:
             self.on_armed(self)
         return True
+
+    def run(self, out: SchedulerOutput, scheduler: Scheduler, forward: Callable[[], ModelOutput],
+            started: float) -> ModelOutput | None:
+        """``forward()`` of the scheduled step ``out``, armed if it may be cut; None when an arrival cut it short
+        (the step is then dropped as if it never ran: ``Scheduler.drop_cut_step``)."""
+        armed = self.arm(out, scheduler)
+        try:
+            return forward()
+        except StepCut as cut:
+            scheduler.drop_cut_step(out)
+            self.record_cut(out, time.monotonic() - started, cut.native)
+            return None
+        finally:
+            if armed:
+                self.disarm()
 
     def offer(self, priority: int) -> None:
         """A request of ``priority`` arrived (any thread): cut the armed step if it outranks every request in it."""

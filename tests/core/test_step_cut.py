@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from conveyor.core.policies import BATCH_PRIORITY
-from conveyor.core.policies.step_cut import OutrankedStepCut
+from conveyor.core.policies.step_cut import OutrankedStepCut, cut_unsafe_reason
 from tests.helpers.core import FakeExecutor, make_request, make_scheduler, step
 
 
@@ -47,7 +47,7 @@ def test_a_dropped_step_advances_nothing_and_publishes_nothing_and_its_redo_is_t
     step(s, ex)  # the first chunk (8 tokens, 2 blocks) computed and findable
     assert a.num_computed_tokens == 8 and len(s.kv.pool.cached) == 2
     cut = s.schedule(1.0)  # the second chunk: 2 more blocks made findable at schedule time
-    assert len(s.kv.pool.cached) == 4 and s.cut_unsafe_reason(cut) is None
+    assert len(s.kv.pool.cached) == 4 and cut_unsafe_reason(s, cut) is None
     s.drop_cut_step(cut)
     assert a.num_computed_tokens == 8 and len(s.kv.pool.cached) == 2 and not _findable_beyond_computed(s)
     s.check_invariants()
@@ -76,4 +76,4 @@ def test_a_step_whose_admission_hit_a_block_the_same_step_publishes_is_not_cut()
         s.add_request(make_request(rid, prompt_len=12, priority=BATCH_PRIORITY))
     out = s.schedule(0.0)
     assert set(out.num_scheduled_tokens) == {"a", "b"}
-    assert s.cut_unsafe_reason(out) == "a prefix hit on a block this step makes findable"
+    assert cut_unsafe_reason(s, out) == "a prefix hit on a block this step makes findable"

@@ -15,7 +15,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Collection
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from conveyor.core.outputs import SchedulerOutput
+    from conveyor.core.scheduler import Scheduler
 
 
 class StepCutPolicy(Protocol):
@@ -51,3 +55,24 @@ class OutrankedStepCut:
 
     def cuts(self, threshold: int | None, priority: int) -> bool:
         return threshold is not None and priority < threshold
+
+
+def cut_unsafe_reason(scheduler: Scheduler, out: SchedulerOutput) -> str | None:
+    """Why the step ``out`` (just scheduled) may not be cut short and dropped (``Scheduler.drop_cut_step``), or None.
+
+    Dropping a step is exact when nothing but its forward pass depends on it: the counts advance only in
+    ``Scheduler.update``, the blocks stay for the redo, and what the step made findable is taken back. Not so for
+    speculation (proposals and draft-model KV written at schedule time), KV eviction (blocks dropped at schedule
+    time, scores expected in ``update``), a padded baseline's step, a pooling request (its result comes from the
+    step), nor a prefix hit in the same step on a block the step made findable."""
+    if scheduler.speculator is not None:
+        return "speculative decoding"
+    if scheduler.evictor is not None:
+        return "KV eviction"
+    if out.num_padding_tokens:
+        return "a padded step"
+    if any(scheduler.requests[rid].is_pooling for rid in out.num_scheduled_tokens):
+        return "a pooling request"
+    if scheduler.kv.step_published_shared():
+        return "a prefix hit on a block this step makes findable"
+    return None
