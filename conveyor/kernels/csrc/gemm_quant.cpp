@@ -31,11 +31,14 @@ constexpr int QG = 16;  // columns per group
 inline int64_t blocks(int64_t KP) { return KP / QB; }
 // Bytes of one tile of kAmxRows activation rows packed for the AMX loop: digits (512) and units (16 floats) per block.
 inline int64_t amx_tile_bytes(int64_t KP) { return blocks(KP) * (512 + 16 * int64_t(sizeof(float))); }
-inline int64_t block_bytes(int kind) { return kind == CVK_Q4 ? 256 : kind == CVK_Q6 ? kQ6BlockBytes : 512; }
+inline int64_t block_bytes(int kind) {
+  return kind == CVK_Q4 ? kBlockBytes<4> : kind == CVK_Q5 ? kBlockBytes<5> : kind == CVK_Q6 ? kQ6BlockBytes : 512;
+}
 // Whether a step of M rows runs on the AMX-INT8 tiles for a weight of this kind (where they were switched on:
 // cvk_set_amx_qdot).
 inline bool takes_amx(int64_t M, int kind) {
-  if (kind == CVK_Q6 || kind == CVK_W8A8) return false;  // Q6_K's sub-blocks of 16, W8A8: the VNNI loops only
+  // Q6_K's sub-blocks of 16, the 5-bit plane, W8A8: the VNNI loops only
+  if (kind == CVK_Q6 || kind == CVK_Q5 || kind == CVK_W8A8) return false;
   const int64_t min_rows = kind == CVK_Q4 ? g_amx_qdot_min_rows_q4 : g_amx_qdot_min_rows_q8;
   return kAmx && min_rows > 0 && M >= min_rows;
 }
@@ -94,9 +97,11 @@ inline void group_rows_as(const CvkQuantWeight& w, int64_t g, const QRow* xr, fl
   const S* offset = group_scales<S>(w.offset, g, nb);
   const uint16_t* super = group_super(w, g, nb);
   if (w.kind == CVK_Q4)
-    qdot::group_dot<R, true>(qs, scale, offset, super, xr, nb, out, prefetch);
+    qdot::group_dot<R, 4>(qs, scale, offset, super, xr, nb, out, prefetch);
+  else if (w.kind == CVK_Q5)
+    qdot::group_dot<R, 5>(qs, scale, offset, super, xr, nb, out, prefetch);
   else
-    qdot::group_dot<R, false>(qs, scale, offset, super, xr, nb, out, prefetch);
+    qdot::group_dot<R, 8>(qs, scale, offset, super, xr, nb, out, prefetch);
 }
 
 template <int R>
@@ -310,8 +315,8 @@ void dequantize_impl(const CvkQuantWeight& whole, const int64_t* rows, int64_t c
         }
         for (int t = 0; t < 8; t++)
           for (int b = 0; b < 4; b++) {
-            const int v = w.kind == CVK_Q4 ? (blk[(t / 2) * 64 + c * 4 + b] >> ((t % 2) * 4)) & 0x0F
-                                           : blk[t * 64 + c * 4 + b];
+            int v = w.kind == CVK_Q8 ? blk[t * 64 + c * 4 + b] : (blk[(t / 2) * 64 + c * 4 + b] >> ((t % 2) * 4)) & 0x0F;
+            if (w.kind == CVK_Q5) v |= ((blk[256 + c * 4 + b] >> t) & 1) << 4;  // the fifth-bit plane (cvk.h)
             vals[t * 4 + b] = float(v);
           }
         float sc, of;
@@ -328,9 +333,9 @@ bool valid_part(const CvkQuantWeight* w) {
   if (w->kind == CVK_Q6)
     return w->scale_format == CVK_SCALE_F32 && w->offset == nullptr && w->super_scale != nullptr && w->KP % 256 == 0;
   if (w->scale_format == CVK_SCALE_KQUANT)
-    return (w->kind == CVK_Q4 || w->kind == CVK_Q8) && w->offset != nullptr && w->super_scale != nullptr &&
-           w->KP % 256 == 0;
-  return (w->kind == CVK_Q4 || w->kind == CVK_Q8) &&
+    return (w->kind == CVK_Q4 || w->kind == CVK_Q5 || w->kind == CVK_Q8) && w->offset != nullptr &&
+           w->super_scale != nullptr && w->KP % 256 == 0;
+  return (w->kind == CVK_Q4 || w->kind == CVK_Q5 || w->kind == CVK_Q8) &&
          (w->scale_format == CVK_SCALE_F32 || w->scale_format == CVK_SCALE_F16);
 }
 
