@@ -54,7 +54,7 @@ inline void quantize_block(const float* x, int8_t* hi, int8_t* lo, float* d, flo
 // Half h (columns 8h .. 8h + 7) of the block's 8 quads, as unsigned bytes; 5-bit q's fifth bits from the plane
 // after the nibbles as qdot_avx512.h's load_block moves them (shift bit t to bit 4, mask, OR).
 template <int Bits>
-inline void load_half(const uint8_t* qs, int h, __m256i w[8]) {
+CVK_QDOT_INLINE void load_half(const uint8_t* qs, int h, __m256i w[8]) {
   if constexpr (Bits < 8) {
     const __m256i m4 = _mm256_set1_epi8(0x0F);
     for (int u = 0; u < 4; u++) {
@@ -75,11 +75,24 @@ inline void load_half(const uint8_t* qs, int h, __m256i w[8]) {
   }
 }
 
+// A group's nb 5-bit blocks as 8-bit ones (qdot_avx512.h's expand_q5_group).
+template <typename S>
+inline void expand_q5_group(const uint8_t* qs, const S* scale, const S* offset, int64_t nb, uint8_t* out) {
+  for (int64_t j = 0; j < nb; j++) {
+    prefetch_block<5>(qs, scale, offset, j);
+    for (int h = 0; h < 2; h++) {
+      __m256i w[8];
+      load_half<5>(qs + j * kBlockBytes<5>, h, w);
+      for (int t = 0; t < 8; t++) _mm256_store_si256(reinterpret_cast<__m256i*>(out + j * 512 + t * 64 + h * 32), w[t]);
+    }
+  }
+}
+
 // Sum over the block's 32 k per column of w x one digit of x: q x for 4-bit weights; (q - 128) x for 8-bit
 // ones, whose q up to 255 would saturate VPMADDUBSW's int16 pair sums (|q - 128| against x carrying its sign
 // instead; the caller adds 128 * sum(n) back through the offset).
 template <int Bits>
-inline __m256i digit_dot(const __m256i w[8], const int8_t* xq) {
+CVK_QDOT_INLINE __m256i digit_dot(const __m256i w[8], const int8_t* xq) {
   int32_t quads[8];
   memcpy(quads, xq, 32);
   const __m256i ones = _mm256_set1_epi16(1);
@@ -127,13 +140,13 @@ inline void digit_dot_halves(const __m256i w[8], const int8_t* xq, __m256i& d0, 
   d1 = d[1];
 }
 
-inline __m256i combine_digits(__m256i h, __m256i l) {
+CVK_QDOT_INLINE __m256i combine_digits(__m256i h, __m256i l) {
   return _mm256_add_epi32(_mm256_sub_epi32(_mm256_slli_epi32(h, 8), h), l);
 }
 
 // Sum over the block's 32 k of w x n per column: 255 <w, hi> + <w, lo>.
 template <int Bits>
-inline __m256i block_dot(const __m256i w[8], const int8_t* hi, const int8_t* lo) {
+CVK_QDOT_INLINE __m256i block_dot(const __m256i w[8], const int8_t* hi, const int8_t* lo) {
   const __m256i h = digit_dot<Bits>(w, hi);
   return _mm256_add_epi32(_mm256_sub_epi32(_mm256_slli_epi32(h, 8), h), digit_dot<Bits>(w, lo));
 }
@@ -179,19 +192,20 @@ inline void block_scales(const S* scale, const S* offset, const uint16_t* super,
 // columns and R rows (S: float, uint16_t halves or uint8_t K-quant sub-scales, as the weight stores its scales;
 // super: their super-scales). prefetch: ask for the
 // weights kPrefetchBlocks ahead (qdot.h), on the first pass over a group (the first half's: the second reads
-// the same lines from cache).
-template <int R, int Bits, typename S>
+// the same lines from cache). Expanded: qs holds Bits-bit q laid out as 8-bit blocks (expand_q5_group).
+template <int R, int Bits, typename S, bool Expanded = false>
 inline void group_dot(const uint8_t* qs, const S* scale, const S* offset, const uint16_t* super, const QRow* xr,
                       int64_t nb, float* out, bool prefetch) {
-  constexpr int64_t block_bytes = kBlockBytes<Bits>;
+  constexpr int Layout = Expanded ? 8 : Bits;
+  constexpr int64_t block_bytes = kBlockBytes<Layout>;
   for (int h = 0; h < 2; h++) {
     __m256 acc[R];
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     __m256 ds = _mm256_setzero_ps(), ms = _mm256_setzero_ps();
     for (int64_t j = 0; j < nb; j++) {
-      if (prefetch && h == 0) prefetch_block<Bits>(qs, scale, offset, j);
+      if (prefetch && h == 0) prefetch_block<Layout>(qs, scale, offset, j);
       __m256i w[8];
-      load_half<Bits>(qs + j * block_bytes, h, w);
+      load_half<Layout>(qs + j * block_bytes, h, w);
       __m256 a, b;
       block_scales<Bits>(scale, offset, super, j, h, ds, ms, a, b);
       if constexpr (Bits == 8) b = _mm256_fmadd_ps(a, _mm256_set1_ps(128.f), b);

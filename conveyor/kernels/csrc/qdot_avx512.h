@@ -37,7 +37,7 @@ inline void quantize_block(const float* x, int8_t* hi, int8_t* lo, float* d, flo
 // by a 16-bit shift (bit t of a byte lands on bit 4 of the same byte; the 0x10 mask drops what crossed over) and
 // ORed in by one VPTERNLOGD.
 template <int Bits>
-inline void load_block(const uint8_t* qs, __m512i w[8]) {
+CVK_QDOT_INLINE void load_block(const uint8_t* qs, __m512i w[8]) {
   if constexpr (Bits < 8) {
     const __m512i m4 = _mm512_set1_epi8(0x0F);
     for (int u = 0; u < 4; u++) {
@@ -61,9 +61,22 @@ inline void load_block(const uint8_t* qs, __m512i w[8]) {
   }
 }
 
+// A group's nb 5-bit blocks (CVK_Q5) as 8-bit ones (512 bytes: the CVK_Q8 order), q unchanged: a step of more
+// rows than a register tile then moves the fifth bits once per block, not once per tile of rows (group_dot's
+// Expanded). This pass streams the group from memory, so it asks for the weights ahead as group_dot does.
+template <typename S>
+inline void expand_q5_group(const uint8_t* qs, const S* scale, const S* offset, int64_t nb, uint8_t* out) {
+  for (int64_t j = 0; j < nb; j++) {
+    prefetch_block<5>(qs, scale, offset, j);
+    __m512i w[8];
+    load_block<5>(qs + j * kBlockBytes<5>, w);
+    for (int t = 0; t < 8; t++) _mm512_store_si512(out + j * 512 + t * 64, w[t]);
+  }
+}
+
 // Sum over the block's 32 k of w (unsigned) x one digit of x (signed), per column, as int32 lanes.
 template <int Bits>
-inline __m512i digit_dot(const __m512i w[8], const int8_t* xq) {
+CVK_QDOT_INLINE __m512i digit_dot(const __m512i w[8], const int8_t* xq) {
   int32_t quads[8];
   memcpy(quads, xq, 32);
   __m512i d = _mm512_setzero_si512();
@@ -121,13 +134,13 @@ inline void digit_dot_halves(const __m512i w[8], const int8_t* xq, __m512i& d0, 
 }
 
 // 255 h + l: the two digits' dot products recombined into <w, n> (qdot.h).
-inline __m512i combine_digits(__m512i h, __m512i l) {
+CVK_QDOT_INLINE __m512i combine_digits(__m512i h, __m512i l) {
   return _mm512_add_epi32(_mm512_sub_epi32(_mm512_slli_epi32(h, 8), h), l);
 }
 
 // Sum over the block's 32 k of w x n per column: 255 <w, hi> + <w, lo>.
 template <int Bits>
-inline __m512i block_dot(const __m512i w[8], const int8_t* hi, const int8_t* lo) {
+CVK_QDOT_INLINE __m512i block_dot(const __m512i w[8], const int8_t* hi, const int8_t* lo) {
   return combine_digits(digit_dot<Bits>(w, hi), digit_dot<Bits>(w, lo));
 }
 
@@ -187,18 +200,20 @@ constexpr bool kSignedQ8Dot = true;
 // out[r][0..16) = sum over blocks j of scale_j * d_rj * <q_j, n_rj> + offset_j * s_rj, for one group of 16
 // columns and R rows (qs, scale, offset, super: the group's part of the weight; S float, uint16_t halves or
 // uint8_t K-quant sub-scales with their super-scales, block_scales). prefetch:
-// ask for the weights kPrefetchBlocks ahead (qdot.h), on the first pass over a group.
-template <int R, int Bits, typename S>
+// ask for the weights kPrefetchBlocks ahead (qdot.h), on the first pass over a group. Expanded: qs holds Bits-bit
+// q laid out as 8-bit blocks (expand_q5_group).
+template <int R, int Bits, typename S, bool Expanded = false>
 inline void group_dot(const uint8_t* qs, const S* scale, const S* offset, const uint16_t* super, const QRow* xr,
                       int64_t nb, float* out, bool prefetch) {
   __m512 acc[R];
   for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
-  constexpr int64_t block_bytes = kBlockBytes<Bits>;
+  constexpr int Layout = Expanded ? 8 : Bits;
+  constexpr int64_t block_bytes = kBlockBytes<Layout>;
   __m512 ds = _mm512_setzero_ps(), ms = _mm512_setzero_ps();
   for (int64_t j = 0; j < nb; j++) {
-    if (prefetch) prefetch_block<Bits>(qs, scale, offset, j);
+    if (prefetch) prefetch_block<Layout>(qs, scale, offset, j);
     __m512i w[8];
-    load_block<Bits>(qs + j * block_bytes, w);
+    load_block<Layout>(qs + j * block_bytes, w);
     __m512 a, b;
     block_scales<Bits>(scale, offset, super, j, ds, ms, a, b);
     if constexpr (Bits == 8 && kSignedQ8Dot) b = _mm512_fmadd_ps(a, _mm512_set1_ps(128.f), b);
