@@ -4,6 +4,8 @@ dequantize-then-matmul reference, for row counts 1-256 (rows not a multiple of t
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -316,7 +318,7 @@ def assert_packings_agree(kernels, qt: QuantizedTensor, packings, dtype, gen, wh
     for amx in ([False, True] if kernels.amx_int8 else [False]):
         if kernels.amx_int8:
             kernels.set_amx_qdot(amx, min_rows=1)
-        for rows in (1, 4, 5, 17):
+        for rows in (1, 4, 5, 17, 40):
             x = torch.randn(rows, k, generator=gen).to(dtype)
             outs = []
             for packed in packings:
@@ -435,3 +437,26 @@ def test_k_quant_sub_scales_give_the_float32_scales_outputs(kernels, dtype):
         assert kquant.scale.dtype == torch.uint8 and floats.scale.dtype == torch.float32
         assert kquant.nbytes < (0.8 if qtype == "Q4_K" else 0.85) * floats.nbytes
         assert_packings_agree(kernels, qt, (kquant, floats), dtype, gen, qtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_five_bit_q_computes_what_it_computed_widened_to_8_bits(kernels, dtype):
+    """Q5_0 / Q5_1 / Q5_K on the 5-bit layout (the file's bits) and widened to 8-bit q (the layout before CVK_Q5):
+    with VNNI the same integer products and float epilogue, so bit for bit the same outputs, per tile of rows and
+    from the expanded blocks of larger steps (40 rows); below VNNI the 8-bit loop's signed detour rounds
+    differently, so there they agree to float32 rounding."""
+    gen = torch.Generator().manual_seed(17)
+    for qtype in ("Q5_0", "Q5_1", "Q5_K"):
+        qt = from_gguf(gguf_bytes(qtype, 40, 768, seed=6), qtype, (40, 768))
+        wide = replace(qt, kind="q8")
+        five, eight = qt.pack(), wide.pack()
+        assert five.kind == "q5" and five.nbytes < 0.7 * eight.nbytes
+        if kernels.vnni:
+            assert_packings_agree(kernels, qt, (five, eight), dtype, gen, qtype)
+            continue
+        x = torch.randn(40, 768, generator=gen).to(dtype)
+        outs = [torch.empty(40, 40, dtype=dtype) for _ in range(2)]
+        for packed, out in zip((five, eight), outs):
+            kernels.quant_linear(x, packed.descriptor(), None, out)
+        tol = 1e-5 if dtype == torch.float32 else 1e-2
+        torch.testing.assert_close(outs[0].double(), outs[1].double(), atol=tol * outs[1].abs().max().item(), rtol=tol)
