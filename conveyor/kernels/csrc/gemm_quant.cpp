@@ -1,4 +1,4 @@
-// The GEMM on quantized weights (cvk_quant_gemm: CvkQuantWeight in cvk.h) and their dequantization.
+// The GEMM on quantized weights (cvk_quant_gemm: CvkQuantWeight in cvk.h; their dequantization: quant_dequantize.cpp).
 //
 // How: the activations are quantized per block of 32 to 15-bit integers n held as two int8 digits (qdot.h; as
 // llama.cpp's q8_0, at twice the digits, plus d * sum(n) per block for the weights' offsets), then every
@@ -19,21 +19,17 @@
 #include "kernels.h"
 #include "qdot.h"
 #include "qdot_amx.h"
+#include "quant_layout.h"
 #include "team.h"
 #include "vec.h"
 
 namespace cvk {
 namespace {
 
-constexpr int QB = 32;  // values per block
-constexpr int QG = 16;  // columns per group
+using namespace qlayout;
 
-inline int64_t blocks(int64_t KP) { return KP / QB; }
 // Bytes of one tile of kAmxRows activation rows packed for the AMX loop: digits (512) and units (16 floats) per block.
 inline int64_t amx_tile_bytes(int64_t KP) { return blocks(KP) * (512 + 16 * int64_t(sizeof(float))); }
-inline int64_t block_bytes(int kind) {
-  return kind == CVK_Q4 ? kBlockBytes<4> : kind == CVK_Q5 ? kBlockBytes<5> : kind == CVK_Q6 ? kQ6BlockBytes : 512;
-}
 // Whether a step of M rows runs on the AMX-INT8 tiles for a weight of this kind (where they were switched on:
 // cvk_set_amx_qdot).
 inline bool takes_amx(int64_t M, int kind) {
@@ -77,17 +73,7 @@ inline QRow row_view(const char* base, int64_t KP) {
   return QRow{hi, hi + KP, d, d + blocks(KP), reinterpret_cast<const int32_t*>(d + 2 * blocks(KP))};
 }
 
-// Group g's scales (or offsets) in the weight's storage type S (float, or uint16_t halves: cvk.h); NULL for
-// offsets the weight does not store (qdot.h's kMidOffset).
-template <typename S>
-inline const S* group_scales(const void* base, int64_t g, int64_t nb) {
-  return base == nullptr ? nullptr : static_cast<const S*>(base) + g * nb * QG;
-}
 
-// Group g's K-quant super-scales (CVK_SCALE_KQUANT: [KP/256][2][16] halves a group), or NULL.
-inline const uint16_t* group_super(const CvkQuantWeight& w, int64_t g, int64_t nb) {
-  return w.super_scale == nullptr ? nullptr : static_cast<const uint16_t*>(w.super_scale) + g * (nb / 8) * 2 * QG;
-}
 
 // expanded: NULL, or group g's 5-bit blocks already as 8-bit ones (expand_group), which the loop then reads.
 template <int R, typename S>
@@ -159,7 +145,7 @@ inline void store_group(const float* acc, int64_t acc_stride, int r, int nc, con
 
 // Tiles of rows from which a 5-bit weight's groups are expanded to 8-bit blocks once (vector_groups): below, moving
 // the fifth bits in every tile costs less than the expansion pass (benchmarks/gemm_quant.py --format Q5_0
-// --against-q8; docs/kernels.md).
+// --widened; docs/kernels.md).
 constexpr int64_t kQ5ExpandTiles = 8;
 
 // The VNNI / AVX2 loop: each thread takes whole groups of 16 columns, kRows activation rows at a time. A 5-bit
@@ -276,117 +262,7 @@ void quant_gemm_impl(const CvkQuantGemmArgs& a) {
   });
 }
 
-// Column c's scale and offset in group g's block j, as float32 (cvk.h's scale formats; offset NULL: mid x scale).
-inline void block_scale_offset(const CvkQuantWeight& w, int64_t g, int64_t j, int64_t c, float& sc, float& of) {
-  const int64_t nb = blocks(w.KP), i = (g * nb + j) * QG + c;
-  if (w.kind == CVK_W8A8) {  // one float32 scale per column, q stored as q + 128
-    sc = static_cast<const float*>(w.scale)[g * QG + c];
-    of = -128.f * sc;
-    return;
-  }
-  if (w.scale_format == CVK_SCALE_KQUANT) {
-    const uint16_t* super = group_super(w, g, nb) + (j / 8) * 2 * QG;
-    sc = _cvtsh_ss(super[c]) * float(static_cast<const uint8_t*>(w.scale)[i]);
-    of = -_cvtsh_ss(super[QG + c]) * float(static_cast<const uint8_t*>(w.offset)[i]);
-    return;
-  }
-  auto at = [&](const void* base) {
-    return w.scale_format == CVK_SCALE_F16 ? _cvtsh_ss(static_cast<const uint16_t*>(base)[i])
-                                           : static_cast<const float*>(base)[i];
-  };
-  sc = at(w.scale);
-  of = w.offset != nullptr ? at(w.offset) : sc * mid_offset(w.kind);
-}
 
-// Column c of a CVK_Q6 group's block j (blk, its 384 bytes), dequantized into vals (cvk.h's layout).
-inline void dequantize_q6_block(const CvkQuantWeight& w, const uint8_t* blk, int64_t g, int64_t j, int c,
-                                float* vals) {
-  const int64_t nb = blocks(w.KP);
-  const float super = _cvtsh_ss(static_cast<const uint16_t*>(w.super_scale)[(g * (nb / 8) + j / 8) * QG + c]);
-  const int8_t* sub = static_cast<const int8_t*>(w.scale) + (g * nb + j) * 2 * QG;
-  for (int t = 0; t < 8; t++)
-    for (int b = 0; b < 4; b++) {
-      const int low = (blk[(t / 2) * 64 + c * 4 + b] >> ((t % 2) * 4)) & 0x0F;
-      const int high = (blk[256 + (t / 4) * 64 + c * 4 + b] >> (2 * (t % 4))) & 0x03;
-      vals[t * 4 + b] = super * float(sub[(t / 4) * QG + c]) * float((low | high << 4) - kQ6Mid);
-    }
-}
-
-// Rows `rows` (or 0 .. count - 1 when rows is NULL) of W, dequantized to T: row n is column n % 16 of group n / 16
-// of the part of W (w, w.next, ...) that holds it.
-template <typename T>
-void dequantize_impl(const CvkQuantWeight& whole, const int64_t* rows, int64_t count, T* out, int64_t out_stride,
-                     int num_threads) {
-  // A step's embedding lookup (a few rows) alone: no team to fork and join (as the norms and argmax decide)
-  const int threads = count * whole.K < (1 << 15) ? 1 : num_threads;
-  on_team(threads, [&] {
-#pragma omp for schedule(static)
-    for (int64_t i = 0; i < count; i++) {
-      int64_t n = rows ? rows[i] : i;
-      const CvkQuantWeight* part = &whole;
-      while (n >= part->N) {
-        n -= part->N;
-        part = part->next;
-      }
-      const CvkQuantWeight& w = *part;
-      const int64_t nb = blocks(w.KP), bb = block_bytes(w.kind);
-      const int64_t g = n / QG, c = n % QG;
-      const uint8_t* qs = static_cast<const uint8_t*>(w.qs) + g * nb * bb;
-      T* dst = out + i * out_stride;
-      for (int64_t j = 0; j < nb && j * QB < w.K; j++) {
-        alignas(64) float vals[QB];
-        const uint8_t* blk = qs + j * bb;
-        const int lim = int(std::min<int64_t>(QB, w.K - j * QB));
-        if (w.kind == CVK_Q6) {
-          dequantize_q6_block(w, blk, g, j, int(c), vals);
-          for (int t = 0; t < lim; t++) from_f32(vals[t], dst + j * QB + t);
-          continue;
-        }
-        for (int t = 0; t < 8; t++)
-          for (int b = 0; b < 4; b++) {
-            const bool nibbles = w.kind == CVK_Q4 || w.kind == CVK_Q5;
-            int v = nibbles ? (blk[(t / 2) * 64 + c * 4 + b] >> ((t % 2) * 4)) & 0x0F : blk[t * 64 + c * 4 + b];
-            if (w.kind == CVK_Q5) v |= ((blk[256 + c * 4 + b] >> t) & 1) << 4;  // the fifth-bit plane (cvk.h)
-            vals[t * 4 + b] = float(v);
-          }
-        float sc, of;
-        block_scale_offset(w, g, j, c, sc, of);
-        for (int t = 0; t < lim; t++) from_f32(vals[t] * sc + of, dst + j * QB + t);
-      }
-    }
-  });
-}
-
-bool valid_part(const CvkQuantWeight* w) {
-  if (w->kind == CVK_W8A8)  // whole-K int32 sums: exact while K x 255 x 127 < 2^31
-    return w->scale_format == CVK_SCALE_F32 && w->offset == nullptr && w->super_scale == nullptr && w->KP < 65536;
-  if (w->kind == CVK_Q6)
-    return w->scale_format == CVK_SCALE_F32 && w->offset == nullptr && w->super_scale != nullptr && w->KP % 256 == 0;
-  if (w->scale_format == CVK_SCALE_KQUANT)
-    return (w->kind == CVK_Q4 || w->kind == CVK_Q5 || w->kind == CVK_Q8) && w->offset != nullptr &&
-           w->super_scale != nullptr && w->KP % 256 == 0;
-  return (w->kind == CVK_Q4 || w->kind == CVK_Q5 || w->kind == CVK_Q8) &&
-         (w->scale_format == CVK_SCALE_F32 || w->scale_format == CVK_SCALE_F16);
-}
-
-// Every part well formed, of one K and KP (the activations are quantized once for all of them); at most 16 parts.
-bool valid(const CvkQuantWeight* w) {
-  if (w == nullptr) return false;
-  int parts = 0;
-  for (const CvkQuantWeight* p = w; p != nullptr; p = p->next) {
-    if (++parts > 16 || !valid_part(p) || p->K != w->K || p->KP != w->KP) return false;
-    if ((p->kind == CVK_W8A8) != (w->kind == CVK_W8A8)) return false;  // one activation quantization per call
-    if (p->KP % QB != 0 || p->K <= 0 || p->K > p->KP || p->N <= 0 || p->qs == nullptr || p->scale == nullptr)
-      return false;
-  }
-  return true;
-}
-
-int64_t total_rows(const CvkQuantWeight& w) {
-  int64_t n = 0;
-  for (const CvkQuantWeight* p = &w; p != nullptr; p = p->next) n += p->N;
-  return n;
-}
 
 }  // namespace
 
@@ -416,20 +292,5 @@ int quant_gemm(const CvkQuantGemmArgs& a) {
   return CVK_OK;
 }
 
-int quant_dequantize(const CvkQuantWeight& w, const int64_t* rows, int64_t count, int dtype, void* out,
-                     int64_t out_stride, int num_threads) {
-  if (!valid(&w)) return CVK_ERR_BADARG;
-  if (rows)
-    for (int64_t i = 0; i < count; i++)
-      if (rows[i] < 0 || rows[i] >= total_rows(w)) return CVK_ERR_BADARG;
-  if (!rows && count > total_rows(w)) return CVK_ERR_BADARG;
-  if (dtype == CVK_F32)
-    dequantize_impl(w, rows, count, static_cast<float*>(out), out_stride, num_threads);
-  else if (dtype == CVK_BF16)
-    dequantize_impl(w, rows, count, static_cast<uint16_t*>(out), out_stride, num_threads);
-  else
-    return CVK_ERR_BADARG;
-  return CVK_OK;
-}
 
 }  // namespace cvk
