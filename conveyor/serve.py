@@ -26,7 +26,9 @@ def _positive_int(text: str) -> int:
 def add_serve_parser(sub) -> None:
     from conveyor.engine.args import EngineArgs
     from conveyor.server.cors import add_cors_args
-    from conveyor.server.limits import DEFAULT_MAX_REQUEST_BODY_BYTES, DEFAULT_MAX_SEQS_PER_REQUEST
+    from conveyor.server.limits import (
+        DEFAULT_MAX_REQUEST_BODY_BYTES, DEFAULT_MAX_SEQS_PER_REQUEST, DEFAULT_TIMEOUT_KEEP_ALIVE_S,
+    )
 
     p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
     p.add_argument("model_tag", nargs="?", default=None, help="model name, GGUF file or directory (same as --model)")
@@ -51,11 +53,12 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--max-request-body-bytes", type=_positive_int, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
                    help="the largest request body the server reads; larger is 413, before the rest is read (default "
                    "4 MiB: a 128K-token prompt is under 1 MB)")
-    p.add_argument("--timeout-keep-alive", type=float, default=5.0,
-                   help="seconds an idle keep-alive connection stays open after a response (uvicorn's)")
+    p.add_argument("--timeout-keep-alive", type=float, default=DEFAULT_TIMEOUT_KEEP_ALIVE_S,
+                   help="seconds an idle keep-alive connection stays open after a response (uvicorn's; default "
+                   "65, above common clients' 5 s reuse window)")
     p.add_argument("--timeout-headers", type=float, default=10.0,
-                   help="seconds a client has to send a request's headers once connected (or after its previous "
-                   "response); slower or silent connections are closed")
+                   help="seconds a client has to send a request's headers once connected (or from the first byte "
+                   "of a later request); slower or silent connections are closed")
     p.add_argument("--engine-in-process", action="store_true",
                    help="step the engine in a thread of the server's process instead of a process of its own "
                    "(then the engine and the event loop share one GIL)")

@@ -11,6 +11,8 @@ import uvicorn
 from fastapi import FastAPI
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from conveyor.server.limits import DEFAULT_TIMEOUT_KEEP_ALIVE_S
+
 logger = logging.getLogger("conveyor.server")
 
 # After the engine died, how long open responses may take to go out before uvicorn cancels them: every stream
@@ -68,9 +70,13 @@ class GracefulServer(uvicorn.Server):
 
 def header_timeout_protocol(timeout_s: float) -> type[H11Protocol]:
     """uvicorn's h11 protocol, plus a deadline for a request's headers: a connection that has not sent a whole
-    request head within ``timeout_s`` of opening (or of its previous response) is closed. uvicorn's own
-    ``timeout_keep_alive`` ends only silent connections, and only after a first response; one byte at a time
-    (slowloris) would hold a connection forever."""
+    request head within ``timeout_s`` of opening, or of the first byte of a later request, is closed. uvicorn's
+    own ``timeout_keep_alive`` ends only silent connections, and only after a first response; one byte at a time
+    (slowloris) would hold a connection forever.
+
+    Between a response and the next request's first byte the connection is idle and only ``timeout_keep_alive``
+    closes it: a deadline armed at the response would close idle keep-alive connections after ``timeout_s``,
+    whatever the keep-alive, and a client that sends on a connection the server is closing gets nothing back."""
 
     class HeaderTimeoutH11Protocol(H11Protocol):
         _header_timer: asyncio.TimerHandle | None = None
@@ -80,14 +86,12 @@ def header_timeout_protocol(timeout_s: float) -> type[H11Protocol]:
             self._arm_header_timer()
 
         def data_received(self, data: bytes) -> None:
+            awaiting_head = self.conn.their_state is h11.IDLE
             super().data_received(data)
             if self.conn.their_state is not h11.IDLE:  # the request head is in: the rest is the app's business
                 self._disarm_header_timer()
-
-        def on_response_complete(self) -> None:
-            super().on_response_complete()
-            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
-                self._arm_header_timer()  # the next request's head must come in time too
+            elif awaiting_head and self._header_timer is None and not self.transport.is_closing():
+                self._arm_header_timer()  # a later request's first bytes: its head must come in time too
 
         def connection_lost(self, exc) -> None:
             self._disarm_header_timer()
@@ -110,7 +114,7 @@ def header_timeout_protocol(timeout_s: float) -> type[H11Protocol]:
     return HeaderTimeoutH11Protocol
 
 
-def make_server(app: FastAPI, host: str, port: int, log_level: str = "info", timeout_keep_alive: float = 5.0,
+def make_server(app: FastAPI, host: str, port: int, log_level: str = "info", timeout_keep_alive: float = DEFAULT_TIMEOUT_KEEP_ALIVE_S,
                 timeout_headers: float = 10.0, exit_on_engine_death: bool = True,
                 loop: str = "auto") -> GracefulServer:
     """A uvicorn server for ``app``; ``.run()`` blocks (signal handling only in the main thread).

@@ -18,6 +18,11 @@ logger = logging.getLogger("conveyor.server")
 # long-context prompts: 8K tokens of text are ~40 KB, 128K tokens ~600 KB as text or ~900 KB as token ids
 # ("12345, " per token). 4 MiB holds several of those and stops a body of gigabytes after 4 MiB.
 DEFAULT_MAX_REQUEST_BODY_BYTES = 4 * 1024 * 1024
+# How long an idle keep-alive connection stays open after a response (--timeout-keep-alive). Above the 5 s after which common clients
+# (httpx and so the openai and anthropic SDKs, aiohttp's 15 s aside) stop reusing an idle connection: with equal
+# expiries a client can send a request on a connection the server is closing that instant, and that request gets
+# no answer (a ReadError; the SDKs retry it, a plain client does not).
+DEFAULT_TIMEOUT_KEEP_ALIVE_S = 65.0
 # A file upload's multipart framing (boundaries, part headers, the purpose field) beyond the file's own bytes.
 UPLOAD_OVERHEAD_BYTES = 64 * 1024
 # The most sequences (prompts x n) one request may ask for (--max-seqs-per-request): the default running batch

@@ -28,3 +28,18 @@ def test_needs_a_llama_bench_binary():
     done = subprocess.run([sys.executable, str(SCRIPT), "--gguf", "m.gguf"], capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 2 and "--llama-bench" in done.stderr
+
+
+@pytest.mark.slow
+def test_offline_stream_times_every_token_of_one_request(tiny_llama_dir):
+    """``--engine offline``: the engine in-process decodes the whole ``ignore_eos`` request and rates its tokens
+    after the first; a second request on the same engine is measured alike (the engine stays loaded)."""
+    from types import SimpleNamespace
+
+    stream = paired.OfflineStream(str(tiny_llama_dir), 1, 256)
+    req = SimpleNamespace(prompt_token_ids=[5, 6, 7, 8], prompt=None)
+    for tokens in (24, 9):
+        run = stream.decode(req, tokens)
+        assert run["tokens"] == tokens and run["ignore_eos_honoured"]
+        assert run["tok_s"] > 0
+    assert stream.engine.has_unfinished_requests() is False

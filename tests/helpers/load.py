@@ -279,13 +279,11 @@ class SharedServer:
             assert not left, f"processes outlived conveyor serve: {left}"
 
 
-# The server closes a keep-alive connection idle for --timeout-keep-alive (5 s). httpx's own expiry is 5 s too,
-# so a request sent on a pooled connection just as the server closes it fails with ReadError before any answer
-# (the keep-alive race every HTTP/1.1 client has; the official clients retry it). These clients, which retry
-# nothing so that every failure counts, drop idle connections well before the server does. (With both cores kept
-# busy by other processes, 1-2 requests in ~1,100 still end in a ReadError before any answer, at this expiry or at
-# 1 s, with nothing in the server's log: cause not found; see docs/reliability.md.)
-KEEPALIVE_EXPIRY_S = 2.0
+# httpx's own keep-alive expiry (5 s), as users' clients have it. The server keeps an idle connection for
+# --timeout-keep-alive (65 s by default), so a pooled connection is never reused just as the server closes it
+# (with the server at 5 s too, one request in ~1,300 of a load run was sent on a closing connection and failed
+# with ReadError before any answer; these clients retry nothing, so that every failure counts).
+KEEPALIVE_EXPIRY_S = 5.0
 
 
 def client_limits(connections: int) -> httpx.Limits:

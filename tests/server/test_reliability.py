@@ -360,6 +360,58 @@ def test_silent_and_trickling_connections_are_closed(strict_server):
             assert client.post(C, json={"prompt": "w1", "max_tokens": 2}).status_code == 200
 
 
+@pytest.fixture(scope="module")
+def long_keepalive_server(tiny_chat_dir):
+    with serve_model(tiny_chat_dir, server_kwargs={"timeout_keep_alive": 60.0, "timeout_headers": 1.0}) as (url, app):
+        yield url
+
+
+def _request_on(sock: socket.socket, trickle_s: float = 0.0) -> bytes:
+    """One keep-alive completion request on ``sock`` (its head sent whole, or a byte every ``trickle_s``); the
+    response's bytes, b"" if the server closed the connection instead."""
+    body = json.dumps({"prompt": "w1", "max_tokens": 2}).encode()
+    raw = (b"POST " + C.encode() + b" HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+           b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    sock.settimeout(30)
+    try:
+        if trickle_s:
+            for i in range(len(raw)):
+                sock.sendall(raw[i:i + 1])
+                time.sleep(trickle_s)
+        else:
+            sock.sendall(raw)
+        data = b""
+        while b"\r\n\r\n" not in data or len(data.split(b"\r\n\r\n", 1)[1]) < _content_length(data):
+            chunk = sock.recv(65536)
+            if not chunk:
+                return data
+            data += chunk
+        return data
+    except (BrokenPipeError, ConnectionResetError):
+        return b""
+
+
+def _content_length(data: bytes) -> int:
+    head = data.split(b"\r\n\r\n", 1)[0].lower()
+    for line in head.split(b"\r\n"):
+        if line.startswith(b"content-length:"):
+            return int(line.split(b":", 1)[1])
+    return 1 << 30
+
+
+def test_an_idle_keep_alive_connection_outlives_the_header_deadline(long_keepalive_server):
+    """Between a response and the next request only --timeout-keep-alive closes a connection (60 s here): idle
+    for longer than --timeout-headers (1 s), it still serves; a later request's head that trickles in is held
+    to the header deadline from its first byte."""
+    port = int(long_keepalive_server.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        assert _request_on(sock).startswith(b"HTTP/1.1 200")
+        time.sleep(2.5)  # idle past the header deadline, well inside the keep-alive
+        assert _request_on(sock).startswith(b"HTTP/1.1 200"), "an idle keep-alive connection was closed early"
+        assert _closed_within(sock, 10.0, trickle=b"POST " + C.encode() + b" HTTP/1.1\r\nHost: x\r\nX-Slow: "
+                              + b"a" * 200), "a request head trickling after a response was never cut off"
+
+
 # ---- a dead engine ----------------------------------------------------------------------------------------
 def crash_on_demand(engine):
     """Make ``engine.step`` raise once ``crash`` is set: the injected fault that kills the engine thread."""
