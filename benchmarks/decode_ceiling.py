@@ -9,8 +9,8 @@ row) and the KV of every position so far, and on a model far larger than the las
 from memory. No engine can decode faster than bandwidth / bytes a token. The bandwidth is measured here: a small
 C++ probe (compiled with the system's g++) streams a ``--mib`` buffer with ``--threads`` threads, best of 5. Bytes
 per token are counted for both layouts: llama.cpp reads the file's blocks (and an f16 KV cache); conveyor reads its
-packed form (``layers/quantized.py``: Q5_0 and Q5_1 widened to 8-bit q with f16 scale and offset, 1.125 bytes a
-value; Q4_K 0.578; the others the file's bytes) and a float32 KV cache by default. ``--positions``: the positions a
+packed form (``layers/quantized.py``: the file's bytes for Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and Q6_K; Q4_K 0.578 and
+Q5_K 0.703, a byte per 6-bit sub-scale) and a float32 KV cache by default. ``--positions``: the positions a
 step attends to on average (a 64-token prompt and a 256-token reply: about 200). ``--llama-bench-tok-s``: print
 what fraction of the ceiling 1.5x that rate would take.
 """
@@ -66,8 +66,8 @@ int main(int argc, char** argv) {
 
 # Bytes a value of each GGUF type takes in conveyor's packed layout (layers/quantized.py's module doc); a type not
 # named here is counted at the file's bytes.
-CONVEYOR_BYTES_PER_VALUE = {"Q8_0": 1.0625, "Q4_0": 0.5625, "Q4_1": 0.625, "Q5_0": 1.125, "Q5_1": 1.125,
-                            "Q4_K": 0.578, "Q6_K": 0.8203}
+CONVEYOR_BYTES_PER_VALUE = {"Q8_0": 1.0625, "Q4_0": 0.5625, "Q4_1": 0.625, "Q5_0": 0.6875, "Q5_1": 0.75,
+                            "Q4_K": 0.578, "Q5_K": 0.703, "Q6_K": 0.8203}
 
 
 def read_bandwidth_gb_s(mib: int, threads: int) -> float:

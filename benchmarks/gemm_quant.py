@@ -15,6 +15,10 @@ to win.
 loop ("int dot") with oneDNN's s8s8s32 GEMM (``torch._int_mm``) between the native quantize and epilogue passes
 (in the "dequant + float GEMM" column): ``W8A8_NATIVE_MAX_ROWS`` comes from where the loop stops winning.
 
+``--widened`` (a 5-bit format: Q5_0, Q5_1, Q5_K) adds the same weights widened to 8-bit q (csrc/cvk.h's CVK_Q8, how
+they were packed before CVK_Q5) on the same loop: ``kQ5ExpandTiles`` in csrc/gemm_quant.cpp comes from the row
+count where the 5-bit column's expansion pass starts to pay.
+
 ``--copies N`` holds N copies of every weight (distinct memory) and runs the layer set on each copy in turn, as a
 decode step runs every layer once: with N x the set's bytes beyond the caches (SmolLM2's 30 layers: 66 MB of
 Q4_1) the weights stream from memory as they do in a model, instead of staying in L2 between repetitions.
@@ -33,12 +37,15 @@ def main() -> int:
     ap.add_argument("--rows", default="1,4,16,64,128,256,512")
     ap.add_argument("--shapes", default="576x960,576x576,576x3072,1536x576", help="in x out, comma-separated")
     ap.add_argument("--copies", type=int, default=1, help="copies of every weight, run in turn (see above)")
+    ap.add_argument("--widened", action="store_true", help="5-bit formats: also the weights widened to 8-bit q")
     ns = ap.parse_args()
 
     import numpy as np
     import torch
     from gguf import GGMLQuantizationType
     from gguf import quants as gq
+
+    from dataclasses import replace
 
     from conveyor.kernels import load_cpu_kernels
     from conveyor.layers.gguf_blocks import from_gguf
@@ -54,6 +61,7 @@ def main() -> int:
     shapes = [tuple(int(v) for v in s.split("x")) for s in ns.shapes.split(",")]
     rng = np.random.default_rng(0)
     quant, floats = [[] for _ in range(ns.copies)], [[] for _ in range(ns.copies)]
+    wide = [[] for _ in range(ns.copies)] if ns.widened else None
     for k, n in shapes:
         w = rng.standard_normal((n, k)).astype(np.float32) * 0.02
         if ns.format == "w8a8":
@@ -70,6 +78,10 @@ def main() -> int:
             qt = from_gguf(raw, ns.format, (n, k))
         for copy in range(ns.copies):
             quant[copy].append(QuantLinear(qt, None, kernels, dtype))
+            if wide is not None:
+                if qt.kind != "q5":
+                    raise SystemExit(f"--widened compares 5-bit formats; {ns.format} is {qt.kind}")
+                wide[copy].append(QuantLinear(replace(qt, kind="q8"), None, kernels, dtype))
             floats[copy].append(pack_linear(qt.dequantize(dtype), None, kernels))
 
     def path(copies, max_rows):
@@ -97,9 +109,10 @@ def main() -> int:
           f"cop{'y' if ns.copies == 1 else 'ies'}")
     amx = kernels.amx_int8
     print("rows | int dot ms" + (" (VNNI) | int dot on AMX-INT8 ms | AMX / VNNI" if amx else "")
+          + (" | widened to 8-bit ms | 5-bit / 8-bit" if wide else "")
           + (" | oneDNN s8s8s32 + native passes ms |" if ns.format == "w8a8" else " | dequant + float GEMM ms |")
           + " float weights ms | best int / dequant | best int / float")
-    print("---|---" + ("|---|---" if amx else "") + "|---|---|---|---")
+    print("---|---" + ("|---|---" if amx else "") + ("|---|---" if wide else "") + "|---|---|---|---")
     for m in [int(r) for r in ns.rows.split(",")]:
         xs = {k: torch.randn(m, k).to(dtype) for k, _ in shapes}
         reps = max(1, 2000 // (m * 10))
@@ -111,6 +124,9 @@ def main() -> int:
             t_amx = best_ms(path(quant, 1 << 30), xs, reps)
             cells += f" | {t_amx:.3f} | {t_amx / t_int:.2f}"
             t_int = min(t_int, t_amx)
+        if wide:
+            t_wide = best_ms(path(wide, 1 << 30), xs, reps)
+            cells += f" | {t_wide:.3f} | {t_int / t_wide:.2f}"
         t_deq = best_ms(path(quant, 0), xs, reps)
         t_float = best_ms(floats, xs, reps)
         print(f"{m} | {cells} | {t_deq:.3f} | {t_float:.3f} | {t_int / t_deq:.2f} | {t_int / t_float:.2f}")

@@ -55,9 +55,9 @@ def from_gguf(raw: np.ndarray, qtype_name: str, shape: tuple[int, int]) -> Quant
                         qtype_name)
     if qtype_name == "Q5_0":  # d * (q - 16), q 5-bit
         q = _nibbles(blocks[:, 6:]) | _high_bits(blocks[:, 2:6])
-        return natural(q.reshape(n, k), d, -16 * d, False, "q8", qtype_name)
+        return natural(q.reshape(n, k), d, -16 * d, False, "q5", qtype_name)
     q = _nibbles(blocks[:, 8:]) | _high_bits(blocks[:, 4:8])  # Q5_1: d * q + m
-    return natural(q.reshape(n, k), d, _f16(blocks, 2).reshape(n, -1), False, "q8", qtype_name)
+    return natural(q.reshape(n, k), d, _f16(blocks, 2).reshape(n, -1), False, "q5", qtype_name)
 
 
 def _from_kquant(raw: np.ndarray, qtype_name: str, n: int, k: int) -> QuantizedTensor:
@@ -80,4 +80,4 @@ def _from_kquant(raw: np.ndarray, qtype_name: str, n: int, k: int) -> QuantizedT
         return replace(natural(low.reshape(n, k), scale, offset, False, "q4", qtype_name), super_scale=sup)
     qh = blocks[:, 16:48].reshape(nsb, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)
     q = low | ((qh & 1) << 4).reshape(nsb, 256)
-    return replace(natural(q.reshape(n, k), scale, offset, False, "q8", qtype_name), super_scale=sup)
+    return replace(natural(q.reshape(n, k), scale, offset, False, "q5", qtype_name), super_scale=sup)

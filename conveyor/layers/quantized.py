@@ -2,15 +2,16 @@
 Q5_K, Q6_K) and int8 computed at load from a float checkpoint, run by the native integer-dot-product GEMM
 (kernels/csrc/gemm_quant.cpp).
 
-Every supported format is one of two layouts (csrc/cvk.h's ``CvkQuantWeight``): per block of 32 values along
-K, ``value = scale * q + offset`` with q a 4-bit unsigned (``q4``: Q4_0, Q4_1, Q4_K) or an 8-bit signed integer
-(``q8``: Q8_0, Q5_*, int8). The file's f16 scales, K-quant sub-block scales and minimums become a ``scale`` and
+Every supported format is one of three layouts (csrc/cvk.h's ``CvkQuantWeight``): per block of 32 values along
+K, ``value = scale * q + offset`` with q a 4-bit unsigned (``q4``: Q4_0, Q4_1, Q4_K), a 5-bit unsigned (``q5``:
+Q5_0, Q5_1, Q5_K; the 4-bit layout's nibbles plus a plane of fifth bits) or an 8-bit signed integer (``q8``:
+Q8_0, int8). The file's f16 scales, K-quant sub-block scales and minimums become a ``scale`` and
 an ``offset`` per block, so one kernel per layout serves every format. The packed form keeps them as f16 where
 every one is exactly an f16 (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1: one f16 scale, and a minimum or -8/-16/-128 x the
 scale, per block), and as float32 otherwise (K-quants' f16 x 6-bit products and int8's max / 127 are exact only
 there). Where every offset is q's middle times the scale (-128 x for 8-bit q, -8 x for 4-bit: Q8_0, Q4_0, int8)
 no offsets are stored and the kernels compute them. So a decode step streams the file's bytes (Q4_1 0.625 a value,
-Q8_0 1.0625, Q4_0 0.5625) or close (int8 1.125). Q4_K and Q5_K keep the file's f16 d and dmin per 256 values and a
+Q8_0 1.0625, Q4_0 0.5625, Q5_0 0.6875) or close (int8 1.125). Q4_K and Q5_K keep the file's f16 d and dmin per 256 values and a
 byte per 6-bit sub-scale and minimum (``layers.kquants``; 0.578 bytes a value for Q4_K against the file's 0.5625),
 from which the kernels form the same float32 scales and offsets.
 Q6_K, whose scales are per 16 values, has a layout of its own (``q6``, csrc/cvk.h's CVK_Q6, ``layers.kquants``): its
@@ -44,7 +45,8 @@ from conveyor.layers import kquants
 
 BLOCK = 32  # values per block along K
 GROUP = 16  # output columns per group in the packed layout
-KINDS = {"q4": 1, "q8": 2, "q6": 3, "w8a8": 4}  # csrc/cvk.h's CVK_Q4, CVK_Q8, CVK_Q6, CVK_W8A8 (layers.w8a8)
+KINDS = {"q4": 1, "q8": 2, "q6": 3, "w8a8": 4, "q5": 5}  # csrc/cvk.h's CVK_Q4 .. CVK_Q5 (w8a8: layers.w8a8)
+VALUE_BITS = {"q4": 4, "q5": 5, "q8": 8}  # bits a value of q takes in the packed form of the 32-block layouts
 # csrc/cvk.h's CVK_SCALE_F32 / F16 / KQUANT, by the packed scales' dtype (Q6_K's int8 sub-scales: its own kind)
 SCALE_FORMATS = {torch.float32: 0, torch.float16: 1, torch.uint8: 2}
 # Rows up to which the integer kernel runs, per activation dtype; above, dequantize + float GEMM (module doc).
@@ -56,7 +58,7 @@ class QuantizedTensor:
     """A [N, K] weight quantized per block of 32 along K, in natural order: ``q`` uint8 [N, K] (unsigned: signed
     formats are stored as q + 128, their offset taking -128 * scale), ``scale`` and ``offset`` float32 [N, K / 32]
     (K rounded up), value = scale * q + offset. ``kind``: "q4" when every q fits 4 bits (packed two per byte),
-    "q8", or "q6" (Q6_K: blocks of 16, q in 0..63, offset -32 x scale, and ``super_scale`` [N, K / 256], of which
+    "q5" when every q fits 5 bits (the nibbles, then a bit plane), "q8", or "q6" (Q6_K: blocks of 16, q in 0..63, offset -32 x scale, and ``super_scale`` [N, K / 256], of which
     every scale is an int8 multiple). Q4_K / Q5_K carry ``super_scale`` [N, K / 256, 2] (d, dmin: every scale is
     d times a byte, every offset -dmin times one). ``source``: the format it came from (Q4_1, int8, ...), for
     logs. ``pack()`` gives the kernels' layout."""
@@ -94,14 +96,15 @@ class QuantizedTensor:
     @staticmethod
     def cat(parts: list[QuantizedTensor]) -> QuantizedTensor | QuantizedStack:
         """The rows of ``parts`` stacked (the fused qkv / gate_up weights); all of one K. A 4-bit part fused with
-        an 8-bit one is held as 8-bit (its values unchanged); Q6_K parts beside others stay apart, in a
-        ``QuantizedStack`` (consecutive parts of one layout fused)."""
+        a 5-bit one is held as 5-bit (its values unchanged); 8-bit and Q6_K parts beside others stay apart, in a
+        ``QuantizedStack`` (consecutive parts of one layout fused), so that each keeps its own bytes a value."""
         first = parts[0]
         if any(p.shape[1] != first.shape[1] for p in parts):
             raise ValueError("cannot fuse quantized weights of different in_features")
         runs: list[list[QuantizedTensor]] = []
+        family = {"q4": "q5"}  # kinds one packed form holds together
         for p in parts:
-            if runs and (runs[-1][0].kind == "q6") == (p.kind == "q6"):
+            if runs and family.get(runs[-1][0].kind, runs[-1][0].kind) == family.get(p.kind, p.kind):
                 runs[-1].append(p)
             else:
                 runs.append([p])
@@ -109,7 +112,7 @@ class QuantizedTensor:
             return QuantizedStack([QuantizedTensor.cat(run) for run in runs])
         if len(parts) == 1:
             return first
-        kind = "q6" if first.kind == "q6" else "q4" if all(p.kind == "q4" for p in parts) else "q8"
+        kind = "q4" if all(p.kind == "q4" for p in parts) else family.get(first.kind, first.kind)
         sources = "+".join(sorted({p.source for p in parts}))
         supers = [p.super_scale for p in parts]
         sup = torch.cat(supers) if all(t is not None and t.dim() == supers[0].dim() for t in supers) else None
@@ -123,19 +126,21 @@ class QuantizedTensor:
         np_, kp = -(-n // GROUP) * GROUP, -(-k // BLOCK) * BLOCK
         if self.kind == "q6":  # 6-bit q, an int8 per 16 values, an f16 per 256
             return np_ * kp * 3 // 4 + np_ * kp // kquants.SUB + 2 * np_ * kp // kquants.SUPER
+        values = np_ * kp * VALUE_BITS[self.kind] // 8
         if self.super_scale is not None:  # Q4_K / Q5_K: a byte per sub-scale and minimum, d and dmin per 256
-            return np_ * kp // (2 if self.kind == "q4" else 1) + 2 * np_ * kp // BLOCK + 4 * np_ * kp // kquants.SUPER
+            return values + 2 * np_ * kp // BLOCK + 4 * np_ * kp // kquants.SUPER
         scale_bytes = 2 if self.scales_fit_f16() else 4
         arrays = 1 if self.offset_is_mid() else 2
-        return np_ * kp // (2 if self.kind == "q4" else 1) + arrays * scale_bytes * np_ * kp // BLOCK
+        return values + arrays * scale_bytes * np_ * kp // BLOCK
 
     @property
     def mid(self) -> float:
-        """q's middle for this layout (csrc/qdot.h's kMidOffset): -8 for 4-bit q, -128 for 8-bit, -32 for Q6_K."""
-        return {"q4": -8.0, "q8": -128.0, "q6": -float(kquants.MID)}[self.kind]
+        """q's middle for this layout (csrc/qdot.h's kMidOffset): -8 for 4-bit q, -16 for 5-bit, -128 for 8-bit,
+        -32 for Q6_K."""
+        return {"q4": -8.0, "q5": -16.0, "q8": -128.0, "q6": -float(kquants.MID)}[self.kind]
 
     def offset_is_mid(self) -> bool:
-        """Whether every offset is ``mid`` x its scale (symmetric formats: Q8_0, Q4_0, int8), so that the packed
+        """Whether every offset is ``mid`` x its scale (symmetric formats: Q8_0, Q4_0, Q5_0, int8), so that the packed
         form need not store them (the kernels compute them, exactly: a power of two times the scale)."""
         return bool(torch.equal(self.offset, self.mid * self.scale))
 
@@ -175,10 +180,16 @@ class QuantizedTensor:
         np_, kp = -(-n // GROUP) * GROUP, nb * BLOCK
         q = torch.nn.functional.pad(self.q, (0, kp - k, 0, np_ - n))
         groups = np_ // GROUP
-        if self.kind == "q4":
+        if self.kind in ("q4", "q5"):
             # [g, i, j, u, half, b] -> byte (g, j, u, i, b) = low | high << 4
-            v = q.view(groups, GROUP, nb, 4, 2, 4)
-            qs = (v[:, :, :, :, 0] | (v[:, :, :, :, 1] << 4)).permute(0, 2, 3, 1, 4).contiguous()
+            v = (q & 0x0F).view(groups, GROUP, nb, 4, 2, 4)
+            qs = (v[:, :, :, :, 0] | (v[:, :, :, :, 1] << 4)).permute(0, 2, 3, 1, 4).reshape(groups, nb, 256)
+            if self.kind == "q5":  # the fifth bits: [g, i, j, t, b] -> bit t of byte (g, j, i, b) after the nibbles
+                bits = ((q >> 4) & 1).view(groups, GROUP, nb, 8, 4).to(torch.int32)
+                plane = (bits << torch.arange(8, dtype=torch.int32).view(1, 1, 1, 8, 1)).sum(3, dtype=torch.int32)
+                plane = plane.to(torch.uint8).permute(0, 2, 1, 3).reshape(groups, nb, 64)
+                qs = torch.cat([qs, plane], dim=2)
+            qs = qs.contiguous()
         else:
             qs = q.view(groups, GROUP, nb, 8, 4).permute(0, 2, 3, 1, 4).contiguous()
 

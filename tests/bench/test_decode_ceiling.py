@@ -39,9 +39,20 @@ def test_bytes_a_token_of_the_packaged_q4_1():
     assert b["llama_kv"] == 2 * kv and b["conveyor_kv"] == 4 * kv
 
 
-def test_q5_0_is_counted_widened_to_8_bits():
-    assert ceiling.CONVEYOR_BYTES_PER_VALUE["Q5_0"] == pytest.approx(1 + 2 / 32 + 2 / 32)  # q, f16 scale, f16 offset
-    assert ceiling.CONVEYOR_BYTES_PER_VALUE["Q8_0"] == pytest.approx(34 / 32)
+def test_bytes_a_value_are_the_packed_forms():
+    """The table is what layers/quantized.py packs: each type's packed bytes over its values."""
+    import numpy as np
+    from gguf import GGMLQuantizationType
+    from gguf import quants as gq
+
+    from conveyor.layers.gguf_blocks import from_gguf
+
+    n, k = 32, 512
+    w = np.random.default_rng(0).standard_normal((n, k)).astype(np.float32)
+    for qtype in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"):
+        packed = from_gguf(gq.quantize(w, GGMLQuantizationType[qtype]).reshape(-1), qtype, (n, k)).pack()
+        assert ceiling.CONVEYOR_BYTES_PER_VALUE[qtype] == pytest.approx(packed.nbytes / (n * k)), qtype
+    assert ceiling.CONVEYOR_BYTES_PER_VALUE["Q5_0"] == pytest.approx((16 + 4 + 2) / 32)  # the file's 5.5 bits
 
 
 def test_bandwidth_probe_measures():

@@ -121,7 +121,7 @@ def dequantized_hf(tmp_path, path: str):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1"])
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1", "Q5_0"])
 def test_outputs_close_to_transformers_on_the_dequantized_weights(untied, tmp_path, qtype, dtype):
     """The integer kernels quantize activations per block of 32 (as llama.cpp does), so tokens may part from
     the float reference where two are near-tied; the logprobs of the tokens taken must stay close."""
@@ -151,7 +151,7 @@ def run(llm, with_stack: bool):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1"])
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1", "Q5_0"])
 def test_native_stack_on_quantized_weights_is_bit_identical(untied, tmp_path, qtype, dtype):
     write_llama_gguf(tmp_path / "m.gguf", untied, qtype)
     llm = LLM(str(tmp_path / "m.gguf"), dtype=dtype, enable_prefix_caching=False, num_kv_blocks=256, block_size=16)
@@ -299,10 +299,12 @@ def test_auto_dtype_is_float32_when_the_weights_run_quantized(untied, tmp_path):
 
 
 def test_a_q4_k_m_mix_runs_q6_k_on_its_kernel_and_keeps_q_k_v_apart(tmp_path):
-    """llama.cpp's Q4_K_M mixes Q4_K with Q6_K (output, and attn_v and ffn_down in some layers): every linear stays
-    in its blocks, a layer's Q4_K q/k and Q6_K v in one stacked linear (not pulled to float32 together), and the
-    logprobs match the file dequantized by the gguf package (llama.cpp's reference) to the activations' rounding;
-    the native stack is bit-identical to the per-layer path."""
+    """llama.cpp's Q4_K_M mixes Q4_K with Q6_K (output, and attn_v and ffn_down in some layers), and on rows whose
+    width is not a multiple of 256 (SmolLM2's 576) falls back to Q5_0 beside Q8_0 v: every linear stays in its
+    blocks, a layer's Q4_K q/k and Q6_K v in one stacked linear (not pulled to float32 together), Q5_0 q/k on the
+    5-bit layout beside an 8-bit v, a Q4_K gate fused with a Q5_0 up as 5-bit, and the logprobs match the file
+    dequantized by the gguf package (llama.cpp's reference) to the activations' rounding; the native stack is
+    bit-identical to the per-layer path."""
     torch.manual_seed(4)
     cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
@@ -312,20 +314,30 @@ def test_a_q4_k_m_mix_runs_q6_k_on_its_kernel_and_keeps_q_k_v_apart(tmp_path):
              for i in range(2) for t in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up",
                                          "ffn_down")}
     types.update({"blk.0.attn_v.weight": "Q6_K", "blk.1.ffn_down.weight": "Q6_K", "output.weight": "Q6_K",
-                  "token_embd.weight": "Q4_K"})
+                  "token_embd.weight": "Q4_K", "blk.1.attn_q.weight": "Q5_0", "blk.1.attn_k.weight": "Q5_0",
+                  "blk.1.attn_output.weight": "Q5_1", "blk.1.ffn_gate.weight": "Q4_K",
+                  "blk.1.ffn_up.weight": "Q5_0"})
     path = requantize_gguf(f32, tmp_path / "q4_k_m.gguf", types)
     llm = LLM(str(path), dtype="float32", num_kv_blocks=256, block_size=16, enable_prefix_caching=False)
     model = llm.engine.model
     sources = {name: m.quant.sources for name, m in model.named_modules()
                if isinstance(m, (QuantLinear, QuantEmbedding))}
     assert sources["layers.0.self_attn.qkv_proj"] == "Q4_K+Q6_K"
-    assert sources["layers.1.self_attn.qkv_proj"] == "Q4_K+Q8_0"  # 4-bit and 8-bit share the 8-bit form
+    kinds = {name: "+".join(p.kind for p in m.quant.chain()) for name, m in model.named_modules()
+             if isinstance(m, QuantLinear)}
+    assert sources["layers.1.self_attn.qkv_proj"] == "Q5_0+Q8_0" and kinds["layers.1.self_attn.qkv_proj"] == "q5+q8"
+    assert sources["layers.1.mlp.gate_up_proj"] == "Q4_K+Q5_0" and kinds["layers.1.mlp.gate_up_proj"] == "q5"
+    assert kinds["layers.1.self_attn.o_proj"] == "q5" and kinds["layers.0.self_attn.qkv_proj"] == "q4+q6"
     assert sources["layers.1.mlp.down_proj"] == sources["lm_head"] == "Q6_K"
     assert sources["embed_tokens"] == "Q4_K" and len(sources) == 2 * 4 + 2
     with GGUFFile(str(path)) as f:
         ref = dict(gguf_weights(f, *config_from_gguf(f), torch.float32))
-    qkv = torch.cat([ref[f"model.layers.0.self_attn.{p}_proj.weight"] for p in "qkv"])
-    for module, want in ((model.layers[0].self_attn.qkv_proj, qkv), (model.lm_head, ref["lm_head.weight"])):
+    qkv = [torch.cat([ref[f"model.layers.{i}.self_attn.{p}_proj.weight"] for p in "qkv"]) for i in range(2)]
+    gate_up = torch.cat([ref[f"model.layers.1.mlp.{p}_proj.weight"] for p in ("gate", "up")])
+    for module, want in ((model.layers[0].self_attn.qkv_proj, qkv[0]), (model.layers[1].self_attn.qkv_proj, qkv[1]),
+                         (model.layers[1].mlp.gate_up_proj, gate_up),
+                         (model.layers[1].self_attn.o_proj, ref["model.layers.1.self_attn.o_proj.weight"]),
+                         (model.lm_head, ref["lm_head.weight"])):
         torch.testing.assert_close(module.dequantized(torch.float32), want, atol=1e-6, rtol=1e-6)
     assert model.native_stack is not None and model.native_stack.quantized
     assert run(llm, with_stack=True) == run(llm, with_stack=False)

@@ -126,12 +126,15 @@ static_assert(sizeof(CvkLayerStackArgs) == sizeof(CvkAttnArgs) + 9 * 8 + 3 * 8 +
  *   kind CVK_Q8: qs uint8 [NP/16][KP/32][8][16][4]: 8 quads of k, each 16 columns x 4 consecutive k (512 bytes);
  *   kind CVK_Q4: qs uint8 [NP/16][KP/32][4][16][4]: byte (u, i, b) = q(i, 32j + 8u + b) | q(i, 32j + 8u + 4 + b) << 4
  *                (the low nibbles are quad 2u, the high ones quad 2u + 1; 256 bytes);
+ *   kind CVK_Q5: qs uint8 [NP/16][KP/32][320]: q's low 4 bits as CVK_Q4 lays them (256 bytes), then 64 bytes:
+ *                bit t of byte 256 + 4i + b = q's fifth bit of (column i, k = 32j + 4t + b) (Q5_0, Q5_1, Q5_K:
+ *                0.625 bytes a value, the file's 5 bits);
  *   scale, offset [NP/16][KP/32][16]: float32 (scale_format CVK_SCALE_F32), IEEE halves (uint16 bits,
  *                CVK_SCALE_F16), or K-quant sub-scales (CVK_SCALE_KQUANT: uint8 sc and m per block, with
  *                super_scale f16 [NP/16][KP/256][2][16], each column's d then dmin per 256 values along K:
  *                scale = d * sc, offset = -dmin * m, exact in float32; KP a multiple of 256); offset NULL
  *                when every block's offset is q's middle times its scale (-128 * scale for CVK_Q8, -8 * scale
- *                for CVK_Q4: Q8_0, int8, Q4_0), which the kernels compute instead of reading.
+ *                for CVK_Q4, -16 * scale for CVK_Q5: Q8_0, int8, Q4_0, Q5_0), which the kernels compute.
  * So one 64-byte load is 16 columns x 4 k, a VPDPBUSD against 4 broadcast activation bytes. Signed formats
  * (Q8_0, int8) are stored as q + 128 with the offset taking -128 * scale. Halves hold the formats whose scale and
  * offset are one f16 per block in the file (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1: the weight stream is then the file's
@@ -151,7 +154,7 @@ static_assert(sizeof(CvkLayerStackArgs) == sizeof(CvkAttnArgs) + 9 * 8 + 3 * 8 +
  * next: NULL, or the weight of the rows that follow this one's N (output columns N, N + 1, ...) with the same K
  * and KP, in whatever kind: one linear whose row parts came in different types (a Q6_K attn_v after Q4_K q and
  * k), computed by one call into one output. */
-enum { CVK_Q4 = 1, CVK_Q8 = 2, CVK_Q6 = 3, CVK_W8A8 = 4 };
+enum { CVK_Q4 = 1, CVK_Q8 = 2, CVK_Q6 = 3, CVK_W8A8 = 4, CVK_Q5 = 5 };
 enum { CVK_SCALE_F32 = 0, CVK_SCALE_F16 = 1, CVK_SCALE_KQUANT = 2 };
 typedef struct CvkQuantWeight {
   const void* qs;

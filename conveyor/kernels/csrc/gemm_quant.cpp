@@ -31,11 +31,14 @@ constexpr int QG = 16;  // columns per group
 inline int64_t blocks(int64_t KP) { return KP / QB; }
 // Bytes of one tile of kAmxRows activation rows packed for the AMX loop: digits (512) and units (16 floats) per block.
 inline int64_t amx_tile_bytes(int64_t KP) { return blocks(KP) * (512 + 16 * int64_t(sizeof(float))); }
-inline int64_t block_bytes(int kind) { return kind == CVK_Q4 ? 256 : kind == CVK_Q6 ? kQ6BlockBytes : 512; }
+inline int64_t block_bytes(int kind) {
+  return kind == CVK_Q4 ? kBlockBytes<4> : kind == CVK_Q5 ? kBlockBytes<5> : kind == CVK_Q6 ? kQ6BlockBytes : 512;
+}
 // Whether a step of M rows runs on the AMX-INT8 tiles for a weight of this kind (where they were switched on:
 // cvk_set_amx_qdot).
 inline bool takes_amx(int64_t M, int kind) {
-  if (kind == CVK_Q6 || kind == CVK_W8A8) return false;  // Q6_K's sub-blocks of 16, W8A8: the VNNI loops only
+  // Q6_K's sub-blocks of 16, the 5-bit plane, W8A8: the VNNI loops only
+  if (kind == CVK_Q6 || kind == CVK_Q5 || kind == CVK_W8A8) return false;
   const int64_t min_rows = kind == CVK_Q4 ? g_amx_qdot_min_rows_q4 : g_amx_qdot_min_rows_q8;
   return kAmx && min_rows > 0 && M >= min_rows;
 }
@@ -86,21 +89,39 @@ inline const uint16_t* group_super(const CvkQuantWeight& w, int64_t g, int64_t n
   return w.super_scale == nullptr ? nullptr : static_cast<const uint16_t*>(w.super_scale) + g * (nb / 8) * 2 * QG;
 }
 
+// expanded: NULL, or group g's 5-bit blocks already as 8-bit ones (expand_group), which the loop then reads.
 template <int R, typename S>
-inline void group_rows_as(const CvkQuantWeight& w, int64_t g, const QRow* xr, float* out, bool prefetch) {
+inline void group_rows_as(const CvkQuantWeight& w, int64_t g, const QRow* xr, float* out, bool prefetch,
+                          const uint8_t* expanded) {
   const int64_t nb = blocks(w.KP);
   const uint8_t* qs = static_cast<const uint8_t*>(w.qs) + g * nb * block_bytes(w.kind);
   const S* scale = group_scales<S>(w.scale, g, nb);
   const S* offset = group_scales<S>(w.offset, g, nb);
   const uint16_t* super = group_super(w, g, nb);
   if (w.kind == CVK_Q4)
-    qdot::group_dot<R, true>(qs, scale, offset, super, xr, nb, out, prefetch);
+    qdot::group_dot<R, 4>(qs, scale, offset, super, xr, nb, out, prefetch);
+  else if (w.kind == CVK_Q5 && expanded != nullptr)
+    qdot::group_dot<R, 5, S, true>(expanded, scale, offset, super, xr, nb, out, false);
+  else if (w.kind == CVK_Q5)
+    qdot::group_dot<R, 5>(qs, scale, offset, super, xr, nb, out, prefetch);
   else
-    qdot::group_dot<R, false>(qs, scale, offset, super, xr, nb, out, prefetch);
+    qdot::group_dot<R, 8>(qs, scale, offset, super, xr, nb, out, prefetch);
+}
+
+// A CVK_Q5 weight's group g as 8-bit blocks into out (nb x 512 bytes), streamed and prefetched as group_dot does.
+inline void expand_group(const CvkQuantWeight& w, int64_t g, uint8_t* out) {
+  const int64_t nb = blocks(w.KP);
+  const uint8_t* qs = static_cast<const uint8_t*>(w.qs) + g * nb * block_bytes(w.kind);
+  if (w.scale_format == CVK_SCALE_F32)
+    qdot::expand_q5_group(qs, group_scales<float>(w.scale, g, nb), group_scales<float>(w.offset, g, nb), nb, out);
+  else  // halves, or K-quant bytes (prefetched as halves: the same lines or the next)
+    qdot::expand_q5_group(qs, group_scales<uint16_t>(w.scale, g, nb), group_scales<uint16_t>(w.offset, g, nb), nb,
+                          out);
 }
 
 template <int R>
-inline void group_rows(const CvkQuantWeight& w, int64_t g, const QRow* xr, float* out, bool prefetch) {
+inline void group_rows(const CvkQuantWeight& w, int64_t g, const QRow* xr, float* out, bool prefetch,
+                       const uint8_t* expanded) {
   if (w.kind == CVK_Q6) {
     const int64_t nb = blocks(w.KP);
     qdot::group_dot_q6<R>(static_cast<const uint8_t*>(w.qs) + g * nb * kQ6BlockBytes,
@@ -109,19 +130,20 @@ inline void group_rows(const CvkQuantWeight& w, int64_t g, const QRow* xr, float
     return;
   }
   if (w.scale_format == CVK_SCALE_F16)
-    group_rows_as<R, uint16_t>(w, g, xr, out, prefetch);
+    group_rows_as<R, uint16_t>(w, g, xr, out, prefetch, expanded);
   else if (w.scale_format == CVK_SCALE_KQUANT)
-    group_rows_as<R, uint8_t>(w, g, xr, out, prefetch);
+    group_rows_as<R, uint8_t>(w, g, xr, out, prefetch, expanded);
   else
-    group_rows_as<R, float>(w, g, xr, out, prefetch);
+    group_rows_as<R, float>(w, g, xr, out, prefetch, expanded);
 }
 
 template <int R>
-inline void group_rows_upto(int r, const CvkQuantWeight& w, int64_t g, const QRow* xr, float* out, bool prefetch) {
+inline void group_rows_upto(int r, const CvkQuantWeight& w, int64_t g, const QRow* xr, float* out, bool prefetch,
+                            const uint8_t* expanded) {
   if constexpr (R > 1) {
-    if (r < R) return group_rows_upto<R - 1>(r, w, g, xr, out, prefetch);
+    if (r < R) return group_rows_upto<R - 1>(r, w, g, xr, out, prefetch, expanded);
   }
-  group_rows<R>(w, g, xr, out, prefetch);
+  group_rows<R>(w, g, xr, out, prefetch, expanded);
 }
 
 // Adds the bias to R x 16 float sums (acc rows acc_stride apart) and stores the first nc columns of r rows at
@@ -135,22 +157,34 @@ inline void store_group(const float* acc, int64_t acc_stride, int r, int nc, con
   }
 }
 
-// The VNNI / AVX2 loop: each thread takes whole groups of 16 columns, kRows activation rows at a time.
+// Tiles of rows from which a 5-bit weight's groups are expanded to 8-bit blocks once (vector_groups): below, moving
+// the fifth bits in every tile costs less than the expansion pass (benchmarks/gemm_quant.py --format Q5_0
+// --against-q8; docs/kernels.md).
+constexpr int64_t kQ5ExpandTiles = 8;
+
+// The VNNI / AVX2 loop: each thread takes whole groups of 16 columns, kRows activation rows at a time. A 5-bit
+// weight in a step of kQ5ExpandTiles tiles of rows or more has each group's fifth bits moved once, into 8-bit
+// blocks in the thread's buffer that every tile reads from cache.
 template <typename T>
 void vector_groups(const CvkQuantGemmArgs& a, const char* scratch, int64_t rb) {
   const CvkQuantWeight& w = *a.w;
   const int64_t M = a.M, N = w.N, KP = w.KP;
   constexpr int R = qdot::kRows;
   const int64_t groups = (N + QG - 1) / QG;
+  const bool expand = w.kind == CVK_Q5 && M >= kQ5ExpandTiles * R;
+  // per thread, kept across calls (as amx_groups' buffer)
+  thread_local std::vector<uint8_t, AlignedAlloc<uint8_t>> expanded;
+  if (expand && expanded.size() < size_t(blocks(KP) * 512)) expanded.resize(blocks(KP) * 512);
 #pragma omp for schedule(static)
   for (int64_t g = 0; g < groups; g++) {
     const int nc = int(std::min<int64_t>(QG, N - g * QG));
+    if (expand) expand_group(w, g, expanded.data());
     for (int64_t m0 = 0; m0 < M; m0 += R) {
       const int r = int(std::min<int64_t>(R, M - m0));
       QRow xr[R];
       for (int i = 0; i < r; i++) xr[i] = row_view(scratch + (m0 + i) * rb, KP);
       alignas(64) float acc[R * QG];
-      group_rows_upto<R>(r, w, g, xr, acc, /*prefetch=*/m0 == 0);
+      group_rows_upto<R>(r, w, g, xr, acc, /*prefetch=*/m0 == 0, expand ? expanded.data() : nullptr);
       store_group(acc, QG, r, nc, static_cast<const T*>(a.bias), static_cast<T*>(a.y), a.y_stride, m0, g * QG);
     }
   }
@@ -310,8 +344,9 @@ void dequantize_impl(const CvkQuantWeight& whole, const int64_t* rows, int64_t c
         }
         for (int t = 0; t < 8; t++)
           for (int b = 0; b < 4; b++) {
-            const int v = w.kind == CVK_Q4 ? (blk[(t / 2) * 64 + c * 4 + b] >> ((t % 2) * 4)) & 0x0F
-                                           : blk[t * 64 + c * 4 + b];
+            const bool nibbles = w.kind == CVK_Q4 || w.kind == CVK_Q5;
+            int v = nibbles ? (blk[(t / 2) * 64 + c * 4 + b] >> ((t % 2) * 4)) & 0x0F : blk[t * 64 + c * 4 + b];
+            if (w.kind == CVK_Q5) v |= ((blk[256 + c * 4 + b] >> t) & 1) << 4;  // the fifth-bit plane (cvk.h)
             vals[t * 4 + b] = float(v);
           }
         float sc, of;
@@ -328,9 +363,9 @@ bool valid_part(const CvkQuantWeight* w) {
   if (w->kind == CVK_Q6)
     return w->scale_format == CVK_SCALE_F32 && w->offset == nullptr && w->super_scale != nullptr && w->KP % 256 == 0;
   if (w->scale_format == CVK_SCALE_KQUANT)
-    return (w->kind == CVK_Q4 || w->kind == CVK_Q8) && w->offset != nullptr && w->super_scale != nullptr &&
-           w->KP % 256 == 0;
-  return (w->kind == CVK_Q4 || w->kind == CVK_Q8) &&
+    return (w->kind == CVK_Q4 || w->kind == CVK_Q5 || w->kind == CVK_Q8) && w->offset != nullptr &&
+           w->super_scale != nullptr && w->KP % 256 == 0;
+  return (w->kind == CVK_Q4 || w->kind == CVK_Q5 || w->kind == CVK_Q8) &&
          (w->scale_format == CVK_SCALE_F32 || w->scale_format == CVK_SCALE_F16);
 }
 

@@ -53,7 +53,7 @@ template <typename S>
 inline void unpack_q4_group(const uint8_t* qs, const S* scale, const S* offset, int64_t nb, uint8_t* out) {
   const __m512i m4 = _mm512_set1_epi8(0x0F);
   for (int64_t j = 0; j < nb; j++) {
-    prefetch_block<true>(qs, scale, offset, j);
+    prefetch_block<4>(qs, scale, offset, j);
     for (int u = 0; u < 4; u++) {
       const __m512i v = _mm512_loadu_si512(qs + j * 256 + u * 64);
       _mm512_store_si512(out + j * 512 + (2 * u) * 64, _mm512_and_si512(v, m4));
@@ -116,7 +116,7 @@ __attribute__((target("amx-tile,amx-int8"))) inline void amx_group_dot(const uin
   for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
   amx_block_products(w, digits, 0);
   for (int64_t j = 0; j < nb; j++) {
-    if (prefetch) prefetch_block<false>(w, scale, offset, j);
+    if (prefetch) prefetch_block<8>(w, scale, offset, j);
     if (j + 1 < nb) amx_block_products(w, digits, j + 1);
     if (j % 2 == 0)
       _tile_stored(4, c, 64);

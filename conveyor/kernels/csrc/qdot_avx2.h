@@ -51,26 +51,48 @@ inline void quantize_block(const float* x, int8_t* hi, int8_t* lo, float* d, flo
   *s = *d * float(hs[0] + hs[1]);
 }
 
-// Half h (columns 8h .. 8h + 7) of the block's 8 quads, as unsigned bytes.
-template <bool Q4>
-inline void load_half(const uint8_t* qs, int h, __m256i w[8]) {
-  if constexpr (Q4) {
+// Half h (columns 8h .. 8h + 7) of the block's 8 quads, as unsigned bytes; 5-bit q's fifth bits from the plane
+// after the nibbles as qdot_avx512.h's load_block moves them (shift bit t to bit 4, mask, OR).
+template <int Bits>
+CVK_QDOT_INLINE void load_half(const uint8_t* qs, int h, __m256i w[8]) {
+  if constexpr (Bits < 8) {
     const __m256i m4 = _mm256_set1_epi8(0x0F);
     for (int u = 0; u < 4; u++) {
       const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + u * 64 + h * 32));
       w[2 * u] = _mm256_and_si256(v, m4);
       w[2 * u + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
     }
+    if constexpr (Bits == 5) {
+      const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 256 + h * 32));
+      const __m256i bit4 = _mm256_set1_epi8(0x10);
+      for (int t = 0; t < 8; t++) {
+        const __m256i moved = t <= 4 ? _mm256_slli_epi16(hb, 4 - t) : _mm256_srli_epi16(hb, t - 4);
+        w[t] = _mm256_or_si256(w[t], _mm256_and_si256(moved, bit4));
+      }
+    }
   } else {
     for (int t = 0; t < 8; t++) w[t] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + t * 64 + h * 32));
+  }
+}
+
+// A group's nb 5-bit blocks as 8-bit ones (qdot_avx512.h's expand_q5_group).
+template <typename S>
+inline void expand_q5_group(const uint8_t* qs, const S* scale, const S* offset, int64_t nb, uint8_t* out) {
+  for (int64_t j = 0; j < nb; j++) {
+    prefetch_block<5>(qs, scale, offset, j);
+    for (int h = 0; h < 2; h++) {
+      __m256i w[8];
+      load_half<5>(qs + j * kBlockBytes<5>, h, w);
+      for (int t = 0; t < 8; t++) _mm256_store_si256(reinterpret_cast<__m256i*>(out + j * 512 + t * 64 + h * 32), w[t]);
+    }
   }
 }
 
 // Sum over the block's 32 k per column of w x one digit of x: q x for 4-bit weights; (q - 128) x for 8-bit
 // ones, whose q up to 255 would saturate VPMADDUBSW's int16 pair sums (|q - 128| against x carrying its sign
 // instead; the caller adds 128 * sum(n) back through the offset).
-template <bool Q4>
-inline __m256i digit_dot(const __m256i w[8], const int8_t* xq) {
+template <int Bits>
+CVK_QDOT_INLINE __m256i digit_dot(const __m256i w[8], const int8_t* xq) {
   int32_t quads[8];
   memcpy(quads, xq, 32);
   const __m256i ones = _mm256_set1_epi16(1);
@@ -78,7 +100,7 @@ inline __m256i digit_dot(const __m256i w[8], const int8_t* xq) {
   for (int t = 0; t < 8; t++) {
     const __m256i x = _mm256_set1_epi32(quads[t]);
     __m256i p;
-    if constexpr (Q4) {
+    if constexpr (Bits < 8) {  // weights <= 31: the int16 pair sums cannot saturate
       p = _mm256_maddubs_epi16(w[t], x);
     } else {
       const __m256i ws = _mm256_xor_si256(w[t], _mm256_set1_epi8(char(0x80)));
@@ -92,7 +114,7 @@ inline __m256i digit_dot(const __m256i w[8], const int8_t* xq) {
 // CVK_Q6: half h (columns 8h .. 8h + 7) of the block's 8 quads as bytes q in [0, 63]: the low 4 bits as
 // load_half<true> reads them, the high 2 from the 128 bytes after them (cvk.h).
 inline void load_half_q6(const uint8_t* qs, int h, __m256i w[8]) {
-  load_half<true>(qs, h, w);
+  load_half<4>(qs, h, w);
   const __m256i m2 = _mm256_set1_epi8(0x03);
   for (int v = 0; v < 2; v++) {
     const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 256 + v * 64 + h * 32));
@@ -118,15 +140,15 @@ inline void digit_dot_halves(const __m256i w[8], const int8_t* xq, __m256i& d0, 
   d1 = d[1];
 }
 
-inline __m256i combine_digits(__m256i h, __m256i l) {
+CVK_QDOT_INLINE __m256i combine_digits(__m256i h, __m256i l) {
   return _mm256_add_epi32(_mm256_sub_epi32(_mm256_slli_epi32(h, 8), h), l);
 }
 
 // Sum over the block's 32 k of w x n per column: 255 <w, hi> + <w, lo>.
-template <bool Q4>
-inline __m256i block_dot(const __m256i w[8], const int8_t* hi, const int8_t* lo) {
-  const __m256i h = digit_dot<Q4>(w, hi);
-  return _mm256_add_epi32(_mm256_sub_epi32(_mm256_slli_epi32(h, 8), h), digit_dot<Q4>(w, lo));
+template <int Bits>
+CVK_QDOT_INLINE __m256i block_dot(const __m256i w[8], const int8_t* hi, const int8_t* lo) {
+  const __m256i h = digit_dot<Bits>(w, hi);
+  return _mm256_add_epi32(_mm256_sub_epi32(_mm256_slli_epi32(h, 8), h), digit_dot<Bits>(w, lo));
 }
 
 constexpr bool kSignedQ8Dot = true;
@@ -150,7 +172,7 @@ inline __m256 load_u8(const uint8_t* p) {
 }
 
 // Block j's 8 scales a and offsets b of column half h (as qdot_avx512.h's block_scales).
-template <bool Q4, typename S>
+template <int Bits, typename S>
 inline void block_scales(const S* scale, const S* offset, const uint16_t* super, int64_t j, int h, __m256& ds,
                          __m256& ms, __m256& a, __m256& b) {
   if constexpr (std::is_same_v<S, uint8_t>) {
@@ -162,7 +184,7 @@ inline void block_scales(const S* scale, const S* offset, const uint16_t* super,
     b = _mm256_mul_ps(ms, load_u8(offset + j * 16 + h * 8));
   } else {
     a = load_scales(scale + j * 16 + h * 8);
-    b = load_offsets(offset, a, j * 16 + h * 8, kMidOffset<Q4>);
+    b = load_offsets(offset, a, j * 16 + h * 8, kMidOffset<Bits>);
   }
 }
 
@@ -170,24 +192,25 @@ inline void block_scales(const S* scale, const S* offset, const uint16_t* super,
 // columns and R rows (S: float, uint16_t halves or uint8_t K-quant sub-scales, as the weight stores its scales;
 // super: their super-scales). prefetch: ask for the
 // weights kPrefetchBlocks ahead (qdot.h), on the first pass over a group (the first half's: the second reads
-// the same lines from cache).
-template <int R, bool Q4, typename S>
+// the same lines from cache). Expanded: qs holds Bits-bit q laid out as 8-bit blocks (expand_q5_group).
+template <int R, int Bits, typename S, bool Expanded = false>
 inline void group_dot(const uint8_t* qs, const S* scale, const S* offset, const uint16_t* super, const QRow* xr,
                       int64_t nb, float* out, bool prefetch) {
-  constexpr int64_t block_bytes = Q4 ? 256 : 512;
+  constexpr int Layout = Expanded ? 8 : Bits;
+  constexpr int64_t block_bytes = kBlockBytes<Layout>;
   for (int h = 0; h < 2; h++) {
     __m256 acc[R];
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     __m256 ds = _mm256_setzero_ps(), ms = _mm256_setzero_ps();
     for (int64_t j = 0; j < nb; j++) {
-      if (prefetch && h == 0) prefetch_block<Q4>(qs, scale, offset, j);
+      if (prefetch && h == 0) prefetch_block<Layout>(qs, scale, offset, j);
       __m256i w[8];
-      load_half<Q4>(qs + j * block_bytes, h, w);
+      load_half<Layout>(qs + j * block_bytes, h, w);
       __m256 a, b;
-      block_scales<Q4>(scale, offset, super, j, h, ds, ms, a, b);
-      if constexpr (!Q4) b = _mm256_fmadd_ps(a, _mm256_set1_ps(128.f), b);
+      block_scales<Bits>(scale, offset, super, j, h, ds, ms, a, b);
+      if constexpr (Bits == 8) b = _mm256_fmadd_ps(a, _mm256_set1_ps(128.f), b);
       for (int r = 0; r < R; r++) {
-        const __m256i d = block_dot<Q4>(w, xr[r].hi + j * 32, xr[r].lo + j * 32);
+        const __m256i d = block_dot<Bits>(w, xr[r].hi + j * 32, xr[r].lo + j * 32);
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_mul_ps(a, _mm256_set1_ps(xr[r].d[j])), acc[r]);
         acc[r] = _mm256_fmadd_ps(b, _mm256_set1_ps(xr[r].s[j]), acc[r]);
       }

@@ -32,24 +32,51 @@ inline void quantize_block(const float* x, int8_t* hi, int8_t* lo, float* d, flo
   *s = *d * float(hs[0] + hs[1]);
 }
 
-// The block's 8 quads of weights, 16 columns x 4 k each, as unsigned bytes.
-template <bool Q4>
-inline void load_block(const uint8_t* qs, __m512i w[8]) {
-  if constexpr (Q4) {
+// The block's 8 quads of weights, 16 columns x 4 k each, as unsigned bytes. 5-bit q (CVK_Q5): the nibbles as
+// 4-bit q's, then bit t of byte 4i + b of the 64-byte plane after them is q's fifth bit of quad t, moved to bit 4
+// by a 16-bit shift (bit t of a byte lands on bit 4 of the same byte; the 0x10 mask drops what crossed over) and
+// ORed in by one VPTERNLOGD.
+template <int Bits>
+CVK_QDOT_INLINE void load_block(const uint8_t* qs, __m512i w[8]) {
+  if constexpr (Bits < 8) {
     const __m512i m4 = _mm512_set1_epi8(0x0F);
     for (int u = 0; u < 4; u++) {
       const __m512i v = _mm512_loadu_si512(qs + u * 64);
       w[2 * u] = _mm512_and_si512(v, m4);
       w[2 * u + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
     }
+    if constexpr (Bits == 5) {
+      const __m512i h = _mm512_loadu_si512(qs + 256), bit4 = _mm512_set1_epi8(0x10);
+      w[0] = _mm512_ternarylogic_epi32(w[0], _mm512_slli_epi16(h, 4), bit4, 0xF8);  // a | (b & c)
+      w[1] = _mm512_ternarylogic_epi32(w[1], _mm512_slli_epi16(h, 3), bit4, 0xF8);
+      w[2] = _mm512_ternarylogic_epi32(w[2], _mm512_slli_epi16(h, 2), bit4, 0xF8);
+      w[3] = _mm512_ternarylogic_epi32(w[3], _mm512_slli_epi16(h, 1), bit4, 0xF8);
+      w[4] = _mm512_ternarylogic_epi32(w[4], h, bit4, 0xF8);
+      w[5] = _mm512_ternarylogic_epi32(w[5], _mm512_srli_epi16(h, 1), bit4, 0xF8);
+      w[6] = _mm512_ternarylogic_epi32(w[6], _mm512_srli_epi16(h, 2), bit4, 0xF8);
+      w[7] = _mm512_ternarylogic_epi32(w[7], _mm512_srli_epi16(h, 3), bit4, 0xF8);
+    }
   } else {
     for (int t = 0; t < 8; t++) w[t] = _mm512_loadu_si512(qs + t * 64);
   }
 }
 
+// A group's nb 5-bit blocks (CVK_Q5) as 8-bit ones (512 bytes: the CVK_Q8 order), q unchanged: a step of more
+// rows than a register tile then moves the fifth bits once per block, not once per tile of rows (group_dot's
+// Expanded). This pass streams the group from memory, so it asks for the weights ahead as group_dot does.
+template <typename S>
+inline void expand_q5_group(const uint8_t* qs, const S* scale, const S* offset, int64_t nb, uint8_t* out) {
+  for (int64_t j = 0; j < nb; j++) {
+    prefetch_block<5>(qs, scale, offset, j);
+    __m512i w[8];
+    load_block<5>(qs + j * kBlockBytes<5>, w);
+    for (int t = 0; t < 8; t++) _mm512_store_si512(out + j * 512 + t * 64, w[t]);
+  }
+}
+
 // Sum over the block's 32 k of w (unsigned) x one digit of x (signed), per column, as int32 lanes.
-template <bool Q4>
-inline __m512i digit_dot(const __m512i w[8], const int8_t* xq) {
+template <int Bits>
+CVK_QDOT_INLINE __m512i digit_dot(const __m512i w[8], const int8_t* xq) {
   int32_t quads[8];
   memcpy(quads, xq, 32);
   __m512i d = _mm512_setzero_si512();
@@ -60,7 +87,7 @@ inline __m512i digit_dot(const __m512i w[8], const int8_t* xq) {
   for (int t = 0; t < 8; t++) {
     const __m512i x = _mm512_set1_epi32(quads[t]);
     __m512i p;
-    if constexpr (Q4) {  // weights <= 15: VPMADDUBSW's int16 pair sums cannot saturate
+    if constexpr (Bits < 8) {  // weights <= 31: VPMADDUBSW's int16 pair sums (2 x 31 x 127) cannot saturate
       p = _mm512_maddubs_epi16(w[t], x);
     } else {  // weights up to 255 would: multiply |q - 128| by x carrying q - 128's sign instead
       const __m512i ws = _mm512_xor_si512(w[t], _mm512_set1_epi8(char(0x80)));
@@ -76,7 +103,7 @@ inline __m512i digit_dot(const __m512i w[8], const int8_t* xq) {
 // CVK_Q6: the block's 8 quads as bytes q in [0, 63]: the low 4 bits as load_block<true> reads them, the high 2
 // from the 128 bytes after them (cvk.h).
 inline void load_block_q6(const uint8_t* qs, __m512i w[8]) {
-  load_block<true>(qs, w);
+  load_block<4>(qs, w);
   const __m512i m2 = _mm512_set1_epi8(0x03);
   for (int v = 0; v < 2; v++) {
     const __m512i h = _mm512_loadu_si512(qs + 256 + v * 64);
@@ -107,14 +134,14 @@ inline void digit_dot_halves(const __m512i w[8], const int8_t* xq, __m512i& d0, 
 }
 
 // 255 h + l: the two digits' dot products recombined into <w, n> (qdot.h).
-inline __m512i combine_digits(__m512i h, __m512i l) {
+CVK_QDOT_INLINE __m512i combine_digits(__m512i h, __m512i l) {
   return _mm512_add_epi32(_mm512_sub_epi32(_mm512_slli_epi32(h, 8), h), l);
 }
 
 // Sum over the block's 32 k of w x n per column: 255 <w, hi> + <w, lo>.
-template <bool Q4>
-inline __m512i block_dot(const __m512i w[8], const int8_t* hi, const int8_t* lo) {
-  return combine_digits(digit_dot<Q4>(w, hi), digit_dot<Q4>(w, lo));
+template <int Bits>
+CVK_QDOT_INLINE __m512i block_dot(const __m512i w[8], const int8_t* hi, const int8_t* lo) {
+  return combine_digits(digit_dot<Bits>(w, hi), digit_dot<Bits>(w, lo));
 }
 
 // One block's term added to a row's 16 column sums: scale_w * d_x * <q, n> + offset_w * s_x, in this order of
@@ -146,7 +173,7 @@ inline __m512 load_u8(const uint8_t* p) {
 // Block j's 16 scales a and offsets b. S uint8_t: K-quant sub-scales and minimums (CVK_SCALE_KQUANT), times the
 // super-block's d and -dmin (super: the group's [KP/256][2][16] halves), kept in ds / ms across its 8 blocks:
 // d * sc and -dmin * m are exact in float32, the numbers a float32-scale packing holds.
-template <bool Q4, typename S>
+template <int Bits, typename S>
 inline void block_scales(const S* scale, const S* offset, const uint16_t* super, int64_t j, __m512& ds, __m512& ms,
                          __m512& a, __m512& b) {
   if constexpr (std::is_same_v<S, uint8_t>) {
@@ -158,7 +185,7 @@ inline void block_scales(const S* scale, const S* offset, const uint16_t* super,
     b = _mm512_mul_ps(ms, load_u8(offset + j * 16));
   } else {
     a = load_scales(scale + j * 16);
-    b = load_offsets(offset, a, j * 16, kMidOffset<Q4>);
+    b = load_offsets(offset, a, j * 16, kMidOffset<Bits>);
   }
 }
 
@@ -173,23 +200,25 @@ constexpr bool kSignedQ8Dot = true;
 // out[r][0..16) = sum over blocks j of scale_j * d_rj * <q_j, n_rj> + offset_j * s_rj, for one group of 16
 // columns and R rows (qs, scale, offset, super: the group's part of the weight; S float, uint16_t halves or
 // uint8_t K-quant sub-scales with their super-scales, block_scales). prefetch:
-// ask for the weights kPrefetchBlocks ahead (qdot.h), on the first pass over a group.
-template <int R, bool Q4, typename S>
+// ask for the weights kPrefetchBlocks ahead (qdot.h), on the first pass over a group. Expanded: qs holds Bits-bit
+// q laid out as 8-bit blocks (expand_q5_group).
+template <int R, int Bits, typename S, bool Expanded = false>
 inline void group_dot(const uint8_t* qs, const S* scale, const S* offset, const uint16_t* super, const QRow* xr,
                       int64_t nb, float* out, bool prefetch) {
   __m512 acc[R];
   for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
-  constexpr int64_t block_bytes = Q4 ? 256 : 512;
+  constexpr int Layout = Expanded ? 8 : Bits;
+  constexpr int64_t block_bytes = kBlockBytes<Layout>;
   __m512 ds = _mm512_setzero_ps(), ms = _mm512_setzero_ps();
   for (int64_t j = 0; j < nb; j++) {
-    if (prefetch) prefetch_block<Q4>(qs, scale, offset, j);
+    if (prefetch) prefetch_block<Layout>(qs, scale, offset, j);
     __m512i w[8];
-    load_block<Q4>(qs + j * block_bytes, w);
+    load_block<Layout>(qs + j * block_bytes, w);
     __m512 a, b;
-    block_scales<Q4>(scale, offset, super, j, ds, ms, a, b);
-    if constexpr (!Q4 && kSignedQ8Dot) b = _mm512_fmadd_ps(a, _mm512_set1_ps(128.f), b);
+    block_scales<Bits>(scale, offset, super, j, ds, ms, a, b);
+    if constexpr (Bits == 8 && kSignedQ8Dot) b = _mm512_fmadd_ps(a, _mm512_set1_ps(128.f), b);
     for (int r = 0; r < R; r++) {
-      acc[r] = add_block(acc[r], block_dot<Q4>(w, xr[r].hi + j * 32, xr[r].lo + j * 32), a, b, xr[r].d[j], xr[r].s[j]);
+      acc[r] = add_block(acc[r], block_dot<Bits>(w, xr[r].hi + j * 32, xr[r].lo + j * 32), a, b, xr[r].d[j], xr[r].s[j]);
     }
   }
   for (int r = 0; r < R; r++) _mm512_storeu_ps(out + r * 16, acc[r]);
