@@ -1,10 +1,11 @@
 #!/usr/bin/env python3
-"""Prefill attention, bfloat16: the native kernel's AMX path against its vector path, one kernel, alternated.
+"""Prefill attention, bfloat16: the native kernel's AMX (or VDPBF16PS) path against its float32 FMA path, alternated.
 
     python benchmarks/prefill_attention.py [--heads 9 --kv-heads 3] [--prompts 975,835,654,300,200,120,80,60,40,30,20,16]
 
 One attention call over the given prompts (fresh prefills, block size 16, as a 2048-token prefill step of
 workload_longtail_v1 has them), with ``CpuKernels.set_amx_attention`` on and off in turn (best of 3 x 8 rounds);
+on a CPU without AMX but with AVX512_BF16 (Zen 4/5), ``CpuKernels.set_dot_attention`` (VDPBF16PS) instead;
 prints ms per call, causal GFLOP/s and the largest difference between the two outputs.
 """
 
@@ -28,8 +29,16 @@ def main() -> int:
     from conveyor.kernels import load_cpu_kernels
 
     kernels = load_cpu_kernels()
-    if kernels is None or not kernels.set_amx_attention(True):
-        print("no AMX attention on this CPU: nothing to compare")
+    if kernels is None:
+        print("no native kernels here: nothing to compare")
+        return 1
+    if kernels.set_amx_attention(True):
+        name, switch = "AMX tiles", kernels.set_amx_attention
+        kernels.set_dot_attention(False)  # AMX off: the float32 FMA loop
+    elif kernels.set_dot_attention(True):
+        name, switch = "VDPBF16PS", kernels.set_dot_attention
+    else:
+        print("neither AMX nor AVX512_BF16 attention on this CPU: nothing to compare")
         return 1
     h, kvh, d, bs = ns.heads, ns.kv_heads, ns.head_dim, 16
     lens = [int(x) for x in ns.prompts.split(",")]
@@ -53,18 +62,19 @@ def main() -> int:
     outs, best = {}, {True: float("inf"), False: float("inf")}
     for _ in range(ns.rounds):
         for amx in (True, False):
-            kernels.set_amx_attention(amx)
+            switch(amx)
             outs[amx] = run()
             t = time.perf_counter()
             for _ in range(3):
                 run()
             best[amx] = min(best[amx], (time.perf_counter() - t) / 3)
-    kernels.set_amx_attention(True)
+    switch(True)
+    kernels.set_dot_attention(True)
     flop = sum(n * n / 2 for n in lens) * h * d * 4
     print(f"{h} q / {kvh} kv heads, head_dim {d}, prompts {ns.prompts}, {torch.get_num_threads()} threads")
     for amx in (False, True):
-        print(f"{'AMX tiles' if amx else 'vector FMA':10s} {best[amx] * 1e3:7.2f} ms  {flop / best[amx] / 1e9:5.0f} GFLOP/s")
-    print(f"speed-up {best[False] / best[True]:.2f}x; max |AMX - vector| "
+        print(f"{name if amx else 'vector FMA':10s} {best[amx] * 1e3:7.2f} ms  {flop / best[amx] / 1e9:5.0f} GFLOP/s")
+    print(f"speed-up {best[False] / best[True]:.2f}x; max |{name} - vector| "
           f"{(outs[True].float() - outs[False].float()).abs().max().item():.4f} (bfloat16 outputs)")
     return 0
 

@@ -164,6 +164,7 @@ class CpuKernels:
         self.bf16_dot = level == "avx512bf16"
         self._set_amx_attention = _c_function(lib, "cvk_set_amx_attention", i32, [i32])
         self._set_amx_attention(int(self.amx))  # records what was granted; prefill QK^T on AMX where it was
+        self._set_dot_attention = _c_function(lib, "cvk_set_dot_attention", i32, [i32])
         self._set_amx_qdot = _c_function(lib, "cvk_set_amx_qdot", i32, [i32])
         # The quantized GEMM's dot products on AMX-INT8 tiles (from csrc/kernels.h's AMX_QDOT_MIN_ROWS / _Q8 rows)
         # where the CPU has them: the same numbers as the VNNI loop, bit for bit, at a fraction of its cost.
@@ -355,6 +356,12 @@ class CpuKernels:
         """Run prefill attention's QK^T on AMX tiles (bfloat16; the default where AMX was granted) or on vector
         FMAs (for tests and benchmarks that compare the two). Returns whether AMX is now used."""
         return self._set_amx_attention(int(on)) == 1
+
+    def set_dot_attention(self, on: bool) -> bool:
+        """Run bfloat16 prefill attention's QK^T and PV on VDPBF16PS where AMX tiles do not (the default at the
+        avx512bf16 level) or on float32 vector FMAs (for tests and benchmarks that compare the two). Returns
+        whether VDPBF16PS is now used (never below the avx512bf16 level)."""
+        return self._set_dot_attention(int(on)) == 1
 
     def set_amx_qdot(self, on: bool, min_rows: int | None = None) -> bool:
         """Run the quantized GEMM's integer dot products on AMX-INT8 tiles for steps of at least ``min_rows`` rows

@@ -12,6 +12,7 @@
 #include <string>
 
 #include "amx.h"
+#include "attention_bf16.h"
 #include "attention_common.h"
 #include "cvk.h"
 #include "kernels.h"
@@ -181,6 +182,13 @@ int cvk_amx_init() {
 int cvk_set_amx_attention(int on) {
   cvk::g_amx_attention = cvk::g_amx_granted && on != 0;
   return cvk::g_amx_attention ? 1 : 0;
+}
+
+// Prefill attention's QK^T and PV on VDPBF16PS (bfloat16, avx512bf16 builds, wherever AMX tiles do not run them)
+// on or off; returns the setting (0 below the avx512bf16 level: there is no such path).
+int cvk_set_dot_attention(int on) {
+  cvk::g_dot_attention = cvk::kBf16Dot && on != 0;
+  return cvk::g_dot_attention ? 1 : 0;
 }
 
 // The quantized GEMM's dot products on AMX-INT8 tiles for steps of at least min_rows rows, 4-bit and 8-bit

@@ -6,6 +6,10 @@
 
 namespace cvk {
 
+// Prefill tiles' QK^T and PV on VDPBF16PS where AMX tiles do not run them (avx512bf16 only; a no-op elsewhere):
+// on by default, switchable (cvk_set_dot_attention) so tests and benchmarks can run the float32 FMA loop too.
+inline bool g_dot_attention = true;
+
 #if defined(CVK_AVX512BF16)
 // bfloat16 dot products in hardware (VDPBF16PS: 32 products per instruction, no conversions): scores of the
 // G rows of one kv head over a chunk of keys; q rows and K rows are bfloat16 as stored.
@@ -86,6 +90,42 @@ inline void probs_to_bf16(const float* S, int rows, int kp, uint16_t* Pb) {
                                                                        _mm512_loadu_ps(S + r * kp + j)));
 }
 
+// A prefill tile's scores on VDPBF16PS (avx512bf16 without AMX tiles, attention_prefill.h): ST[key][row] =
+// K[key] . q[row] for nkp keys (a multiple of KB) and rv_n row vectors, q in pairs of dimensions per row (qt2
+// [D / 2][MAX_ROWS], vnni_queries' layout), each key row's pair (k[2p], k[2p + 1]) read as one 32-bit value and
+// broadcast: half the instructions of the float32 FMA loop, and the K rows need no widening. Unscaled.
+// Step: a prefetching tile's cursor steps once per pair of dimensions (a separate instantiation, as the vector
+// loop's).
+template <int DV, bool Step>
+inline void tile_scores_bf16(const uint32_t* qt2, const uint32_t* const* krow, int nkp, int rv_n, float* ST,
+                             LineCursor& pfc) {
+  constexpr int D2 = DV * W / 2;
+  for (int jb = 0; jb < nkp; jb += KB) {
+    __m512 acc[KB][RV_MAX];
+    for (int u = 0; u < KB; u++)
+      for (int rv = 0; rv < RV_MAX; rv++) acc[u][rv] = _mm512_setzero_ps();
+    if (rv_n == 1) {
+      for (int d = 0; d < D2; d++) {
+        const __m512bh qv = (__m512bh)_mm512_loadu_si512(qt2 + d * MAX_ROWS);
+        for (int u = 0; u < KB; u++)
+          acc[u][0] = _mm512_dpbf16_ps(acc[u][0], qv, (__m512bh)_mm512_set1_epi32(int(krow[jb + u][d])));
+        if constexpr (Step) pfc.step();
+      }
+    } else {
+      for (int d = 0; d < D2; d++) {
+        __m512bh qv[RV_MAX];
+        for (int rv = 0; rv < RV_MAX; rv++) qv[rv] = (__m512bh)_mm512_loadu_si512(qt2 + d * MAX_ROWS + rv * W);
+        for (int u = 0; u < KB; u++) {
+          const __m512bh kb = (__m512bh)_mm512_set1_epi32(int(krow[jb + u][d]));
+          for (int rv = 0; rv < RV_MAX; rv++) acc[u][rv] = _mm512_dpbf16_ps(acc[u][rv], qv[rv], kb);
+        }
+      }
+    }
+    for (int u = 0; u < KB; u++)
+      for (int rv = 0; rv < rv_n; rv++) _mm512_storeu_ps(ST + (jb + u) * MAX_ROWS + rv * W, acc[u][rv]);
+  }
+}
+
 // Undo the pair interleave of pv_bf16_block: per 32 values, lo holds d = 8k + {0..3}, hi d = 8k + 4 + {0..3}.
 inline void unpermute_row(float* o, int D) {
   const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
@@ -105,6 +145,8 @@ template <int DV>
 void pv_bf16(const uint16_t* Pb, int pb_stride, int nrows, const uint16_t* const* vh, int kp2, float* O,
              LineCursor& pfc);
 void unpermute_row(float* o, int D);
+template <int DV, bool Step>
+void tile_scores_bf16(const uint32_t* qt2, const uint32_t* const* krow, int nkp, int rv_n, float* ST, LineCursor& pfc);
 void probs_to_bf16(const float* S, int rows, int kp, uint16_t* Pb);
 #endif
 

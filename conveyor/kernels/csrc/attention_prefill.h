@@ -1,8 +1,10 @@
 // Attention of a tile of queries per item (prefill chunks): see attention_common.h for the item and the loop
-// shapes; in bfloat16 where AMX was granted, QK^T and PV run on tiles (attention_amx.h).
+// shapes; in bfloat16 where AMX was granted, QK^T and PV run on tiles (attention_amx.h), elsewhere at the
+// avx512bf16 level on VDPBF16PS (attention_bf16.h).
 #pragma once
 
 #include "attention_amx.h"
+#include "attention_bf16.h"
 #include "attention_common.h"
 
 namespace cvk {
@@ -71,6 +73,11 @@ void attend_tile(const AttnArgs& a, const Item& it) {
   // multiples of KC, which a window's first key is not)
   const bool amx = kAmx && sizeof(T) == 2 && sizeof(C) == 2 && DV > 0 && g_amx_attention && a.bs % TILE_KEYS == 0 && D % 32 == 0 &&
                    a.window == 0;
+  // Without the tiles (Zen 4/5, Cooper Lake, or AMX switched off), bfloat16 rows as stored on VDPBF16PS: q and
+  // the probabilities in pairs (AMX's layouts), K pairs broadcast, V in key pairs (the decode loop's pv_bf16);
+  // the probabilities are rounded to bfloat16 for PV, as on the tiles.
+  constexpr bool kDot = kBf16Dot && sizeof(T) == 2 && sizeof(C) == 2 && DV > 0 && DV % 2 == 0;
+  const bool dot = kDot && !amx && g_dot_attention;
   if constexpr (!Prefetch)
     if (!amx && rv_n == 1) return attend_tile<T, DV, C, true>(a, it);
 
@@ -101,7 +108,7 @@ void attend_tile(const AttnArgs& a, const Item& it) {
     const bool real = r < nrows;
     const int i = it.q0 + r / G, h = it.kvh * G + r % G;
     qsrc[r] = static_cast<const T*>(a.q) + (qs + i) * a.q_stride + int64_t(h) * D;
-    if (!amx) {
+    if (!amx && !dot) {
       alignas(64) float qr[DM];
       if (real) load_query_row<T, C>(qsrc[r], dv, a.scale, qr);
       for (int d = 0; d < D; d++) QT[d * MAX_ROWS + r] = real ? qr[d] : 0.f;
@@ -110,7 +117,7 @@ void attend_tile(const AttnArgs& a, const Item& it) {
     first[r] = last[r] - float(a.window) + 1.f;
   }
   if constexpr (sizeof(T) == 2 && DV > 0 && DM % 32 == 0)
-    if (amx) vnni_queries<DM>(reinterpret_cast<const uint16_t* const*>(qsrc), nrows, QT2);
+    if (amx || dot) vnni_queries<DM>(reinterpret_cast<const uint16_t* const*>(qsrc), nrows, QT2);
   for (int r = 0; r < (amx ? MAX_ROWS : nrows) * D; r += W) V::zero().store(O + r);  // AMX: whole tiles
   V m[RV_MAX], l[RV_MAX];
   for (int rv = 0; rv < RV_MAX; rv++) {
@@ -122,7 +129,7 @@ void attend_tile(const AttnArgs& a, const Item& it) {
   for (int64_t j0 = start; j0 < end; j0 += KC) {
     const int nk = int(std::min<int64_t>(KC, end - j0));
     const int nkp = (nk + KB - 1) / KB * KB;
-    if (!amx) chunk_rows<C, DV>(a, table, vc, it.kvh, j0, nk, 0, vrow, vbuf);
+    if (!amx && !dot) chunk_rows<C, DV>(a, table, vc, it.kvh, j0, nk, 0, vrow, vbuf);
     if (amx) {
       const uint16_t* kgrp[2] = {nullptr, nullptr};
       for (int g = 0; g < 2; g++) {
@@ -132,7 +139,7 @@ void attend_tile(const AttnArgs& a, const Item& it) {
       }
       amx_chunk_scores(QT2, kgrp[0], kgrp[1], D, rv_n > 1, ST);  // unscaled: the softmax applies the scale
     }
-    if (!amx) chunk_rows<C, DV>(a, table, kc, it.kvh, j0, nk, nkp, krow, kbuf);
+    if (!amx && !dot) chunk_rows<C, DV>(a, table, kc, it.kvh, j0, nk, nkp, krow, kbuf);
     // The next chunk's K and V rows, asked for over this chunk's QK^T and PV (as decode items do: LineCursor).
     // A tile of few queries (a step verifying speculative tokens: 1 + k queries x G heads) reads as many bytes
     // as it computes with, so without this its time was the reads' plus the arithmetic's. Tiles of two row
@@ -147,11 +154,28 @@ void attend_tile(const AttnArgs& a, const Item& it) {
         pfc.add_row(kc + next_offs[j] + head, int(kv_row(a) * sizeof(C)));
         pfc.add_row(vc + next_offs[j] + head, int(kv_row(a) * sizeof(C)));
       }
-      const int steps = nkp / KB * D + (nrows + 3) / 4 * nk;  // QK^T's d steps, then PV's keys per row block
+      // QK^T's d steps (d pairs on VDPBF16PS), then PV's keys (key pairs) per row block
+      const int steps = dot ? nkp / KB * (D / 2) + (nrows + 3) / 4 * ((nk + 1) / 2) : nkp / KB * D + (nrows + 3) / 4 * nk;
       pfc.per = std::max(1, (pfc.n + steps - 1) / steps);
     }
+    // the chunk's K and V rows as stored, for VDPBF16PS; keys past the chunk's end read zeros (a never-written
+    // slot may hold NaN, and 0 * NaN is NaN)
+    const uint16_t* kdot[KP];
+    const uint16_t* vdot[KP];
+    if constexpr (kDot)
+      if (dot) {
+        int64_t offs[KC];
+        kv_offsets(a, table, j0, nk, offs);
+        const int64_t head = int64_t(it.kvh) * a.bs * kv_row(a);
+        for (int j = 0; j < KP; j++) {
+          const bool real = j < nk;
+          kdot[j] = real ? reinterpret_cast<const uint16_t*>(kc + offs[j] + head) : reinterpret_cast<const uint16_t*>(kZeros);
+          vdot[j] = real ? reinterpret_cast<const uint16_t*>(vc + offs[j] + head) : reinterpret_cast<const uint16_t*>(kZeros);
+        }
+        tile_scores_bf16<DV, Prefetch>(QT2, reinterpret_cast<const uint32_t* const*>(kdot), nkp, rv_n, ST, pfc);
+      }
     // ST[j][rows] = sum_d K[j][d] * QT[d][rows]
-    for (int jb = 0; !amx && jb < nkp; jb += KB) {
+    for (int jb = 0; !amx && !dot && jb < nkp; jb += KB) {
       V acc[KB][RV_MAX];
       for (int u = 0; u < KB; u++)
         for (int rv = 0; rv < RV_MAX; rv++) acc[u][rv] = V::zero();
@@ -194,8 +218,8 @@ void attend_tile(const AttnArgs& a, const Item& it) {
         }
       }
     }
-    // online softmax (the AMX scores come unscaled; the vector path's q is pre-scaled)
-    const bool rescale = chunk_softmax(ST, nkp, rv_n, amx ? a.scale : 1.f, m, l, alpha);
+    // online softmax (the AMX and VDPBF16PS scores come unscaled; the vector path's q is pre-scaled)
+    const bool rescale = chunk_softmax(ST, nkp, rv_n, amx || dot ? a.scale : 1.f, m, l, alpha);
     if (j0 > 0 && rescale)
       for (int r = 0; r < nrows; r++) {
         const V al = V::set1(alpha[r]);
@@ -212,10 +236,20 @@ void attend_tile(const AttnArgs& a, const Item& it) {
       amx_chunk_pv(PT, VV, D, rv_n > 1, O);
       continue;
     }
+    if constexpr (kDot)
+      if (dot) {
+        transpose_probs(ST, nk, rv_n, PT);
+        pv_bf16<DV>(PT, KC, nrows, vdot, (nk + 1) & ~1, O, pfc);  // O rows come out pair-interleaved
+        if constexpr (Prefetch) pfc.flush();
+        continue;
+      }
     pv_all<DV>(ST, MAX_ROWS, 1, nrows, vrow, nk, O, dv, Prefetch ? &pfc : nullptr);
     if constexpr (Prefetch) pfc.flush();
   }
   for (int rv = 0; rv < rv_n; rv++) l[rv].store(lrow + rv * W);
+  if constexpr (kDot)
+    if (dot)
+      for (int r = 0; r < nrows; r++) unpermute_row(O + r * D, D);
   (void)mrow;
   store_rows<T, DV, C>(a, it, qs, nrows, O, lrow);
   if (amx) amx_release();
