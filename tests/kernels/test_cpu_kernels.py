@@ -216,39 +216,49 @@ def test_attention_long_context_is_stable(kernels):
     torch.testing.assert_close(out, want, atol=1e-4, rtol=1e-4)
 
 
+def check_prefill_paths_agree(kernels, switch, reqs, heads, kv_heads, head_dim, block_size, window=0):
+    """bfloat16 prefill attention with ``switch(True)`` and ``switch(False)`` (a fast path on and off), each
+    against torch, and the two against each other, on a cache whose never-written slots hold NaN (keys past a
+    request's end must be masked or read as zeros, not merely small). Returns the two outputs."""
+    qkv, k_cache, v_cache, table, qsl, seq_lens = make_step(reqs, heads, kv_heads, head_dim, block_size,
+                                                            torch.bfloat16)
+    for row, (computed, new) in zip(table, reqs):  # slots after each request's last token: unwritten
+        last_block, used = row[(computed + new - 1) // block_size], (computed + new - 1) % block_size + 1
+        k_cache[last_block, used:] = float("nan")
+        v_cache[last_block, used:] = float("nan")
+    rotary = RotaryEmbedding(head_dim, 512, 10000.0)
+    scale = head_dim ** -0.5
+    want, *_ = reference_attention(qkv, k_cache, v_cache, table, qsl, seq_lens, rotary, heads, kv_heads,
+                                   head_dim, scale, window=window)
+    outs = []
+    for on in (True, False):
+        switch(on)
+        out = torch.empty(qkv.shape[0], heads * head_dim, dtype=torch.bfloat16)
+        q, k, v = split_heads(qkv.clone(), heads, kv_heads, head_dim)
+        kernels.attention(q, k, v, head_major(k_cache), head_major(v_cache), table, qsl, seq_lens,
+                          rotary.cos_sin.flatten(1).contiguous(), out.view(-1, heads, head_dim), scale,
+                          window=window)
+        assert torch.isfinite(out).all()
+        torch.testing.assert_close(out.float(), want, **TOL[torch.bfloat16])
+        outs.append(out.float())
+    torch.testing.assert_close(outs[0], outs[1], atol=2e-2, rtol=2e-2)  # the two paths agree
+    return outs
+
+
 @pytest.mark.parametrize("block_size", [16, 32, 8])  # 8: a key tile (16 keys) spans blocks, so no AMX
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(6, 2, 64), (9, 3, 64), (4, 2, 128), (8, 8, 64)])
 def test_prefill_attention_on_amx_tiles(kernels, block_size, heads, kv_heads, head_dim):
     """bfloat16 prefill chunks whose QK^T runs on AMX tiles (where the CPU has them) against torch and against the
-    vector path, on a cache whose never-written slots hold NaN: AMX loads whole 16-key tiles, and keys past a
-    request's end must be masked, not merely small."""
+    vector path: AMX loads whole 16-key tiles, so unwritten slots' NaN must be masked."""
     if not kernels.set_amx_attention(True):
         pytest.skip("no AMX here (or not this build level): the vector path is what runs, tested above")
+    dot_was = kernels.set_dot_attention(False)  # AMX off: the float32 FMA loop
     try:
         reqs = [(0, 70), (40, 45), (0, 1), (16, 16), (5, 9), (0, 33), (100, 3), (3, 1)]
-        qkv, k_cache, v_cache, table, qsl, seq_lens = make_step(reqs, heads, kv_heads, head_dim, block_size,
-                                                                torch.bfloat16)
-        for row, (computed, new) in zip(table, reqs):  # slots after each request's last token: unwritten
-            last_block, used = row[(computed + new - 1) // block_size], (computed + new - 1) % block_size + 1
-            k_cache[last_block, used:] = float("nan")
-            v_cache[last_block, used:] = float("nan")
-        rotary = RotaryEmbedding(head_dim, 512, 10000.0)
-        scale = head_dim ** -0.5
-        want, *_ = reference_attention(qkv, k_cache, v_cache, table, qsl, seq_lens, rotary, heads, kv_heads,
-                                       head_dim, scale)
-        outs = []
-        for amx in (True, False):
-            kernels.set_amx_attention(amx)
-            out = torch.empty(qkv.shape[0], heads * head_dim, dtype=torch.bfloat16)
-            q, k, v = split_heads(qkv.clone(), heads, kv_heads, head_dim)
-            kernels.attention(q, k, v, head_major(k_cache), head_major(v_cache), table, qsl, seq_lens,
-                              rotary.cos_sin.flatten(1).contiguous(), out.view(-1, heads, head_dim), scale)
-            assert torch.isfinite(out).all()
-            torch.testing.assert_close(out.float(), want, **TOL[torch.bfloat16])
-            outs.append(out.float())
-        torch.testing.assert_close(outs[0], outs[1], atol=2e-2, rtol=2e-2)  # the two paths agree
+        check_prefill_paths_agree(kernels, kernels.set_amx_attention, reqs, heads, kv_heads, head_dim, block_size)
     finally:
         kernels.set_amx_attention(True)
+        kernels.set_dot_attention(dot_was)
 
 
 @pytest.mark.parametrize("block_size", [16, 8, 1])
@@ -256,37 +266,17 @@ def test_prefill_attention_on_amx_tiles(kernels, block_size, heads, kv_heads, he
                                                              (6, 2, 64, 20)])
 def test_prefill_attention_on_vdpbf16ps(kernels, block_size, heads, kv_heads, head_dim, window):
     """bfloat16 prefill tiles on VDPBF16PS (avx512bf16 without AMX tiles: q and probabilities in pairs, K pairs
-    broadcast, V in key pairs) against torch and against the float32 FMA loop, on a cache whose never-written
-    slots hold NaN (a chunk's keys past the end read zero rows), with odd key counts and a sliding window."""
+    broadcast, V in key pairs) against torch and against the float32 FMA loop, with NaN in unwritten slots (a
+    chunk's keys past the end read zero rows), odd key counts and a sliding window."""
     amx_was = kernels.set_amx_attention(False)
     if not kernels.set_dot_attention(True):
         kernels.set_amx_attention(amx_was)
         pytest.skip("below the avx512bf16 level: no VDPBF16PS path (the FMA loop is tested above)")
     try:
         reqs = [(0, 70), (40, 45), (0, 1), (16, 16), (5, 9), (0, 33), (100, 3), (3, 1), (0, 7)]
-        qkv, k_cache, v_cache, table, qsl, seq_lens = make_step(reqs, heads, kv_heads, head_dim, block_size,
-                                                                torch.bfloat16)
-        for row, (computed, new) in zip(table, reqs):  # slots after each request's last token: unwritten
-            last_block, used = row[(computed + new - 1) // block_size], (computed + new - 1) % block_size + 1
-            k_cache[last_block, used:] = float("nan")
-            v_cache[last_block, used:] = float("nan")
-        rotary = RotaryEmbedding(head_dim, 512, 10000.0)
-        scale = head_dim ** -0.5
-        want, *_ = reference_attention(qkv, k_cache, v_cache, table, qsl, seq_lens, rotary, heads, kv_heads,
-                                       head_dim, scale, window=window)
-        outs = []
-        for dot in (True, False):
-            kernels.set_dot_attention(dot)
-            out = torch.empty(qkv.shape[0], heads * head_dim, dtype=torch.bfloat16)
-            q, k, v = split_heads(qkv.clone(), heads, kv_heads, head_dim)
-            kernels.attention(q, k, v, head_major(k_cache), head_major(v_cache), table, qsl, seq_lens,
-                              rotary.cos_sin.flatten(1).contiguous(), out.view(-1, heads, head_dim), scale,
-                              window=window)
-            assert torch.isfinite(out).all()
-            torch.testing.assert_close(out.float(), want, **TOL[torch.bfloat16])
-            outs.append(out.float())
-        torch.testing.assert_close(outs[0], outs[1], atol=2e-2, rtol=2e-2)  # the two paths agree
-        assert not torch.equal(outs[0], outs[1])  # and the switch did change the path
+        dot, fma = check_prefill_paths_agree(kernels, kernels.set_dot_attention, reqs, heads, kv_heads, head_dim,
+                                             block_size, window)
+        assert not torch.equal(dot, fma)  # the switch did change the path
     finally:
         kernels.set_dot_attention(True)
         kernels.set_amx_attention(amx_was)
