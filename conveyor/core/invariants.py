@@ -17,8 +17,8 @@ def check_scheduler(s: Scheduler) -> None:
     assert len(ids) == len(set(ids)), "a request is both running and waiting"
     assert set(ids) <= set(s.requests), "a queued request is not registered"
     assert len(s.running) <= s.config.max_num_seqs, "more running requests than max_num_seqs"
-    adapters = s._running_adapters()
-    assert adapters is None or len(adapters) <= s.config.max_loras, "more running LoRA adapters than max_loras"
+    if s.adapter_slots is not None:
+        s.adapter_slots.check_invariants(s.running)
     for request in s.waiting:
         assert not s.kv.block_ids(request.request_id), f"waiting {request.request_id} holds blocks"
     for request in s.running:

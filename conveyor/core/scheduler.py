@@ -2,7 +2,8 @@
 
 Mechanism lives here (the token budget, the KV manager, preemption, the queues); decisions live in policy
 objects that hand them back as values: the batching policy (``policies.base``), and, when they are on, KV
-eviction's ``KVEvictor`` (``core.kv_eviction``) and speculative decoding's ``Speculator`` (``core.speculator``).
+eviction's ``KVEvictor`` (``core.kv_eviction``), speculative decoding's ``Speculator`` (``core.speculator``) and the LoRA
+adapter slots' ``AdapterSlots`` (``policies.adapter_slots``).
 ``schedule(now)`` grants each chosen request ``num_new_tokens`` so that its ``num_computed_tokens`` catches up
 with ``num_tokens``; ``update(...)`` appends the sampled tokens and applies the policy's decision on every request
 that finished.
@@ -19,6 +20,7 @@ from conveyor.core.outputs import (
     CachedRequestData, ModelOutput, NewRequestData, RequestUpdate, SchedulerOutput, SchedulerStats, is_decode,
 )
 from conveyor.core.policies import OnFinish, Room, SchedulingPolicy, WaitingQueue, make_policy
+from conveyor.core.policies.adapter_slots import AdapterSlots
 from conveyor.core.request import Request, RequestStatus, StopDecision
 from conveyor.core.speculative import SpecDecodeCounters, StepCostModel
 from conveyor.core.speculator import Speculator
@@ -50,6 +52,8 @@ class Scheduler:
         self._kept_blocks: dict[str, int] = {}  # requests trimmed since their last step: blocks they kept
         self.evictor = KVEvictor(eviction, kv_manager.block_size) if eviction is not None else None
         self._evicted: dict[str, list[int]] = {}  # blocks eviction dropped this step, to tell the executor
+        # At most max_loras distinct LoRA adapters in the batch (None: no bound, max_loras 0)
+        self.adapter_slots = AdapterSlots(config.max_loras) if config.max_loras else None
 
     # ---- queue ------------------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -160,14 +164,14 @@ class Scheduler:
 
     def _admit(self, budget: TokenBudget, now: float, out: SchedulerOutput) -> None:
         """Waiting requests join in queue order while seats, budget, blocks and adapter slots last."""
-        adapters = self._running_adapters()
+        slots = self.adapter_slots
+        if slots is not None:
+            slots.begin(self.running)
         while self.waiting and not budget.exhausted and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             if not self.policy.admits(request) or budget.closed_to(request):
                 break
-            lora = request.sampling_params.lora
-            if adapters is not None and lora is not None and lora not in adapters and \
-                    len(adapters) >= self.config.max_loras:
+            if slots is not None and not slots.admits(request):
                 break  # every adapter slot holds an adapter with running requests: it waits for one to empty
             # A waiting request normally holds no KV (new, or preempted and reset to 0): it starts from a prefix-
             # cache lookup. One handed over with its KV computed elsewhere (disaggregated prefill) keeps that count:
@@ -192,16 +196,10 @@ class Scheduler:
             if request.times.first_scheduled is None:
                 request.times.first_scheduled = now
             self.running.append(request)
-            if adapters is not None and lora is not None:
-                adapters.add(lora)
+            if slots is not None:
+                slots.admitted(request)
             self._emit(request, num_new, new_blocks, out)
             budget.spend(num_new, admitted=request)
-
-    def _running_adapters(self) -> set | None:
-        """The LoRA adapters of the running requests (None: no bound on them, ``max_loras`` 0)."""
-        if not self.config.max_loras:
-            return None
-        return {r.sampling_params.lora for r in self.running if r.sampling_params.lora is not None}
 
     def _speculate(self, budget: TokenBudget, out: SchedulerOutput) -> None:
         """Give this step's decodes the proposed tokens the speculator chooses, from the budget and the free

@@ -61,3 +61,17 @@ def test_adapter_roots_differ_by_name_id_and_path():
     assert len(roots) == 6
     assert prefix_root(ROOT_KEY, None) == ROOT_KEY
     assert SamplingParams(lora=A).lora is A
+
+
+def test_adapter_slots_admit_running_adapters_and_the_base_model_and_new_ones_while_a_slot_is_free():
+    from conveyor.core.policies.adapter_slots import AdapterSlots
+
+    slots = AdapterSlots(2)
+    slots.begin([make_request("a", lora=A)])
+    b, c, base, a2 = (make_request(rid, lora=lora) for rid, lora in (("b", B), ("c", C), ("base", None), ("a2", A)))
+    assert slots.admits(b)
+    slots.admitted(b)  # both slots taken now
+    assert not slots.admits(c)
+    assert slots.admits(base) and slots.admits(a2)
+    slots.begin([make_request("b2", lora=B)])  # a new step: only B runs
+    assert slots.admits(c)
