@@ -17,11 +17,16 @@ all three rates low: read the rounds, not only the medians.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
 import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)
+
+import gguf_side_by_side as sbs  # noqa: E402
 
 WORKER = r"""
 import sys, time
@@ -87,9 +92,7 @@ def main(argv: list[str] | None = None) -> int:
             procs[name].stdin.flush()
             rates[name].append(float(reply(procs[name], "rate")))
         if ns.llama_bench:
-            out = subprocess.run([ns.llama_bench, "-m", ns.gguf, "-p", "0", "-n", "128", "-r", "1", "-t",
-                                  str(ns.threads), "-o", "json"], capture_output=True, text=True, check=True).stdout
-            rates["llama-bench"].append(float(json.loads(out)[0]["avg_ts"]))
+            rates["llama-bench"].append(sbs.run_llama_bench(ns.llama_bench, ns.gguf, ns.threads, 128, 1)["tg128"])
         print(f"round {r}: " + ", ".join(f"{n} {v[-1]:.1f}" for n, v in rates.items()), flush=True)
     for n, v in rates.items():
         print(f"{n}: median {statistics.median(v):.1f} tok/s, range {min(v):.1f}-{max(v):.1f}")
