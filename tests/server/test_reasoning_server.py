@@ -39,10 +39,11 @@ def test_chat_completions_carry_reasoning_content_apart_from_the_answer(client):
     reasoning = "".join(getattr(d, "reasoning_content", None) or "" for d in deltas)
     content = "".join(d.content or "" for d in deltas)
     assert (content, reasoning) == ("Paris", "ok")
-    # the reasoning streams first, in deltas of its own, then the answer
+    # the reasoning streams first, in deltas of its own, then the answer (how many deltas each depends on how
+    # many tokens the engine made while the API process was busy: on a loaded machine one delta can hold them all)
     kinds = [k for d in deltas for k in ("reasoning", "content")
              if (getattr(d, "reasoning_content", None) if k == "reasoning" else d.content)]
-    assert kinds == sorted(kinds, key=("reasoning", "content").index) and kinds.count("content") >= 2
+    assert kinds == sorted(kinds, key=("reasoning", "content").index) and "reasoning" in kinds and "content" in kinds
 
 
 def test_thinking_switched_off_through_chat_template_kwargs(client):
