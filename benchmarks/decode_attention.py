@@ -2,7 +2,7 @@
 """Decode attention alone: the native kernel over a step of one-token requests, every layer's cache its own.
 
     python benchmarks/decode_attention.py [--dtype bfloat16] [--heads 9 --kv-heads 3 --head-dim 64]
-        [--layers 30] [--shapes 86x190,86x500,16x500] [--rounds 10] [--key-mass] [--kv-int8]
+        [--layers 30] [--shapes 86x190,86x500,16x500] [--rounds 10] [--key-mass] [--kv-int8] [--kv-bf16]
 
 For each requests x keys shape: one attention call per layer (rope + KV write + attention, as the engine makes
 them), over --layers separate caches so they come from DRAM as a real step's do (the defaults are SmolLM2-135M's
@@ -18,6 +18,9 @@ it scores), and prints what scoring adds (docs/kv-eviction.md).
 (``--kv-cache-dtype int8``: D int8 values and a float32 scale per token and head), and prints the ratio, of the
 wall time and of the process's CPU time (all threads; on a machine shared with other work the CPU time moves
 less with their load) (docs/kv-cache.md).
+
+--kv-bf16 (with --dtype float32) does the same with a bfloat16 copy of the cache under the float32 step
+(``--kv-cache-dtype bfloat16``: half the bytes read, every row widened as it is read).
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--key-mass", action="store_true", help="also time the step with every request scored")
     ap.add_argument("--kv-int8", action="store_true", help="also time the step over an int8 KV cache")
+    ap.add_argument("--kv-bf16", action="store_true", help="also time a float32 step over a bfloat16 KV cache")
     ap.add_argument("--queries", type=int, default=1,
                     help="query tokens per request (a step verifying k speculative tokens has 1 + k)")
     ns = ap.parse_args()
@@ -76,10 +80,16 @@ def main() -> int:
         k = qkv[:, h * d:(h + kvh) * d].unflatten(1, (kvh, d))
         v = qkv[:, (h + kvh) * d:].unflatten(1, (kvh, d))
         variants = [{}]
+        other_caches = []  # (name, the layers' caches) timed against the step's own
         if ns.kv_int8:
             from conveyor.layers.attention.kv_quant import quantize_rows
 
-            variants.append({"caches": [quantize_rows(c) for c in caches]})
+            other_caches.append(("int8 cache", [quantize_rows(c) for c in caches]))
+        if ns.kv_bf16:
+            if dtype != torch.float32:
+                ap.error("--kv-bf16 times a float32 step over a bfloat16 cache: use --dtype float32")
+            other_caches.append(("bfloat16 cache", [c.to(torch.bfloat16) for c in caches]))
+        variants += [{"caches": c} for _, c in other_caches]
         if ns.key_mass:
             from conveyor.kernels.cpu_ops import KeyMass
 
@@ -102,9 +112,9 @@ def main() -> int:
                 best[j] = min(best[j], time.perf_counter() - t0)
                 best_cpu[j] = min(best_cpu[j], time.process_time() - c0)
         line = f"{reqs:4d} requests x {keys:5d} keys: {best[0] * 1e3:8.2f} ms per step"
-        if ns.kv_int8:
-            line += (f", int8 cache {best[1] * 1e3:8.2f} ms ({best[1] / best[0]:.2f}x); CPU time "
-                     f"{best_cpu[0] * 1e3:.2f} -> {best_cpu[1] * 1e3:.2f} ms ({best_cpu[1] / best_cpu[0]:.2f}x)")
+        for j, (name, _) in enumerate(other_caches, start=1):
+            line += (f", {name} {best[j] * 1e3:8.2f} ms ({best[j] / best[0]:.2f}x); CPU time "
+                     f"{best_cpu[0] * 1e3:.2f} -> {best_cpu[j] * 1e3:.2f} ms ({best_cpu[j] / best_cpu[0]:.2f}x)")
         if ns.key_mass:
             line += f", scored {best[-1] * 1e3:8.2f} ms ({100 * (best[-1] / best[0] - 1):+.1f}%)"
         print(line)

@@ -11,7 +11,7 @@ from conveyor.core.speculative import SpeculativeConfig
 KV_LAYOUTS = ("paged", "slab")
 # --kv-cache-dtype: "auto" keeps K/V in the model's dtype; "int8" stores each token's head as 8-bit integers with a
 # float32 scale (layers/attention/kv_quant.py), read by the native CPU attention kernels.
-KV_CACHE_DTYPES = ("auto", "int8")
+KV_CACHE_DTYPES = ("auto", "bfloat16", "int8")
 # vLLM's 8-bit float names: conveyor stores no fp8 format, so they are refused by name rather than run as int8.
 FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3", "fp8_e5m2", "fp8_inc", "fp8_ds_mla")
 # --attention-backend: "auto" and "cpu" choose for the machine (layers.attention.resolve_backend); the rest name
@@ -137,7 +137,7 @@ class CacheConfig:
     # A model whose every layer has a sliding window: give back the blocks outside every window as requests
     # advance (core.sliding_window). Off: hold each request's whole history, as full attention does.
     free_outside_window: bool = True
-    kv_cache_dtype: str = "auto"  # KV_CACHE_DTYPES: the model's dtype, or int8 rows with their scales
+    kv_cache_dtype: str = "auto"  # KV_CACHE_DTYPES: the model's dtype, bfloat16, or int8 rows with their scales
 
     def __post_init__(self) -> None:
         check_kv_cache_dtype(self.kv_cache_dtype)

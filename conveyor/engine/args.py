@@ -81,8 +81,9 @@ class EngineArgs:
     kv_cache_memory: float = _arg(CacheConfig.kv_cache_memory, "KV cache size in GiB")
     enable_prefix_caching: bool = _arg(CacheConfig.enable_prefix_caching, "reuse the KV of shared prompt prefixes")
     kv_layout: str = _arg(CacheConfig.kv_layout, "KV cache layout", choices=KV_LAYOUTS)
-    kv_cache_dtype: str = _arg(CacheConfig.kv_cache_dtype, "KV cache element type: auto (the model's dtype) or "
-                               "int8 (8-bit values with a float32 scale per token and head: about half a bfloat16 "
+    kv_cache_dtype: str = _arg(CacheConfig.kv_cache_dtype, "KV cache element type: auto (the model's dtype), "
+                               "bfloat16 (a float32 model's K/V rounded to 16 bits: half the bytes, the arithmetic "
+                               "still float32) or int8 (8-bit values with a float32 scale per token and head: about half a bfloat16 "
                                "cache's bytes, a quarter of float32's; native CPU attention only; vLLM's fp8 names "
                                "are refused: docs/kv-cache.md)")
     prefix_cache_eviction: str = _arg(CacheConfig.prefix_cache_eviction, "which cached prefix block a full KV "

@@ -25,9 +25,10 @@ from conveyor.kernels.w8a8_ops import W8A8Kernels
 from conveyor.kernels.moe_ops import MoeArgs, MoeKernels
 
 SOURCE_DIR = os.path.join(os.path.dirname(__file__), "csrc")
-ABI_VERSION = 18  # csrc/cvk.h's CVK_ABI_VERSION
+ABI_VERSION = 19  # csrc/cvk.h's CVK_ABI_VERSION
 STOPPED = 1  # cvk.h's CVK_STOPPED: cvk_llama_layers stopped between layers at the caller's flag
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+KV_BF16 = 1  # csrc/cvk.h's CVK_KV_BF16: a float32 step's cache of bfloat16 values
 KV_INT8 = 2  # csrc/cvk.h's CVK_KV_INT8: a cache of int8 rows, D values then a float32 scale (layers/attention/kv_quant)
 
 
@@ -129,10 +130,16 @@ def _step_args(block_table: torch.Tensor, query_start: torch.Tensor, seq_lens: t
                     num_threads=torch.get_num_threads(), scale=scale, **(key_mass.fields() if key_mass else {}))
 
 
-def kv_dtype_code(cache: torch.Tensor, head_dim: int) -> int:
-    """The kernels' kv_dtype for a cache tensor: int8 rows of head_dim + 4 (KV_INT8), or the step's dtype (0)."""
-    if cache.dtype != torch.int8:
+def kv_dtype_code(cache: torch.Tensor, head_dim: int, dtype: torch.dtype) -> int:
+    """The kernels' kv_dtype for a cache tensor under a step of ``dtype``: the step's dtype (0), bfloat16 under a
+    float32 step (KV_BF16), or int8 rows of head_dim + 4 (KV_INT8)."""
+    if cache.dtype == dtype:
         return 0
+    if cache.dtype == torch.bfloat16 and dtype == torch.float32:
+        return KV_BF16
+    if cache.dtype != torch.int8:
+        raise KernelError(f"a {cache.dtype} KV cache under a {dtype} step: the kernels read the step's dtype, "
+                          "bfloat16 under float32, or int8 rows")
     if cache.shape[-1] != head_dim + 4:
         raise KernelError(f"an int8 KV cache holds rows of head_dim + 4 = {head_dim + 4} bytes, got {cache.shape[-1]}")
     return KV_INT8
@@ -233,7 +240,7 @@ class CpuKernels:
                        k_cache.shape[2], scale, plan, key_mass, rope_offset)
         a.q, a.k, a.v, a.out = q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr()
         a.k_cache, a.v_cache, a.window = k_cache.data_ptr(), v_cache.data_ptr(), window
-        a.kv_dtype = kv_dtype_code(k_cache, head_dim)
+        a.kv_dtype = kv_dtype_code(k_cache, head_dim, q.dtype)
         a.q_stride, a.k_stride, a.v_stride, a.out_stride = q.stride(0), k.stride(0), v.stride(0), out.stride(0)
         self._check(f"cvk_attention (H={num_heads} KVH={num_kv_heads} D={head_dim})",
                     self._attention(ctypes.byref(a)))
@@ -288,7 +295,7 @@ class CpuKernels:
                      num_kv_heads: int, head_dim: int, block_size: int, scale: float, eps: float,
                      plan: torch.Tensor | None = None, quant_scratch: torch.Tensor | None = None,
                      key_mass: KeyMass | None = None, rope_offset: torch.Tensor | None = None,
-                     moe: dict | None = None, kv_int8: bool = False,
+                     moe: dict | None = None, kv_dtype: int = 0,
                      lora: tuple[LoraArgs, torch.Tensor] | None = None,
                      stop: tuple[int, int] | None = None) -> bool:
         """A Llama-family decoder-layer stack in one call (cvk_llama_layers: layer_stack.cpp gives the layout of
@@ -298,15 +305,15 @@ class CpuKernels:
         given when the linear fields point at ``QuantWeight`` descriptors (``quant_scratch_bytes`` for x's rows and
         the largest in_features). ``key_mass``, ``rope_offset``: as ``attention`` takes them (the mass then sums
         every layer's). ``moe``: a mixture's LayerStackArgs fields (moe_scratch, moe_scratch_bytes, moe_inter, E,
-        top_k, norm_topk_prob; ``models.native_stack``), and qk_norm_across_heads. ``kv_int8``: the caches hold
-        int8 rows (``kv_quant``). ``lora``: the step's adapter segments (``lora.segments``) and the per-layer table
+        top_k, norm_topk_prob; ``models.native_stack``), and qk_norm_across_heads. ``kv_dtype``: the caches'
+        ``kv_dtype_code``. ``lora``: the step's adapter segments (``lora.segments``) and the per-layer table
         of each linear's adapter weights (cvk.h's lora_linears; ``models.native_stack``). ``stop``: the address of
         an int32 flag word and the layer count before which it may stop the call (cvk.h's stop, stop_layers).
         Returns whether the call stopped there (the later layers not run)."""
         h, qkv, attn, gu, act = scratch
         step = _step_args(block_table, query_start, seq_lens, cos_sin, x.dtype, num_heads, num_kv_heads, head_dim,
                           block_size, scale, plan, key_mass, rope_offset)
-        step.kv_dtype = KV_INT8 if kv_int8 else 0
+        step.kv_dtype = kv_dtype
         s = LayerStackArgs(step=step, fields=fields.data_ptr(), x=x.data_ptr(), residual=residual.data_ptr(),
                            h=h.data_ptr(), qkv=qkv.data_ptr(), attn=attn.data_ptr(), gu=gu.data_ptr(),
                            act=act.data_ptr(), T=x.shape[0], hidden=hidden, inter=inter, use_amx=int(self.amx),

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import torch
 
+from conveyor.kernels.cpu_ops import kv_dtype_code
 from conveyor.layers.attention.base import AttentionBackend, LayerStackAttention
 from conveyor.layers.linear import PackedLinear
 from conveyor.layers.lora import LoRALinear, LoRAStep
@@ -214,24 +215,26 @@ class NativeLayerStack:
                                   self.num_kv_heads, self.head_dim, kv_caches[0].shape[3], self.scale, self.eps,
                                   plan=plan, quant_scratch=quant_scratch,
                                   key_mass=attn.mass_buffer(self.num_kv_heads), rope_offset=attn.rope_offset,
-                                  moe=moe, kv_int8=kv_caches[0].dtype == torch.int8, lora=lora,
+                                  moe=moe, kv_dtype=kv_dtype_code(kv_caches[0], self.head_dim, x.dtype), lora=lora,
                                   stop=None if cut is None or cut.cut_layers < 2 else (cut.address, cut.cut_layers))
         if stopped:
             raise StepCut(None, native=True)
         return x, residual
 
     def _bind_kv(self, kv_caches: list[torch.Tensor]) -> None:
-        """Point the per-layer cache fields at ``kv_caches`` ([2, blocks, KVH, block_size, D] per layer, or int8
-        rows of D + 4: ``layers.attention.kv_quant``)."""
+        """Point the per-layer cache fields at ``kv_caches`` ([2, blocks, KVH, block_size, D] per layer in the
+        model's dtype, bfloat16 under a float32 model, or int8 rows of D + 4: ``layers.attention.kv_quant``)."""
         key = tuple(cache.data_ptr() for cache in kv_caches)
         if key == self._kv_key:
             return
         if len(kv_caches) != self.num_layers:
             raise ValueError(f"{len(kv_caches)} KV caches for {self.num_layers} layers")
         for i, cache in enumerate(kv_caches):
-            int8 = cache.dtype == torch.int8 and cache.shape[-1] == self.head_dim + 4
-            if (cache.dtype != self.dtype and not int8) or not cache.is_contiguous():
-                raise ValueError("the native layer stack needs contiguous KV caches in the model's dtype or int8")
+            readable = (cache.dtype == self.dtype or (cache.dtype, self.dtype) == (torch.bfloat16, torch.float32)
+                        or (cache.dtype == torch.int8 and cache.shape[-1] == self.head_dim + 4))
+            if not readable or not cache.is_contiguous():
+                raise ValueError("the native layer stack needs contiguous KV caches in the model's dtype, bfloat16 "
+                                 "(a float32 model's) or int8")
             self._fields[len(_FIELDS) - _KV_FIELDS, i] = cache[0].data_ptr()
             self._fields[len(_FIELDS) - 1, i] = cache[1].data_ptr()
         self._kv_key = key

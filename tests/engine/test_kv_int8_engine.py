@@ -93,5 +93,5 @@ def test_a_backend_that_cannot_read_int8_is_refused_at_load(tiny_llama_dir):
     for backend in ("cpu-torch", "reference"):
         with pytest.raises(ValueError, match=f"native CPU attention kernels.*'{backend}'"):
             make_llm(tiny_llama_dir, attention_backend=backend)
-    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, int8"):
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, bfloat16, int8"):
         LLM(str(tiny_llama_dir), kv_cache_dtype="int4")

@@ -116,10 +116,14 @@ int attention_dispatch(const AttnArgs& a, const PlanHeader* plan) {
   return attention_impl<T, 0, C>(a, plan), CVK_OK;
 }
 
-// The cache's elements: the step's dtype, or int8 rows with their scales (cvk.h's kv_dtype).
+// The cache's elements: the step's dtype, bfloat16 under a float32 step, or int8 rows with their scales (cvk.h's
+// kv_dtype; attention() refuses bfloat16 under a bfloat16 step, which is CVK_KV_SAME).
 template <typename T>
 int attention_dispatch(const AttnArgs& a, const PlanHeader* plan) {
-  return a.kv_dtype == CVK_KV_INT8 ? attention_dispatch<T, int8_t>(a, plan) : attention_dispatch<T, T>(a, plan);
+  if (a.kv_dtype == CVK_KV_INT8) return attention_dispatch<T, int8_t>(a, plan);
+  if constexpr (sizeof(T) == 4)
+    if (a.kv_dtype == CVK_KV_BF16) return attention_dispatch<T, uint16_t>(a, plan);
+  return attention_dispatch<T, T>(a, plan);
 }
 
 // The key mass's buffer must hold each scored request's keys, rounded up to the decode loop's chunks.
@@ -156,7 +160,8 @@ int attention_plan(const AttnArgs& a, void* buf, int64_t bytes) {
 int attention(const AttnArgs& a) {
   if (a.num_reqs <= 0) return CVK_OK;
   if (a.dtype != CVK_F32 && a.dtype != CVK_BF16) return CVK_ERR_BADARG;
-  if (a.kv_dtype != CVK_KV_SAME && a.kv_dtype != CVK_KV_INT8) return CVK_ERR_BADARG;
+  if (a.kv_dtype != CVK_KV_SAME && a.kv_dtype != CVK_KV_INT8 && !(a.kv_dtype == CVK_KV_BF16 && a.dtype == CVK_F32))
+    return CVK_ERR_BADARG;
   if (!attention_supports(a.H, a.KVH, a.D)) return CVK_ERR_UNSUPPORTED;
   if (!mass_fits(a)) return CVK_ERR_BADARG;
   if (a.window < 0 || (a.window > 0 && (a.key_mass != nullptr || a.rope_offset != nullptr))) return CVK_ERR_BADARG;

@@ -133,7 +133,8 @@ inline void load_query_row(const T* src, int dv, float scale, float* dst) {
   if constexpr (sizeof(C) == 1) kv_rotate(dst, D);
 }
 
-// One head's row x of D = dv * W values (the step's dtype T) into a cache row of type C: copied, or rotated
+// One head's row x of D = dv * W values (the step's dtype T) into a cache row of type C: copied, rounded to
+// bfloat16 (a float32 step over a bfloat16 cache), or rotated
 // (kv_rotate) and quantized to int8 with its scale (cvk.h's CVK_KV_INT8: scale = max |y| / 127, q =
 // round-half-even(y / scale), a division so that a torch reference computes the same integers).
 template <typename T, typename C>
@@ -154,6 +155,8 @@ inline void store_kv_row(const T* x, int dv, C* dst) {
       else V::zero().store_i8(dst + d * W);
     }
     memcpy(dst + dv * W, &scale, sizeof(float));
+  } else if constexpr (sizeof(C) != sizeof(T)) {  // float32 values into a bfloat16 cache (CVK_KV_BF16)
+    for (int d = 0; d < dv; d++) V::load(x + d * W).store(dst + d * W);
   } else {
     memcpy(dst, x, sizeof(T) * dv * W);
   }

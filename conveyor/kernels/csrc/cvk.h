@@ -9,7 +9,7 @@
 
 #include <stdint.h>
 
-#define CVK_ABI_VERSION 18
+#define CVK_ABI_VERSION 19
 
 enum {
   CVK_OK = 0,
@@ -21,13 +21,15 @@ enum {
 
 enum { CVK_F32 = 0, CVK_BF16 = 1 }; /* dtype codes; bfloat16 is stored as uint16_t, all arithmetic is float32 */
 
-/* KV-cache element codes (kv_dtype): CVK_KV_SAME, the cache holds the step's dtype; CVK_KV_INT8, each head's row of
+/* KV-cache element codes (kv_dtype): CVK_KV_SAME, the cache holds the step's dtype; CVK_KV_BF16, a float32 step's
+ * cache holds bfloat16 (each value rounded to nearest even as it is written, widened as it is read); CVK_KV_INT8,
+ * each head's row of
  * a token holds D int8 values then its float32 scale (4 bytes): row = D + 4 bytes. The row x (after rope) is first
  * rotated, y = H x, H the unnormalized Walsh-Hadamard transform of each block of b = D & -D values (butterflies of
  * stride 1, 2, 4, ...); then scale = max |y| / 127, q = round-half-even(y / scale) (0 for a row of zeros). Reading
  * gives y = scale * q and x = H y / b. The kernels quantize when they write a row; when they read, they rotate the
  * query and the output instead of each row (layers/attention/kv_quant.py is the same in torch). */
-enum { CVK_KV_SAME = 0, CVK_KV_INT8 = 2 };
+enum { CVK_KV_SAME = 0, CVK_KV_BF16 = 1, CVK_KV_INT8 = 2 };
 
 /* Rope (when cos_sin is not NULL) + KV-cache write + causal attention for every request of a step.
  *   q [T, q_stride] holds H heads of D values per token, k [T, k_stride] and v [T, v_stride] KVH heads each
@@ -67,7 +69,7 @@ typedef struct CvkAttnArgs {
   int64_t q_stride, k_stride, v_stride, bt_stride, out_stride, mass_stride, window;
   int32_t dtype, num_reqs, H, KVH, D, bs, num_threads;
   float scale;
-  int32_t kv_dtype; /* CVK_KV_SAME or CVK_KV_INT8 */
+  int32_t kv_dtype; /* CVK_KV_SAME, CVK_KV_BF16 (float32 steps only) or CVK_KV_INT8 */
 } CvkAttnArgs;
 
 /* The decoder-layer stack of a Llama-family model for one decode-sized step (cvk_llama_layers; see

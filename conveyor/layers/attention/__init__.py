@@ -81,13 +81,16 @@ def allocate_kv_caches(backend: str, num_layers: int, num_blocks: int, block_siz
                        head_dim: int, dtype: torch.dtype, device: torch.device,
                        kv_cache_dtype: str = "auto") -> list[torch.Tensor]:
     """One cache tensor per layer in the resolved backend's layout, zeroed only where the backend needs it; with
-    ``kv_cache_dtype`` "int8", int8 rows of head_dim + 4 (``kv_quant``), refused where the backend cannot read them."""
+    ``kv_cache_dtype`` "int8", int8 rows of head_dim + 4 (``kv_quant``), or "bfloat16" (a float32 model's K/V in
+    16 bits), refused where the backend cannot read them."""
     cls = backend_class(backend)
     if kv_cache_dtype not in cls.kv_cache_dtypes:
         raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} is read only by the native CPU attention kernels "
                          f"(cpu-native); attention backend {backend!r} keeps K/V in the model's dtype. Use "
                          "--attention-backend cpu on a CPU where the native kernels load (AVX2 or better, not "
                          "CONVEYOR_CPU_ISA=none), or --kv-cache-dtype auto")
+    if kv_cache_dtype == "bfloat16" and dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"kv_cache_dtype 'bfloat16' holds the K/V of a float32 (or bfloat16) model, not {dtype}")
     shape = cls.kv_layout.shape(num_blocks, block_size, num_kv_heads, row_width(head_dim, kv_cache_dtype))
     alloc = torch.zeros if cls.cache_needs_zeroing else torch.empty
     return [alloc(*shape, dtype=cache_dtype(dtype, kv_cache_dtype), device=device) for _ in range(num_layers)]

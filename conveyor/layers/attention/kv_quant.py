@@ -18,8 +18,11 @@ SCALE_BYTES = 4  # a float32 scale after each row's values
 
 
 def cache_dtype(model_dtype: torch.dtype, kv_cache_dtype: str) -> torch.dtype:
-    """The cache tensor's element type: the model's, or int8 (the scale's bytes ride in the row)."""
-    return torch.int8 if kv_cache_dtype == "int8" else model_dtype
+    """The cache tensor's element type: the model's, bfloat16 (a float32 model's values rounded as the kernels write
+    them: half the bytes, llama.cpp's 16-bit cache), or int8 (the scale's bytes ride in the row)."""
+    if kv_cache_dtype == "int8":
+        return torch.int8
+    return torch.bfloat16 if kv_cache_dtype == "bfloat16" else model_dtype
 
 
 def row_width(head_dim: int, kv_cache_dtype: str) -> int:

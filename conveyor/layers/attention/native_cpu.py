@@ -36,8 +36,9 @@ class NativeCpuAttention:
     # Head-major blocks, [2, num_blocks, num_kv_heads, block_size, head_dim]: one head's keys of a block are
     # contiguous, the rows the kernel's dot products stream.
     kv_layout = HEAD_MAJOR
-    # int8: the kernels quantize each (token, head) row as they write it and dequantize as they read (kv_quant)
-    kv_cache_dtypes = ("auto", "int8")
+    # int8: the kernels quantize each (token, head) row as they write it and dequantize as they read (kv_quant);
+    # bfloat16 under a float32 model: rows rounded as written, widened as read, the arithmetic float32 throughout
+    kv_cache_dtypes = ("auto", "bfloat16", "int8")
 
     @classmethod
     def for_step(cls, meta: AttentionMetadata, dtype: torch.dtype,
