@@ -136,8 +136,8 @@ class RooflineCostModel:
 
     def __init__(self, model: ModelSpec, hardware: Hardware, tensor_parallel_size: int = 1,
                  dtype_bytes: int | None = None, kv_cache_dtype: str = "auto") -> None:
-        """``kv_cache_dtype``: "auto" (K/V in the weights' ``dtype_bytes``) or "int8" (a byte per value plus a
-        float32 scale per token and head: conveyor's ``--kv-cache-dtype int8``)."""
+        """``kv_cache_dtype``: "auto" (K/V in the weights' ``dtype_bytes``), "bfloat16" (2 bytes a value) or "int8"
+        (a byte per value plus a float32 scale per token and head: conveyor's ``--kv-cache-dtype int8``)."""
         if tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
         if tensor_parallel_size > 1 and hardware.link_bandwidth <= 0:
@@ -152,7 +152,8 @@ class RooflineCostModel:
         # Per device: a 1/tp slice of every weight matrix and query head; KV heads are replicated when tp > kv heads.
         self.kv_heads_per_device = max(1, -(-model.num_kv_heads // tp))
         self.kv_cache_dtype = kv_cache_dtype
-        row = model.head_dim + INT8_KV_SCALE_BYTES if kv_cache_dtype == "int8" else model.head_dim * b
+        value_bytes = {"int8": 1, "bfloat16": 2}.get(kv_cache_dtype, b)
+        row = model.head_dim * value_bytes + (INT8_KV_SCALE_BYTES if kv_cache_dtype == "int8" else 0)
         self.kv_bytes_per_token_per_device = 2 * model.num_layers * self.kv_heads_per_device * row
         self.attn_flops_per_pair = 4.0 * model.num_layers * model.q_dim / tp
         self.linear_flops_per_token = 2.0 * model.per_token_linear_params / tp
@@ -161,7 +162,7 @@ class RooflineCostModel:
         self.lm_head_bytes = model.lm_head_params * b / tp
 
     def describe(self) -> str:
-        kv = "int8 KV" if self.kv_cache_dtype == "int8" else "KV"
+        kv = f"{self.kv_cache_dtype} KV" if self.kv_cache_dtype != "auto" else "KV"
         return (f"roofline: {self.model.name} on {self.tp} x {self.hw.name}, {self.dtype_bytes}-byte weights/{kv} "
                 f"({self.hw.source})")
 

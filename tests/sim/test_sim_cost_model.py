@@ -71,6 +71,16 @@ def test_an_int8_kv_cache_is_a_byte_a_value_plus_a_scale_per_row():
     assert ratio == pytest.approx(256 / 132)
 
 
+def test_a_bfloat16_kv_cache_under_float32_weights_is_two_bytes_a_value():
+    """``--kv-cache-dtype bfloat16`` with 4-byte weights: the cache and decode attention's reads at 2 bytes a value."""
+    shape = StepShape(rows=[(1, 5)], num_sampled=1)
+    fp32 = RooflineCostModel(TOY, UNIT, dtype_bytes=4)
+    half = RooflineCostModel(TOY, UNIT, dtype_bytes=4, kv_cache_dtype="bfloat16")
+    assert fp32.kv_bytes_per_token() == 2 * 2 * 1 * 4 * 4 and half.kv_bytes_per_token() == 2 * 2 * 1 * 4 * 2
+    assert half.op_counts(shape).decode_attn.bytes == 6 * half.kv_bytes_per_token()
+    assert "bfloat16 KV" in half.describe()
+
+
 def test_compute_bound_prefill_and_overheads():
     hw = UNIT.with_overrides(peak_flops=10.0, step_overhead_s=1.0, per_request_overhead_s=0.5,
                              per_token_overhead_s=0.25)
