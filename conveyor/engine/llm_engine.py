@@ -16,6 +16,7 @@ import itertools
 import os
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from conveyor.core.interfaces import EngineExecutor
 from conveyor.core.outputs import RequestUpdate
@@ -38,6 +39,9 @@ from conveyor.engine.step_cut import StepCutter
 from conveyor.engine.step_record import StepRecord
 from conveyor.structured.gate import GrammarGate
 from conveyor.structured.manager import StructuredOutputs
+
+if TYPE_CHECKING:
+    from conveyor.models.step_cut import CutFlag
 
 
 class LLMEngine:
@@ -62,20 +66,26 @@ class LLMEngine:
         # outside the scheduler, until its grammar is ready.
         self.structured = StructuredOutputs(self.tokenizer, self.model_info.vocab_size)
         self.grammar_gate = GrammarGate()
-        self._cut_flag = None  # the runner's, when it can stop a forward between layers (models.step_cut)
-        self.executor = executor or self._make_runner(num_blocks, cache.block_size, draft)
+        # cut_flag: the runner's, when it can stop a forward between layers (models.step_cut); a given executor's
+        # steps are never cut
+        if executor is None:
+            executor, cut_flag = self._make_runner(num_blocks, cache.block_size, draft)
+        else:
+            cut_flag = None
+        self.executor = executor
         self._pinned = step_pinning(self.device, args)  # a step's thread binding (CPU: kernels.binding)
         self.output_processor = OutputProcessor(self.tokenizer, detokenize=args.detokenize)
         self.step_listeners: list[Callable[[StepRecord], None]] = []
         self.handoffs = KVHandoffs(self.scheduler, self.executor, self.kv_manager)  # disaggregated prefill/decode
         # Steps an arrival that outranks them may cut short (engine.step_cut); None: off, or not this executor
         self.step_cutter = StepCutter.build(self.scheduler.config.scheduling_policy, args.priority_step_cut,
-                                            self._cut_flag, self.model_info.num_layers)
+                                            cut_flag, self.model_info.num_layers)
         self._ids = itertools.count()
         release_free_heap()  # what loading freed stays resident in glibc's heap until trimmed (engine.heap)
         self.init_time_s = time.perf_counter() - start  # plus the KV cache and runner
 
-    def _make_runner(self, num_blocks: int, block_size: int, draft) -> EngineExecutor:
+    def _make_runner(self, num_blocks: int, block_size: int, draft) -> tuple[EngineExecutor, CutFlag | None]:
+        """The engine's own model runner, and the flag that can stop its forward between layers (None: it cannot)."""
         from conveyor.runner.model_runner import ModelRunner
 
         args = self.args
@@ -93,8 +103,7 @@ class LLMEngine:
             runner.attach_lora(args.max_loras, args.max_lora_rank)
         if args.cuda_graphs:  # after the draft and LoRA: it refuses the one and keeps the other's steps eager
             runner.attach_decode_graphs(args.max_num_seqs)
-        self._cut_flag = runner.attach_step_cut()
-        return runner
+        return runner, runner.attach_step_cut()
 
     @classmethod
     def sharing_model(cls, other: LLMEngine, args: EngineArgs) -> LLMEngine:
