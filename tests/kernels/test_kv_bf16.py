@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from conveyor.kernels.cpu_ops import KernelError, KeyMass
 from conveyor.layers.rotary import RotaryEmbedding
 from tests.kernels.test_attention_eviction import SCORED, expected_mass
-from tests.kernels.test_cpu_kernels import MIXES, TOL, head_major, make_step, one_thread, split_heads
+from tests.kernels.test_cpu_kernels import MIXES, TOL, head_major, make_step, split_heads
+from tests.kernels.test_kv_int8 import attention_over as int8_reference
 from tests.kernels.test_kv_int8 import new_slots
 
 # block size, heads, kv heads, head size: SmolLM2's shape, a GQA group of 3 at the other compiled size (and a
@@ -44,26 +44,9 @@ def run_bf16(kernels, qkv, kc_rows, vc_rows, table, qsl, seq_lens, heads, kv_hea
 
 
 def attention_over(q, k_rows, v_rows, table, qsl, seq_lens, heads, kv_heads, scale, window=0):
-    """Float32 SDPA of each request's queries (q [T, H, D] as the kernel left it) over the token-major bfloat16
-    cache widened to float32."""
-    bs, d = k_rows.shape[1], q.shape[2]
-    keys = k_rows.float().reshape(-1, kv_heads, d)
-    values = v_rows.float().reshape(-1, kv_heads, d)
-    out = torch.empty(q.shape[0], heads, d)
-    with one_thread():
-        for r in range(len(seq_lens)):
-            s, e, length = int(qsl[r]), int(qsl[r + 1]), int(seq_lens[r])
-            ctx = torch.arange(length)
-            slots = table[r, ctx // bs] * bs + ctx % bs
-            pos = torch.arange(length - (e - s), length)
-            mask = ctx.unsqueeze(0) <= pos.unsqueeze(1)
-            if window:
-                mask &= ctx.unsqueeze(0) > pos.unsqueeze(1) - window
-            o = F.scaled_dot_product_attention(q[s:e].transpose(0, 1), keys[slots].transpose(0, 1),
-                                               values[slots].transpose(0, 1), attn_mask=mask, scale=scale,
-                                               enable_gqa=True)
-            out[s:e] = o.transpose(0, 1)
-    return out
+    """Float32 SDPA of each request's queries over the token-major bfloat16 cache widened to float32."""
+    return int8_reference(q, k_rows, v_rows, table, qsl, seq_lens, heads, kv_heads, scale, window,
+                          read=lambda rows: rows.float())
 
 
 @pytest.mark.parametrize("block_size,head_dim", [(1, 64), (16, 128), (16, 48)])

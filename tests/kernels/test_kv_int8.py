@@ -42,11 +42,12 @@ def new_slots(table, qsl, seq_lens, block_size):
     return torch.cat(slots)
 
 
-def attention_over(q, k_rows, v_rows, table, qsl, seq_lens, heads, kv_heads, scale, window=0):
-    """SDPA of each request's queries (q [T, H, D] as the kernel left it) over the dequantized token-major cache."""
+def attention_over(q, k_rows, v_rows, table, qsl, seq_lens, heads, kv_heads, scale, window=0, read=dequantize_rows):
+    """SDPA of each request's queries (q [T, H, D] as the kernel left it) over the token-major cache as ``read``
+    gives it in float32 (int8 rows dequantized; test_kv_bf16's bfloat16 rows widened)."""
     bs, d = k_rows.shape[1], q.shape[2]
-    keys = dequantize_rows(k_rows).view(-1, kv_heads, d)
-    values = dequantize_rows(v_rows).view(-1, kv_heads, d)
+    keys = read(k_rows).reshape(-1, kv_heads, d)
+    values = read(v_rows).reshape(-1, kv_heads, d)
     out = torch.empty(q.shape[0], heads, d)
     with one_thread():
         for r in range(len(seq_lens)):
