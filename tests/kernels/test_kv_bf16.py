@@ -13,12 +13,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conveyor.kernels.cpu_ops import KernelError, KeyMass
+from conveyor.kernels.cpu_ops import KernelError
 from conveyor.layers.rotary import RotaryEmbedding
 from tests.kernels.test_attention_eviction import SCORED, expected_mass
 from tests.kernels.test_cpu_kernels import MIXES, TOL, head_major, make_step, split_heads
 from tests.kernels.test_kv_int8 import attention_over as int8_reference
-from tests.kernels.test_kv_int8 import new_slots
+from tests.kernels.test_kv_int8 import key_mass_buffer, new_slots
 
 # block size, heads, kv heads, head size: SmolLM2's shape, a GQA group of 3 at the other compiled size (and a
 # block of one token), the generic path with one head per kv head
@@ -102,12 +102,7 @@ def test_bfloat16_cache_key_mass(kernels, mix):
     step = bf16_step(MIXES[mix], heads, kv_heads, head_dim, bs)
     _, _, table, qsl, seq_lens = step[1:]
     scored = SCORED[mix]
-    stride = -(-(-(-int(seq_lens.max()) // bs) * bs) // 32) * 32
-    rows = torch.zeros(len(seq_lens), dtype=torch.int32)
-    slot = torch.zeros(len(seq_lens), dtype=torch.int64)
-    for n, (r, k) in enumerate(sorted(scored.items())):
-        rows[r], slot[r] = k, n
-    mass = KeyMass(torch.zeros(len(scored), kv_heads, stride), rows, slot)
+    mass, stride = key_mass_buffer(scored, seq_lens, kv_heads, bs)
     _, q, _, _, kc, _ = run_bf16(kernels, *step, heads, kv_heads, head_dim, 0.125, rope=True, key_mass=mass)
     want = expected_mass(q, kc.float(), table, qsl, seq_lens, scored, heads, kv_heads, 0.125, stride)
     torch.testing.assert_close(mass.mass, want, atol=1e-5, rtol=1e-4)

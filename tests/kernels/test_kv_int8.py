@@ -129,6 +129,17 @@ def test_int8_sliding_window(kernels, dtype, window, mix):
     torch.testing.assert_close(out.float(), want, **INT8_TOL[dtype])
 
 
+def key_mass_buffer(scored: dict[int, int], seq_lens, kv_heads: int, bs: int) -> tuple[KeyMass, int]:
+    """The step's key-mass buffer for ``scored`` (request -> trailing rows), as the attention backend builds it,
+    and its stride: each request's keys padded to whole blocks and the kernel's 32-key chunks."""
+    stride = -(-(-(-int(seq_lens.max()) // bs) * bs) // 32) * 32
+    rows = torch.zeros(len(seq_lens), dtype=torch.int32)
+    slot = torch.zeros(len(seq_lens), dtype=torch.int64)
+    for n, (r, k) in enumerate(sorted(scored.items())):
+        rows[r], slot[r] = k, n
+    return KeyMass(torch.zeros(len(scored), kv_heads, stride), rows, slot), stride
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
 @pytest.mark.parametrize("mix", ["decodes", "mixed"])
 def test_int8_key_mass_is_the_softmax_over_dequantized_keys(kernels, dtype, mix):
@@ -137,12 +148,7 @@ def test_int8_key_mass_is_the_softmax_over_dequantized_keys(kernels, dtype, mix)
     step = int8_step(MIXES[mix], heads, kv_heads, head_dim, bs, dtype)
     _, _, table, qsl, seq_lens = step[1:]
     scored = SCORED[mix]
-    stride = -(-(-(-int(seq_lens.max()) // bs) * bs) // 32) * 32
-    rows = torch.zeros(len(seq_lens), dtype=torch.int32)
-    slot = torch.zeros(len(seq_lens), dtype=torch.int64)
-    for n, (r, k) in enumerate(sorted(scored.items())):
-        rows[r], slot[r] = k, n
-    mass = KeyMass(torch.zeros(len(scored), kv_heads, stride), rows, slot)
+    mass, stride = key_mass_buffer(scored, seq_lens, kv_heads, bs)
     _, q, _, _, kc, _ = run_int8(kernels, *step, heads, kv_heads, head_dim, 0.125, rope=True, key_mass=mass)
     keys = dequantize_rows(kc)  # token-major [blocks, bs, KVH, D] float32
     want = expected_mass(q, keys, table, qsl, seq_lens, scored, heads, kv_heads, 0.125, stride)
