@@ -133,10 +133,10 @@ inline void load_query_row(const T* src, int dv, float scale, float* dst) {
   if constexpr (sizeof(C) == 1) kv_rotate(dst, D);
 }
 
-// One head's row x of D = dv * W values (the step's dtype T) into a cache row of type C: copied, rounded to
-// bfloat16 (a float32 step over a bfloat16 cache), or rotated
-// (kv_rotate) and quantized to int8 with its scale (cvk.h's CVK_KV_INT8: scale = max |y| / 127, q =
-// round-half-even(y / scale), a division so that a torch reference computes the same integers).
+// One head's row x of D = dv * W values (the step's dtype T) into a cache row of type C: copied, rounded to bfloat16
+// (a float32 step over a bfloat16 cache), or rotated (kv_rotate) and quantized to int8 with its scale (cvk.h's
+// CVK_KV_INT8: scale = max |y| / 127, q = round-half-even(y / scale), a division so that a torch reference computes
+// the same integers).
 template <typename T, typename C>
 inline void store_kv_row(const T* x, int dv, C* dst) {
   if constexpr (sizeof(C) == 1) {

@@ -23,12 +23,12 @@ enum { CVK_F32 = 0, CVK_BF16 = 1 }; /* dtype codes; bfloat16 is stored as uint16
 
 /* KV-cache element codes (kv_dtype): CVK_KV_SAME, the cache holds the step's dtype; CVK_KV_BF16, a float32 step's
  * cache holds bfloat16 (each value rounded to nearest even as it is written, widened as it is read); CVK_KV_INT8,
- * each head's row of
- * a token holds D int8 values then its float32 scale (4 bytes): row = D + 4 bytes. The row x (after rope) is first
- * rotated, y = H x, H the unnormalized Walsh-Hadamard transform of each block of b = D & -D values (butterflies of
- * stride 1, 2, 4, ...); then scale = max |y| / 127, q = round-half-even(y / scale) (0 for a row of zeros). Reading
- * gives y = scale * q and x = H y / b. The kernels quantize when they write a row; when they read, they rotate the
- * query and the output instead of each row (layers/attention/kv_quant.py is the same in torch). */
+ * each head's row of a token holds D int8 values then its float32 scale (4 bytes): row = D + 4 bytes. The row x
+ * (after rope) is first rotated, y = H x, H the unnormalized Walsh-Hadamard transform of each block of b = D & -D
+ * values (butterflies of stride 1, 2, 4, ...); then scale = max |y| / 127, q = round-half-even(y / scale) (0 for a
+ * row of zeros). Reading gives y = scale * q and x = H y / b. The kernels quantize when they write a row; when they
+ * read, they rotate the query and the output instead of each row (layers/attention/kv_quant.py is the same in
+ * torch). */
 enum { CVK_KV_SAME = 0, CVK_KV_BF16 = 1, CVK_KV_INT8 = 2 };
 
 /* Rope (when cos_sin is not NULL) + KV-cache write + causal attention for every request of a step.
