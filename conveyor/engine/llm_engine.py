@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 from conveyor.core.interfaces import EngineExecutor
 from conveyor.core.outputs import RequestUpdate
+from conveyor.core.policies.queue_bound import QueueBound
 from conveyor.core.request import Request, RequestStatus
 from conveyor.core.sampling_params import SamplingParams
 from conveyor.core.scheduler import Scheduler
@@ -66,13 +67,11 @@ class LLMEngine:
         # outside the scheduler, until its grammar is ready.
         self.structured = StructuredOutputs(self.tokenizer, self.model_info.vocab_size)
         self.grammar_gate = GrammarGate()
-        # cut_flag: the runner's, when it can stop a forward between layers (models.step_cut); a given executor's
-        # steps are never cut
-        if executor is None:
-            executor, cut_flag = self._make_runner(num_blocks, cache.block_size, draft)
-        else:
-            cut_flag = None
-        self.executor = executor
+        self.queue_bound = (QueueBound(args.max_num_queued_reqs, self.scheduler.config.max_num_seqs)
+                            if args.max_num_queued_reqs is not None else None)
+        # cut_flag: the runner's, if it can stop a forward between layers (models.step_cut); never a given executor's
+        self.executor, cut_flag = self._make_runner(num_blocks, cache.block_size, draft) if executor is None \
+            else (executor, None)
         self._pinned = step_pinning(self.device, args)  # a step's thread binding (CPU: kernels.binding)
         self.output_processor = OutputProcessor(self.tokenizer, detokenize=args.detokenize)
         self.step_listeners: list[Callable[[StepRecord], None]] = []
@@ -177,24 +176,19 @@ class LLMEngine:
 
     @property
     def max_seqs_per_request(self) -> int | None:
-        """With a queue bound: the most sequences (``n`` x prompts) one request can ever bring, every seat of
-        the running batch plus the bound; more can never be admitted. None: no bound."""
-        bound = self.args.max_num_queued_reqs
-        return None if bound is None else bound + self.scheduler.config.max_num_seqs
+        """With a queue bound: the most sequences one request can ever bring (``QueueBound``). None: no bound."""
+        return None if self.queue_bound is None else self.queue_bound.max_seqs_per_request
 
     def _check_queue_room(self, num_seqs: int) -> None:
         """The queue bound counts what waits: sequences that will not find a free seat at the next step."""
-        bound = self.args.max_num_queued_reqs
+        bound = self.queue_bound
         if bound is None:
             return
-        if num_seqs > self.max_seqs_per_request:
-            raise ValueError(
-                f"n is {num_seqs}, more than this server can ever admit at once ({self.max_seqs_per_request}: "
-                f"max_num_seqs {self.scheduler.config.max_num_seqs} + max_num_queued_reqs {bound})"
-            )
-        free_seats = max(0, self.scheduler.config.max_num_seqs - self.scheduler.num_running)
-        if self.scheduler.num_waiting + len(self.grammar_gate) + num_seqs - free_seats > bound:
-            raise QueueFullError(f"the waiting queue is full ({bound} requests); retry later")
+        if (never := bound.never_admits(num_seqs)) is not None:
+            raise ValueError(never)
+        if not bound.has_room(num_seqs, self.scheduler.num_running,
+                              self.scheduler.num_waiting + len(self.grammar_gate)):
+            raise QueueFullError(f"the waiting queue is full ({bound.bound} requests); retry later")
 
     def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams | None = None,
                     arrival_time: float | None = None) -> str:
