@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from conveyor.kernels.cpu_ops import KernelError
-from conveyor.layers.rotary import RotaryEmbedding
 from tests.kernels.test_attention_eviction import SCORED, expected_mass
 from tests.kernels.test_cpu_kernels import MIXES, TOL, head_major, make_step, split_heads
 from tests.kernels.test_kv_int8 import attention_over as int8_reference
 from tests.kernels.test_kv_int8 import key_mass_buffer, new_slots
+from tests.kernels.test_kv_int8 import run_int8 as run_step
 
 # block size, heads, kv heads, head size: SmolLM2's shape, a GQA group of 3 at the other compiled size (and a
 # block of one token), the generic path with one head per kv head
@@ -30,17 +30,6 @@ def bf16_step(reqs, heads, kv_heads, head_dim, block_size, seed=0):
     qkv, k_cache, v_cache, table, qsl, seq_lens = make_step(reqs, heads, kv_heads, head_dim, block_size,
                                                             torch.float32, seed)
     return qkv, k_cache.to(torch.bfloat16), v_cache.to(torch.bfloat16), table, qsl, seq_lens
-
-
-def run_bf16(kernels, qkv, kc_rows, vc_rows, table, qsl, seq_lens, heads, kv_heads, head_dim, scale, rope, **kw):
-    """One kernel call on copies; returns (out, q, k, v as rotated, k cache, v cache: token-major bfloat16)."""
-    x = qkv.clone()
-    q, k, v = split_heads(x, heads, kv_heads, head_dim)
-    kc, vc = head_major(kc_rows), head_major(vc_rows)
-    out = torch.full((x.shape[0], heads, head_dim), float("nan"))
-    cos_sin = RotaryEmbedding(head_dim, 512, 10000.0).cos_sin.flatten(1).contiguous() if rope else None
-    kernels.attention(q, k, v, kc, vc, table, qsl, seq_lens, cos_sin, out, scale, **kw)
-    return out, q, k, v, head_major(kc), head_major(vc)
 
 
 def attention_over(q, k_rows, v_rows, table, qsl, seq_lens, heads, kv_heads, scale, window=0):
@@ -58,7 +47,7 @@ def test_the_kernel_writes_rows_rounded_to_bfloat16(kernels, block_size, head_di
     step = bf16_step(MIXES[mix], heads, kv_heads, head_dim, block_size)
     qkv, kc0, vc0, table, qsl, seq_lens = step
     for rope in (False, True):
-        _, _, k, v, kc, vc = run_bf16(kernels, *step, heads, kv_heads, head_dim, 0.125, rope)
+        _, _, k, v, kc, vc = run_step(kernels, *step, heads, kv_heads, head_dim, 0.125, rope)
         slots = new_slots(table, qsl, seq_lens, block_size)
         flat_k, flat_v = kc.view(-1, kv_heads, head_dim), vc.view(-1, kv_heads, head_dim)
         # k as the kernel rotated it (in place, float32), rounded by torch: the same bits
@@ -78,7 +67,7 @@ def test_float32_attention_over_the_bfloat16_cache(kernels, block_size, heads, k
     step = bf16_step(MIXES[mix], heads, kv_heads, head_dim, block_size)
     _, _, table, qsl, seq_lens = step[1:]
     scale = head_dim ** -0.5
-    out, q, _, _, kc, vc = run_bf16(kernels, *step, heads, kv_heads, head_dim, scale, rope=True)
+    out, q, _, _, kc, vc = run_step(kernels, *step, heads, kv_heads, head_dim, scale, rope=True)
     assert out.dtype == torch.float32
     want = attention_over(q, kc, vc, table, qsl, seq_lens, heads, kv_heads, scale)
     torch.testing.assert_close(out, want, **TOL[torch.float32])
@@ -90,7 +79,7 @@ def test_bfloat16_cache_sliding_window(kernels, window, mix):
     heads, kv_heads, head_dim = 6, 2, 64
     step = bf16_step(MIXES[mix], heads, kv_heads, head_dim, 16)
     _, _, table, qsl, seq_lens = step[1:]
-    out, q, _, _, kc, vc = run_bf16(kernels, *step, heads, kv_heads, head_dim, 0.125, rope=True, window=window)
+    out, q, _, _, kc, vc = run_step(kernels, *step, heads, kv_heads, head_dim, 0.125, rope=True, window=window)
     want = attention_over(q, kc, vc, table, qsl, seq_lens, heads, kv_heads, 0.125, window)
     torch.testing.assert_close(out, want, **TOL[torch.float32])
 
@@ -103,7 +92,7 @@ def test_bfloat16_cache_key_mass(kernels, mix):
     _, _, table, qsl, seq_lens = step[1:]
     scored = SCORED[mix]
     mass, stride = key_mass_buffer(scored, seq_lens, kv_heads, bs)
-    _, q, _, _, kc, _ = run_bf16(kernels, *step, heads, kv_heads, head_dim, 0.125, rope=True, key_mass=mass)
+    _, q, _, _, kc, _ = run_step(kernels, *step, heads, kv_heads, head_dim, 0.125, rope=True, key_mass=mass)
     want = expected_mass(q, kc.float(), table, qsl, seq_lens, scored, heads, kv_heads, 0.125, stride)
     torch.testing.assert_close(mass.mass, want, atol=1e-5, rtol=1e-4)
 

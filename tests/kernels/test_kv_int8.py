@@ -66,7 +66,8 @@ def attention_over(q, k_rows, v_rows, table, qsl, seq_lens, heads, kv_heads, sca
 
 
 def run_int8(kernels, qkv, kc_rows, vc_rows, table, qsl, seq_lens, heads, kv_heads, head_dim, scale, rope, **kw):
-    """One int8 kernel call on copies; returns (out, q as rotated, k cache, v cache: token-major int8 rows)."""
+    """One kernel call on copies of a step and its token-major cache (int8 rows here, bfloat16 in test_kv_bf16);
+    returns (out, q, k, v as the kernel rotated them, k cache, v cache: token-major as given)."""
     x = qkv.clone()
     q, k, v = split_heads(x, heads, kv_heads, head_dim)
     kc, vc = head_major(kc_rows), head_major(vc_rows)
