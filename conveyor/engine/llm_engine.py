@@ -70,8 +70,10 @@ class LLMEngine:
         self.queue_bound = (QueueBound(args.max_num_queued_reqs, self.scheduler.config.max_num_seqs)
                             if args.max_num_queued_reqs is not None else None)
         # cut_flag: the runner's, if it can stop a forward between layers (models.step_cut); never a given executor's
-        self.executor, cut_flag = self._make_runner(num_blocks, cache.block_size, draft) if executor is None \
-            else (executor, None)
+        cut_flag = None
+        if executor is None:
+            executor, cut_flag = self._make_runner(num_blocks, cache.block_size, draft)
+        self.executor = executor  # (an assignment of the annotated parameter: tests/test_protocols.py reads it)
         self._pinned = step_pinning(self.device, args)  # a step's thread binding (CPU: kernels.binding)
         self.output_processor = OutputProcessor(self.tokenizer, detokenize=args.detokenize)
         self.step_listeners: list[Callable[[StepRecord], None]] = []
